@@ -1,0 +1,26 @@
+"""kvcodec: LMCKV KV-cache blobs, K bit-exact at FP16/BF16 and V in FP8.
+
+Importing this package never imports Triton nor initialises CUDA.
+"""
+
+from __future__ import annotations
+
+from .errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
+from .format import Hashes, Header, ParsedBlob, ScaleScheme, ScaleScope, parse, serialize_header
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CodecError",
+    "CodecMismatchError",
+    "CorruptEncodedKVError",
+    "Hashes",
+    "Header",
+    "ParsedBlob",
+    "ScaleScheme",
+    "ScaleScope",
+    "UnsupportedConfigError",
+    "__version__",
+    "parse",
+    "serialize_header",
+]

@@ -1,0 +1,250 @@
+"""The reference numerics of the K16/V8 codec, in torch (CPU or GPU).
+
+Everything works on V in canonical token-major layout ``[tokens, heads, head_dim]``.
+For each scale group (whole tensor; one head over all tokens; one page x one
+head, a partial last page over the tokens it holds)::
+
+    scale = amax(|V|) / fp8_max          (fp32, IEEE division; 1.0 if amax == 0)
+    q     = RNE(clamp(V / scale, -fp8_max, fp8_max))   as float8
+    V_hat = float(q) * scale              (then cast to the output dtype)
+
+These are LMCache's numerics, so blobs are byte-identical to its
+``AsymK16V8Codec``. The Triton kernels must equal this module bit for bit.
+
+Work is done in token blocks so that no full-size fp32 copy of V is made:
+peak scratch memory is bounded by :data:`BLOCK_ELEMENTS` fp32 values.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .errors import UnsupportedConfigError
+from .format import ScaleScope
+
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "FP8_DTYPES",
+    "NonFinitePolicy",
+    "compute_scales",
+    "dequantize",
+    "fp8_max",
+    "quantize",
+    "scale_shape",
+    "token_head_amax",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+BLOCK_ELEMENTS = 1 << 18
+"""fp32 scratch elements per block (1 MiB): bounds an encode's extra memory."""
+
+NonFinitePolicy = Literal["error", "saturate"]
+
+_ZERO_SCALE = 1.0
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype: 448 (e4m3fn) or 57344 (e5m2)."""
+    if dtype not in FP8_DTYPES:
+        raise UnsupportedConfigError(f"{dtype} is not an FP8 dtype; expected one of {FP8_DTYPES}")
+    return float(torch.finfo(dtype).max)
+
+
+def scale_shape(scope: ScaleScope, tokens: int, heads: int, page_size: int | None) -> tuple[int, ...]:
+    """Shape of the scale tensor a scope gives for a ``[tokens, heads, *]`` chunk."""
+    if scope == ScaleScope.PER_TENSOR:
+        return ()
+    if scope == ScaleScope.PER_LAYER_HEAD:
+        return (heads,)
+    if scope == ScaleScope.PER_PAGE_HEAD:
+        if not page_size or page_size < 1:
+            raise UnsupportedConfigError(f"per_page_head needs page_size >= 1; got {page_size}")
+        return (-(-tokens // page_size), heads)
+    raise UnsupportedConfigError(f"scope {ScaleScope(scope).name} has no computed scales")
+
+
+def _block_tokens(heads: int, dim: int, page_size: int | None) -> int:
+    per_tok = max(1, heads * dim)
+    b = max(1, BLOCK_ELEMENTS // per_tok)
+    if page_size and page_size > 0:
+        b = max(page_size, b - b % page_size)
+    return b
+
+
+def token_head_amax(v: torch.Tensor, *, finite_only: bool = False) -> torch.Tensor:
+    """``amax(|V|)`` over head_dim, per (token, head), as fp32 ``[tokens, heads]``.
+
+    Exact: ``|x|`` and ``max`` lose nothing in any float format, nor does the
+    widening to fp32. NaN propagates (it is caught later), unless
+    ``finite_only`` drops non-finite values.
+    """
+    t, h, d = v.shape
+    out = torch.empty((t, h), dtype=torch.float32, device=v.device)
+    if t == 0 or h == 0:
+        return out
+    if d == 0:
+        return out.zero_()
+    bt = _block_tokens(h, d, None)
+    for t0 in range(0, t, bt):
+        blk = v[t0 : t0 + bt]
+        a = blk.abs()
+        if finite_only:
+            a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
+        out[t0 : t0 + bt] = a.amax(dim=2)
+    return out
+
+
+def _reduce_groups(amax_th: torch.Tensor, scope: ScaleScope, page_size: int | None) -> torch.Tensor:
+    t, h = amax_th.shape
+    shape = scale_shape(scope, t, h, page_size)
+    if t == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=amax_th.device)
+    if scope == ScaleScope.PER_TENSOR:
+        return amax_th.amax()
+    if scope == ScaleScope.PER_LAYER_HEAD:
+        return amax_th.amax(dim=0)
+    ps = int(page_size or 1)  # scale_shape has checked it
+    pages = shape[0]
+    pad = pages * ps - t
+    if pad:
+        # Pad with zeros: they never win a max of absolute values.
+        amax_th = torch.cat([amax_th, amax_th.new_zeros((pad, h))])
+    return amax_th.view(pages, ps, h).amax(dim=1)
+
+
+def _amax_to_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    # Tensor / tensor division: IEEE-rounded, never a multiply by a reciprocal.
+    scale = torch.div(amax, torch.tensor(qmax, dtype=torch.float32, device=amax.device))
+    return torch.where(amax > 0, scale, torch.full_like(scale, _ZERO_SCALE))
+
+
+def _group_name(scope: ScaleScope, idx: tuple[int, ...]) -> str:
+    if scope == ScaleScope.PER_TENSOR:
+        return "the whole tensor"
+    if scope == ScaleScope.PER_LAYER_HEAD:
+        return f"head {idx[0]}"
+    return f"page {idx[0]}, head {idx[1]}"
+
+
+def compute_scales(
+    v: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    page_size: int | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    nonfinite: NonFinitePolicy = "error",
+) -> torch.Tensor:
+    """fp32 scales of ``v`` (``[tokens, heads, head_dim]``) for a scope.
+
+    ``nonfinite="error"`` raises :class:`UnsupportedConfigError` naming the
+    first group holding NaN or Inf; ``"saturate"`` computes the scale from the
+    finite values only (Inf then saturates to the FP8 max, NaN stays NaN).
+    """
+    if v.dim() != 3:
+        raise UnsupportedConfigError(f"expected V as [tokens, heads, head_dim]; got shape {tuple(v.shape)}")
+    qmax = fp8_max(fp8_dtype)
+    amax = _reduce_groups(token_head_amax(v, finite_only=False), scope, page_size)
+    bad = ~torch.isfinite(amax)
+    if bool(bad.any()):
+        if nonfinite == "error":
+            idx = tuple(int(i) for i in bad.nonzero()[0]) if amax.dim() else ()
+            raise UnsupportedConfigError(
+                f"V holds NaN or Inf in {_group_name(scope, idx)} ({scope.name}); "
+                "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
+                "to scale by the finite values)"
+            )
+        if nonfinite != "saturate":
+            raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {nonfinite!r}")
+        amax = _reduce_groups(token_head_amax(v, finite_only=True), scope, page_size)
+    return _amax_to_scale(amax, qmax)
+
+
+def _token_scales(
+    scales: torch.Tensor, scope: ScaleScope, tokens: int, heads: int, page_size: int | None
+) -> torch.Tensor:
+    """Scales broadcastable against ``[tokens, heads, head_dim]``, in fp32."""
+    s = scales.to(torch.float32)
+    want = scale_shape(scope, tokens, heads, page_size)
+    if tuple(s.shape) != want:
+        raise UnsupportedConfigError(
+            f"scales of shape {tuple(s.shape)} do not fit scope {scope.name} over "
+            f"{tokens} tokens x {heads} heads (page_size {page_size}); expected {want}"
+        )
+    if scope == ScaleScope.PER_TENSOR:
+        return s.reshape(1, 1, 1).expand(tokens, 1, 1)
+    if scope == ScaleScope.PER_LAYER_HEAD:
+        return s.reshape(1, heads, 1).expand(tokens, heads, 1)
+    return s.repeat_interleave(int(page_size or 1), dim=0)[:tokens].unsqueeze(-1)
+
+
+def quantize(
+    v: torch.Tensor,
+    scales: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    page_size: int | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FP8 of ``v / scale``, saturated at ±fp8_max and rounded to nearest even.
+
+    ``out`` (``[tokens, heads, head_dim]`` of ``fp8_dtype``, any strides) receives
+    the result; the function works block by block so its scratch stays small.
+    """
+    qmax = fp8_max(fp8_dtype)
+    t, h, d = v.shape
+    if out is None:
+        out = torch.empty((t, h, d), dtype=fp8_dtype, device=v.device)
+    elif tuple(out.shape) != (t, h, d) or out.dtype != fp8_dtype:
+        raise UnsupportedConfigError(
+            f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}"
+        )
+    if v.numel() == 0:
+        return out
+    ts = _token_scales(scales, scope, t, h, page_size)
+    bt = _block_tokens(h, d, None)
+    scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=v.device)
+    for t0 in range(0, t, bt):
+        t1 = min(t, t0 + bt)
+        buf = scratch[: t1 - t0]
+        buf.copy_(v[t0:t1])
+        buf.div_(ts[t0:t1])
+        buf.clamp_(-qmax, qmax)
+        out[t0:t1].copy_(buf)
+    return out
+
+
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    page_size: int | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``float(q) * scale`` cast to ``out_dtype`` (or written into ``out``)."""
+    t, h, d = q.shape
+    if out is None:
+        out = torch.empty((t, h, d), dtype=out_dtype, device=q.device)
+    elif tuple(out.shape) != (t, h, d):
+        raise UnsupportedConfigError(f"out is {tuple(out.shape)}; expected {(t, h, d)}")
+    if q.numel() == 0:
+        return out
+    ts = _token_scales(scales.to(q.device), scope, t, h, page_size)
+    bt = _block_tokens(h, d, None)
+    if out.dtype == torch.float32:
+        for t0 in range(0, t, bt):
+            t1 = min(t, t0 + bt)
+            torch.mul(q[t0:t1].to(torch.float32), ts[t0:t1], out=out[t0:t1])
+        return out
+    scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=q.device)
+    for t0 in range(0, t, bt):
+        t1 = min(t, t0 + bt)
+        buf = scratch[: t1 - t0]
+        buf.copy_(q[t0:t1])
+        buf.mul_(ts[t0:t1])
+        out[t0:t1].copy_(buf)
+    return out
