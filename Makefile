@@ -33,3 +33,15 @@ bench:
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks
+
+# LMCache 0.5.6 beside kvcodec, for the byte-compatibility harness and the
+# side-by-side benchmarks (its kv_codec import chain needs only these).
+LMCACHE_DEPS := numba cachetools prometheus_client py-cpuinfo psutil aiohttp requests pyyaml
+lmcache:
+	$(BIN)/python -m pip install -q --no-deps lmcache==0.5.6
+	$(BIN)/python -m pip install -q $(LMCACHE_DEPS)
+	$(BIN)/python -c "import lmcache.v1.kv_codec as m; print('lmcache kv_codec importable:', m.AsymK16V8Codec)"
+
+bench-lmcache: lmcache
+	$(PYTEST) bench/test_bench_codec.py bench/test_lmcache_compat.py --benchmark-enable \
+	  --benchmark-json=bench/results/bench-codec-cpu.json -q

@@ -1,0 +1,629 @@
+"""Encode K/V tensors into LMCKV blobs and decode them back, shapes restored.
+
+K is copied bit-exact at its own dtype; V is quantized to FP8 with the
+numerics of :mod:`kvcodec.quant` (LMCache's). Encode writes header and payload
+into one buffer, with no intermediate ``bytes``; decode builds tensors over the
+caller's buffer (zero-copy on CPU when the buffer is writable).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, Sequence
+
+import torch
+
+from . import quant
+from .crc import crc32
+from .errors import CodecMismatchError, UnsupportedConfigError
+from .format import (
+    HASH_KEYS,
+    Hashes,
+    Header,
+    ParsedBlob,
+    ScaleScheme,
+    ScaleScope,
+    header_size,
+    pack_header_into,
+    parse,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DecodedKV",
+    "Layout",
+    "check_hashes",
+    "decode",
+    "decode_parsed",
+    "encode",
+    "encode_layers",
+    "normalize_layout",
+    "resolve_backend",
+    "resolve_scope",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+KDTYPES = (torch.float16, torch.bfloat16)
+VDTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCALE_DTYPES = (torch.float32, torch.float16)
+
+ScopeLike = ScaleScope | int | str
+_COMPUTED = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+
+
+class DecodedKV(NamedTuple):
+    """What :func:`decode` returns."""
+
+    k: torch.Tensor | None
+    """K ``[tokens, heads, head_dim]`` at its stored dtype (None if the blob holds no K)."""
+    v: torch.Tensor
+    """V: raw FP8, or dequantized to the requested dtype, ``[tokens, heads, head_dim]``."""
+    scales: torch.Tensor | None
+    """V's scales as stored (scale_shape); None for external scopes without given scales."""
+    header: Header
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor maps onto token-major ``[tokens, heads, head_dim]``."""
+
+    tokens: int
+    heads: int
+    head_dim: int
+    page_size: int | None
+    """Tokens per page when the input was paged (or pages were named), else None."""
+
+
+# ----------------------------------------------------------------------------
+# Argument helpers
+# ----------------------------------------------------------------------------
+
+_SCOPE_ALIASES = {
+    "per_tensor": ScaleScope.PER_TENSOR,
+    "tensor": ScaleScope.PER_TENSOR,
+    "per_layer_head": ScaleScope.PER_LAYER_HEAD,
+    "layer_head": ScaleScope.PER_LAYER_HEAD,
+    "per_page_head": ScaleScope.PER_PAGE_HEAD,
+    "page_head": ScaleScope.PER_PAGE_HEAD,
+    "external": ScaleScope.EXTERNAL,
+    "none": ScaleScope.NONE,
+    "raw": ScaleScope.NONE,
+}
+
+
+def resolve_scope(scope: ScopeLike) -> ScaleScope:
+    """A :class:`ScaleScope` from an enum, its value, or a name like ``"per_page_head"``."""
+    if isinstance(scope, ScaleScope):
+        return scope
+    if isinstance(scope, str):
+        try:
+            return _SCOPE_ALIASES[scope.lower()]
+        except KeyError:
+            raise UnsupportedConfigError(
+                f"unknown scale scope {scope!r}; expected one of {sorted(_SCOPE_ALIASES)}"
+            ) from None
+    try:
+        return ScaleScope(int(scope))
+    except (ValueError, TypeError):
+        raise UnsupportedConfigError(f"unknown scale scope {scope!r}") from None
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(backend: str | None, device: torch.device | str) -> str:
+    """Pick "torch" or "triton" for ``device``.
+
+    ``None`` reads ``KVCODEC_BACKEND`` (default "auto"). "auto" takes Triton on
+    CUDA when it is installed and torch elsewhere (on CPU Triton only runs in
+    its slow interpreter, for correctness tests). An explicit "triton" that
+    cannot run raises :class:`UnsupportedConfigError`.
+    """
+    device = torch.device(device)
+    b = (backend or os.environ.get("KVCODEC_BACKEND") or "auto").lower()
+    if b not in BACKENDS:
+        raise UnsupportedConfigError(f"unknown backend {b!r}; expected one of {BACKENDS}")
+    if b == "auto":
+        return "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+    if b == "triton" and not _triton_usable(device):
+        raise UnsupportedConfigError(
+            f"backend 'triton' cannot run on {device}: it needs a CUDA device with triton "
+            "installed, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    return b
+
+
+def _impl(backend: str) -> Any:
+    if backend == "triton":
+        from .kernels import quant_triton
+
+        return quant_triton
+    return quant
+
+
+def _norm_axis(axis: int, ndim: int, name: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise UnsupportedConfigError(f"{name}={axis} out of range for a {ndim}-D tensor")
+    return axis % ndim
+
+
+def normalize_layout(
+    x: torch.Tensor, *, head_axis: int | None = None, page_axis: int | None = None
+) -> tuple[torch.Tensor, Layout]:
+    """View ``x`` as token-major ``[tokens, heads, head_dim]``.
+
+    Accepts ``[tokens, heads, head_dim]``, paged ``[pages, page_size, heads,
+    head_dim]``, or any 3-D/4-D order named by ``head_axis`` (and ``page_axis``
+    for 4-D; in 3-D a ``page_axis`` means one page per index). head_dim is the
+    last axis. No copy is made where a view is possible.
+    """
+    nd = x.dim()
+    if nd not in (3, 4):
+        raise UnsupportedConfigError(
+            f"expected a 3-D [tokens, heads, head_dim] or 4-D [pages, page_size, heads, head_dim] "
+            f"tensor; got shape {tuple(x.shape)}"
+        )
+    h_ax = _norm_axis(-2 if head_axis is None else head_axis, nd, "head_axis")
+    if h_ax == nd - 1:
+        raise UnsupportedConfigError(f"head_axis={head_axis} names the last axis, which is head_dim")
+    p_ax = None if page_axis is None else _norm_axis(page_axis, nd, "page_axis")
+    if p_ax is not None and p_ax in (h_ax, nd - 1):
+        raise UnsupportedConfigError(
+            f"page_axis={page_axis} collides with head_axis={head_axis} or head_dim (last axis)"
+        )
+    rest = [a for a in range(nd - 1) if a != h_ax]
+    if nd == 3:
+        (t_ax,) = rest
+        if p_ax is not None and p_ax != t_ax:
+            raise UnsupportedConfigError(f"page_axis={page_axis} is not the token axis {t_ax}")
+        y = x.permute(t_ax, h_ax, nd - 1)
+        return y, Layout(y.shape[0], y.shape[1], y.shape[2], 1 if p_ax is not None else None)
+    if p_ax is None:
+        p_ax = rest[0]
+    (s_ax,) = [a for a in rest if a != p_ax]
+    y = x.permute(p_ax, s_ax, h_ax, nd - 1)
+    pages, ps, heads, dim = y.shape
+    y = y.reshape(pages * ps, heads, dim)
+    return y, Layout(pages * ps, heads, dim, ps)
+
+
+def check_hashes(got: Hashes, expected: Any, *, strict: bool = False) -> None:
+    """Refuse a blob whose identity hashes differ from ``expected``.
+
+    Empty strings are wildcards on either side, as in LMCache. With
+    ``strict``, a non-empty expected value must also be present in the blob.
+    """
+    exp = Hashes.coerce(expected)
+    for key in HASH_KEYS:
+        ev, gv = getattr(exp, key), getattr(got, key)
+        if not ev:
+            continue
+        if gv and gv != ev:
+            raise CodecMismatchError(f"codec hash mismatch on {key!r}: encoded={gv!r}, expected={ev!r}")
+        if not gv and strict:
+            raise CodecMismatchError(
+                f"codec hash {key!r} missing from the blob (strict): expected={ev!r}, encoded=''"
+            )
+
+
+# ----------------------------------------------------------------------------
+# Encode
+# ----------------------------------------------------------------------------
+
+
+def _check_fp8(v_dtype: torch.dtype, allow_e5m2: bool) -> None:
+    if v_dtype == torch.float8_e5m2 and not allow_e5m2:
+        raise UnsupportedConfigError("float8_e5m2 V is opt-in: pass allow_e5m2=True")
+    if v_dtype not in quant.FP8_DTYPES:
+        raise UnsupportedConfigError(f"v_dtype must be float8_e4m3fn or float8_e5m2; got {v_dtype}")
+
+
+def _seal(buf: memoryview, h: Header) -> int:
+    """Write ``h``'s header at the start of ``buf`` (payload already in place), CRC included."""
+    hs = pack_header_into(buf, h, 0)
+    payload = buf[hs : hs + h.payload_len]
+    c = crc32(buf[: hs - 4]) if h.version >= 2 else 0
+    struct.pack_into("<I", buf, hs - 4, crc32(payload, c))
+    return hs
+
+
+def encode(
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    *,
+    scope: ScopeLike = ScaleScope.PER_PAGE_HEAD,
+    page_size: int | None = None,
+    head_axis: int | None = None,
+    page_axis: int | None = None,
+    hashes: Any = None,
+    layer_id: int = -1,
+    chunk_id: int = -1,
+    chunk_size: int | None = None,
+    kv_head_count: int | None = None,
+    head_dim: int | None = None,
+    v_dtype: torch.dtype = torch.float8_e4m3fn,
+    allow_e5m2: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+    scales: torch.Tensor | None = None,
+    precomputed_v_quant: torch.Tensor | None = None,
+    precomputed_v_scales: torch.Tensor | None = None,
+    nonfinite: quant.NonFinitePolicy = "error",
+    version: int = 1,
+    store_scales: bool | None = None,
+    backend: str | None = None,
+) -> bytearray:
+    """Encode one layer's K and V of a chunk into an LMCKV blob.
+
+    ``k``/``v`` share a layout (see :func:`normalize_layout`); ``k`` may be
+    None for a V-only blob. ``scope`` is a :class:`ScaleScope` or a name
+    ("per_tensor", "per_layer_head", "per_page_head", "external", "raw").
+    ``external`` quantizes with caller ``scales`` and stores none; ``raw``
+    writes unit-scale FP8 in a version-2 header. ``store_scales=True`` keeps an
+    external scope's scales in the payload too (as LMCache does with attached
+    scales). Layout fields left None are
+    filled from the tensors. Returns header and payload in one ``bytearray``.
+    """
+    sc = resolve_scope(scope)
+    _check_fp8(v_dtype, allow_e5m2)
+    if scale_dtype not in SCALE_DTYPES:
+        raise UnsupportedConfigError(f"scale_dtype must be float32 or float16; got {scale_dtype}")
+    scheme = ScaleScheme.COMPUTED
+    if sc == ScaleScope.NONE:
+        scheme = ScaleScheme.UNIT
+        version = max(version, 2)
+    if version not in (1, 2):
+        raise UnsupportedConfigError(f"header version must be 1 or 2; got {version}")
+
+    src = v if v is not None else precomputed_v_quant
+    if src is None:
+        raise UnsupportedConfigError("encode needs v, or precomputed_v_quant with its scales")
+    v3, lay = normalize_layout(src, head_axis=head_axis, page_axis=page_axis)
+    k3 = None
+    if k is not None:
+        if tuple(k.shape) != tuple(src.shape):
+            raise UnsupportedConfigError(
+                f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(src.shape)}"
+            )
+        if k.dtype not in KDTYPES:
+            raise UnsupportedConfigError(f"K dtype must be float16 or bfloat16; got {k.dtype}")
+        if k.device != src.device:
+            raise UnsupportedConfigError(f"K is on {k.device} but V on {src.device}")
+        k3, _ = normalize_layout(k, head_axis=head_axis, page_axis=page_axis)
+    if v is not None and precomputed_v_quant is None and v.dtype not in VDTYPES:
+        raise UnsupportedConfigError(f"V dtype must be float16, bfloat16 or float32; got {v.dtype}")
+    tokens, heads, dim = lay.tokens, lay.heads, lay.head_dim
+    ps = page_size if page_size is not None else lay.page_size
+    if ps is not None and ps < 1:
+        raise UnsupportedConfigError(f"page_size must be >= 1; got {ps}")
+    for name, given, actual in (("kv_head_count", kv_head_count, heads), ("head_dim", head_dim, dim)):
+        if given is not None and given not in (-1, actual):
+            raise UnsupportedConfigError(f"{name}={given} but the tensors have {actual}")
+    if chunk_size is not None and chunk_size != -1 and chunk_size < tokens:
+        raise UnsupportedConfigError(f"chunk_size={chunk_size} is smaller than the {tokens} tokens given")
+
+    device = v3.device
+    be = resolve_backend(backend, device)
+    impl = _impl(be)
+
+    # --- V's scales and FP8 bytes --------------------------------------------------
+    computed = sc in _COMPUTED
+    if store_scales is None or sc == ScaleScope.NONE:
+        store_scales = computed
+    elif computed and not store_scales:
+        raise UnsupportedConfigError(f"scope {sc.name} always stores its scales")
+    q_src: torch.Tensor | None = None
+    quant_scope = sc
+    if precomputed_v_quant is not None:
+        if precomputed_v_scales is None and sc not in (ScaleScope.NONE,):
+            raise UnsupportedConfigError("encode: precomputed_v_quant requires precomputed_v_scales")
+        if precomputed_v_quant.dtype != v_dtype:
+            raise UnsupportedConfigError(
+                f"encode: precomputed_v_quant dtype {precomputed_v_quant.dtype} != codec {v_dtype}"
+            )
+        if v is not None and tuple(precomputed_v_quant.shape) != tuple(v.shape):
+            raise UnsupportedConfigError(
+                f"precomputed_v_quant shape {tuple(precomputed_v_quant.shape)} != V {tuple(v.shape)}"
+            )
+        q_src, _ = normalize_layout(precomputed_v_quant, head_axis=head_axis, page_axis=page_axis)
+        v_scales = precomputed_v_scales
+        if v_scales is not None:
+            v_scales = v_scales.to(device=device, dtype=scale_dtype)
+            if sc == ScaleScope.EXTERNAL:
+                quant_scope = _external_scope(v_scales, heads)
+            if computed or sc == ScaleScope.EXTERNAL:
+                want = quant.scale_shape(quant_scope, tokens, heads, ps)
+                if tuple(v_scales.shape) != want:
+                    raise UnsupportedConfigError(
+                        f"precomputed_v_scales shape {tuple(v_scales.shape)} does not fit scope "
+                        f"{sc.name} over {tokens} tokens x {heads} heads (page_size {ps}); expected {want}"
+                    )
+    elif sc == ScaleScope.NONE:
+        v_scales = torch.ones((), dtype=torch.float32, device=device)
+        quant_scope = ScaleScope.PER_TENSOR
+    elif sc == ScaleScope.EXTERNAL:
+        if scales is None:
+            raise UnsupportedConfigError("scope external needs the caller's scales (scales=...)")
+        v_scales = scales.to(device=device, dtype=scale_dtype)
+        quant_scope = _external_scope(v_scales, heads)
+        if quant_scope == ScaleScope.PER_PAGE_HEAD and ps is None:
+            raise UnsupportedConfigError("external (pages, heads) scales need page_size")
+    else:
+        if sc == ScaleScope.PER_PAGE_HEAD and ps is None:
+            raise UnsupportedConfigError(
+                "per_page_head needs page_size= or a paged [pages, page_size, heads, head_dim] input"
+            )
+        if scales is not None:
+            raise UnsupportedConfigError("scales= is for scope external; use precomputed_v_scales")
+        v_scales = impl.compute_scales(v3, sc, page_size=ps, fp8_dtype=v_dtype, nonfinite=nonfinite)
+        v_scales = v_scales.to(scale_dtype)
+
+    scale_shape = tuple(v_scales.shape) if (computed or sc == ScaleScope.EXTERNAL) else ()
+    n_scales = math.prod(scale_shape) if store_scales else 0
+    k_dtype = k3.dtype if k3 is not None else torch.float16
+    elems = tokens * heads * dim
+    k_len = elems * k_dtype.itemsize if k3 is not None else 0
+    s_len = n_scales * scale_dtype.itemsize
+    header = Header(
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+        scale_dtype=scale_dtype,
+        scale_scope=sc,
+        version=version,
+        scale_scheme=scheme,
+        layer_id=layer_id,
+        chunk_id=chunk_id,
+        chunk_size=tokens if chunk_size is None else chunk_size,
+        page_size=-1 if ps is None else ps,
+        kv_head_count=heads if kv_head_count is None else kv_head_count,
+        head_dim=dim if head_dim is None else head_dim,
+        scale_shape=scale_shape,
+        k_payload_len=k_len,
+        v_payload_len=elems,
+        scale_payload_len=s_len,
+        hashes=Hashes.coerce(hashes),
+    )
+    hs = header_size(header)
+    out = bytearray(hs + header.payload_len)
+    mv = memoryview(out)
+    v_off, s_off = hs + k_len, hs + k_len + elems
+    if device.type == "cpu":
+        # Write straight into the blob (sections may sit at odd addresses:
+        # frombuffer over each slice handles that, a dtype view would not).
+        k_dst = torch.frombuffer(mv[hs:v_off], dtype=k_dtype) if k_len else None
+        q_dst = torch.frombuffer(mv[v_off:s_off], dtype=v_dtype) if elems else None
+        s_dst = torch.frombuffer(mv[s_off:], dtype=torch.uint8) if s_len else None
+        dev_payload = None
+    else:
+        dev_payload = torch.empty(header.payload_len, dtype=torch.uint8, device=device)
+        k_dst = dev_payload[:k_len].view(k_dtype) if k_len else None
+        q_dst = dev_payload[k_len : k_len + elems].view(v_dtype) if elems else None
+        s_dst = dev_payload[k_len + elems :] if s_len else None
+
+    if k_dst is not None and k3 is not None:
+        k_dst.view(tokens, heads, dim).copy_(k3)
+    if q_dst is not None:
+        q_out = q_dst.view(tokens, heads, dim)
+        if q_src is not None:
+            q_out.copy_(q_src)
+        else:
+            impl.quantize(v3, v_scales, quant_scope, page_size=ps, fp8_dtype=v_dtype, out=q_out)
+    if s_dst is not None:
+        s_dst.copy_(v_scales.contiguous().view(-1).view(torch.uint8))
+    if dev_payload is not None:
+        torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
+    _seal(mv, header)
+    return out
+
+
+def _external_scope(scales: torch.Tensor, heads: int) -> ScaleScope:
+    if scales.dim() == 0:
+        return ScaleScope.PER_TENSOR
+    if scales.dim() == 1 and scales.shape[0] == heads:
+        return ScaleScope.PER_LAYER_HEAD
+    if scales.dim() == 2 and scales.shape[1] == heads:
+        return ScaleScope.PER_PAGE_HEAD
+    raise UnsupportedConfigError(
+        f"external scales of shape {tuple(scales.shape)} fit no scope: expected (), ({heads},) "
+        f"or (pages, {heads})"
+    )
+
+
+def encode_layers(
+    ks: Sequence[torch.Tensor | None] | torch.Tensor,
+    vs: Sequence[torch.Tensor] | torch.Tensor,
+    *,
+    layer_ids: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> list[bytearray]:
+    """Encode every layer of a chunk: one blob per layer (stacked ``[L, ...]`` or lists)."""
+    n = len(vs)
+    if len(ks) != n:
+        raise UnsupportedConfigError(f"{len(ks)} K layers but {n} V layers")
+    ids = list(layer_ids) if layer_ids is not None else list(range(n))
+    if len(ids) != n:
+        raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers")
+    return [encode(ks[i], vs[i], layer_id=ids[i], **kwargs) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------
+
+
+def _view(mv: memoryview, dtype: torch.dtype, copy: bool) -> torch.Tensor:
+    """A tensor over ``mv``'s bytes: a view when allowed and writable, else one copy."""
+    if len(mv) == 0:
+        return torch.empty(0, dtype=dtype)
+    if mv.readonly:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(mv, dtype=torch.uint8)
+        return t.clone().view(dtype)
+    t = torch.frombuffer(mv, dtype=torch.uint8)
+    return (t.clone() if copy else t).view(dtype)
+
+
+def decode(
+    blob: Any,
+    *,
+    out_v_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    expected_hashes: Any = None,
+    strict_hashes: bool = False,
+    scales: torch.Tensor | None = None,
+    out_k: torch.Tensor | None = None,
+    out_v: torch.Tensor | None = None,
+    copy: bool = False,
+    verify_crc: bool = True,
+    strict: bool = False,
+    backend: str | None = None,
+) -> DecodedKV:
+    """Decode a blob (any buffer, or a :class:`ParsedBlob`) into shaped K and V.
+
+    V comes back as raw FP8 (``out_v_dtype=None``) or dequantized to fp16,
+    bf16 or fp32, for every scope. ``out_k``/``out_v`` receive the results
+    in place (any strides, e.g. a connector's buffers). On CPU, K and raw V are
+    views into ``blob`` when it is writable and ``copy`` is False.
+    ``scales`` supplies an external scope's scales.
+    """
+    parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
+    if expected_hashes is not None:
+        check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
+    return decode_parsed(
+        parsed.header,
+        parsed.payload,
+        out_v_dtype=out_v_dtype,
+        device=device,
+        scales=scales,
+        out_k=out_k,
+        out_v=out_v,
+        copy=copy,
+        backend=backend,
+    )
+
+
+def decode_parsed(
+    h: Header,
+    payload: memoryview,
+    *,
+    out_v_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    scales: torch.Tensor | None = None,
+    out_k: torch.Tensor | None = None,
+    out_v: torch.Tensor | None = None,
+    copy: bool = False,
+    backend: str | None = None,
+    shape: tuple[int, int, int] | None = None,
+) -> DecodedKV:
+    """Decode from a header and its payload view (see :func:`decode`).
+
+    ``shape`` overrides ``(tokens, heads, head_dim)`` for blobs whose writer
+    left the layout fields unset.
+    """
+    dev = torch.device(device) if device is not None else (
+        out_v.device if out_v is not None else out_k.device if out_k is not None else torch.device("cpu")
+    )
+    if out_v_dtype is not None and out_v_dtype not in (*VDTYPES, h.v_dtype):
+        raise UnsupportedConfigError(
+            f"out_v_dtype must be None (raw FP8), float16, bfloat16 or float32; got {out_v_dtype}"
+        )
+    if h.v_dtype not in quant.FP8_DTYPES:
+        raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+    k_len, v_len = h.k_payload_len, h.v_payload_len
+    n = v_len // h.v_dtype.itemsize
+    if shape is None:
+        if h.kv_head_count > 0 and h.head_dim > 0:
+            shape = (n // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim)
+        elif n == 0:
+            shape = (0, max(h.kv_head_count, 1), max(h.head_dim, 1))
+    if shape is not None and math.prod(shape) != n:
+        raise UnsupportedConfigError(f"shape {shape} holds {math.prod(shape)} elements; the blob has {n}")
+
+    # An empty chunk has no K bytes yet has a K; a V-only blob has V bytes and no K.
+    has_k = bool(k_len) or not v_len
+    on_host = dev.type == "cpu"
+    if on_host:
+        base = payload
+        k_mv, v_mv = base[:k_len], base[k_len : k_len + v_len]
+        k_t = _view(k_mv, h.k_dtype, copy) if has_k else None
+        v_t = _view(v_mv, h.v_dtype, copy)
+    else:
+        # One host-to-device transfer of K and V; scales travel on their own
+        # (their offset may be unaligned).
+        raw = _view(payload[: k_len + v_len], torch.uint8, False).to(dev, non_blocking=False)
+        k_t = raw[:k_len].view(h.k_dtype) if has_k else None
+        v_t = raw[k_len:].view(h.v_dtype)
+
+    s_t: torch.Tensor | None = None
+    if not h.scale_payload_len and math.prod(h.scale_shape) == 0 and h.scale_scope in _COMPUTED:
+        s_t = torch.empty(h.scale_shape, dtype=h.scale_dtype, device=dev)
+    elif h.scale_payload_len:
+        s_mv = payload[k_len + v_len : k_len + v_len + h.scale_payload_len]
+        s_t = _view(s_mv, h.scale_dtype, True).reshape(h.scale_shape).to(dev)
+    elif h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT:
+        s_t = torch.ones((), dtype=torch.float32, device=dev)
+    elif h.scale_scope == ScaleScope.EXTERNAL and scales is not None:
+        s_t = scales.to(dev)
+
+    if shape is not None:
+        if k_t is not None:
+            k_t = k_t.view(shape)
+        v_t = v_t.view(shape)
+    if out_k is not None:
+        if k_t is None:
+            raise UnsupportedConfigError("out_k given but the blob holds no K")
+        if out_k.numel() != k_t.numel():
+            raise UnsupportedConfigError(
+                f"out_k has shape {tuple(out_k.shape)}; the blob's K is {tuple(k_t.shape)}"
+            )
+        out_k.copy_(k_t.view(out_k.shape) if out_k.shape != k_t.shape else k_t)
+        k_t = out_k
+
+    if out_v_dtype is None and out_v is not None and out_v.dtype != h.v_dtype:
+        out_v_dtype = out_v.dtype
+    if out_v_dtype is None or out_v_dtype == h.v_dtype:
+        if out_v is not None:
+            if out_v.numel() != v_t.numel():
+                raise UnsupportedConfigError(
+                    f"out_v has shape {tuple(out_v.shape)}; the blob's V is {tuple(v_t.shape)}"
+                )
+            out_v.copy_(v_t.view(out_v.shape))
+            v_t = out_v
+        return DecodedKV(k_t, v_t, s_t, h)
+
+    if s_t is None:
+        raise UnsupportedConfigError(
+            "cannot dequantize an external-scope blob without its scales: pass scales="
+        )
+    if shape is None:
+        raise UnsupportedConfigError(
+            "the blob leaves kv_head_count/head_dim unset: pass shape=(tokens, heads, head_dim) "
+            "to dequantize it"
+        )
+    scope = h.scale_scope
+    if scope == ScaleScope.EXTERNAL:
+        scope = _external_scope(s_t, shape[1])
+    elif scope == ScaleScope.NONE:
+        scope = ScaleScope.PER_TENSOR
+    ps = h.page_size if h.page_size > 0 else None
+    impl = _impl(resolve_backend(backend, dev))
+    target = None
+    if out_v is not None:
+        if out_v.numel() != v_t.numel():
+            raise UnsupportedConfigError(
+                f"out_v has shape {tuple(out_v.shape)}; the blob's V is {tuple(v_t.shape)}"
+            )
+        target = out_v if tuple(out_v.shape) == shape else out_v.view(shape)
+    v_dq = impl.dequantize(v_t, s_t, scope, page_size=ps, out_dtype=out_v_dtype, out=target)
+    return DecodedKV(k_t, out_v if out_v is not None else v_dq, s_t, h)

@@ -1,0 +1,517 @@
+"""Drop-in surface of LMCache's ``lmcache.v1.kv_codec`` (0.5.6), backed by kvcodec.
+
+Names, signatures, defaults and error types follow LMCache so connector code
+runs unchanged; the work is done by :mod:`kvcodec.format`, :mod:`kvcodec.quant`
+and :mod:`kvcodec.codec`. Differences are deliberate fixes: decode restores
+``[tokens, heads, head_dim]`` shapes when the header carries the layout and
+dequantizes every scope; the parser refuses malformed blobs LMCache accepts.
+
+``install()`` registers this module as ``lmcache.v1.kv_codec`` (and its
+``encoded_kv``, ``errors`` and ``asym_k16_v8`` submodules) in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar, Optional, Tuple, Union
+
+import torch
+
+from . import codec as _codec
+from . import format as _fmt
+from . import quant as _quant
+from .errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
+from .format import ScaleScheme, ScaleScope
+
+__all__ = [
+    "CODEC_MAGIC",
+    "CODEC_MAGIC_LEN",
+    "AsymK16V8Codec",
+    "CodecError",
+    "CodecHashes",
+    "CodecMismatchError",
+    "CodecVersion",
+    "CorruptEncodedKVError",
+    "EncodedKV",
+    "ScaleScheme",
+    "ScaleScope",
+    "UnsupportedConfigError",
+    "compute_v_scales",
+    "dequantize_v_fp8",
+    "deserialize_header",
+    "encoded_kv_header_size",
+    "install",
+    "quantize_v_fp8",
+    "serialize_header",
+]
+
+CODEC_MAGIC: bytes = _fmt.MAGIC
+CODEC_MAGIC_LEN: int = len(CODEC_MAGIC)
+_FIXED_HEADER_LEN: int = _fmt.FIXED_HEADER_LEN
+_ZERO_SCALE_SENTINEL = 1.0
+
+
+class CodecVersion(IntEnum):
+    """Header versions: 1 (payload CRC) and 2 (header+payload CRC, scale scheme)."""
+
+    V1 = 1
+    V2 = 2
+
+
+@dataclass
+class CodecHashes:
+    """Identity hashes gating cross-config cache poisoning ("" = not provided)."""
+
+    model_id: str = ""
+    model_revision_hash: str = ""
+    tokenizer_hash: str = ""
+    rope_config_hash: str = ""
+    attention_backend: str = ""
+    kv_layout: str = ""
+
+    _CHECK_ORDER: ClassVar[Tuple[str, ...]] = _fmt.HASH_KEYS
+
+
+@dataclass
+class EncodedKV:
+    """LMCache's mutable blob record: header fields plus ``payload`` (K ‖ V ‖ scales)."""
+
+    k_dtype: torch.dtype
+    v_dtype: torch.dtype
+    scale_dtype: torch.dtype = torch.float32
+    scale_scope: ScaleScope = ScaleScope.PER_PAGE_HEAD
+    hashes: CodecHashes = field(default_factory=CodecHashes)
+    layer_id: int = -1
+    chunk_id: int = -1
+    chunk_size: int = -1
+    page_size: int = -1
+    kv_head_count: int = -1
+    head_dim: int = -1
+    scale_shape: Tuple[int, ...] = ()
+    k_payload_len: int = 0
+    v_payload_len: int = 0
+    scale_payload_len: int = 0
+    payload: Union[bytes, memoryview] = b""
+    header_bytes: Optional[bytes] = None
+    version: int = 1
+    scale_scheme: ScaleScheme = ScaleScheme.COMPUTED
+    # The whole blob kvcodec built or parsed, for a one-copy ``to_bytes``.
+    _blob: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        """Header + payload bytes (-1 before the header is serialized)."""
+        if self.header_bytes is None:
+            return -1
+        return len(self.header_bytes) + len(self.payload)
+
+    def expected_payload_len(self) -> int:
+        """K + V + scale lengths as declared."""
+        return self.k_payload_len + self.v_payload_len + self.scale_payload_len
+
+
+def _to_header(enc: EncodedKV) -> _fmt.Header:
+    return _fmt.Header(
+        k_dtype=enc.k_dtype,
+        v_dtype=enc.v_dtype,
+        scale_dtype=enc.scale_dtype,
+        scale_scope=ScaleScope(enc.scale_scope),
+        version=int(enc.version),
+        scale_scheme=ScaleScheme(enc.scale_scheme),
+        layer_id=enc.layer_id,
+        chunk_id=enc.chunk_id,
+        chunk_size=enc.chunk_size,
+        page_size=enc.page_size,
+        kv_head_count=enc.kv_head_count,
+        head_dim=enc.head_dim,
+        scale_shape=tuple(int(d) for d in enc.scale_shape),
+        k_payload_len=enc.k_payload_len,
+        v_payload_len=enc.v_payload_len,
+        scale_payload_len=enc.scale_payload_len,
+        hashes=_fmt.Hashes.coerce(enc.hashes),
+    )
+
+
+def _from_parsed(p: _fmt.ParsedBlob) -> EncodedKV:
+    h = p.header
+    return EncodedKV(
+        k_dtype=h.k_dtype,
+        v_dtype=h.v_dtype,
+        scale_dtype=h.scale_dtype,
+        scale_scope=h.scale_scope,
+        hashes=CodecHashes(**h.hashes.as_dict()),
+        layer_id=h.layer_id,
+        chunk_id=h.chunk_id,
+        chunk_size=h.chunk_size,
+        page_size=h.page_size,
+        kv_head_count=h.kv_head_count,
+        head_dim=h.head_dim,
+        scale_shape=h.scale_shape,
+        k_payload_len=h.k_payload_len,
+        v_payload_len=h.v_payload_len,
+        scale_payload_len=h.scale_payload_len,
+        payload=p.payload,
+        header_bytes=bytes(p.header_bytes),
+        version=h.version,
+        scale_scheme=h.scale_scheme,
+        _blob=p.blob,
+    )
+
+
+def encoded_kv_header_size(enc: EncodedKV) -> int:
+    """Serialized header size of ``enc`` in bytes (payload excluded)."""
+    return _fmt.header_size(_to_header(enc))
+
+
+def serialize_header(enc: EncodedKV) -> bytes:
+    """Header bytes of ``enc`` with the CRC of ``enc.payload`` (lengths must match)."""
+    if len(enc.payload) != enc.expected_payload_len():
+        raise UnsupportedConfigError(
+            f"payload length {len(enc.payload)} does not match "
+            f"declared K({enc.k_payload_len}) + V({enc.v_payload_len}) "
+            f"+ scales({enc.scale_payload_len})"
+        )
+    return _fmt.serialize_header(_to_header(enc), [enc.payload])
+
+
+def deserialize_header(buf: Any) -> EncodedKV:
+    """Parse a blob (header + payload) into an EncodedKV whose payload views ``buf``."""
+    return _from_parsed(_fmt.parse(buf))
+
+
+# ----------------------------------------------------------------------------
+# Quant primitives with LMCache's layout-agnostic signatures
+# ----------------------------------------------------------------------------
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    if dtype not in _quant.FP8_DTYPES:
+        raise UnsupportedConfigError(f"compute_v_scales: dtype {dtype} is not an FP8 dtype")
+    return _quant.fp8_max(dtype)
+
+
+def _canon(
+    x: torch.Tensor, scope: ScaleScope, head_axis: int, page_axis: Optional[int], who: str
+) -> tuple[torch.Tensor, tuple[int, ...], list[int]]:
+    """View ``x`` as kvcodec's [tokens, heads, dim] such that LMCache's groups map onto ours.
+
+    Returns the 3-D tensor, the moved shape and the permutation to undo.
+    """
+    nd = x.dim()
+    if scope == ScaleScope.PER_TENSOR:
+        return x.reshape(1, 1, -1), tuple(x.shape), list(range(nd))
+    head = head_axis % nd
+    if scope == ScaleScope.PER_LAYER_HEAD:
+        order = [head] + [d for d in range(nd) if d != head]
+        y = x.permute(order)
+        return y.reshape(1, x.shape[head], -1), tuple(y.shape), order
+    if scope == ScaleScope.PER_PAGE_HEAD:
+        if page_axis is None:
+            raise UnsupportedConfigError(f"{who}(PER_PAGE_HEAD) requires page_axis")
+        page = page_axis % nd
+        order = [page, head] + [d for d in range(nd) if d not in (page, head)]
+        y = x.permute(order)
+        return y.reshape(x.shape[page], x.shape[head], -1), tuple(y.shape), order
+    raise UnsupportedConfigError(f"unsupported scope: {scope}")
+
+
+def _uncanon(y3: torch.Tensor, moved: tuple[int, ...], order: list[int]) -> torch.Tensor:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return y3.reshape(moved).permute(inv).contiguous()
+
+
+def compute_v_scales(
+    v: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    head_axis: int = -2,
+    page_axis: Optional[int] = None,
+) -> torch.Tensor:
+    """fp32 scales of ``v``: () per tensor, (heads,) per layer-head, (pages, heads) per page-head."""
+    _fp8_max(fp8_dtype)
+    if scope == ScaleScope.EXTERNAL:
+        raise UnsupportedConfigError(
+            "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them."
+        )
+    if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
+        raise UnsupportedConfigError(f"unknown scale scope: {scope}")
+    v3, _, _ = _canon(v.detach(), ScaleScope(scope), head_axis, page_axis, "compute_v_scales")
+    # Quietly like LMCache: NaN/Inf groups give whatever the formula gives.
+    amax = _quant._reduce_groups(
+        _quant.token_head_amax(v3), _canon_scope(scope), 1 if scope == ScaleScope.PER_PAGE_HEAD else None
+    )
+    s = _quant._amax_to_scale(amax, _fp8_max(fp8_dtype))
+    return s.reshape(()) if scope == ScaleScope.PER_TENSOR else s
+
+
+def _canon_scope(scope: ScaleScope) -> ScaleScope:
+    return ScaleScope(scope)
+
+
+def quantize_v_fp8(
+    v: torch.Tensor,
+    scales: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    head_axis: int = -2,
+    page_axis: Optional[int] = None,
+) -> torch.Tensor:
+    """FP8 of ``v`` under ``scales`` (saturating), same shape as ``v``."""
+    _fp8_max(fp8_dtype)
+    if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
+        raise UnsupportedConfigError(f"unsupported scope: {scope}")
+    v3, moved, order = _canon(v.detach(), ScaleScope(scope), head_axis, page_axis, "quantize_v_fp8")
+    ps = 1 if scope == ScaleScope.PER_PAGE_HEAD else None
+    q3 = _quant.quantize(v3, scales.reshape(_quant.scale_shape(scope, v3.shape[0], v3.shape[1], ps)),
+                         ScaleScope(scope), page_size=ps, fp8_dtype=fp8_dtype)
+    return _uncanon(q3, moved, order)
+
+
+def dequantize_v_fp8(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    out_dtype: torch.dtype = torch.float16,
+    head_axis: int = -2,
+    page_axis: Optional[int] = None,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_v_fp8`, in ``out_dtype``."""
+    if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
+        raise UnsupportedConfigError(f"unsupported scope: {scope}")
+    q3, moved, order = _canon(q.detach(), ScaleScope(scope), head_axis, page_axis, "dequantize_v_fp8")
+    ps = 1 if scope == ScaleScope.PER_PAGE_HEAD else None
+    s = scales.to(q.device).reshape(_quant.scale_shape(scope, q3.shape[0], q3.shape[1], ps))
+    out = _quant.dequantize(q3, s, ScaleScope(scope), page_size=ps, out_dtype=out_dtype)
+    return _uncanon(out, moved, order)
+
+
+# ----------------------------------------------------------------------------
+# The codec class
+# ----------------------------------------------------------------------------
+
+
+class AsymK16V8Codec:
+    """LMCache's FP16/BF16-K + FP8-V codec, implemented by kvcodec.
+
+    Stateless apart from configuration; default scope is PER_TENSOR as in
+    LMCache. float8_e5m2 is refused here as LMCache does (kvcodec's own API
+    offers it as an opt-in).
+    """
+
+    def __init__(
+        self,
+        *,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        scale_dtype: torch.dtype = torch.float32,
+        scale_scope: ScaleScope = ScaleScope.PER_TENSOR,
+    ):
+        if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise UnsupportedConfigError(
+                f"AsymK16V8Codec: fp8_dtype must be float8_e4m3fn "
+                f"(or e5m2 reserved); got {fp8_dtype}"
+            )
+        if fp8_dtype == torch.float8_e5m2:
+            raise UnsupportedConfigError(
+                "float8_e5m2 is reserved-but-not-implemented in v1; use float8_e4m3fn"
+            )
+        self.fp8_dtype = fp8_dtype
+        self.scale_dtype = scale_dtype
+        self.scale_scope = scale_scope
+
+    def encode(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        hashes: Optional[CodecHashes] = None,
+        layer_id: int = -1,
+        chunk_id: int = -1,
+        chunk_size: int = -1,
+        page_size: int = -1,
+        kv_head_count: int = -1,
+        head_dim: int = -1,
+        head_axis: int = -2,
+        page_axis: Optional[int] = None,
+        precomputed_v_scales: Optional[torch.Tensor] = None,
+        precomputed_v_quant: Optional[torch.Tensor] = None,
+    ) -> EncodedKV:
+        """Encode (K, V) into an EncodedKV; unset layout fields are filled from the tensors."""
+        if k.shape != v.shape:
+            raise UnsupportedConfigError(
+                f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(v.shape)}"
+            )
+        scope = ScaleScope(self.scale_scope)
+        if precomputed_v_quant is not None and precomputed_v_scales is None:
+            raise UnsupportedConfigError("encode: precomputed_v_quant requires precomputed_v_scales")
+        if precomputed_v_quant is None and scope == ScaleScope.EXTERNAL:
+            raise UnsupportedConfigError(
+                "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them."
+            )
+        if scope == ScaleScope.PER_PAGE_HEAD and page_axis is None:
+            raise UnsupportedConfigError("compute_v_scales(PER_PAGE_HEAD) requires page_axis")
+        pre: dict[str, Any] = {}
+        if precomputed_v_quant is not None:
+            pre = {
+                "precomputed_v_quant": precomputed_v_quant,
+                "precomputed_v_scales": precomputed_v_scales,
+                # LMCache stores attached scales whatever the scope.
+                "store_scales": True,
+            }
+        blob = _codec.encode(
+            k,
+            v,
+            scope=scope,
+            head_axis=head_axis,
+            page_axis=page_axis if scope == ScaleScope.PER_PAGE_HEAD else None,
+            hashes=hashes,
+            layer_id=layer_id,
+            chunk_id=chunk_id,
+            v_dtype=self.fp8_dtype,
+            scale_dtype=self.scale_dtype,
+            **pre,
+        )
+        p = _fmt.parse(blob, verify_crc=False)
+        h = p.header
+        # Caller-given layout fields win, as in LMCache; unset ones are filled.
+        given = {
+            "chunk_size": chunk_size,
+            "page_size": page_size,
+            "kv_head_count": kv_head_count,
+            "head_dim": head_dim,
+        }
+        changes = {name: val for name, val in given.items() if val != -1 and val != getattr(h, name)}
+        if changes:
+            h = h.replace(**changes)
+            _codec._seal(memoryview(blob), h)
+            p = _fmt.parse(blob, verify_crc=False)
+        return _from_parsed(p)
+
+    def to_bytes(self, enc: EncodedKV) -> bytes:
+        """Header + payload as ``bytes``."""
+        if enc.header_bytes is None:
+            enc.header_bytes = serialize_header(enc)
+        blob = enc._blob
+        if (
+            blob is not None
+            and len(blob) == len(enc.header_bytes) + len(enc.payload)
+            and blob[: len(enc.header_bytes)] == enc.header_bytes
+        ):
+            return bytes(blob)
+        return enc.header_bytes + bytes(enc.payload)
+
+    def from_bytes(self, buf: Any, *, expected_hashes: Optional[CodecHashes] = None) -> EncodedKV:
+        """Parse a blob; a non-empty hash mismatch raises CodecMismatchError."""
+        enc = deserialize_header(buf)
+        if expected_hashes is not None:
+            self._check_hash_match(enc.hashes, expected_hashes)
+        return enc
+
+    @staticmethod
+    def _check_hash_match(got: CodecHashes, expected: CodecHashes) -> None:
+        _codec.check_hashes(_fmt.Hashes.coerce(got), expected)
+
+    def decode(
+        self,
+        enc: EncodedKV,
+        *,
+        out_k_dtype: Optional[torch.dtype] = None,
+        out_v_dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(K, V raw or dequantized, scales); shaped [tokens, heads, head_dim] when the header says."""
+        if out_v_dtype is not None and out_v_dtype != enc.v_dtype and not out_v_dtype.is_floating_point:
+            raise UnsupportedConfigError(f"decode: out_v_dtype {out_v_dtype} is not floating-point")
+        h = _to_header(enc)
+        payload = memoryview(enc.payload).cast("B")
+        if len(payload) < h.payload_len:
+            raise CorruptEncodedKVError(
+                f"payload is {len(payload)} bytes; the header declares {h.payload_len}"
+            )
+        shape = None
+        n = h.v_payload_len // max(1, h.v_dtype.itemsize)
+        if h.kv_head_count <= 0 or h.head_dim <= 0:
+            shape = _guess_shape(h, n)
+        res = _codec.decode_parsed(
+            h,
+            payload,
+            out_v_dtype=None if out_v_dtype == enc.v_dtype else out_v_dtype,
+            device=device or torch.device("cpu"),
+            copy=True,
+            shape=shape,
+        )
+        k = res.k if res.k is not None else torch.empty(0, dtype=enc.k_dtype)
+        if out_k_dtype is not None and out_k_dtype != k.dtype:
+            k = k.to(out_k_dtype)
+        v = res.v
+        if shape is None and (h.kv_head_count <= 0 or h.head_dim <= 0):
+            k, v = k.reshape(-1), v.reshape(-1)
+        scales = res.scales if res.scales is not None else torch.empty(0, dtype=enc.scale_dtype)
+        return k, v, scales
+
+
+def _guess_shape(h: _fmt.Header, n: int) -> Optional[tuple[int, int, int]]:
+    """A [tokens, heads, dim] shape for blobs without layout fields, where one is certain."""
+    if h.scale_scope == ScaleScope.PER_TENSOR or h.scale_scope == ScaleScope.NONE:
+        return (1, 1, n) if n else None
+    return None
+
+
+def install() -> types.ModuleType:
+    """Register this module as ``lmcache.v1.kv_codec`` (+ submodules) in ``sys.modules``."""
+    me = sys.modules[__name__]
+    errors = types.ModuleType("lmcache.v1.kv_codec.errors")
+    for name in ("CodecError", "CodecMismatchError", "CorruptEncodedKVError", "UnsupportedConfigError"):
+        setattr(errors, name, getattr(me, name))
+    encoded = types.ModuleType("lmcache.v1.kv_codec.encoded_kv")
+    for name in (
+        "CODEC_MAGIC",
+        "CODEC_MAGIC_LEN",
+        "_FIXED_HEADER_LEN",
+        "CodecVersion",
+        "ScaleScope",
+        "ScaleScheme",
+        "CodecHashes",
+        "EncodedKV",
+        "serialize_header",
+        "deserialize_header",
+        "encoded_kv_header_size",
+        "CorruptEncodedKVError",
+        "UnsupportedConfigError",
+    ):
+        setattr(encoded, name, getattr(me, name))
+    asym = types.ModuleType("lmcache.v1.kv_codec.asym_k16_v8")
+    for name in (
+        "AsymK16V8Codec",
+        "compute_v_scales",
+        "quantize_v_fp8",
+        "dequantize_v_fp8",
+        "_ZERO_SCALE_SENTINEL",
+        "CodecHashes",
+        "EncodedKV",
+        "ScaleScope",
+    ):
+        setattr(asym, name, getattr(me, name))
+    for pkg in ("lmcache", "lmcache.v1"):
+        if pkg not in sys.modules:
+            mod = types.ModuleType(pkg)
+            mod.__path__ = []  # a namespace-like package
+            sys.modules[pkg] = mod
+    sys.modules["lmcache.v1.kv_codec"] = me
+    sys.modules["lmcache.v1.kv_codec.errors"] = errors
+    sys.modules["lmcache.v1.kv_codec.encoded_kv"] = encoded
+    sys.modules["lmcache.v1.kv_codec.asym_k16_v8"] = asym
+    sys.modules["lmcache"].v1 = sys.modules["lmcache.v1"]  # type: ignore[attr-defined]
+    sys.modules["lmcache.v1"].kv_codec = me  # type: ignore[attr-defined]
+    me.errors = errors  # type: ignore[attr-defined]
+    me.encoded_kv = encoded  # type: ignore[attr-defined]
+    me.asym_k16_v8 = asym  # type: ignore[attr-defined]
+    return me
+

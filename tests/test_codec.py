@@ -1,0 +1,375 @@
+"""The K16/V8 codec on its torch backend: numerics, scopes, layouts, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec import quant
+from kvcodec.codec import decode, encode, encode_layers, normalize_layout, resolve_backend
+from kvcodec.errors import CodecMismatchError, UnsupportedConfigError
+from kvcodec.format import Hashes, ScaleScheme, ScaleScope, parse
+
+VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+SCOPES = ["per_tensor", "per_layer_head", "per_page_head"]
+VDTYPES = [torch.float16, torch.bfloat16, torch.float32]
+KDTYPES = [torch.float16, torch.bfloat16]
+# (tokens, heads, head_dim, page_size): 1 token, partial last page, 1 head, head_dim 256, page 1.
+SHAPES = [(1, 1, 8, 4), (37, 2, 16, 16), (20, 1, 256, 8), (12, 3, 48, 1), (64, 8, 128, 16)]
+
+
+def _kv(t, h, d, kd=torch.float16, vd=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, h, d, generator=g).to(kd)
+    v = (torch.randn(t, h, d, generator=g) * 3).to(vd)
+    return k, v
+
+
+def _manual_reference(v: torch.Tensor, scope: str, ps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Straightforward per-group loop of FORMAT.md's convention, to pin quant.py."""
+    t, h, _ = v.shape
+    v32 = v.float()
+    q = torch.empty(v.shape, dtype=torch.float8_e4m3fn)
+    if scope == "per_tensor":
+        groups = [((slice(None), slice(None)), ())]
+    elif scope == "per_layer_head":
+        groups = [((slice(None), slice(i, i + 1)), (i,)) for i in range(h)]
+    else:
+        groups = [
+            ((slice(p * ps, (p + 1) * ps), slice(i, i + 1)), (p, i))
+            for p in range(math.ceil(t / ps))
+            for i in range(h)
+        ]
+    shape = quant.scale_shape(ScaleScope[scope.upper()], t, h, ps)
+    scales = torch.empty(shape, dtype=torch.float32)
+    for sl, idx in groups:
+        a = v32[sl].abs().max()
+        s = (a.double() / 448.0).float() if a > 0 else torch.tensor(1.0)
+        scales[idx] = s
+        q[sl] = (v32[sl].double() / s.double()).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("vd", VDTYPES, ids=str)
+def test_quant_matches_manual_reference(scope, shape, vd):
+    t, h, d, ps = shape
+    _, v = _kv(t, h, d, vd=vd, seed=t)
+    s = quant.compute_scales(v, ScaleScope[scope.upper()], page_size=ps)
+    q = quant.quantize(v, s, ScaleScope[scope.upper()], page_size=ps)
+    q_ref, s_ref = _manual_reference(v, scope, ps)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kd", KDTYPES, ids=str)
+@pytest.mark.parametrize("vd", VDTYPES, ids=str)
+def test_roundtrip_shapes_and_exact_k(scope, shape, kd, vd):
+    t, h, d, ps = shape
+    k, v = _kv(t, h, d, kd, vd, seed=d)
+    blob = encode(k, v, scope=scope, page_size=ps)
+    p = parse(blob)
+    assert (p.header.kv_head_count, p.header.head_dim, p.header.chunk_size, p.header.page_size) == (h, d, t, ps)
+    raw = decode(blob)
+    assert raw.k.shape == (t, h, d) and raw.v.shape == (t, h, d)
+    assert torch.equal(raw.k.view(torch.uint8), k.view(torch.uint8))
+    assert raw.v.dtype == torch.float8_e4m3fn
+    for od in VDTYPES:
+        dq = decode(blob, out_v_dtype=od)
+        assert dq.v.dtype == od and dq.v.shape == (t, h, d)
+        # Error bound of e4m3 (3 mantissa bits): half an ulp, relative 2^-4, per group max.
+        s_tok = quant._token_scales(dq.scales, ScaleScope[scope.upper()], t, h, ps)
+        err = (dq.v.float() - v.float()).abs()
+        bound = v.float().abs() * 2**-4 + s_tok * 2**-9 + 1e-2 * v.float().abs() + 1e-6
+        assert bool((err <= bound).all())
+
+
+def test_dequant_is_q_times_scale():
+    k, v = _kv(33, 2, 16, seed=3)
+    blob = encode(k, v, scope="per_page_head", page_size=8)
+    raw = decode(blob)
+    dq = decode(blob, out_v_dtype=torch.float32).v
+    s_tok = raw.scales.repeat_interleave(8, 0)[:33].unsqueeze(-1)
+    assert torch.equal(dq, raw.v.float() * s_tok)
+
+
+@pytest.mark.skipif(not VECTORS.is_dir(), reason="../shared/vectors not present")
+def test_codec_vectors_reproduced_byte_for_byte():
+    manifest = json.loads((VECTORS / "manifest.json").read_text())
+    n = 0
+    for vec in manifest["vectors"]:
+        if vec["kind"] != "codec":
+            continue
+        dt = getattr(torch, vec["input_dtype"])
+        k = torch.frombuffer(bytearray((VECTORS / f"{vec['name']}.k").read_bytes()), dtype=dt)
+        v = torch.frombuffer(bytearray((VECTORS / f"{vec['name']}.v").read_bytes()), dtype=dt)
+        k, v = k.view(vec["input_shape"]), v.view(vec["input_shape"])
+        blob = encode(
+            k,
+            v,
+            scope=vec["scale_scope"],
+            page_size=vec["page_size"],
+            hashes=vec["hashes"],
+            layer_id=vec["layer_id"],
+            chunk_id=vec["chunk_id"],
+            chunk_size=vec["chunk_size"],
+        )
+        ref = (VECTORS / f"{vec['name']}.blob").read_bytes()
+        assert bytes(blob) == ref, vec["name"]
+        assert torch.equal(decode(ref).k.view(torch.uint8), k.view(torch.uint8))
+        n += 1
+    assert n == 3
+
+
+def test_paged_input_equals_token_major():
+    k, v = _kv(64, 4, 32, seed=5)
+    a = encode(k, v, scope="per_page_head", page_size=16)
+    b = encode(k.view(4, 16, 4, 32), v.view(4, 16, 4, 32), scope="per_page_head")
+    assert a == b
+
+
+@pytest.mark.parametrize("order", [(1, 0, 2), (2, 0, 1, 3), (0, 2, 1, 3)])
+def test_arbitrary_layouts(order):
+    """head/page axes in any order (page after head too) give the token-major blob."""
+    k, v = _kv(48, 3, 16, seed=7)
+    ref = encode(k, v, scope="per_page_head", page_size=16)
+    if len(order) == 3:  # [heads, tokens, dim]
+        kk, vv = k.permute(order), v.permute(order)
+        got = encode(kk, vv, scope="per_page_head", page_size=16, head_axis=0)
+    else:
+        # paged [pages, slots, heads, dim] permuted; name the axes where they land
+        kp, vp = k.view(3, 16, 3, 16), v.view(3, 16, 3, 16)
+        kk, vv = kp.permute(order), vp.permute(order)
+        head_axis, page_axis = order.index(2), order.index(0)
+        got = encode(kk, vv, scope="per_page_head", head_axis=head_axis, page_axis=page_axis)
+    assert got == ref
+
+
+def test_noncontiguous_slice_encodes_only_its_bytes():
+    kv = torch.randn(2, 40, 2, 16).half()
+    blob = encode(kv[0], kv[1], scope="per_layer_head")
+    assert parse(blob).header.k_payload_len == 40 * 2 * 16 * 2
+    assert torch.equal(decode(blob).k, kv[0])
+    assert blob == encode(kv[0].clone(), kv[1].clone(), scope="per_layer_head")
+
+
+def test_decode_into_caller_buffers():
+    k, v = _kv(20, 2, 16, seed=9)
+    blob = encode(k, v, scope="per_page_head", page_size=8)
+    big_k = torch.zeros(2, 20, 2, 16, dtype=torch.float16)
+    big_v = torch.zeros(2, 20, 2, 16, dtype=torch.bfloat16)
+    res = decode(blob, out_k=big_k[1], out_v=big_v[0])
+    assert res.k.data_ptr() == big_k[1].data_ptr()
+    assert torch.equal(big_k[1], k)
+    assert torch.equal(big_v[0], decode(blob, out_v_dtype=torch.bfloat16).v)
+    assert not big_v[1].any()
+
+
+def test_decode_is_zero_copy_over_writable_buffer():
+    k, v = _kv(8, 2, 16, seed=1)
+    blob = encode(k, v, scope="per_tensor")
+    p = parse(blob)
+    res = decode(blob)
+    base = torch.frombuffer(blob, dtype=torch.uint8).data_ptr()
+    assert res.k.data_ptr() == base + p.header_len
+    assert res.v.data_ptr() == base + p.header_len + p.header.k_payload_len
+    copied = decode(blob, copy=True)
+    assert copied.k.data_ptr() != res.k.data_ptr()
+    ro = decode(bytes(blob))  # read-only source: one copy, no warning
+    assert torch.equal(ro.k, k)
+
+
+def test_hash_gate():
+    k, v = _kv(4, 1, 8)
+    blob = encode(k, v, scope="per_tensor", hashes={"model_id": "llama", "kv_layout": ""})
+    decode(blob, expected_hashes={"model_id": "llama"})
+    decode(blob, expected_hashes={"tokenizer_hash": "x"})  # empty in blob: wildcard
+    with pytest.raises(CodecMismatchError, match="model_id.*encoded='llama', expected='mistral'"):
+        decode(blob, expected_hashes=Hashes(model_id="mistral"))
+    with pytest.raises(CodecMismatchError, match="tokenizer_hash.*missing"):
+        decode(blob, expected_hashes={"tokenizer_hash": "x"}, strict_hashes=True)
+
+
+def test_nan_inf_refused_with_group_named():
+    k, v = _kv(32, 2, 8)
+    v[20, 1, 3] = float("nan")
+    with pytest.raises(UnsupportedConfigError, match="page 1, head 1"):
+        encode(k, v, scope="per_page_head", page_size=16)
+    v[20, 1, 3] = float("inf")
+    with pytest.raises(UnsupportedConfigError, match="head 1"):
+        encode(k, v, scope="per_layer_head")
+    with pytest.raises(UnsupportedConfigError, match="whole tensor"):
+        encode(k, v, scope="per_tensor")
+    blob = encode(k, v, scope="per_page_head", page_size=16, nonfinite="saturate")
+    raw = decode(blob)
+    assert raw.v[20, 1, 3].float().item() == 448.0
+    assert torch.isfinite(raw.scales).all()
+
+
+def test_empty_tensor_roundtrip():
+    k = torch.empty(0, 2, 16, dtype=torch.float16)
+    for scope in SCOPES:
+        blob = encode(k, k, scope=scope, page_size=4)
+        res = decode(blob, out_v_dtype=torch.float16)
+        assert res.k.shape == (0, 2, 16) and res.v.shape == (0, 2, 16)
+
+
+def test_external_scope():
+    k, v = _kv(16, 2, 8)
+    scales = torch.tensor([0.01, 0.02])
+    blob = encode(k, v, scope="external", scales=scales)
+    p = parse(blob)
+    assert p.header.scale_scope == ScaleScope.EXTERNAL and p.header.scale_payload_len == 0
+    raw = decode(blob)
+    assert raw.scales is None
+    with pytest.raises(UnsupportedConfigError, match="scales="):
+        decode(blob, out_v_dtype=torch.float16)
+    dq = decode(blob, out_v_dtype=torch.float32, scales=scales).v
+    assert torch.equal(dq, raw.v.float() * scales.view(1, 2, 1))
+    with pytest.raises(UnsupportedConfigError, match="needs the caller's scales"):
+        encode(k, v, scope="external")
+
+
+def test_raw_unit_scale_v2():
+    k, v = _kv(16, 2, 8)
+    v = v.clamp(-400, 400)
+    blob = encode(k, v, scope="raw")
+    p = parse(blob)
+    assert p.header.version == 2 and p.header.scale_scheme == ScaleScheme.UNIT
+    assert p.header.scale_scope == ScaleScope.NONE and p.header.scale_payload_len == 0
+    raw = decode(blob)
+    assert torch.equal(raw.v.view(torch.uint8), v.float().to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(decode(blob, out_v_dtype=torch.float32).v, raw.v.float())
+
+
+def test_e5m2_opt_in():
+    k, v = _kv(16, 2, 8)
+    with pytest.raises(UnsupportedConfigError, match="e5m2"):
+        encode(k, v, scope="per_tensor", v_dtype=torch.float8_e5m2)
+    blob = encode(k, v, scope="per_layer_head", v_dtype=torch.float8_e5m2, allow_e5m2=True)
+    raw = decode(blob)
+    assert raw.v.dtype == torch.float8_e5m2
+    amax = v.float().abs().amax(dim=(0, 2))
+    assert torch.equal(raw.scales, amax / 57344.0)
+
+
+def test_precomputed_fp8_passthrough():
+    k, v = _kv(32, 2, 16)
+    s = quant.compute_scales(v, ScaleScope.PER_PAGE_HEAD, page_size=16)
+    q = quant.quantize(v, s, ScaleScope.PER_PAGE_HEAD, page_size=16)
+    a = encode(k, v, scope="per_page_head", page_size=16)
+    b = encode(k, None, scope="per_page_head", page_size=16, precomputed_v_quant=q, precomputed_v_scales=s)
+    assert a == b
+    with pytest.raises(UnsupportedConfigError, match="requires precomputed_v_scales"):
+        encode(k, None, scope="per_page_head", page_size=16, precomputed_v_quant=q)
+    with pytest.raises(UnsupportedConfigError, match="dtype"):
+        encode(k, None, scope="per_page_head", page_size=16, precomputed_v_quant=q.view(torch.uint8),
+               precomputed_v_scales=s)
+    with pytest.raises(UnsupportedConfigError, match=r"expected \(2, 2\)"):
+        encode(k, None, scope="per_page_head", page_size=16, precomputed_v_quant=q,
+               precomputed_v_scales=s[:1])
+
+
+def test_no_k_blob():
+    _, v = _kv(8, 2, 8)
+    blob = encode(None, v, scope="per_tensor")
+    res = decode(blob, out_v_dtype=torch.float16)
+    assert res.k is None and res.v.shape == (8, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"k": torch.zeros(4, 2, 8), "v": torch.zeros(4, 2, 8).half()}, "K dtype"),
+        ({"k": torch.zeros(4, 2, 8).half(), "v": torch.zeros(4, 2, 9).half()}, "shapes must match"),
+        ({"k": torch.zeros(4, 2, 8).half(), "v": torch.zeros(4, 2, 8, dtype=torch.int32)}, "V dtype"),
+        ({"k": torch.zeros(8).half(), "v": torch.zeros(8).half()}, "3-D"),
+        ({"head_axis": 2}, "head_dim"),
+        ({"head_axis": 7}, "out of range"),
+        ({"scope": "per_page_head"}, "page_size"),
+        ({"scope": "bogus"}, "unknown scale scope"),
+        ({"page_size": 0}, "page_size must be >= 1"),
+        ({"kv_head_count": 3}, "kv_head_count=3"),
+        ({"chunk_size": 2}, "chunk_size=2"),
+        ({"scale_dtype": torch.int8}, "scale_dtype"),
+        ({"v_dtype": torch.float16}, "v_dtype must be"),
+        ({"backend": "cuda-magic"}, "unknown backend"),
+        ({"version": 3}, "version"),
+    ],
+)
+def test_bad_input_errors(kwargs, match):
+    base = {"k": torch.zeros(4, 2, 8).half(), "v": torch.zeros(4, 2, 8).half(), "scope": "per_tensor"}
+    base.update(kwargs)
+    k, v = base.pop("k"), base.pop("v")
+    with pytest.raises(UnsupportedConfigError, match=match):
+        encode(k, v, **base)
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("KVCODEC_BACKEND", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend(None, "cpu") == "torch"
+    monkeypatch.setenv("KVCODEC_BACKEND", "triton")
+    with pytest.raises(UnsupportedConfigError, match="TRITON_INTERPRET"):
+        resolve_backend(None, "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend(None, "cpu") == "triton"
+    assert resolve_backend("torch", "cpu") == "torch"
+
+
+def test_encode_layers():
+    ks = torch.randn(3, 16, 2, 8).half()
+    vs = torch.randn(3, 16, 2, 8).half()
+    blobs = encode_layers(ks, vs, scope="per_layer_head")
+    assert [parse(b).header.layer_id for b in blobs] == [0, 1, 2]
+    assert blobs[1] == encode(ks[1], vs[1], scope="per_layer_head", layer_id=1)
+
+
+def test_normalize_layout_views_without_copy():
+    x = torch.randn(4, 16, 2, 8)
+    y, lay = normalize_layout(x)
+    assert y.data_ptr() == x.data_ptr() and lay.page_size == 16 and y.shape == (64, 2, 8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.integers(0, 40),
+    h=st.integers(1, 4),
+    d=st.integers(1, 24),
+    ps=st.integers(1, 17),
+    scope=st.sampled_from(SCOPES),
+    seed=st.integers(0, 2**16),
+    kd=st.sampled_from(KDTYPES),
+)
+def test_roundtrip_property(t, h, d, ps, scope, seed, kd):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, h, d, generator=g).to(kd)
+    v = (torch.randn(t, h, d, generator=g) * torch.rand(1, generator=g) * 100).to(kd)
+    blob = encode(k, v, scope=scope, page_size=ps)
+    res = decode(blob, out_v_dtype=torch.float32)
+    assert torch.equal(res.k.view(torch.uint8), k.view(torch.uint8))
+    q, s = _manual_reference(v, scope, ps) if t else (None, None)
+    if t:
+        assert torch.equal(decode(blob).v.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(res.scales, s)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_cuda_torch_backend_matches_cpu():
+    k, v = _kv(40, 4, 64, seed=11)
+    cpu = encode(k, v, scope="per_page_head", page_size=16, backend="torch")
+    gpu = encode(k.cuda(), v.cuda(), scope="per_page_head", page_size=16, backend="torch")
+    assert cpu == gpu
+    res = decode(cpu, device="cuda", out_v_dtype=torch.float16, backend="torch")
+    assert res.v.is_cuda and torch.equal(res.v.cpu(), decode(cpu, out_v_dtype=torch.float16).v)
