@@ -1,0 +1,640 @@
+"""DirectoryStore: a crash-safe, size-bounded directory of LMCKV blobs.
+
+It is the embedded default place where a vLLM/LMCache connector keeps KV
+blobs: one file per key under one directory. Writes are atomic and durable
+(unique temp file, fsync, ``os.replace``, fsync of the directory), so a crash
+never leaves a final-named file with partial data. Reads ``mmap`` the file
+copy-on-write and verify it with :func:`kvcodec.format.parse` before handing
+it out, so damaged files are refused (and quarantined), never returned.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+from .errors import CorruptEncodedKVError, UnsupportedConfigError
+from .format import HASH_KEYS, Hashes, parse
+
+try:  # POSIX: flock tells a live writer's temp file from a dead one's.
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["MAX_KEY_LEN", "QUARANTINE_DIRNAME", "DirectoryStore", "InvalidKeyError", "validate_key"]
+
+QUARANTINE_DIRNAME = ".quarantine"
+"""Subdirectory of the store root that receives corrupt files."""
+
+MAX_KEY_LEN = 200
+"""Longest key, so that key-derived file names stay under NAME_MAX (255)."""
+
+_KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+_TMP_PREFIX = ".tmp."
+_KEY_DOMAIN = b"kvcodec.store.key.v1\x00"
+
+
+class InvalidKeyError(UnsupportedConfigError, ValueError):
+    """A key that cannot name a store file (empty, too long, unsafe characters, leading dot)."""
+
+
+def validate_key(key: Any) -> str:
+    """Return ``key`` if it is a safe store key, else raise :class:`InvalidKeyError`.
+
+    Keys become file names, so they are 1..200 characters of ``[A-Za-z0-9._-]``
+    and may not start with a dot (dot names are the store's own: temp files and
+    the quarantine directory).
+    """
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"store key must be a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("store key is empty")
+    if len(key) > MAX_KEY_LEN:
+        raise InvalidKeyError(f"store key is {len(key)} characters; at most {MAX_KEY_LEN}")
+    if not _KEY_RE.fullmatch(key):
+        raise InvalidKeyError(f"store key {key!r} must use only [A-Za-z0-9._-] and must not start with '.'")
+    return key
+
+
+def _byte_view(blob: Any) -> memoryview:
+    """``blob`` as a flat, C-contiguous byte view (no copy)."""
+    try:
+        mv = memoryview(blob)
+    except TypeError:
+        raise UnsupportedConfigError(f"blob must be a bytes-like buffer, got {type(blob).__name__}") from None
+    if not mv.c_contiguous:
+        raise UnsupportedConfigError("blob buffer must be C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (pid namespace)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:  # pragma: no cover - e.g. platforms without signals
+        return True
+    return True
+
+
+class _Entry:
+    """Size and recency stamp (the file's mtime in ns) of one stored blob."""
+
+    __slots__ = ("size", "stamp")
+
+    def __init__(self, stamp: int, size: int) -> None:
+        self.stamp = stamp
+        self.size = size
+
+
+class DirectoryStore:
+    """Key → LMCKV blob store in one directory, with atomic writes and LRU eviction.
+
+    Layout: ``root/<key>`` holds a blob; ``root/.tmp.<pid>.<tid>.<random>`` are
+    writes in progress; ``root/.quarantine/`` receives files that failed
+    verification. Keys never start with a dot, so neither is ever listed.
+
+    Guarantees:
+
+    * ``put`` writes a uniquely named temp file (``O_EXCL``), fsyncs it,
+      ``os.replace``-s it onto the key and fsyncs the directory (``fsync=True``).
+      Readers and a crash at any point see either the old blob or the new one,
+      complete; concurrent writers of a key (threads or processes) leave exactly
+      one of the written blobs (last rename wins).
+    * ``get`` maps the file with ``mmap.ACCESS_COPY`` (no up-front copy; the
+      view is writable, writes never reach the file) and, with ``verify=True``,
+      checks it with :func:`~kvcodec.format.parse` including the CRC. A damaged,
+      truncated or empty file raises :class:`CorruptEncodedKVError` naming key
+      and file and is moved to ``.quarantine/`` (deleted if ``quarantine=False``).
+    * Temp files left by crashed writers are removed when the directory is
+      scanned (on open, ``refresh``, ``keys``): only those whose writer no longer
+      holds the file's ``flock`` and whose pid is dead or that are older than
+      ``stale_temp_s``.
+
+    Size bound and its limits: each instance keeps an index (size and recency
+    per key) rebuilt from the directory on open, ``refresh()`` and ``keys()``.
+    Recency is the file's mtime: ``put`` and ``get`` set it (``os.utime``), so
+    another process or a reopened store rebuilds the same LRU order. With
+    ``max_bytes``, ``put`` evicts least-recently-used blobs until the new total
+    fits, rescanning first when the index is older than ``rescan_interval_s``
+    (an O(number of files) ``scandir``; 0 rescans on every bounded ``put``).
+    Blobs that other processes wrote since the last scan are not counted, so the
+    directory can exceed ``max_bytes`` by what they wrote in between; the temp
+    file being written is also not counted. ``total_bytes`` is this instance's
+    view. Filesystems with coarse timestamps make LRU order approximate.
+    Quarantined files are neither counted nor evicted; empty ``.quarantine/``
+    yourself. Durability across power loss needs ``fsync=True``; without it a
+    crash of the machine (not the process) may lose recent puts.
+
+    POSIX only in spirit (Windows cannot replace a mapped file). Never modify
+    stored files in place: a file truncated under a live mapping raises SIGBUS
+    on access. Open a new store in a forked child rather than reusing the
+    parent's instance. Case-insensitive filesystems fold keys that differ only
+    in case. I/O failures (disk full, permissions) propagate as ``OSError``.
+    """
+
+    _WRITE_CHUNK = 8 << 20
+    """Bytes per ``os.write`` call (tests shrink it to get more crash points)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        verify: bool = True,
+        fsync: bool = True,
+        quarantine: bool = True,
+        rescan_interval_s: float = 5.0,
+        stale_temp_s: float = 60.0,
+    ) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)):
+            raise UnsupportedConfigError(f"max_bytes must be an int or None, got {max_bytes!r}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise UnsupportedConfigError(f"max_bytes must be positive, got {max_bytes}")
+        self._root = os.path.abspath(os.fspath(root))
+        self._max_bytes = max_bytes
+        self._verify = bool(verify)
+        self._fsync = bool(fsync)
+        self._quarantine = bool(quarantine)
+        self._rescan_interval_s = float(rescan_interval_s)
+        self._stale_temp_s = float(stale_temp_s)
+        self._lock = threading.RLock()
+        self._index: OrderedDict[str, _Entry] = OrderedDict()
+        self._total = 0
+        self._last_scan = 0.0
+        self._last_stamp = 0
+        self._closed = False
+        self._crash_hook: Callable[[str], None] | None = None
+        """Test seam: called at each write step ("open", "write", "fsync", "replace", "done")."""
+        os.makedirs(self._root, exist_ok=True)
+        if self._quarantine:
+            os.makedirs(self.quarantine_dir, exist_ok=True)
+        self.refresh()
+
+    # ------------------------------------------------------------------ keys
+
+    @staticmethod
+    def make_key(
+        hashes: Hashes | Mapping[str, str | None],
+        layer_id: int,
+        chunk_id: int,
+        *,
+        chunk_hash: str = "",
+    ) -> str:
+        """Stable key ``"<model16>-L<layer>-C<chunk>[-H<chunk_hash>]"``.
+
+        ``model16`` is the first 16 hex digits of SHA-256 over a domain tag and
+        the six identity strings (in :data:`~kvcodec.format.HASH_KEYS` order,
+        each UTF-8 with a 4-byte big-endian length prefix), so blobs of
+        different models, tokenizers or layouts never share a key.
+        """
+        h = Hashes.coerce(hashes)
+        for name, val in (("layer_id", layer_id), ("chunk_id", chunk_id)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise UnsupportedConfigError(f"{name} must be an int >= 0, got {val!r}")
+        md = hashlib.sha256(_KEY_DOMAIN)
+        for k in HASH_KEYS:
+            raw = getattr(h, k).encode("utf-8")
+            md.update(len(raw).to_bytes(4, "big"))
+            md.update(raw)
+        key = f"{md.hexdigest()[:16]}-L{layer_id}-C{chunk_id}"
+        if chunk_hash != "":
+            key += f"-H{chunk_hash}"
+        return validate_key(key)
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def root(self) -> str:
+        """Absolute path of the store directory."""
+        return self._root
+
+    @property
+    def quarantine_dir(self) -> str:
+        """Where corrupt files are moved (``root/.quarantine``)."""
+        return os.path.join(self._root, QUARANTINE_DIRNAME)
+
+    @property
+    def max_bytes(self) -> int | None:
+        """Size bound in bytes, or None for unbounded."""
+        return self._max_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all blobs in this instance's index (see the class docstring's limits)."""
+        with self._lock:
+            return self._total
+
+    # ------------------------------------------------------------ public API
+
+    def put(self, key: str, blob: Any) -> None:
+        """Store ``blob`` (any bytes-like buffer) under ``key``, atomically and durably.
+
+        With ``verify=True`` the blob must parse as LMCKV (else
+        :class:`CorruptEncodedKVError`); trailing bytes after a v1 payload are
+        dropped. A blob larger than ``max_bytes`` raises
+        :class:`UnsupportedConfigError`. May evict least-recently-used blobs.
+        """
+        validate_key(key)
+        self._check_open()
+        data = _byte_view(blob)
+        if self._verify:
+            try:
+                data = parse(data).blob
+            except CorruptEncodedKVError as e:
+                raise CorruptEncodedKVError(
+                    f"refusing to store {key!r}: not a valid LMCKV blob: {e}"
+                ) from None
+        n = len(data)
+        if n == 0:
+            raise UnsupportedConfigError(f"refusing to store an empty blob under {key!r}")
+        if self._max_bytes is not None and n > self._max_bytes:
+            raise UnsupportedConfigError(
+                f"blob for {key!r} is {n} bytes, larger than the store's max_bytes={self._max_bytes}"
+            )
+        path = self._path(key)
+        fd, tmp = self._create_temp()
+        tmp_pending = True
+        try:
+            self._hook("open")
+            self._write_all(fd, data)
+            if self._fsync:
+                os.fsync(fd)
+            self._hook("fsync")
+            with self._lock:
+                self._make_room(key, n)
+                stamp = self._next_stamp()
+                try:
+                    os.utime(fd, ns=(stamp, stamp))
+                except OSError:  # pragma: no cover - filesystems refusing explicit times
+                    pass
+                os.replace(tmp, path)
+                tmp_pending = False
+                self._record(key, stamp, n)
+            self._hook("replace")
+        finally:
+            if tmp_pending:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            os.close(fd)  # releases the flock only after the rename
+        if self._fsync:
+            self._fsync_dir(self._root)
+        self._hook("done")
+
+    def get(self, key: str) -> memoryview:
+        """The blob under ``key``: a writable, copy-on-write memoryview over an mmap of its file.
+
+        Raises :class:`KeyError` if absent and :class:`CorruptEncodedKVError`
+        (after quarantining the file) if it is damaged. With ``verify=False``
+        only the CRC is skipped; the header is still bounds-checked.
+        """
+        validate_key(key)
+        self._check_open()
+        for attempt in range(3):
+            view = self._read(key, retry=attempt < 2)
+            if view is not None:
+                return view
+        raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
+
+    def _read(self, key: str, *, retry: bool) -> memoryview | None:
+        """One ``get`` attempt; None when a damaged file was replaced meanwhile (and ``retry``)."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            self._forget(key)
+            raise KeyError(key) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyError(key)
+            reason = None
+            if st.st_size == 0:
+                reason = "file is empty"
+            else:
+                mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+                try:
+                    parsed = parse(mm, verify_crc=self._verify)
+                except CorruptEncodedKVError as e:
+                    reason = str(e)
+                if reason is not None:  # outside the handler, so parse's views are released
+                    try:
+                        mm.close()
+                    except BufferError:  # pragma: no cover - a view still alive; GC frees it
+                        pass
+            if reason is not None:
+                where, replaced = self._discard(path, st)
+                if replaced and retry:
+                    return None
+                if not replaced:
+                    self._forget(key)
+                raise CorruptEncodedKVError(f"stored blob {key!r} at {path} is corrupt: {reason}; {where}")
+            with self._lock:
+                stamp = self._next_stamp()
+                try:
+                    os.utime(fd, ns=(stamp, stamp))
+                except OSError:  # not the owner / read-only mount: recency stays in memory
+                    pass
+                self._record(key, stamp, st.st_size)
+        finally:
+            os.close(fd)
+        return parsed.blob
+
+    def contains(self, key: str) -> bool:
+        """Whether a file exists for ``key`` (not verified: ``get`` may still find it corrupt)."""
+        validate_key(key)
+        self._check_open()
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def __contains__(self, key: object) -> bool:
+        return self.contains(key)  # type: ignore[arg-type]
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if a file was removed."""
+        validate_key(key)
+        self._check_open()
+        with self._lock:
+            try:
+                os.unlink(self._path(key))
+                removed = True
+            except FileNotFoundError:
+                removed = False
+            self._forget(key)
+        if removed and self._fsync:
+            self._fsync_dir(self._root)
+        return removed
+
+    def keys(self) -> list[str]:
+        """Sorted keys present in the directory (rescans it, so other processes' writes show)."""
+        self._check_open()
+        with self._lock:
+            self._scan_locked()
+            return sorted(self._index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def refresh(self) -> None:
+        """Rebuild the index (sizes, LRU order from mtimes) from the directory; drop dead temps."""
+        self._check_open()
+        with self._lock:
+            self._scan_locked()
+
+    def close(self) -> None:
+        """Mark the store closed. Views returned by ``get`` stay valid (they own their maps)."""
+        self._closed = True
+
+    def __enter__(self) -> DirectoryStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"DirectoryStore({self._root!r}, max_bytes={self._max_bytes}, verify={self._verify}, "
+            f"fsync={self._fsync}, total_bytes={self._total})"
+        )
+
+    # ------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UnsupportedConfigError(f"store at {self._root} is closed")
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._root, key)
+
+    def _hook(self, stage: str) -> None:
+        if self._crash_hook is not None:
+            self._crash_hook(stage)
+
+    def _next_stamp(self) -> int:
+        """Strictly increasing wall-clock ns (caller holds the lock)."""
+        t = time.time_ns()
+        if t <= self._last_stamp:
+            t = self._last_stamp + 1
+        self._last_stamp = t
+        return t
+
+    def _create_temp(self) -> tuple[int, str]:
+        """Create, open and flock a fresh temp file; return (fd, path)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        for _ in range(100):
+            name = f"{_TMP_PREFIX}{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(8)}"
+            path = os.path.join(self._root, name)
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileExistsError:  # pragma: no cover - 64 random bits collided
+                continue
+            if fcntl is None:  # pragma: no cover - Windows
+                return fd, path
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A scanner may have removed the file between O_EXCL and flock
+            # (only possible when it thinks our pid is dead): check it is still ours.
+            try:
+                same = os.path.samestat(os.stat(path), os.fstat(fd))
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd, path
+            os.close(fd)  # pragma: no cover - lost the race with a scanner; retry
+        raise OSError(errno.EEXIST, "could not create a unique temp file", self._root)  # pragma: no cover
+
+    def _write_all(self, fd: int, data: memoryview) -> None:
+        off, n, step = 0, len(data), self._WRITE_CHUNK
+        while off < n:
+            off += os.write(fd, data[off : off + step])
+            self._hook("write")
+
+    def _fsync_dir(self, path: str) -> None:
+        try:
+            dfd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:  # pragma: no cover - platforms that cannot open directories
+            return
+        try:
+            os.fsync(dfd)
+        except OSError:  # pragma: no cover - filesystems without directory fsync
+            pass
+        finally:
+            os.close(dfd)
+
+    def _record(self, key: str, stamp: int, size: int) -> None:
+        """Set key's entry and make it most recent (caller holds the lock)."""
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._total -= old.size
+        self._index[key] = _Entry(stamp, size)
+        self._total += size
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._total -= old.size
+
+    def _make_room(self, key: str, n: int) -> None:
+        """Evict LRU blobs (never ``key``) until ``n`` bytes under ``key`` fit (caller holds the lock)."""
+        if self._max_bytes is None:
+            return
+        limit = self._max_bytes
+
+        def need() -> bool:
+            cur = self._index.get(key)
+            return self._total - (cur.size if cur else 0) + n > limit
+
+        if time.monotonic() - self._last_scan >= self._rescan_interval_s:
+            self._scan_locked()  # count what other processes wrote or removed meanwhile
+        if not need():
+            return
+        budget = 2 * len(self._index) + 2
+        while need() and budget > 0:
+            budget -= 1
+            victim = next((k for k in self._index if k != key), None)
+            if victim is None:
+                break
+            entry = self._index[victim]
+            vpath = self._path(victim)
+            try:
+                st = os.stat(vpath)
+            except FileNotFoundError:
+                self._forget(victim)
+                continue
+            if st.st_mtime_ns > entry.stamp:
+                # Another process used or rewrote it since our scan: it is recent.
+                self._record(victim, st.st_mtime_ns, st.st_size)
+                continue
+            try:
+                os.unlink(vpath)
+            except FileNotFoundError:
+                pass
+            self._forget(victim)
+
+    def _scan_locked(self) -> None:
+        """Rebuild the index from the directory and remove dead temps (caller holds the lock)."""
+        found: list[tuple[int, str, int]] = []
+        with os.scandir(self._root) as it:
+            for de in it:
+                name = de.name
+                if name.startswith(_TMP_PREFIX):
+                    self._maybe_remove_temp(name)
+                    continue
+                if name.startswith(".") or len(name) > MAX_KEY_LEN or not _KEY_RE.fullmatch(name):
+                    continue
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime_ns, name, st.st_size))
+        found.sort()
+        self._index = OrderedDict((name, _Entry(mt, size)) for mt, name, size in found)
+        self._total = sum(size for _, _, size in found)
+        if found:
+            self._last_stamp = max(self._last_stamp, found[-1][0])
+        self._last_scan = time.monotonic()
+
+    def _maybe_remove_temp(self, name: str) -> None:
+        """Unlink a temp file whose writer is gone (flock free, and pid dead or stale)."""
+        path = os.path.join(self._root, name)
+        parts = name[len(_TMP_PREFIX) :].split(".")
+        try:
+            pid = int(parts[0])
+        except (ValueError, IndexError):
+            pid = -1
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    return  # a live writer holds it
+            age = time.time() - os.fstat(fd).st_mtime
+            if _pid_alive(pid) and age < self._stale_temp_s:
+                return
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        finally:
+            os.close(fd)
+
+    def _discard(self, path: str, st: os.stat_result) -> tuple[str, bool]:
+        """Quarantine (or delete) ``path`` if it is still the inode ``st``.
+
+        Returns what happened and whether a writer had replaced the file (so the
+        caller may read the new one). A file renamed in between our check and
+        our rename is put back with ``link`` (which never clobbers a newer one).
+        """
+        try:
+            cur = os.stat(path)
+        except FileNotFoundError:
+            return "file already gone", False
+        if not os.path.samestat(cur, st):
+            return "a writer has replaced it since", True
+        if self._quarantine:
+            os.makedirs(self.quarantine_dir, exist_ok=True)
+            dest = os.path.join(
+                self.quarantine_dir, f"{os.path.basename(path)}.{time.time_ns()}.{secrets.token_hex(4)}"
+            )
+        else:
+            dest = os.path.join(
+                self._root, f"{_TMP_PREFIX}{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(8)}"
+            )
+        try:
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return "file already gone", False
+        try:
+            moved = os.stat(dest)
+        except FileNotFoundError:  # a scanner removed our .tmp-named file: same outcome
+            return "deleted", False
+        if not os.path.samestat(moved, st):
+            try:
+                os.link(dest, path)
+            except FileExistsError:
+                pass
+            os.unlink(dest)
+            return "a writer has replaced it since", True
+        if not self._quarantine:
+            os.unlink(dest)
+            return "deleted", False
+        if self._fsync:
+            self._fsync_dir(self.quarantine_dir)
+            self._fsync_dir(self._root)
+        return f"moved to {dest}", False
