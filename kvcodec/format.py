@@ -15,6 +15,7 @@ memoryviews into the caller's buffer; nothing of the payload is copied.
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -86,6 +87,10 @@ MAX_HASH_STR = 0xFFFF
 """Longest hash key or value in bytes (u16 length prefix)."""
 
 SUPPORTED_VERSIONS = (1, 2)
+
+_I64_MAX = (1 << 63) - 1
+# Layout fields and the smallest value each may take (-1 always means unset).
+_LAYOUT_MINIMUMS = (("chunk_size", 0), ("page_size", 1), ("kv_head_count", 1), ("head_dim", 1))
 
 
 class ScaleScope(IntEnum):
@@ -242,7 +247,13 @@ def _hash_pairs(h: Header) -> list[tuple[bytes, bytes]]:
     out = []
     for k in HASH_KEYS:
         kb = k.encode()
-        vb = (getattr(h.hashes, k) or "").encode("utf-8")
+        val = getattr(h.hashes, k) or ""
+        if not isinstance(val, str):
+            raise UnsupportedConfigError(f"hash {k!r} is a {type(val).__name__}; expected str")
+        try:
+            vb = val.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UnsupportedConfigError(f"hash {k!r} cannot be encoded as UTF-8: {e.reason}") from None
         if len(vb) > MAX_HASH_STR:
             raise UnsupportedConfigError(
                 f"hash {k!r} is {len(vb)} bytes in UTF-8; at most {MAX_HASH_STR} fit"
@@ -259,20 +270,60 @@ def header_size(h: Header) -> int:
     return n + 4
 
 
+def _as_int(name: str, value: Any) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise UnsupportedConfigError(f"{name} is a {type(value).__name__}; expected an int") from None
+
+
 def _check_writable_header(h: Header) -> None:
+    """Refuse (UnsupportedConfigError) any field the parser would refuse or struct cannot pack."""
     if h.version not in SUPPORTED_VERSIONS:
         raise UnsupportedConfigError(f"header version {h.version} unsupported; expected 1 or 2")
-    if h.version == 1 and (h.scale_scope == ScaleScope.NONE or h.scale_scheme != ScaleScheme.COMPUTED):
+    try:
+        scope = ScaleScope(h.scale_scope)
+    except ValueError:
         raise UnsupportedConfigError(
-            "scale scope NONE and scale scheme UNIT need header version 2; got version 1"
+            f"scale_scope {h.scale_scope!r} unknown; expected one of {[s.name for s in ScaleScope]}"
+        ) from None
+    try:
+        scheme = ScaleScheme(h.scale_scheme)
+    except ValueError:
+        raise UnsupportedConfigError(
+            f"scale_scheme {h.scale_scheme!r} unknown; expected one of {[s.name for s in ScaleScheme]}"
+        ) from None
+    if h.version == 1 and (scope == ScaleScope.NONE or scheme != ScaleScheme.COMPUTED):
+        raise UnsupportedConfigError(
+            "scale scope NONE and scale scheme UNIT need header version 2; got version 1 with "
+            f"scope {scope.name} and scheme {scheme.name}"
         )
+    if not isinstance(h.hashes, Hashes):
+        raise UnsupportedConfigError(
+            f"hashes is a {type(h.hashes).__name__}; expected Hashes (see Hashes.coerce)"
+        )
+    for name in ("layer_id", "chunk_id"):
+        v = _as_int(name, getattr(h, name))
+        if not -1 <= v <= _I64_MAX:
+            raise UnsupportedConfigError(f"{name}={v} out of range: expected -1 (unset) or 0..{_I64_MAX}")
+    for name, minimum in _LAYOUT_MINIMUMS:
+        v = _as_int(name, getattr(h, name))
+        if v != -1 and not minimum <= v <= MAX_DIM:
+            raise UnsupportedConfigError(
+                f"{name}={v} out of range: expected -1 (unset) or {minimum}..{MAX_DIM}"
+            )
     if len(h.scale_shape) > MAX_SCALE_DIMS:
         raise UnsupportedConfigError(
             f"scale_shape has {len(h.scale_shape)} dims; at most {MAX_SCALE_DIMS}"
         )
+    for i, d in enumerate(h.scale_shape):
+        d = _as_int(f"scale_shape[{i}]", d)
+        if not 0 <= d <= MAX_DIM:
+            raise UnsupportedConfigError(f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}")
     for name in ("k_payload_len", "v_payload_len", "scale_payload_len"):
-        if not 0 <= getattr(h, name) <= MAX_PAYLOAD_LEN:
-            raise UnsupportedConfigError(f"{name}={getattr(h, name)} outside 0..{MAX_PAYLOAD_LEN}")
+        v = _as_int(name, getattr(h, name))
+        if not 0 <= v <= MAX_PAYLOAD_LEN:
+            raise UnsupportedConfigError(f"{name}={v} outside 0..{MAX_PAYLOAD_LEN}")
 
 
 def pack_header_into(buf: Any, h: Header, crc: int) -> int:
@@ -281,7 +332,9 @@ def pack_header_into(buf: Any, h: Header, crc: int) -> int:
     ``buf`` is any writable buffer at least :func:`header_size` long.
     """
     _check_writable_header(h)
-    mv = memoryview(buf).cast("B")
+    mv = _as_bytes_view(buf)
+    if mv.readonly:
+        raise UnsupportedConfigError(f"cannot write a header into read-only {type(buf).__name__}")
     size = header_size(h)
     if len(mv) < size:
         raise UnsupportedConfigError(f"buffer of {len(mv)} bytes cannot hold a {size}-byte header")
@@ -349,7 +402,7 @@ def serialize_header(h: Header, payload: Iterable[Any] | None = None, *, crc: in
     mv = memoryview(buf)
     crc_off = _pack_prefix(mv, h)
     if crc is None:
-        parts = [memoryview(p).cast("B") for p in (payload or ())]
+        parts = [_as_bytes_view(p) for p in (payload or ())]
         got = sum(len(p) for p in parts)
         if got != h.payload_len:
             raise UnsupportedConfigError(
@@ -363,10 +416,11 @@ def serialize_header(h: Header, payload: Iterable[Any] | None = None, *, crc: in
 
 def assemble(h: Header, k: Any = b"", v: Any = b"", scales: Any = b"") -> bytearray:
     """One buffer holding header and payload, with lengths and CRC filled in from the parts."""
-    parts = [memoryview(p).cast("B") for p in (k, v, scales)]
+    parts = [_as_bytes_view(p) for p in (k, v, scales)]
     h = h.replace(
         k_payload_len=len(parts[0]), v_payload_len=len(parts[1]), scale_payload_len=len(parts[2])
     )
+    _check_writable_header(h)
     hs = header_size(h)
     out = bytearray(hs + h.payload_len)
     mv = memoryview(out)
@@ -441,9 +495,14 @@ def _as_bytes_view(buf: Any) -> memoryview:
             f"expected a bytes-like buffer, got {type(buf).__name__}"
         ) from None
     if not mv.c_contiguous:
-        raise UnsupportedConfigError("blob buffer must be C-contiguous")
+        raise UnsupportedConfigError(f"buffer must be C-contiguous; got a strided {type(buf).__name__}")
     if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
+        try:
+            mv = mv.cast("B")
+        except (TypeError, ValueError) as e:
+            raise UnsupportedConfigError(
+                f"cannot view {type(buf).__name__} (format {mv.format!r}) as bytes: {e}"
+            ) from None
     return mv
 
 
@@ -570,13 +629,15 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False) -> ParsedB
         raise CorruptEncodedKVError(f"hash count {n_pairs} exceeds the limit of {MAX_HASH_PAIRS}")
     known: dict[str, str] = {}
     unknown: list[tuple[str, str]] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
     for i in range(n_pairs):
         key = r.string(f"hash key #{i}")
         val = r.string(f"hash value #{i} ({key!r})")
         if key in seen:
-            raise CorruptEncodedKVError(f"duplicate hash key {key!r} (pair #{i})")
-        seen.add(key)
+            raise CorruptEncodedKVError(
+                f"duplicate hash key {key!r}: pair #{i} repeats pair #{seen[key]}; expected unique keys"
+            )
+        seen[key] = i
         if key in HASH_KEYS:
             known[key] = val
         else:
@@ -657,7 +718,7 @@ def expected_scale_shape(scope: ScaleScope, tokens: int, heads: int, page_size: 
     if scope == ScaleScope.PER_LAYER_HEAD:
         return (heads,)
     if scope == ScaleScope.PER_PAGE_HEAD:
-        return (math.ceil(tokens / page_size), heads)
+        return (-(-tokens // page_size), heads)
     return None
 
 
@@ -717,7 +778,7 @@ def _check_consistency(h: Header) -> None:
             f"scale_shape {h.scale_shape} does not end in kv_head_count={heads}"
         )
     if h.scale_scope == ScaleScope.PER_PAGE_HEAD and tokens is not None and h.page_size > 0:
-        pages = math.ceil(tokens / h.page_size)
+        pages = -(-tokens // h.page_size)  # integer ceil: exact at any size
         if h.scale_shape[0] != pages:
             raise CorruptEncodedKVError(
                 f"scale_shape {h.scale_shape} has {h.scale_shape[0]} pages; {tokens} tokens "

@@ -1,0 +1,64 @@
+"""Parse throughput of a ~6 MiB LMCKV blob (CRC included), against zlib.crc32 of the same bytes.
+
+`make bench` runs these with --benchmark-enable; under the default --benchmark-disable
+they run once each, as plain tests.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec.crc import CRC_BACKEND, crc32
+from kvcodec.format import Hashes, Header, ScaleScope, assemble, parse
+
+TOKENS, HEADS, DIM, PAGE = 2048, 8, 128, 16
+
+
+@pytest.fixture(scope="module")
+def blob() -> bytearray:
+    rng = np.random.default_rng(0)
+    n = TOKENS * HEADS * DIM
+    k = rng.integers(0, 256, size=2 * n, dtype=np.uint8)  # fp16 K bytes
+    v = rng.integers(0, 256, size=n, dtype=np.uint8)  # fp8 V bytes
+    pages = -(-TOKENS // PAGE)
+    scales = rng.random((pages, HEADS), dtype=np.float32)
+    h = Header(
+        k_dtype=torch.float16,
+        v_dtype=torch.float8_e4m3fn,
+        scale_scope=ScaleScope.PER_PAGE_HEAD,
+        layer_id=0,
+        chunk_id=0,
+        chunk_size=TOKENS,
+        page_size=PAGE,
+        kv_head_count=HEADS,
+        head_dim=DIM,
+        scale_shape=(pages, HEADS),
+        hashes=Hashes(model_id="bench/model", kv_layout="NHD"),
+    )
+    return assemble(h, k, v, scales)
+
+
+def _record(benchmark, nbytes: int, crc_backend: str) -> None:
+    benchmark.extra_info["bytes"] = nbytes
+    benchmark.extra_info["crc_backend"] = crc_backend
+    if benchmark.stats:  # None under --benchmark-disable
+        benchmark.extra_info["GB/s"] = round(nbytes / benchmark.stats["mean"] / 1e9, 3)
+
+
+def test_bench_parse(benchmark, blob: bytearray) -> None:
+    assert 6 << 20 <= len(blob) < 7 << 20
+    p = benchmark(parse, blob)
+    assert p.header.num_tokens == TOKENS and len(p.payload) + p.header_len == len(blob)
+    _record(benchmark, len(blob), CRC_BACKEND)
+
+
+def test_bench_zlib_crc32(benchmark, blob: bytearray) -> None:
+    crc = benchmark(zlib.crc32, blob)
+    assert crc == crc32(blob)
+    p = parse(blob)
+    assert zlib.crc32(p.payload) == p.crc
+    _record(benchmark, len(blob), "zlib")

@@ -1,0 +1,31 @@
+"""Shared fixtures: the LMCKV test vectors in ../shared/vectors (never copied into the repo)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+VECTORS_DIR = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+
+
+@pytest.fixture(scope="session")
+def vectors_dir() -> Path:
+    """The test-vector folder; skips the test when it is absent."""
+    if not (VECTORS_DIR / "manifest.json").is_file():
+        pytest.skip(f"LMCKV test vectors not found at {VECTORS_DIR} (expected ../shared/vectors)")
+    return VECTORS_DIR
+
+
+@pytest.fixture(scope="session")
+def vector(vectors_dir: Path) -> Callable[[str], bytes]:
+    """``vector(name)``: the bytes of ``NAME`` (a full file name, or a vector name + ``.blob``)."""
+
+    def load(name: str) -> bytes:
+        path = vectors_dir / name
+        if not path.suffix:
+            path = path.with_suffix(".blob")
+        return path.read_bytes()
+
+    return load

@@ -1,0 +1,40 @@
+"""Importing kvcodec is cheap: no Triton, no CUDA initialisation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One fresh interpreter (torch's import dominates the cost), checked after each import.
+CHECK = textwrap.dedent(
+    """
+    import sys
+
+    def check(what):
+        triton = sorted(m for m in sys.modules if m == "triton" or m.startswith("triton."))
+        assert not triton, f"{what} imported {triton}"
+        torch = sys.modules.get("torch")
+        assert torch is None or not torch.cuda.is_initialized(), f"{what} initialised CUDA"
+
+    import kvcodec
+    check("import kvcodec")
+    import kvcodec.format
+    check("import kvcodec.format")
+    import kvcodec.kernels
+    check("import kvcodec.kernels")
+    import torch
+    assert not torch.cuda.is_initialized()
+    print("ok")
+    """
+)
+
+
+def test_import_pulls_no_triton_and_no_cuda() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
