@@ -12,8 +12,9 @@ import math
 import os
 import struct
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 

@@ -752,9 +752,16 @@ def _check_consistency(h: Header) -> None:
 
     scale_n = math.prod(h.scale_shape)
     expect_s = scale_n * h.scale_dtype.itemsize
-    no_scales = h.scale_scope in (ScaleScope.EXTERNAL, ScaleScope.NONE) or (
-        h.scale_scheme == ScaleScheme.UNIT
-    )
+    if h.scale_scope == ScaleScope.EXTERNAL and h.scale_scheme == ScaleScheme.COMPUTED:
+        # External scales live out of band; LMCache still stores them when the
+        # caller attached them, and then they must fill scale_shape exactly.
+        if h.scale_payload_len not in (0, expect_s):
+            raise CorruptEncodedKVError(
+                f"scale_payload_len={h.scale_payload_len} but an external scope stores either "
+                f"no scales (0) or all of scale_shape {h.scale_shape} of {h.scale_dtype} ({expect_s})"
+            )
+        return
+    no_scales = h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT
     if no_scales:
         if h.scale_payload_len:
             raise CorruptEncodedKVError(

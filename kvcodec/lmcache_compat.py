@@ -16,7 +16,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, Optional, Tuple, Union
+from typing import Any, ClassVar
 
 import torch
 
@@ -72,7 +72,7 @@ class CodecHashes:
     attention_backend: str = ""
     kv_layout: str = ""
 
-    _CHECK_ORDER: ClassVar[Tuple[str, ...]] = _fmt.HASH_KEYS
+    _CHECK_ORDER: ClassVar[tuple[str, ...]] = _fmt.HASH_KEYS
 
 
 @dataclass
@@ -90,12 +90,12 @@ class EncodedKV:
     page_size: int = -1
     kv_head_count: int = -1
     head_dim: int = -1
-    scale_shape: Tuple[int, ...] = ()
+    scale_shape: tuple[int, ...] = ()
     k_payload_len: int = 0
     v_payload_len: int = 0
     scale_payload_len: int = 0
-    payload: Union[bytes, memoryview] = b""
-    header_bytes: Optional[bytes] = None
+    payload: bytes | memoryview = b""
+    header_bytes: bytes | None = None
     version: int = 1
     scale_scheme: ScaleScheme = ScaleScheme.COMPUTED
     # The whole blob kvcodec built or parsed, for a one-copy ``to_bytes``.
@@ -194,7 +194,7 @@ def _fp8_max(dtype: torch.dtype) -> float:
 
 
 def _canon(
-    x: torch.Tensor, scope: ScaleScope, head_axis: int, page_axis: Optional[int], who: str
+    x: torch.Tensor, scope: ScaleScope, head_axis: int, page_axis: int | None, who: str
 ) -> tuple[torch.Tensor, tuple[int, ...], list[int]]:
     """View ``x`` as kvcodec's [tokens, heads, dim] such that LMCache's groups map onto ours.
 
@@ -231,7 +231,7 @@ def compute_v_scales(
     *,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     head_axis: int = -2,
-    page_axis: Optional[int] = None,
+    page_axis: int | None = None,
 ) -> torch.Tensor:
     """fp32 scales of ``v``: () per tensor, (heads,) per layer-head, (pages, heads) per page-head."""
     _fp8_max(fp8_dtype)
@@ -261,7 +261,7 @@ def quantize_v_fp8(
     *,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     head_axis: int = -2,
-    page_axis: Optional[int] = None,
+    page_axis: int | None = None,
 ) -> torch.Tensor:
     """FP8 of ``v`` under ``scales`` (saturating), same shape as ``v``."""
     _fp8_max(fp8_dtype)
@@ -281,7 +281,7 @@ def dequantize_v_fp8(
     *,
     out_dtype: torch.dtype = torch.float16,
     head_axis: int = -2,
-    page_axis: Optional[int] = None,
+    page_axis: int | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_v_fp8`, in ``out_dtype``."""
     if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
@@ -331,7 +331,7 @@ class AsymK16V8Codec:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        hashes: Optional[CodecHashes] = None,
+        hashes: CodecHashes | None = None,
         layer_id: int = -1,
         chunk_id: int = -1,
         chunk_size: int = -1,
@@ -339,9 +339,9 @@ class AsymK16V8Codec:
         kv_head_count: int = -1,
         head_dim: int = -1,
         head_axis: int = -2,
-        page_axis: Optional[int] = None,
-        precomputed_v_scales: Optional[torch.Tensor] = None,
-        precomputed_v_quant: Optional[torch.Tensor] = None,
+        page_axis: int | None = None,
+        precomputed_v_scales: torch.Tensor | None = None,
+        precomputed_v_quant: torch.Tensor | None = None,
     ) -> EncodedKV:
         """Encode (K, V) into an EncodedKV; unset layout fields are filled from the tensors."""
         if k.shape != v.shape:
@@ -407,7 +407,7 @@ class AsymK16V8Codec:
             return bytes(blob)
         return enc.header_bytes + bytes(enc.payload)
 
-    def from_bytes(self, buf: Any, *, expected_hashes: Optional[CodecHashes] = None) -> EncodedKV:
+    def from_bytes(self, buf: Any, *, expected_hashes: CodecHashes | None = None) -> EncodedKV:
         """Parse a blob; a non-empty hash mismatch raises CodecMismatchError."""
         enc = deserialize_header(buf)
         if expected_hashes is not None:
@@ -422,10 +422,10 @@ class AsymK16V8Codec:
         self,
         enc: EncodedKV,
         *,
-        out_k_dtype: Optional[torch.dtype] = None,
-        out_v_dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out_k_dtype: torch.dtype | None = None,
+        out_v_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K, V raw or dequantized, scales); shaped [tokens, heads, head_dim] when the header says."""
         if out_v_dtype is not None and out_v_dtype != enc.v_dtype and not out_v_dtype.is_floating_point:
             raise UnsupportedConfigError(f"decode: out_v_dtype {out_v_dtype} is not floating-point")
@@ -457,7 +457,7 @@ class AsymK16V8Codec:
         return k, v, scales
 
 
-def _guess_shape(h: _fmt.Header, n: int) -> Optional[tuple[int, int, int]]:
+def _guess_shape(h: _fmt.Header, n: int) -> tuple[int, int, int] | None:
     """A [tokens, heads, dim] shape for blobs without layout fields, where one is certain."""
     if h.scale_scope == ScaleScope.PER_TENSOR or h.scale_scope == ScaleScope.NONE:
         return (1, 1, n) if n else None

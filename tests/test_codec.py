@@ -193,9 +193,9 @@ def test_hash_gate():
     blob = encode(k, v, scope="per_tensor", hashes={"model_id": "llama", "kv_layout": ""})
     decode(blob, expected_hashes={"model_id": "llama"})
     decode(blob, expected_hashes={"tokenizer_hash": "x"})  # empty in blob: wildcard
-    with pytest.raises(CodecMismatchError, match="model_id.*encoded='llama', expected='mistral'"):
+    with pytest.raises(CodecMismatchError, match=r"model_id.*encoded='llama', expected='mistral'"):
         decode(blob, expected_hashes=Hashes(model_id="mistral"))
-    with pytest.raises(CodecMismatchError, match="tokenizer_hash.*missing"):
+    with pytest.raises(CodecMismatchError, match=r"tokenizer_hash.*missing"):
         decode(blob, expected_hashes={"tokenizer_hash": "x"}, strict_hashes=True)
 
 
@@ -373,3 +373,13 @@ def test_cuda_torch_backend_matches_cpu():
     assert cpu == gpu
     res = decode(cpu, device="cuda", out_v_dtype=torch.float16, backend="torch")
     assert res.v.is_cuda and torch.equal(res.v.cpu(), decode(cpu, out_v_dtype=torch.float16).v)
+
+
+@pytest.mark.parametrize("dt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_widening_exact_for_all_256_codes(dt):
+    codes = torch.arange(256, dtype=torch.uint8).view(dt).view(16, 1, 16)
+    got = quant.fp8_to_float32(codes, torch.empty(16, 1, 16))
+    ref = codes.to(torch.float32)
+    same = (got.view(torch.int32) == ref.view(torch.int32)) | (got.isnan() & ref.isnan())
+    assert bool(same.all())  # bitwise, so -0.0 keeps its sign
+    assert torch.equal(got.isnan(), ref.isnan())

@@ -514,11 +514,14 @@ def test_blob_without_k_is_accepted() -> None:
 def test_external_scope_without_scales_is_accepted() -> None:
     p = parse(raw_blob(scope=3, scale_shape=(), s=b""))
     assert p.header.scale_scope == ScaleScope.EXTERNAL and len(p.scales) == 0
+    # LMCache stores attached external scales: accepted when they fill scale_shape exactly.
+    p = parse(raw_blob(scope=3, scale_shape=(), s=S[:4]))
+    assert len(p.scales) == 4
     with pytest.raises(
         CorruptEncodedKVError,
-        match=_rx("scale_payload_len=4 but scope EXTERNAL / scheme COMPUTED stores no scales; expected 0"),
+        match=_rx("scale_payload_len=8 but an external scope stores either no scales (0) or all of"),
     ):
-        parse(raw_blob(scope=3, scale_shape=(), s=S[:4]))
+        parse(raw_blob(scope=3, scale_shape=(), s=S[:8]))
 
 
 def test_non_utf8_hash_value() -> None:
