@@ -5,6 +5,7 @@ Importing this package never imports Triton nor initialises CUDA.
 
 from __future__ import annotations
 
+from .codec import DecodedKV, check_hashes, decode, encode, encode_layers
 from .errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
 from .format import Hashes, Header, ParsedBlob, ScaleScheme, ScaleScope, parse, serialize_header
 
@@ -14,6 +15,7 @@ __all__ = [
     "CodecError",
     "CodecMismatchError",
     "CorruptEncodedKVError",
+    "DecodedKV",
     "Hashes",
     "Header",
     "ParsedBlob",
@@ -21,6 +23,10 @@ __all__ = [
     "ScaleScope",
     "UnsupportedConfigError",
     "__version__",
+    "check_hashes",
+    "decode",
+    "encode",
+    "encode_layers",
     "parse",
     "serialize_header",
 ]
