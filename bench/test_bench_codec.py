@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _ratio import interleaved, ratio_info
 
 from kvcodec.codec import decode, encode
-
-from _ratio import interleaved, ratio_info
 
 try:
     import lmcache.v1.kv_codec as lm  # type: ignore[import-not-found]
