@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at import time whether kernels run in its CPU interpreter, so
+# without a GPU the switch must be set before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VECTORS_DIR = Path(__file__).resolve().parents[2] / "shared" / "vectors"
 

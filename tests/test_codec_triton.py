@@ -1,0 +1,43 @@
+"""backend="triton" gives the same blobs and decodes as backend="torch" (interpreter on CPU, or CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton not installed")
+
+from kvcodec import decode, encode
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.interpreter
+
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("scope", ["per_tensor", "per_layer_head", "per_page_head", "raw"])
+@pytest.mark.parametrize("shape", [(1, 1, 8, 4), (21, 2, 48, 8), (5, 3, 256, 1)], ids=str)
+@pytest.mark.parametrize("vd", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_triton_backend_blob_and_decode_equal_torch(scope, shape, vd):
+    t, h, d, ps = shape
+    g = torch.Generator().manual_seed(t * d)
+    k = torch.randn(t, h, d, generator=g).half().to(DEV)
+    v = (torch.randn(t, h, d, generator=g) * 7).to(vd).to(DEV)
+    a = encode(k, v, scope=scope, page_size=ps, backend="torch")
+    b = encode(k, v, scope=scope, page_size=ps, backend="triton")
+    assert a == b
+    for od in (None, torch.float16, torch.float32):
+        ra = decode(a, out_v_dtype=od, device=DEV, backend="torch")
+        rb = decode(a, out_v_dtype=od, device=DEV, backend="triton")
+        assert torch.equal(ra.v.view(torch.uint8), rb.v.view(torch.uint8))
+
+
+def test_auto_picks_torch_on_cpu():
+    from kvcodec.codec import resolve_backend
+
+    assert resolve_backend("auto", "cpu") == "torch"
+    if not CUDA:
+        assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest before triton loads
