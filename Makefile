@@ -43,5 +43,5 @@ lmcache:
 	$(BIN)/python -c "import lmcache.v1.kv_codec as m; print('lmcache kv_codec importable:', m.AsymK16V8Codec)"
 
 bench-lmcache: lmcache
-	$(PYTEST) bench/test_bench_codec.py bench/test_lmcache_compat.py --benchmark-enable \
+	$(PYTEST) bench/test_bench_codec.py bench/test_lmcache_bytes.py --benchmark-enable \
 	  --benchmark-json=bench/results/bench-codec-cpu.json -q

@@ -366,10 +366,12 @@ def encode(
             )
         if scales is not None:
             raise UnsupportedConfigError("scales= is for scope external; use precomputed_v_scales")
-        v_scales = impl.compute_scales(v3, sc, page_size=ps, fp8_dtype=v_dtype, nonfinite=nonfinite)
-        v_scales = v_scales.to(scale_dtype)
+        v_scales = None  # computed with the FP8 bytes, below
 
-    scale_shape = tuple(v_scales.shape) if (computed or sc == ScaleScope.EXTERNAL) else ()
+    if v_scales is None:
+        scale_shape = quant.scale_shape(sc, tokens, heads, ps)
+    else:
+        scale_shape = tuple(v_scales.shape) if (computed or sc == ScaleScope.EXTERNAL) else ()
     n_scales = math.prod(scale_shape) if store_scales else 0
     k_dtype = k3.dtype if k3 is not None else torch.float16
     elems = tokens * heads * dim
@@ -417,14 +419,40 @@ def encode(
         q_out = q_dst.view(tokens, heads, dim)
         if q_src is not None:
             q_out.copy_(q_src)
+        elif v_scales is None:
+            v_scales = _encode_v(impl, v3, sc, ps, v_dtype, scale_dtype, nonfinite, q_out)
         else:
             impl.quantize(v3, v_scales, quant_scope, page_size=ps, fp8_dtype=v_dtype, out=q_out)
+    if v_scales is None:  # an empty chunk: scales of nothing
+        v_scales = quant.compute_scales(v3, sc, page_size=ps, fp8_dtype=v_dtype).to(scale_dtype)
     if s_dst is not None:
         s_dst.copy_(v_scales.contiguous().view(-1).view(torch.uint8))
     if dev_payload is not None:
         torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
     _seal(mv, header)
     return out
+
+
+def _encode_v(
+    impl: Any,
+    v3: torch.Tensor,
+    scope: ScaleScope,
+    ps: int | None,
+    v_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    nonfinite: quant.NonFinitePolicy,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Scales and FP8 bytes of V with the backend's fused path when it has one."""
+    fused = getattr(impl, "encode_v", None)
+    if fused is not None:
+        return fused(
+            v3, scope, page_size=ps, fp8_dtype=v_dtype, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out
+        )
+    scales = impl.compute_scales(v3, scope, page_size=ps, fp8_dtype=v_dtype, nonfinite=nonfinite)
+    scales = scales.to(scale_dtype)
+    impl.quantize(v3, scales, scope, page_size=ps, fp8_dtype=v_dtype, out=out)
+    return scales
 
 
 def _external_scope(scales: torch.Tensor, heads: int) -> ScaleScope:

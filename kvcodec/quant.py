@@ -30,6 +30,7 @@ __all__ = [
     "NonFinitePolicy",
     "compute_scales",
     "dequantize",
+    "encode_v",
     "fp8_max",
     "fp8_to_float32",
     "quantize",
@@ -220,17 +221,85 @@ def quantize(
     return out
 
 
-def fp8_to_float32(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def encode_v(
+    v: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    page_size: int | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_dtype: torch.dtype = torch.float32,
+    nonfinite: NonFinitePolicy = "error",
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Scales (``scale_dtype``) and FP8 of ``v`` into ``out``: compute_scales then quantize.
+
+    Quantization uses the scales as stored (after the cast to ``scale_dtype``),
+    as LMCache does. For per_page_head on CPU the two passes are fused: each
+    block of whole pages is widened to fp32 once and quantized while in cache.
+    """
+    if scope != ScaleScope.PER_PAGE_HEAD or nonfinite != "error" or v.device.type != "cpu":
+        scales = compute_scales(v, scope, page_size=page_size, fp8_dtype=fp8_dtype, nonfinite=nonfinite)
+        scales = scales.to(scale_dtype)
+        quantize(v, scales, scope, page_size=page_size, fp8_dtype=fp8_dtype, out=out)
+        return scales
+    qmax = fp8_max(fp8_dtype)
+    t, h, d = v.shape
+    scales = torch.empty(scale_shape(scope, t, h, page_size), dtype=scale_dtype)  # checks page_size
+    ps = int(page_size or 1)
+    if t == 0:
+        return scales
+    if d == 0:
+        return scales.fill_(_ZERO_SCALE)
+    bt = _block_tokens(h, d, ps)
+    buf = torch.empty((min(bt, t), h, d), dtype=torch.float32)
+    absb = torch.empty_like(buf)
+    for t0 in range(0, t, bt):
+        t1 = min(t, t0 + bt)
+        n, p0 = t1 - t0, t0 // ps
+        full, rem = divmod(n, ps)
+        f, a = buf[:n], absb[:n]
+        f.copy_(v[t0:t1])
+        torch.abs(f, out=a)
+        tok = a.amax(dim=2)
+        pa = torch.empty((full + (rem > 0), h), dtype=torch.float32)
+        if full:
+            torch.amax(tok[: full * ps].view(full, ps, h), dim=1, out=pa[:full])
+        if rem:
+            pa[full] = tok[full * ps :].amax(dim=0)
+        bad = ~torch.isfinite(pa)
+        if bool(bad.any()):
+            p, hh = (int(i) for i in bad.nonzero()[0])
+            raise UnsupportedConfigError(
+                f"V holds NaN or Inf in {_group_name(scope, (p0 + p, hh))} ({scope.name}); "
+                "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
+                "to scale by the finite values)"
+            )
+        sc = _amax_to_scale(pa, qmax).to(scale_dtype)
+        scales[p0 : p0 + pa.shape[0]] = sc
+        s32 = sc.to(torch.float32)
+        if full:
+            f[: full * ps].view(full, ps, h, d).div_(s32[:full].view(full, 1, h, 1))
+        if rem:
+            f[full * ps :].div_(s32[full].view(1, h, 1))
+        f.clamp_(-qmax, qmax)
+        out[t0:t1].copy_(f)
+    return scales
+
+
+def fp8_to_float32(q: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Exact ``q.to(float32)`` into ``out`` (same shape), by bit manipulation.
 
     torch's own FP8 widening is a slow scalar loop on CPU; this is equal to it
     for every one of the 256 codes (tested exhaustively), NaN included.
+    ``scratch`` (int32, ``q``'s shape) avoids an allocation per call.
     """
     u = q.view(torch.uint8)
     bits = out.view(torch.int32)
+    if scratch is None:
+        scratch = torch.empty(q.shape, dtype=torch.int32, device=q.device)
     if q.dtype == torch.float8_e5m2:
         # e5m2 is the top byte of an fp16.
-        h = torch.empty(q.shape, dtype=torch.int16, device=q.device)
+        h = scratch.view(-1)[: q.numel()].view(torch.int16)[: q.numel()].view(q.shape)
         h.copy_(u)
         h.bitwise_left_shift_(8)
         out.copy_(h.view(torch.float16))
@@ -240,13 +309,12 @@ def fp8_to_float32(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # e4m3fn -> fp32: sign to bit 31, exponent+mantissa to bits 20..26, then
     # rescale by 2^(127-7); fp32 denormals cover e4m3's subnormals exactly.
     bits.copy_(u)
-    sign = torch.bitwise_and(bits, 0x80)
-    sign.bitwise_left_shift_(24)
+    torch.bitwise_and(bits, 0x80, out=scratch)
+    scratch.bitwise_left_shift_(24)
     bits.bitwise_and_(0x7F)
-    has_nan = bool((bits == 0x7F).any())
-    nan_mask = (bits == 0x7F) if has_nan else None
+    nan_mask = (bits == 0x7F) if int(bits.amax()) == 0x7F else None  # 0x7F/0xFF are NaN
     bits.bitwise_left_shift_(20)
-    bits.bitwise_or_(sign)
+    bits.bitwise_or_(scratch)
     out.mul_(2.0**120)
     if nan_mask is not None:
         out.masked_fill_(nan_mask, float("nan"))
@@ -273,11 +341,12 @@ def dequantize(
     ts = _token_scales(scales.to(q.device), scope, t, h, page_size)
     bt = _block_tokens(h, d, None)
     scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=q.device)
+    iscratch = torch.empty_like(scratch, dtype=torch.int32) if q.device.type == "cpu" else None
     for t0 in range(0, t, bt):
         t1 = min(t, t0 + bt)
         buf = scratch[: t1 - t0]
-        if q.device.type == "cpu":
-            fp8_to_float32(q[t0:t1], buf)
+        if iscratch is not None:
+            fp8_to_float32(q[t0:t1], buf, iscratch[: t1 - t0])
         else:
             buf.copy_(q[t0:t1])
         buf.mul_(ts[t0:t1])
