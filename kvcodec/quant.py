@@ -286,38 +286,52 @@ def encode_v(
     return scales
 
 
+def _fp8_widen_div256(
+    q: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, probe: torch.Tensor | None = None
+) -> None:
+    """``out = float(q) / 256`` exactly, for e4m3fn, with three int16 operations.
+
+    An e4m3fn code placed in an fp16's bits (sign to bit 15, exponent and
+    mantissa to bits 7..13) reads as the same value over 2^8, subnormals
+    included, since the exponent biases differ by 8. Sign-extending the code
+    as int8 and shifting left by 7 does that, except that the code's own sign
+    bit lands on bit 14, which is cleared. NaN codes (0x7F, 0xFF) would read
+    as ±480/256 and are patched. ``scratch`` is int16 and ``probe`` uint8, of
+    ``q``'s shape.
+    """
+    u = q.view(torch.uint8)
+    h = scratch
+    h.copy_(q.view(torch.int8))
+    h.bitwise_left_shift_(7)
+    h.bitwise_and_(~0x4000)
+    if probe is None:
+        probe = torch.empty_like(u)
+    torch.bitwise_and(u, 0x7F, out=probe)
+    nan_mask = (probe == 0x7F) if int(probe.amax()) == 0x7F else None
+    out.copy_(h.view(torch.float16))
+    if nan_mask is not None:
+        out.masked_fill_(nan_mask, float("nan"))
+
+
 def fp8_to_float32(q: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Exact ``q.to(float32)`` into ``out`` (same shape), by bit manipulation.
 
-    torch's own FP8 widening is a slow scalar loop on CPU; this is equal to it
-    for every one of the 256 codes (tested exhaustively), NaN included.
-    ``scratch`` (int32, ``q``'s shape) avoids an allocation per call.
+    torch's own FP8 widening is a slow scalar loop on CPU; this equals it for
+    every one of the 256 codes of both formats (tested exhaustively), NaN
+    included. ``scratch`` (int16, ``q``'s shape) avoids an allocation.
     """
-    u = q.view(torch.uint8)
-    bits = out.view(torch.int32)
     if scratch is None:
-        scratch = torch.empty(q.shape, dtype=torch.int32, device=q.device)
+        scratch = torch.empty(q.shape, dtype=torch.int16, device=q.device)
     if q.dtype == torch.float8_e5m2:
         # e5m2 is the top byte of an fp16.
-        h = scratch.view(-1)[: q.numel()].view(torch.int16)[: q.numel()].view(q.shape)
-        h.copy_(u)
-        h.bitwise_left_shift_(8)
-        out.copy_(h.view(torch.float16))
+        scratch.copy_(q.view(torch.uint8))
+        scratch.bitwise_left_shift_(8)
+        out.copy_(scratch.view(torch.float16))
         return out
     if q.dtype != torch.float8_e4m3fn:
         raise UnsupportedConfigError(f"{q.dtype} is not an FP8 dtype")
-    # e4m3fn -> fp32: sign to bit 31, exponent+mantissa to bits 20..26, then
-    # rescale by 2^(127-7); fp32 denormals cover e4m3's subnormals exactly.
-    bits.copy_(u)
-    torch.bitwise_and(bits, 0x80, out=scratch)
-    scratch.bitwise_left_shift_(24)
-    bits.bitwise_and_(0x7F)
-    nan_mask = (bits == 0x7F) if int(bits.amax()) == 0x7F else None  # 0x7F/0xFF are NaN
-    bits.bitwise_left_shift_(20)
-    bits.bitwise_or_(scratch)
-    out.mul_(2.0**120)
-    if nan_mask is not None:
-        out.masked_fill_(nan_mask, float("nan"))
+    _fp8_widen_div256(q, out, scratch)
+    out.mul_(256.0)  # a power of two: exact
     return out
 
 
@@ -341,14 +355,26 @@ def dequantize(
     ts = _token_scales(scales.to(q.device), scope, t, h, page_size)
     bt = _block_tokens(h, d, None)
     scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=q.device)
-    iscratch = torch.empty_like(scratch, dtype=torch.int32) if q.device.type == "cpu" else None
+    # On CPU, widen q/256 by bit operations and multiply by 256*scale: the
+    # product is the same real number as q*scale, so its single rounding is
+    # too (256*scale is exact unless it overflows, which is checked).
+    fast = q.device.type == "cpu" and q.dtype == torch.float8_e4m3fn
+    if fast:
+        ts256 = ts * 256.0
+        fast = bool(torch.isfinite(ts256).all()) or not bool(torch.isfinite(ts).all())
+        iscratch = torch.empty(scratch.shape, dtype=torch.int16)
+        probe = torch.empty(scratch.shape, dtype=torch.uint8)
     for t0 in range(0, t, bt):
         t1 = min(t, t0 + bt)
         buf = scratch[: t1 - t0]
-        if iscratch is not None:
-            fp8_to_float32(q[t0:t1], buf, iscratch[: t1 - t0])
+        if fast:
+            _fp8_widen_div256(q[t0:t1], buf, iscratch[: t1 - t0], probe[: t1 - t0])
+            buf.mul_(ts256[t0:t1])
+        elif q.device.type == "cpu":
+            fp8_to_float32(q[t0:t1], buf)
+            buf.mul_(ts[t0:t1])
         else:
             buf.copy_(q[t0:t1])
-        buf.mul_(ts[t0:t1])
+            buf.mul_(ts[t0:t1])
         out[t0:t1].copy_(buf)
     return out

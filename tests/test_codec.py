@@ -398,3 +398,14 @@ def test_fused_page_encode_equals_two_pass(t, ps, sd, monkeypatch):
     q_ref = quant.quantize(v, s_ref, scope, page_size=ps)
     assert torch.equal(s, s_ref)
     assert torch.equal(out.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.7e-3, 2.0**-120, 1e-40, 2.0**119, 3.0e38, float("inf")])
+def test_dequant_exact_for_all_codes_and_extreme_scales(scale):
+    """q*scale equals torch's float(q)*scale for every code, scales near fp32's edges included."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(256, 1, 1)
+    s = torch.tensor(scale, dtype=torch.float32)
+    got = quant.dequantize(codes, s, ScaleScope.PER_TENSOR, out_dtype=torch.float32)
+    ref = codes.to(torch.float32) * s
+    same = (got.view(torch.int32) == ref.view(torch.int32)) | (got.isnan() & ref.isnan())
+    assert bool(same.all())
