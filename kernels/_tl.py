@@ -21,6 +21,7 @@ __all__ = [
     "load_elems",
     "row_off",
     "store_elems",
+    "to_f32",
 ]
 
 
@@ -151,4 +152,17 @@ def load_elems(p_base, idx, mask, KB: tl.constexpr, ALIGNED: tl.constexpr):
             r = acc.to(tl.int16)
         else:
             r = acc
+    return r
+
+
+@triton.jit
+def to_f32(x, IS_BF16: tl.constexpr):
+    """Widen fp16/fp32 (or bf16 loaded as int16 bits) to fp32 exactly.
+
+    bf16 is widened by a shift: the interpreter's bf16→fp32 cast gets subnormals wrong.
+    """
+    if IS_BF16:
+        r = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        r = x.to(tl.float32)
     return r

@@ -44,6 +44,7 @@ from ._tl import (
     load_elems,
     row_off,
     store_elems,
+    to_f32,
 )
 
 __all__ = [
@@ -171,6 +172,11 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+def _bits16(x: torch.Tensor) -> torch.Tensor:
+    """bf16 as its int16 bits (kernels widen it by a shift); other dtypes unchanged."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
 def _int_view(x: torch.Tensor) -> torch.Tensor:
     """Same-width integer view of ``x`` (bits move unchanged through kernels)."""
     try:
@@ -268,7 +274,7 @@ def _encode_groups_kernel(
     v_st, v_sh, v_sd, v_sb, v_sl,
     p_sl,
     qmax,
-    D: tl.constexpr, KB: tl.constexpr,
+    D: tl.constexpr, KB: tl.constexpr, V_BF16: tl.constexpr,
     MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
     PAGED: tl.constexpr, K_TAB: tl.constexpr, V_TAB: tl.constexpr, P_TAB: tl.constexpr,
     K_ALIGNED: tl.constexpr, ONE_TILE: tl.constexpr,
@@ -298,8 +304,7 @@ def _encode_groups_kernel(
         tm = t < t1
         m2 = tm[:, None] & dm[None, :]
         vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
-        v = tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0.0)
-        v = v.to(tl.float32)
+        v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
         pidx = (t.to(tl.int64)[:, None] * H + h) * D + d64[None, :]
         if KB > 0:
             krow = row_off(t, tm, tbl_ptr, k_st, k_sb, BS, PAGED)
@@ -316,8 +321,8 @@ def _encode_groups_kernel(
             tm = t < t1
             m2 = tm[:, None] & dm[None, :]
             vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
-            v = tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0.0)
-            acc = tl.maximum(acc, abs_bits(v.to(tl.float32), False))
+            v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
+            acc = tl.maximum(acc, abs_bits(v, False))
             if KB > 0:
                 pidx = (t.to(tl.int64)[:, None] * H + h) * D + d64[None, :]
                 krow = row_off(t, tm, tbl_ptr, k_st, k_sb, BS, PAGED)
@@ -330,8 +335,8 @@ def _encode_groups_kernel(
             tm = t < t1
             m2 = tm[:, None] & dm[None, :]
             vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
-            v = tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0.0)
-            q = f32_to_fp8_byte(tl.math.div_rn(v.to(tl.float32), scale), MANT, BIAS, MAX_BITS, SAT)
+            v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
+            q = f32_to_fp8_byte(tl.math.div_rn(v, scale), MANT, BIAS, MAX_BITS, SAT)
             pidx = (t.to(tl.int64)[:, None] * H + h) * D + d64[None, :]
             tl.store(q_base + pidx, q, mask=m2)
     gi = g * H + h
@@ -348,7 +353,8 @@ def _amax_tiles_kernel(
     k_st, k_sh, k_sd, k_sb, k_sl,
     v_st, v_sh, v_sd, v_sb, v_sl,
     p_sl,
-    D: tl.constexpr, KB: tl.constexpr, PER_TENSOR: tl.constexpr, FINITE_ONLY: tl.constexpr,
+    D: tl.constexpr, KB: tl.constexpr, V_BF16: tl.constexpr, PER_TENSOR: tl.constexpr,
+    FINITE_ONLY: tl.constexpr,
     PAGED: tl.constexpr, K_TAB: tl.constexpr, V_TAB: tl.constexpr, P_TAB: tl.constexpr,
     K_ALIGNED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -372,8 +378,8 @@ def _amax_tiles_kernel(
         tm = t < t1
         m2 = tm[:, None] & dm[None, :]
         vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
-        v = tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0.0)
-        acc = tl.maximum(acc, abs_bits(v.to(tl.float32), FINITE_ONLY))
+        v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
+        acc = tl.maximum(acc, abs_bits(v, FINITE_ONLY))
         if KB > 0:
             k_base = k_ptr + layer_off(layer, k_ltab, k_sl, K_TAB)
             p_base = pay_ptr + layer_off(layer, p_ltab, p_sl, P_TAB)
@@ -396,7 +402,7 @@ def _quant_tiles_kernel(
     v_st, v_sh, v_sd, v_sb, v_sl,
     o_st, o_sh, o_sd, o_sl,
     qmax,
-    D: tl.constexpr,
+    D: tl.constexpr, V_BF16: tl.constexpr,
     MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
     FROM_AMAX: tl.constexpr, WRITE_SCALES: tl.constexpr, SHARED_HEADS: tl.constexpr,
     PAGED: tl.constexpr, V_TAB: tl.constexpr, O_TAB: tl.constexpr,
@@ -428,8 +434,8 @@ def _quant_tiles_kernel(
     else:
         sc = tl.load(s_base + sidx, mask=tm, other=1.0)
     vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
-    v = tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0.0)
-    q = f32_to_fp8_byte(tl.math.div_rn(v.to(tl.float32), sc[:, None]), MANT, BIAS, MAX_BITS, SAT)
+    v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
+    q = f32_to_fp8_byte(tl.math.div_rn(v, sc[:, None]), MANT, BIAS, MAX_BITS, SAT)
     t64 = t.to(tl.int64)
     tl.store(o_base + t64[:, None] * o_st + h * o_sh + d64[None, :] * o_sd, q, mask=m2)
     if WRITE_SCALES:
@@ -505,13 +511,13 @@ def _dequant_tiles_kernel(
 @triton.jit
 def _quant_1d_kernel(
     x_ptr, s_ptr, o_ptr, N,
-    MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
+    V_BF16: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """FP8 bytes of ``x / scale`` over a flat contiguous tensor (one fp32 scale)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
+    x = to_f32(tl.load(x_ptr + i, mask=m, other=0), V_BF16)
     s = tl.load(s_ptr)
     tl.store(o_ptr + i, f32_to_fp8_byte(tl.math.div_rn(x, s), MANT, BIAS, MAX_BITS, SAT), mask=m)
 
@@ -650,17 +656,19 @@ def _encode_core(
     if pay.table is not None and kb > 0:
         k_aligned = k_aligned and all(o % kb == 0 for o in pay.table.tolist())
     kk = k if k is not None else v
+    v_bf16 = v.layers.base.dtype == torch.bfloat16
+    v_ptr = _bits16(v.layers.base)
     k_tab, k_has = _tab(kk.layers)
     v_tab, v_has = _tab(v.layers)
     p_tab, p_has = _tab(pay)
     common = {
         "T": tokens, "H": heads, "BS": block_size,
         **kk.kw("k"), **v.kw("v"), "p_sl": pay.stride,
-        "D": dim, "KB": kb, "PAGED": paged,
+        "D": dim, "KB": kb, "V_BF16": v_bf16, "PAGED": paged,
         "K_TAB": k_has, "V_TAB": v_has, "P_TAB": p_has, "K_ALIGNED": k_aligned,
     }  # fmt: skip
     ptrs = {
-        "k_ptr": kk.layers.base, "v_ptr": v.layers.base, "pay_ptr": pay.base, "tbl_ptr": tbl,
+        "k_ptr": kk.layers.base if k is not None else v_ptr, "v_ptr": v_ptr, "pay_ptr": pay.base, "tbl_ptr": tbl,
         "k_ltab": k_tab if k_has else dummy, "v_ltab": v_tab if v_has else dummy,
         "p_ltab": p_tab if p_has else dummy,
     }  # fmt: skip
@@ -702,13 +710,13 @@ def _encode_core(
     _launch_tiles_tt(kw1, tokens, tt, block_d, heads, layers)
     s_pg, s_hd = (0, 0) if per_tensor else ((heads, 1) if scope == ScaleScope.PER_PAGE_HEAD else (0, 1))
     kw2 = {
-        "v_ptr": v.layers.base, "o_ptr": pay.base, "s_ptr": abits, "tbl_ptr": tbl,
+        "v_ptr": v_ptr, "o_ptr": pay.base, "s_ptr": abits, "tbl_ptr": tbl,
         "v_ltab": v_tab if v_has else dummy, "o_ltab": p_tab if p_has else dummy,
         "T": tokens, "H": heads, "PS": gt, "s_pg": s_pg, "s_hd": s_hd, "s_sl": n_gt * hh,
         "BS": block_size, "o_off": tokens * heads * dim * kb,
         **v.kw("v"), "o_st": heads * dim, "o_sh": dim, "o_sd": 1, "o_sl": pay.stride,
-        "qmax": fp.qmax, "D": dim, "MANT": fp.mant, "BIAS": fp.bias, "MAX_BITS": fp.max_bits,
-        "SAT": fp.sat, "FROM_AMAX": True, "WRITE_SCALES": True,
+        "qmax": fp.qmax, "D": dim, "V_BF16": v_bf16, "MANT": fp.mant, "BIAS": fp.bias,
+        "MAX_BITS": fp.max_bits, "SAT": fp.sat, "FROM_AMAX": True, "WRITE_SCALES": True,
         "SHARED_HEADS": per_tensor, "PAGED": paged,
         "V_TAB": v_has, "O_TAB": p_has,
     }  # fmt: skip
@@ -762,11 +770,11 @@ def group_amax(
     dummy = _dummy_table(dev)
     rows = _dense_rows(_Layers(v, 0, None, 1))
     kw = {
-        "k_ptr": v, "v_ptr": v, "pay_ptr": dummy, "abits_ptr": abits, "tbl_ptr": dummy,
+        "k_ptr": _bits16(v), "v_ptr": _bits16(v), "pay_ptr": dummy, "abits_ptr": abits, "tbl_ptr": dummy,
         "k_ltab": dummy, "v_ltab": dummy, "p_ltab": dummy,
         "T": t, "H": h, "TT": tt, "GT": gt, "n_gt": n_gt, "BS": 1,
         **rows.kw("k"), **rows.kw("v"), "p_sl": 0,
-        "D": d, "KB": 0, "PER_TENSOR": per_tensor, "FINITE_ONLY": bool(finite_only),
+        "D": d, "KB": 0, "V_BF16": v.dtype == torch.bfloat16, "PER_TENSOR": per_tensor, "FINITE_ONLY": bool(finite_only),
         "PAGED": False, "K_TAB": False, "V_TAB": False, "P_TAB": False, "K_ALIGNED": False,
     }  # fmt: skip
     _launch_tiles_tt(kw, t, tt, block_d, h, 1)
@@ -874,12 +882,12 @@ def quantize(
     dummy = _dummy_table(dev)
     vs, os_ = v.stride(), o8.stride()
     kw = {
-        "v_ptr": v, "o_ptr": o8, "s_ptr": s, "tbl_ptr": dummy, "v_ltab": dummy, "o_ltab": dummy,
+        "v_ptr": _bits16(v), "o_ptr": o8, "s_ptr": s, "tbl_ptr": dummy, "v_ltab": dummy, "o_ltab": dummy,
         "T": t, "H": h, "PS": ps, "s_pg": s_pg, "s_hd": s_hd, "s_sl": 0, "BS": 1, "o_off": 0,
         "v_st": vs[0], "v_sh": vs[1], "v_sd": vs[2], "v_sb": 0, "v_sl": 0,
         "o_st": os_[0], "o_sh": os_[1], "o_sd": os_[2], "o_sl": 0,
-        "qmax": fp.qmax, "D": d, "MANT": fp.mant, "BIAS": fp.bias, "MAX_BITS": fp.max_bits, "SAT": fp.sat,
-        "FROM_AMAX": False, "WRITE_SCALES": False,
+        "qmax": fp.qmax, "D": d, "V_BF16": v.dtype == torch.bfloat16, "MANT": fp.mant, "BIAS": fp.bias,
+        "MAX_BITS": fp.max_bits, "SAT": fp.sat, "FROM_AMAX": False, "WRITE_SCALES": False,
         "SHARED_HEADS": False, "PAGED": False, "V_TAB": False, "O_TAB": False,
     }  # fmt: skip
     _launch_tiles(_quant_tiles_kernel, _quant_tiles_tuned, t, _pow2(d), h, 1, **kw)
@@ -969,8 +977,8 @@ def quantize_1d(
     blk = block or (_pow2(min(n, 1 << 17)) if INTERPRET else 1024)
     with _quiet():
         _quant_1d_kernel[(triton.cdiv(n, blk),)](
-            x, s, out.view(torch.uint8), n,
-            MANT=fp.mant, BIAS=fp.bias, MAX_BITS=fp.max_bits, SAT=fp.sat, BLOCK=blk,
+            _bits16(x), s, out.view(torch.uint8), n,
+            V_BF16=x.dtype == torch.bfloat16, MANT=fp.mant, BIAS=fp.bias, MAX_BITS=fp.max_bits, SAT=fp.sat, BLOCK=blk,
         )  # fmt: skip
     return out
 

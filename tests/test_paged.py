@@ -110,7 +110,7 @@ def test_fp8_cache(dtype: torch.dtype) -> None:
     # FP8 sources go into a uint8 cache unchanged.
     other = make_cache("flash_nhd", dtype=dtype, seed=9)
     scatter_chunk(other, [4, 0], kf, vf, layout="flash_nhd", block_size=BS)
-    k2, v2 = gather_chunk(other, [4, 0], layout="flash_nhd", num_tokens=7, block_size=BS)
+    k2, _v2 = gather_chunk(other, [4, 0], layout="flash_nhd", num_tokens=7, block_size=BS)
     assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8))
 
 
@@ -133,7 +133,7 @@ def test_errors() -> None:
     with pytest.raises(UnsupportedConfigError, match="flashinfer"):
         gather_chunk(cache, [0], layout="flashinfer", num_tokens=1, block_size=BS)
     with pytest.raises(UnsupportedConfigError, match="blocks"):
-        gather_chunk(cache, list(range(NB)) + [0], layout="flash_nhd", num_tokens=NB * BS + 1, block_size=BS)
+        gather_chunk(cache, [*list(range(NB)), 0], layout="flash_nhd", num_tokens=NB * BS + 1, block_size=BS)
     with pytest.raises(UnsupportedConfigError, match="backend"):
         gather_chunk(cache, [0], layout="flash_nhd", num_tokens=1, block_size=BS, backend="cuda")  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match="dtype"):

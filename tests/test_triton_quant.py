@@ -107,6 +107,9 @@ def _cast_scales(dtype: torch.dtype, fp8: torch.dtype) -> list[float]:
         1.0 / 3.0,  # inexact quotients close to ties
         big / qmax,  # the scale of a group whose amax is the dtype's max
         448.0 / qmax * 0.999,
+        2.0**-20,  # fp16 subnormals (2^-24..) land on the FP8 grid
+        2.0**-126,  # bf16 subnormals (fp32 denormals) land on the FP8 grid
+        2.0**-133,  # a denormal scale: exact IEEE division of denormals
     ]
 
 
@@ -456,3 +459,20 @@ def test_kernels_package_does_not_import_triton() -> None:
 
     code = "import sys, kvcodec.kernels, kvcodec; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_subnormal_values() -> None:
+    """bf16 subnormal V: fp32-denormal absmax and scales, divided exactly (no flush to zero)."""
+    bits = torch.arange(4 * 2 * 64, dtype=torch.int32)
+    bits = (bits % 127 + 1) | ((bits % 3 == 0).to(torch.int32) << 15)
+    v = bits.to(torch.int16).view(torch.bfloat16).view(4, 2, 64)
+    k = torch.zeros_like(v)
+    for scope, ps in ((PT, None), (LH, None), (PH, 3)):
+        s = Q.compute_scales(v, scope, page_size=ps)
+        assert_bytes_equal(QT.compute_scales(v.to(DEVICE), scope, page_size=ps), s)
+        pay = new_payload(QT.payload_nbytes(k, v, scope, ps))
+        QT.encode_fused(k.to(DEVICE), v.to(DEVICE), scope, page_size=ps, payload=pay)
+        assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
+        q = Q.quantize(v, s, scope, page_size=ps)
+        assert_bytes_equal(QT.dequantize(q.to(DEVICE), s.to(DEVICE), scope, page_size=ps, out_dtype=torch.bfloat16),
+                           Q.dequantize(q, s, scope, page_size=ps, out_dtype=torch.bfloat16))  # fmt: skip

@@ -1,0 +1,236 @@
+"""GPU-only checks of the Triton kernels: equality with the torch reference on CUDA.
+
+Covers what the interpreter tier cannot: the compiled kernels' rounding on
+the device (exhaustive cast, IEEE division with denormals), autotuned
+configs, realistic sizes, and int64 offsets past 2^31 elements. Skipped
+without a CUDA GPU. (tests/test_triton_*.py also run on CUDA when one is present.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
+pytest.importorskip("triton")
+
+from kvcodec.kernels import paged_triton as PT
+from kvcodec.kernels import quant_triton as QT
+
+from kvcodec import paged as P
+from kvcodec import quant as Q
+from kvcodec.format import ScaleScope
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+E4 = torch.float8_e4m3fn
+E5 = torch.float8_e5m2
+PTS = ScaleScope.PER_TENSOR
+LH = ScaleScope.PER_LAYER_HEAD
+PH = ScaleScope.PER_PAGE_HEAD
+SCOPES = [(PTS, None), (LH, None), (PH, 16), (PH, 1), (PH, 7)]
+
+
+def u8(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(u8(a), u8(b))
+
+
+def ref_payload(k: torch.Tensor, v: torch.Tensor, scope: ScaleScope, ps: int | None, fp8: torch.dtype = E4) -> torch.Tensor:
+    s = Q.compute_scales(v, scope, page_size=ps, fp8_dtype=fp8)
+    q = Q.quantize(v, s, scope, page_size=ps, fp8_dtype=fp8)
+    return torch.cat([u8(k), u8(q), u8(s)])
+
+
+@pytest.mark.parametrize("fp8", [E4, E5], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_cast_exhaustive_cuda(dtype: torch.dtype, fp8: torch.dtype) -> None:
+    """All 16-bit patterns (fp32: patterns widened plus random fp32 bits) vs torch on CUDA and CPU."""
+    pats = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    if dtype == torch.float32:
+        g = torch.Generator().manual_seed(0)
+        x = torch.cat([pats.view(torch.float16).float(), pats.view(torch.bfloat16).float(),
+                       torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32)])  # fmt: skip
+    else:
+        x = pats.view(dtype)
+    xd = x.to(DEV)
+    qmax = Q.fp8_max(fp8)
+    for s in (1.0, 2.0**-8, 2.0**8, 3.0, 1.0 / 3.0, float(torch.finfo(torch.float16).max) / qmax, 1e-30,
+              2.0**-20, 2.0**-126, 2.0**-133):
+        st = torch.tensor(s, dtype=torch.float32)
+        got = QT.quantize_1d(xd, st, fp8_dtype=fp8)
+        ref_gpu = Q.quantize(xd.view(-1, 1, 1), st.to(DEV), PTS, fp8_dtype=fp8)
+        assert same(got, ref_gpu), f"scale {s}: differs from torch on CUDA"
+        finite = torch.isfinite(x)  # NaN payload/sign handling may differ between torch devices
+        ref_cpu = Q.quantize(x.view(-1, 1, 1), st, PTS, fp8_dtype=fp8).view(-1)
+        assert torch.equal(got.view(torch.uint8).cpu()[finite], ref_cpu.view(torch.uint8)[finite])
+
+
+def test_denormal_division_cuda() -> None:
+    """bf16 subnormal V: fp32 denormal amax/scale must divide exactly (no flush to zero)."""
+    bits = torch.arange(4 * 2 * 64, dtype=torch.int32)
+    bits = (bits % 127 + 1) | ((bits % 3 == 0).to(torch.int32) << 15)  # subnormal magnitudes, mixed signs
+    v = bits.to(torch.int16).view(torch.bfloat16).view(4, 2, 64)
+    assert bool((v.float().abs() < 2.0**-126).all())
+    vd = v.to(DEV)
+    for scope, ps in SCOPES:
+        s = Q.compute_scales(v, scope, page_size=ps)
+        assert same(QT.compute_scales(vd, scope, page_size=ps), s)
+        assert same(QT.quantize(vd, s.to(DEV), scope, page_size=ps), Q.quantize(v, s, scope, page_size=ps))
+        k = torch.zeros_like(vd)
+        pay = torch.empty(QT.payload_nbytes(k, vd, scope, ps), dtype=torch.uint8, device=DEV)
+        QT.encode_fused(k, vd, scope, page_size=ps, payload=pay)
+        assert torch.equal(pay.cpu(), ref_payload(k.cpu(), v, scope, ps))
+
+
+@pytest.mark.parametrize("scope,ps", SCOPES)
+@pytest.mark.parametrize("strategy", ["auto", "single", "two_stage"])
+def test_encode_decode_cuda_realistic(scope: ScaleScope, ps: int | None, strategy: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    t, h, d = 300, 8, 128
+    k = torch.randn(t, h, d, generator=g).half()
+    v = (torch.randn(t, h, d, generator=g) * 5).to(torch.bfloat16)
+    kd, vd = k.to(DEV), v.to(DEV)
+    want = ref_payload(k, v, scope, ps)
+    for off in (0, 1):
+        pay = torch.empty(want.numel() + off, dtype=torch.uint8, device=DEV)[off:]
+        QT.encode_fused(kd, vd, scope, page_size=ps, payload=pay, strategy=strategy)  # type: ignore[arg-type]
+        assert torch.equal(pay.cpu(), want)
+        ko, vo = torch.empty_like(kd), torch.empty_like(vd)
+        QT.decode_fused(pay, ko, vo, scope, page_size=ps)
+        s = Q.compute_scales(v, scope, page_size=ps)
+        ref = Q.dequantize(Q.quantize(v, s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=torch.bfloat16)
+        assert torch.equal(ko.cpu(), k) and same(vo, ref)
+
+
+@pytest.mark.parametrize("d", [48, 96, 128, 256])
+def test_head_dims_cuda(d: int) -> None:
+    g = torch.Generator().manual_seed(d)
+    v = torch.randn(33, 3, d, generator=g).half()
+    for scope, ps in SCOPES:
+        s = Q.compute_scales(v, scope, page_size=ps)
+        vd = v.to(DEV)
+        assert same(QT.compute_scales(vd, scope, page_size=ps), s)
+        q = QT.quantize(vd, s.to(DEV), scope, page_size=ps)
+        assert same(q, Q.quantize(v, s, scope, page_size=ps))
+        for od in (torch.float16, torch.bfloat16, torch.float32):
+            assert same(QT.dequantize(q, s.to(DEV), scope, page_size=ps, out_dtype=od),
+                        Q.dequantize(q.cpu(), s, scope, page_size=ps, out_dtype=od))  # fmt: skip
+
+
+def test_autotuned_paths_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(QT, "AUTOTUNE", True)
+    g = torch.Generator().manual_seed(2)
+    n_layers, t, h, d = 4, 256, 8, 128
+    ks = torch.randn(n_layers, t, h, d, generator=g).half()
+    vs = torch.randn(n_layers, t, h, d, generator=g).half()
+    for scope, ps in ((PH, 16), (LH, None), (PTS, None)):
+        nbytes = QT.payload_nbytes(ks[0], vs[0], scope, ps)
+        pays = torch.empty((n_layers, nbytes), dtype=torch.uint8, device=DEV)
+        QT.encode_fused_layers(ks.to(DEV), vs.to(DEV), scope, page_size=ps, payloads=pays)
+        for i in range(n_layers):
+            assert torch.equal(pays[i].cpu(), ref_payload(ks[i], vs[i], scope, ps))
+        ko = torch.empty((n_layers, t, h, d), dtype=torch.float16, device=DEV)
+        vo = torch.empty_like(ko)
+        QT.decode_fused_layers(pays, ko, vo, scope, page_size=ps)
+        assert torch.equal(ko.cpu(), ks)
+    cache = torch.randn(2, 64, 16, h, d, generator=g).half().to(DEV)
+    ids = torch.randperm(64, generator=g)[:16].to(DEV)
+    k_ref, v_ref = P.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=250, block_size=16)
+    k, v = PT.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=250, block_size=16)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_nan_inf_cuda() -> None:
+    v = torch.randn(16, 2, 64).half()
+    v[3, 0, 5] = float("nan")
+    v[12, 1, 0] = -float("inf")
+    vd = v.to(DEV)
+    am = QT.group_amax(vd, PH, page_size=8).cpu()
+    assert torch.isnan(am[0, 0]) and torch.isinf(am[1, 1]) and torch.isfinite(am[0, 1]) and torch.isfinite(am[1, 0])
+    s = Q.compute_scales(v, PH, page_size=8, nonfinite="saturate")
+    assert same(QT.compute_scales(vd, PH, page_size=8, nonfinite="saturate"), s)
+    q_ref_gpu = Q.quantize(vd, s.to(DEV), PH, page_size=8)
+    assert same(QT.quantize(vd, s.to(DEV), PH, page_size=8), q_ref_gpu)
+
+
+def test_paged_cuda_layouts() -> None:
+    g = torch.Generator().manual_seed(3)
+    nb, bs, h, d = 256, 16, 8, 128
+    for layout in P.LAYOUTS:
+        if layout == "flashinfer":
+            cache = torch.randn(nb, 2, bs, h, d, generator=g).half().to(DEV)
+        elif layout == "flash_hnd":
+            cache = torch.randn(2, nb, h, bs, d, generator=g).half().to(DEV).permute(0, 1, 3, 2, 4)
+        else:
+            cache = torch.randn(2, nb, bs, h, d, generator=g).half().to(DEV)
+        ids = torch.randperm(nb, generator=g)[:17].to(DEV)
+        t = 16 * 16 + 5
+        k, v = P.gather_chunk(cache, ids, layout=layout, num_tokens=t, block_size=bs)
+        k2, v2 = PT.gather_chunk(cache, ids, layout=layout, num_tokens=t, block_size=bs)
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+        for scope, ps in ((PH, 32), (PH, 5), (LH, None), (PTS, None)):
+            want = ref_payload(k.cpu(), v.cpu(), scope, ps)
+            pay = torch.empty(want.numel(), dtype=torch.uint8, device=DEV)
+            PT.encode_paged(cache, ids, scope, layout=layout, num_tokens=t, block_size=bs, page_size=ps, payload=pay)
+            assert torch.equal(pay.cpu(), want)
+            a, b = cache.clone(), cache.clone()
+            ko, vo = torch.empty_like(k), torch.empty_like(v)
+            QT.decode_fused(pay, ko, vo, scope, page_size=ps)
+            P.scatter_chunk(a, ids, ko, vo, layout=layout, block_size=bs)
+            PT.decode_paged(pay, b, ids, scope, layout=layout, num_tokens=t, block_size=bs, page_size=ps)
+            assert torch.equal(a, b)
+
+
+def _free_gib() -> float:
+    free, _ = torch.cuda.mem_get_info()
+    return free / 2**30
+
+
+@pytest.mark.slow
+def test_offsets_past_2_31_elements() -> None:
+    """Operands that start beyond 2^31 elements of one allocation (int64 addressing)."""
+    if _free_gib() < 12:
+        pytest.skip("needs ~10 GiB of free GPU memory")
+    n = 2**31 + 2**22
+    big = torch.empty(n, dtype=torch.float16, device=DEV)
+    t, h, d = 64, 8, 128
+    g = torch.Generator().manual_seed(4)
+    kv = torch.randn(2, t, h, d, generator=g).half()
+    start = 2**31 + 1024
+    k = big[start : start + t * h * d].view(t, h, d)
+    v = big[start + t * h * d : start + 2 * t * h * d].view(t, h, d)
+    k.copy_(kv[0])
+    v.copy_(kv[1])
+    for scope, ps in ((PH, 16), (LH, None), (PTS, None)):
+        pay = torch.empty(QT.payload_nbytes(k, v, scope, ps), dtype=torch.uint8, device=DEV)
+        QT.encode_fused(k, v, scope, page_size=ps, payload=pay)
+        assert torch.equal(pay.cpu(), ref_payload(kv[0], kv[1], scope, ps))
+        ko = big[: t * h * d].view(t, h, d)
+        vo = big[start + 2 * t * h * d : start + 3 * t * h * d].view(t, h, d)
+        QT.decode_fused(pay, ko, vo, scope, page_size=ps)
+        assert torch.equal(ko.cpu(), kv[0])
+    # A paged pool of > 2^31 elements: blocks at the end of it.
+    bs = 16
+    nb = n // (2 * bs * h * d)
+    cache = big[: 2 * nb * bs * h * d].view(2, nb, bs, h, d)
+    ids = torch.tensor([nb - 1, 3, nb - 2, nb // 2 + 7], device=DEV)
+    src_k, src_v = kv[0][:60].to(DEV), kv[1][:60].to(DEV)
+    PT.scatter_chunk(cache, ids, src_k, src_v, layout="flash_nhd", block_size=bs)
+    k2, v2 = PT.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=60, block_size=bs)
+    assert torch.equal(k2, src_k) and torch.equal(v2, src_v)
+    k3, v3 = P.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=60, block_size=bs)
+    assert torch.equal(k3, src_k) and torch.equal(v3, src_v)
+    pay = torch.empty(QT.payload_nbytes(k2, v2, PH, 16), dtype=torch.uint8, device=DEV)
+    PT.encode_paged(cache, ids, PH, layout="flash_nhd", num_tokens=60, block_size=bs, page_size=16, payload=pay)
+    assert torch.equal(pay.cpu(), ref_payload(src_k.cpu(), src_v.cpu(), PH, 16))
+    del big
+    torch.cuda.empty_cache()
