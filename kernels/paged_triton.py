@@ -30,15 +30,14 @@ from .quant_triton import (
     V_DTYPES,
     Strategy,
     _check_device,
-    _check_payload,
     _check_scope,
     _decode_core,
     _encode_core,
     _launch_tiles,
-    _Layers,
     _listed,
-    _n_scales,
     _out_view,
+    _payload_bytes,
+    _payload_layers,
     _pow2,
     _prune_tiles,
     _Rows,
@@ -248,24 +247,17 @@ def encode_paged_layers(
         device=dev, validate=validate,
     )  # fmt: skip
     _, _, h, d = kc.shape
-    pl = _listed(list(payloads)) if not isinstance(payloads, torch.Tensor) else _stack_payloads(payloads)
+    kb = kc.element_size()
+    pl = _payload_layers(payloads, _payload_bytes(num_tokens, h, d, kb, scope, page_size))
     if pl.count != len(caches):
         raise UnsupportedConfigError(f"{len(caches)} caches but {pl.count} payloads")
     _check_device(caches[0], pl.base)
-    kb = kc.element_size()
-    n_el = num_tokens * h * d
-    _check_payload(pl.base, n_el * kb + n_el + 4 * _n_scales(scope, num_tokens, h, page_size))
+    v_bf16 = kc.dtype == torch.bfloat16
     return _encode_core(
-        _cache_rows(ks, K_ELEM_VIEW[kb]), _cache_rows(vs, None), pl,
-        tokens=num_tokens, heads=h, dim=d, kb=kb, scope=scope, page_size=page_size,
+        _cache_rows(ks, K_ELEM_VIEW[kb]), _cache_rows(vs, torch.int16 if v_bf16 else None), pl,
+        tokens=num_tokens, heads=h, dim=d, kb=kb, v_bf16=v_bf16, scope=scope, page_size=page_size,
         fp8_dtype=fp8_dtype, strategy=strategy, table=ids, block_size=block_size,
     )  # fmt: skip
-
-
-def _stack_payloads(p: torch.Tensor) -> _Layers:
-    if p.dim() != 2:
-        raise UnsupportedConfigError(f"stacked payloads must be [L, nbytes]; got {tuple(p.shape)}")
-    return _Layers(p[0], p.stride(0) if p.shape[0] > 1 else 0, None, p.shape[0])
 
 
 def encode_paged(
@@ -322,13 +314,11 @@ def decode_paged_layers(
     )  # fmt: skip
     _, _, h, d = kc.shape
     vview, kind = _out_view(vs[0])
-    pl = _listed(list(payloads)) if not isinstance(payloads, torch.Tensor) else _stack_payloads(payloads)
+    kb = kc.element_size()
+    pl = _payload_layers(payloads, _payload_bytes(num_tokens, h, d, kb, scope, page_size))
     if pl.count != len(caches):
         raise UnsupportedConfigError(f"{len(caches)} caches but {pl.count} payloads")
     _check_device(caches[0], pl.base)
-    kb = kc.element_size()
-    n_el = num_tokens * h * d
-    _check_payload(pl.base, n_el * kb + n_el + 4 * _n_scales(scope, num_tokens, h, page_size))
     _decode_core(
         pl, _cache_rows(ks, K_ELEM_VIEW[kb]), _cache_rows(vs, vview.dtype if kind == 2 else None),
         tokens=num_tokens, heads=h, dim=d, kb=kb, out_kind=kind, scope=scope, page_size=page_size,

@@ -21,10 +21,10 @@ interpreter (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -98,6 +98,8 @@ def _autotune_enabled() -> bool:
 
 @dataclass(frozen=True)
 class _Fp8:
+    """FP8 format constants the kernels take as constexprs."""
+
     mant: int
     bias: int
     max_bits: int
@@ -105,6 +107,7 @@ class _Fp8:
     qmax: float
 
 
+@functools.lru_cache(maxsize=8)
 def _fp8_params(dtype: torch.dtype) -> _Fp8:
     qmax = fp8_max(dtype)  # raises on a non-FP8 dtype
     max_bits = struct.unpack("<i", struct.pack("<f", qmax))[0]
@@ -127,7 +130,7 @@ def _check_scope(scope: ScaleScope, page_size: int | None) -> ScaleScope:
 
 def _check_device(*ts: torch.Tensor) -> torch.device:
     dev = ts[0].device
-    for t in ts:
+    for t in ts[1:]:
         if t.device != dev:
             raise UnsupportedConfigError(f"tensors on different devices: {dev} and {t.device}")
     if dev.type == "cpu" and not INTERPRET:
@@ -160,16 +163,26 @@ def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence numpy's float warnings (NaN/Inf arithmetic) under the interpreter."""
+def _run(kernel: Any, grid: Any, kw: dict[str, Any]) -> None:
+    """Launch; under the interpreter silence numpy's float warnings (NaN/Inf arithmetic)."""
     if INTERPRET:
         import numpy as np
 
         with np.errstate(all="ignore"):
-            yield
+            kernel[grid](**kw)
     else:
-        yield
+        kernel[grid](**kw)
+
+
+_DUMMY: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy_table(dev: torch.device) -> torch.Tensor:
+    """A tiny int64 tensor standing in for unused pointer arguments (cached per device)."""
+    t = _DUMMY.get(dev)
+    if t is None:
+        t = _DUMMY[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
+    return t
 
 
 def _bits16(x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +209,8 @@ class _Layers:
 
 
 def _stacked(x: torch.Tensor, view: torch.dtype | None = None) -> _Layers:
-    """Addressing of a stacked ``[L, ...]`` tensor (layer = dim 0)."""
-    base = x[0] if view is None else x[0].view(view)
+    """Addressing of a stacked ``[L, ...]`` tensor (layer = dim 0; the tensor itself is the pointer)."""
+    base = x if view is None else x.view(view)
     return _Layers(base, x.stride(0) if x.shape[0] > 1 else 0, None, x.shape[0])
 
 
@@ -453,7 +466,7 @@ def _quant_tiles_kernel(
 @triton.jit
 def _dequant_tiles_kernel(
     q_ptr, s_ptr, vo_ptr, ko_ptr, tbl_ptr, q_ltab, vo_ltab, ko_ltab,
-    T, H, PS, s_pg, s_hd, s_off, s_sl, BS, k_off,
+    T, H, PS, s_pg, s_hd, s_off, s_sl, BS, q_off,
     q_st, q_sh, q_sd, q_sl,
     vo_st, vo_sh, vo_sd, vo_sb, vo_sl,
     ko_st, ko_sh, ko_sd, ko_sb, ko_sl,
@@ -465,14 +478,16 @@ def _dequant_tiles_kernel(
     """``float(q) * scale`` cast to the output dtype for BLOCK_T tokens x one head.
 
     ``q`` is FP8 bytes (payload V region or any strided tensor); scales are
-    fp32 (``SCALE_BYTES``: little-endian bytes at ``q + s_off``). With
-    ``KB > 0`` the payload's K bytes at ``q - k_off`` are copied out too.
+    fp32 (``SCALE_BYTES``: little-endian bytes at ``q + s_off``); ``q`` starts
+    ``q_off`` bytes past ``q_ptr``. With ``KB > 0`` the payload's K bytes at
+    ``q_ptr`` are copied out too.
     ``OUT_KIND``: 0 fp32, 1 fp16, 2 bf16 (stored as int16 bits).
     """
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2)
-    q_base = q_ptr + layer_off(layer, q_ltab, q_sl, Q_TAB)
+    p_base = q_ptr + layer_off(layer, q_ltab, q_sl, Q_TAB)
+    q_base = p_base + q_off
     vo_base = vo_ptr + layer_off(layer, vo_ltab, vo_sl, VO_TAB)
     t = i * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
@@ -503,7 +518,7 @@ def _dequant_tiles_kernel(
     if KB > 0:
         ko_base = ko_ptr + layer_off(layer, ko_ltab, ko_sl, KO_TAB)
         pidx = (t64[:, None] * H + h) * D + d64[None, :]
-        kv = load_elems(q_base - k_off, pidx, m2, KB, K_ALIGNED)
+        kv = load_elems(p_base, pidx, m2, KB, K_ALIGNED)
         krow = row_off(t, tm, tbl_ptr, ko_st, ko_sb, BS, PAGED)
         tl.store(ko_base + krow[:, None] + h * ko_sh + d64[None, :] * ko_sd, kv, mask=m2)
 
@@ -574,12 +589,13 @@ def _launch_tiles(
     raw: Any, tuned: Any, ntok: int, block_d: int, heads: int, layers: int, /, **kw: Any
 ) -> None:
     """Launch a (token-tile, head, layer) kernel; autotuned or with the heuristic tile."""
-    with _quiet():
-        if _autotune_enabled():
-            tuned[lambda m: (triton.cdiv(ntok, m["BLOCK_T"]), heads, layers)](**kw, BLOCK_D=block_d)
-        else:
-            bt, nw = _cfg(_pow2(ntok), block_d, _tile_cap())
-            raw[(triton.cdiv(ntok, bt), heads, layers)](**kw, BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
+    if _autotune_enabled():
+        kw["BLOCK_D"] = block_d
+        _run(tuned, lambda m: (triton.cdiv(ntok, m["BLOCK_T"]), heads, layers), kw)
+    else:
+        bt, nw = _cfg(_pow2(ntok), block_d, _tile_cap())
+        kw.update(BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
+        _run(raw, (triton.cdiv(ntok, bt), heads, layers), kw)
 
 
 # ----------------------------------------------------------------------------
@@ -607,17 +623,42 @@ class _Rows:
         }
 
 
-def _dense_rows(layers: _Layers) -> _Rows:
-    st = layers.base.stride()
+def _dense_rows(layers: _Layers, strides: Sequence[int] | None = None) -> _Rows:
+    st = strides if strides is not None else layers.base.stride()
     return _Rows(layers, st[0], st[1], st[2])
-
-
-def _dummy_table(dev: torch.device) -> torch.Tensor:
-    return torch.empty(1, dtype=torch.int64, device=dev)
 
 
 def _tab(lay: _Layers) -> tuple[torch.Tensor | None, bool]:
     return lay.table, lay.table is not None
+
+
+def _view_for(dt: torch.dtype, kind: str) -> torch.dtype | None:
+    """The dtype kernels see an operand as: same-width ints for K bits, int16 for bf16 V/outputs."""
+    if kind == "k":
+        view = K_ELEM_VIEW.get(dt.itemsize)
+        if view is None:
+            raise UnsupportedConfigError(f"dtype {dt} of {dt.itemsize} bytes unsupported")
+        return view
+    if kind == "v" and dt == torch.bfloat16:
+        return torch.int16
+    return None
+
+
+def _as_layers(
+    xs: Sequence[torch.Tensor] | torch.Tensor, what: str, kind: str = ""
+) -> tuple[_Layers, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]:
+    """Layers of a stacked ``[L, ...]`` tensor or a list: (addressing, per-layer shape, strides, dtype, device)."""
+    if isinstance(xs, torch.Tensor):
+        if xs.dim() < 2 or xs.shape[0] == 0:
+            raise UnsupportedConfigError(f"stacked {what} need a non-empty leading layer dim; got {tuple(xs.shape)}")
+        dt = xs.dtype
+        return _stacked(xs, _view_for(dt, kind)), tuple(xs.shape[1:]), xs.stride()[1:], dt, xs.device
+    xs = list(xs)
+    if not xs:
+        raise UnsupportedConfigError(f"no {what} given")
+    _same_layout(xs, what)
+    x0 = xs[0]
+    return _listed(xs, _view_for(x0.dtype, kind)), tuple(x0.shape), x0.stride(), x0.dtype, x0.device
 
 
 # ----------------------------------------------------------------------------
@@ -626,7 +667,7 @@ def _tab(lay: _Layers) -> tuple[torch.Tensor | None, bool]:
 
 
 def _encode_core(
-    k: _Rows | None,
+    k: _Rows,
     v: _Rows,
     pay: _Layers,
     *,
@@ -634,6 +675,7 @@ def _encode_core(
     heads: int,
     dim: int,
     kb: int,
+    v_bf16: bool,
     scope: ScaleScope,
     page_size: int | None,
     fp8_dtype: torch.dtype,
@@ -641,84 +683,79 @@ def _encode_core(
     table: torch.Tensor | None,
     block_size: int,
 ) -> torch.Tensor:
-    """Launch the fused encode over ``pay.count`` layers; return amax [L, *scale_shape]."""
+    """Launch the fused encode over ``pay.count`` layers; return amax [L, *scale_shape].
+
+    ``v`` must already be the kernels' view (int16 bits for bf16, ``v_bf16``).
+    """
     fp = _fp8_params(fp8_dtype)
     layers = pay.count
-    dev = v.layers.base.device
+    dev = pay.base.device
     shape = scale_shape(scope, tokens, heads, page_size)
     if strategy not in ("auto", "single", "two_stage"):
         raise UnsupportedConfigError(f"strategy must be 'auto', 'single' or 'two_stage'; got {strategy!r}")
+    if tokens == 0 or heads == 0:
+        return torch.zeros((layers, *shape), dtype=torch.float32, device=dev)
     block_d = _pow2(dim)
     paged = table is not None
-    tbl = table if paged else _dummy_table(dev)
-    dummy = tbl
-    k_aligned = kb > 0 and pay.base.data_ptr() % max(kb, 1) == 0 and pay.stride % max(kb, 1) == 0
-    if pay.table is not None and kb > 0:
-        k_aligned = k_aligned and all(o % kb == 0 for o in pay.table.tolist())
-    kk = k if k is not None else v
-    v_bf16 = v.layers.base.dtype == torch.bfloat16
-    v_ptr = _bits16(v.layers.base)
-    k_tab, k_has = _tab(kk.layers)
+    dummy = _dummy_table(dev)
+    tbl = table if paged else dummy
+    k_aligned = pay.base.data_ptr() % kb == 0 and pay.stride % kb == 0
+    if pay.table is not None and k_aligned and kb > 1:
+        k_aligned = all(o % kb == 0 for o in pay.table.tolist())
+    k_tab, k_has = _tab(k.layers)
     v_tab, v_has = _tab(v.layers)
     p_tab, p_has = _tab(pay)
     common = {
-        "T": tokens, "H": heads, "BS": block_size,
-        **kk.kw("k"), **v.kw("v"), "p_sl": pay.stride,
+        "k_ptr": k.layers.base, "v_ptr": v.layers.base, "pay_ptr": pay.base, "tbl_ptr": tbl,
+        "k_ltab": k_tab if k_has else dummy, "v_ltab": v_tab if v_has else dummy,
+        "p_ltab": p_tab if p_has else dummy,
+        "T": tokens, "H": heads, "BS": block_size, **k.kw("k"), **v.kw("v"), "p_sl": pay.stride,
         "D": dim, "KB": kb, "V_BF16": v_bf16, "PAGED": paged,
         "K_TAB": k_has, "V_TAB": v_has, "P_TAB": p_has, "K_ALIGNED": k_aligned,
     }  # fmt: skip
-    ptrs = {
-        "k_ptr": kk.layers.base if k is not None else v_ptr, "v_ptr": v_ptr, "pay_ptr": pay.base, "tbl_ptr": tbl,
-        "k_ltab": k_tab if k_has else dummy, "v_ltab": v_tab if v_has else dummy,
-        "p_ltab": p_tab if p_has else dummy,
-    }  # fmt: skip
-    if tokens == 0 or heads == 0:
-        return torch.zeros((layers, *shape), dtype=torch.float32, device=dev)
 
-    single = scope == ScaleScope.PER_PAGE_HEAD
+    per_page = scope == ScaleScope.PER_PAGE_HEAD
+    single = per_page
     if scope == ScaleScope.PER_LAYER_HEAD:
         if strategy == "auto":
             single = INTERPRET or (layers * heads >= 2 * _sm_count(dev) and tokens <= 1024)
         else:
             single = strategy == "single"
-    elif scope == ScaleScope.PER_PAGE_HEAD and strategy == "two_stage":
+    elif per_page and strategy == "two_stage":
         single = False
+    gt = int(page_size) if per_page else tokens  # type: ignore[arg-type]
+    n_gt = -(-tokens // gt)
 
     if single:
-        gt = int(page_size) if scope == ScaleScope.PER_PAGE_HEAD else tokens  # type: ignore[arg-type]
-        n_gt = -(-tokens // gt)
         amax = torch.empty((layers, n_gt, heads), dtype=torch.float32, device=dev)
-        kw = {**ptrs, **common, "amax_ptr": amax, "GT": gt, "n_gt": n_gt, "qmax": fp.qmax,
-              "MANT": fp.mant, "BIAS": fp.bias, "MAX_BITS": fp.max_bits, "SAT": fp.sat}  # fmt: skip
-        with _quiet():
-            if _autotune_enabled():
-                _encode_groups_tuned[(n_gt, heads, layers)](**kw, BLOCK_D=block_d)
-            else:
-                bt, nw = _cfg(min(_pow2(gt), 256), block_d, _tile_cap())
-                _encode_groups_heur[(n_gt, heads, layers)](**kw, BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
+        common.update(amax_ptr=amax, GT=gt, n_gt=n_gt, qmax=fp.qmax, MANT=fp.mant, BIAS=fp.bias,
+                      MAX_BITS=fp.max_bits, SAT=fp.sat)  # fmt: skip
+        if _autotune_enabled():
+            common["BLOCK_D"] = block_d
+            _run(_encode_groups_tuned, (n_gt, heads, layers), common)
+        else:
+            bt, nw = _cfg(min(_pow2(gt), 256), block_d, _tile_cap())
+            common.update(BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
+            _run(_encode_groups_heur, (n_gt, heads, layers), common)
         return amax.view(layers, *shape)
 
     # Two stages: atomic absmax per group (with the K copy), then scale + cast.
     per_tensor = scope == ScaleScope.PER_TENSOR
-    gt = int(page_size) if scope == ScaleScope.PER_PAGE_HEAD else tokens  # type: ignore[arg-type]
-    n_gt = -(-tokens // gt)
     hh = 1 if per_tensor else heads
     abits = torch.zeros((layers, n_gt, hh), dtype=torch.int32, device=dev)
-    tt = gt if scope == ScaleScope.PER_PAGE_HEAD else _stage1_tokens(tokens, heads, layers, dev)
-    kw1 = {**ptrs, **common, "abits_ptr": abits, "TT": tt, "GT": gt, "n_gt": n_gt,
-           "PER_TENSOR": per_tensor, "FINITE_ONLY": False}  # fmt: skip
-    _launch_tiles_tt(kw1, tokens, tt, block_d, heads, layers)
-    s_pg, s_hd = (0, 0) if per_tensor else ((heads, 1) if scope == ScaleScope.PER_PAGE_HEAD else (0, 1))
+    tt = gt if per_page else _stage1_tokens(tokens, heads, layers, dev)
+    common.update(abits_ptr=abits, TT=tt, GT=gt, n_gt=n_gt, PER_TENSOR=per_tensor, FINITE_ONLY=False)
+    _launch_amax_tiles(common, tokens, tt, block_d, heads, layers)
+    s_pg, s_hd = (0, 0) if per_tensor else ((heads, 1) if per_page else (0, 1))
     kw2 = {
-        "v_ptr": v_ptr, "o_ptr": pay.base, "s_ptr": abits, "tbl_ptr": tbl,
+        "v_ptr": v.layers.base, "o_ptr": pay.base, "s_ptr": abits, "tbl_ptr": tbl,
         "v_ltab": v_tab if v_has else dummy, "o_ltab": p_tab if p_has else dummy,
         "T": tokens, "H": heads, "PS": gt, "s_pg": s_pg, "s_hd": s_hd, "s_sl": n_gt * hh,
         "BS": block_size, "o_off": tokens * heads * dim * kb,
         **v.kw("v"), "o_st": heads * dim, "o_sh": dim, "o_sd": 1, "o_sl": pay.stride,
         "qmax": fp.qmax, "D": dim, "V_BF16": v_bf16, "MANT": fp.mant, "BIAS": fp.bias,
         "MAX_BITS": fp.max_bits, "SAT": fp.sat, "FROM_AMAX": True, "WRITE_SCALES": True,
-        "SHARED_HEADS": per_tensor, "PAGED": paged,
-        "V_TAB": v_has, "O_TAB": p_has,
+        "SHARED_HEADS": per_tensor, "PAGED": paged, "V_TAB": v_has, "O_TAB": p_has,
     }  # fmt: skip
     _launch_tiles(_quant_tiles_kernel, _quant_tiles_tuned, tokens, block_d, heads, layers, **kw2)
     return abits.view(torch.float32).view(layers, *shape)
@@ -733,6 +770,18 @@ def _stage1_tokens(tokens: int, heads: int, layers: int, dev: torch.device) -> i
     want = 4 * _sm_count(dev)
     per = max(16, -(-tokens * heads * layers // want))
     return min(tokens, -(-per // 16) * 16)
+
+
+def _launch_amax_tiles(kw: dict[str, Any], tokens: int, tt: int, block_d: int, heads: int, layers: int) -> None:
+    """Launch the stage-1 absmax kernel over TT-token tiles."""
+    grid = (triton.cdiv(tokens, tt), heads, layers)
+    if _autotune_enabled():
+        kw["BLOCK_D"] = block_d
+        _run(_amax_tiles_tuned, grid, kw)
+    else:
+        bt, nw = _cfg(_pow2(tt), block_d, _tile_cap())
+        kw.update(BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
+        _run(_amax_tiles_kernel, grid, kw)
 
 
 # ----------------------------------------------------------------------------
@@ -760,36 +809,28 @@ def group_amax(
     if t == 0 or h == 0:
         return torch.zeros(shape, dtype=torch.float32, device=dev)
     per_tensor = scope == ScaleScope.PER_TENSOR
-    gt = int(page_size) if scope == ScaleScope.PER_PAGE_HEAD else t  # type: ignore[arg-type]
+    per_page = scope == ScaleScope.PER_PAGE_HEAD
+    gt = int(page_size) if per_page else t  # type: ignore[arg-type]
     n_gt = -(-t // gt)
     abits = torch.zeros((1, n_gt, 1 if per_tensor else h), dtype=torch.int32, device=dev)
     if d == 0:
         return abits.view(torch.float32).view(shape)
     block_d = _pow2(d)
-    tt = gt if scope == ScaleScope.PER_PAGE_HEAD else _stage1_tokens(t, h, 1, dev)
+    tt = gt if per_page else _stage1_tokens(t, h, 1, dev)
     dummy = _dummy_table(dev)
-    rows = _dense_rows(_Layers(v, 0, None, 1))
+    vb = _bits16(v)
+    rows = _dense_rows(_Layers(vb, 0, None, 1))
     kw = {
-        "k_ptr": _bits16(v), "v_ptr": _bits16(v), "pay_ptr": dummy, "abits_ptr": abits, "tbl_ptr": dummy,
+        "k_ptr": vb, "v_ptr": vb, "pay_ptr": dummy, "abits_ptr": abits, "tbl_ptr": dummy,
         "k_ltab": dummy, "v_ltab": dummy, "p_ltab": dummy,
         "T": t, "H": h, "TT": tt, "GT": gt, "n_gt": n_gt, "BS": 1,
         **rows.kw("k"), **rows.kw("v"), "p_sl": 0,
-        "D": d, "KB": 0, "V_BF16": v.dtype == torch.bfloat16, "PER_TENSOR": per_tensor, "FINITE_ONLY": bool(finite_only),
+        "D": d, "KB": 0, "V_BF16": v.dtype == torch.bfloat16, "PER_TENSOR": per_tensor,
+        "FINITE_ONLY": bool(finite_only),
         "PAGED": False, "K_TAB": False, "V_TAB": False, "P_TAB": False, "K_ALIGNED": False,
     }  # fmt: skip
-    _launch_tiles_tt(kw, t, tt, block_d, h, 1)
+    _launch_amax_tiles(kw, t, tt, block_d, h, 1)
     return abits.view(torch.float32).view(shape)
-
-
-def _launch_tiles_tt(kw: dict[str, Any], tokens: int, tt: int, block_d: int, heads: int, layers: int) -> None:
-    """Launch the stage-1 amax kernel over TT-token tiles."""
-    n = triton.cdiv(tokens, tt)
-    with _quiet():
-        if _autotune_enabled():
-            _amax_tiles_tuned[(n, heads, layers)](**kw, BLOCK_D=block_d)
-        else:
-            bt, nw = _cfg(_pow2(tt), block_d, _tile_cap())
-            _amax_tiles_kernel[(n, heads, layers)](**kw, BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
 
 
 def compute_scales(
@@ -905,6 +946,13 @@ def _out_view(out: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (out.view(torch.int16) if kind == 2 else out), kind
 
 
+def _out_kind(dt: torch.dtype) -> int:
+    try:
+        return _OUT_KIND[dt]
+    except KeyError:
+        raise UnsupportedConfigError(f"output dtype {dt} unsupported; expected fp32, fp16 or bf16") from None
+
+
 def dequantize(
     q: torch.Tensor,
     scales: torch.Tensor,
@@ -939,7 +987,7 @@ def dequantize(
     kw = {
         "q_ptr": q8, "s_ptr": s, "vo_ptr": ov, "ko_ptr": dummy, "tbl_ptr": dummy,
         "q_ltab": dummy, "vo_ltab": dummy, "ko_ltab": dummy,
-        "T": t, "H": h, "PS": ps, "s_pg": s_pg, "s_hd": s_hd, "s_off": 0, "s_sl": 0, "BS": 1, "k_off": 0,
+        "T": t, "H": h, "PS": ps, "s_pg": s_pg, "s_hd": s_hd, "s_off": 0, "s_sl": 0, "BS": 1, "q_off": 0,
         "q_st": qs[0], "q_sh": qs[1], "q_sd": qs[2], "q_sl": 0,
         "vo_st": vos[0], "vo_sh": vos[1], "vo_sd": vos[2], "vo_sb": 0, "vo_sl": 0,
         "ko_st": 0, "ko_sh": 0, "ko_sd": 0, "ko_sb": 0, "ko_sl": 0,
@@ -966,7 +1014,7 @@ def quantize_1d(
     if not x.is_contiguous():
         raise UnsupportedConfigError("quantize_1d needs a contiguous tensor")
     dev = _check_device(x)
-    s = torch.as_tensor(scale, dtype=torch.float32, device=dev).reshape(1)
+    s = torch.as_tensor(scale, dtype=torch.float32).to(dev).reshape(1)
     if out is None:
         out = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
     elif out.shape != x.shape or out.dtype != fp8_dtype or not out.is_contiguous():
@@ -975,11 +1023,10 @@ def quantize_1d(
     if n == 0:
         return out
     blk = block or (_pow2(min(n, 1 << 17)) if INTERPRET else 1024)
-    with _quiet():
-        _quant_1d_kernel[(triton.cdiv(n, blk),)](
-            _bits16(x), s, out.view(torch.uint8), n,
-            V_BF16=x.dtype == torch.bfloat16, MANT=fp.mant, BIAS=fp.bias, MAX_BITS=fp.max_bits, SAT=fp.sat, BLOCK=blk,
-        )  # fmt: skip
+    kw = {"x_ptr": _bits16(x), "s_ptr": s, "o_ptr": out.view(torch.uint8), "N": n,
+          "V_BF16": x.dtype == torch.bfloat16, "MANT": fp.mant, "BIAS": fp.bias,
+          "MAX_BITS": fp.max_bits, "SAT": fp.sat, "BLOCK": blk}  # fmt: skip
+    _run(_quant_1d_kernel, (triton.cdiv(n, blk),), kw)
     return out
 
 
@@ -988,13 +1035,15 @@ def quantize_1d(
 # ----------------------------------------------------------------------------
 
 
-def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
-    _check_tensor3("K", k)
-    _check_tensor3("V", v, V_DTYPES)
-    if k.shape != v.shape:
-        raise UnsupportedConfigError(f"K {tuple(k.shape)} and V {tuple(v.shape)} differ in shape")
-    if k.element_size() not in K_ELEM_VIEW or not (k.is_floating_point() or k.dtype == torch.uint8):
-        raise UnsupportedConfigError(f"K dtype {k.dtype} unsupported")
+def _check_kv_meta(kshape: tuple[int, ...], vshape: tuple[int, ...], kdt: torch.dtype, vdt: torch.dtype) -> None:
+    if len(kshape) != 3 or len(vshape) != 3:
+        raise UnsupportedConfigError(f"expected K and V as [tokens, heads, head_dim]; got {kshape} and {vshape}")
+    if kshape != vshape:
+        raise UnsupportedConfigError(f"K {kshape} and V {vshape} differ in shape")
+    if vdt not in V_DTYPES:
+        raise UnsupportedConfigError(f"V dtype {vdt} unsupported; expected one of {V_DTYPES}")
+    if kdt.itemsize not in K_ELEM_VIEW or not (kdt.is_floating_point or kdt == torch.uint8):
+        raise UnsupportedConfigError(f"K dtype {kdt} unsupported")
 
 
 def _check_payload(p: torch.Tensor, want: int) -> None:
@@ -1004,6 +1053,29 @@ def _check_payload(p: torch.Tensor, want: int) -> None:
         raise UnsupportedConfigError(f"payload holds {p.numel()} bytes; the chunk needs exactly {want}")
     if p.numel() > 1 and p.stride(0) != 1:
         raise UnsupportedConfigError("payload must be contiguous")
+
+
+def _payload_layers(payloads: Sequence[torch.Tensor] | torch.Tensor, want: int) -> _Layers:
+    """Payloads as layers (a stacked ``[L, nbytes]`` uint8 tensor or a list), size-checked."""
+    lay, shp, st, dt, _ = _as_layers(payloads, "payloads")
+    if dt != torch.uint8 or len(shp) != 1:
+        raise UnsupportedConfigError(f"payloads must be 1-D uint8 (or stacked [L, nbytes]); got {shp} {dt}")
+    if shp[0] != want:
+        raise UnsupportedConfigError(f"payload holds {shp[0]} bytes; the chunk needs exactly {want}")
+    if want > 1 and st[0] != 1:
+        raise UnsupportedConfigError("payload must be contiguous")
+    return lay
+
+
+def _payload_bytes(t: int, h: int, d: int, kb: int, scope: ScaleScope, page_size: int | None) -> int:
+    return t * h * d * (kb + 1) + 4 * _n_scales(scope, t, h, page_size)
+
+
+def _n_scales(scope: ScaleScope, t: int, h: int, page_size: int | None) -> int:
+    n = 1
+    for s in scale_shape(scope, t, h, page_size):
+        n *= s
+    return n
 
 
 def encode_fused(
@@ -1023,37 +1095,20 @@ def encode_fused(
     there means the group holds NaN/Inf (its scale is then not meaningful).
     Nothing here syncs with the device.
     """
-    _check_kv(k, v)
+    _check_kv_meta(tuple(k.shape), tuple(v.shape), k.dtype, v.dtype)
     scope = _check_scope(scope, page_size)
     _check_device(k, v, payload)
-    _check_payload(payload, payload_nbytes(k, v, scope, page_size))
     t, h, d = v.shape
+    kb = k.element_size()
+    _check_payload(payload, _payload_bytes(t, h, d, kb, scope, page_size))
     amax = _encode_core(
         _dense_rows(_Layers(_int_view(k), 0, None, 1)),
-        _dense_rows(_Layers(v, 0, None, 1)),
+        _dense_rows(_Layers(_bits16(v), 0, None, 1)),
         _Layers(payload, 0, None, 1),
-        tokens=t, heads=h, dim=d, kb=k.element_size(), scope=scope, page_size=page_size,
-        fp8_dtype=fp8_dtype, strategy=strategy, table=None, block_size=1,
+        tokens=t, heads=h, dim=d, kb=kb, v_bf16=v.dtype == torch.bfloat16, scope=scope,
+        page_size=page_size, fp8_dtype=fp8_dtype, strategy=strategy, table=None, block_size=1,
     )  # fmt: skip
     return amax[0]
-
-
-def _as_layers(xs: Sequence[torch.Tensor] | torch.Tensor, what: str, view: torch.dtype | None = None) -> _Layers:
-    if isinstance(xs, torch.Tensor):
-        if xs.dim() < 2:
-            raise UnsupportedConfigError(f"stacked {what} must have a leading layer dim; got {tuple(xs.shape)}")
-        if xs.shape[0] == 0:
-            raise UnsupportedConfigError(f"no {what} given")
-        return _stacked(xs, view)
-    xs = list(xs)
-    if not xs:
-        raise UnsupportedConfigError(f"no {what} given")
-    _same_layout(xs, what)
-    return _listed(xs, view)
-
-
-def _first(xs: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    return xs[0]
 
 
 def encode_fused_layers(
@@ -1070,30 +1125,30 @@ def encode_fused_layers(
 
     ``ks``/``vs``: lists of same-shaped ``[T, H, D]`` tensors or stacked
     ``[L, T, H, D]``; ``payloads``: one 1-D uint8 tensor per layer (or a
-    stacked ``[L, nbytes]``). Separate allocations are addressed through a
-    small device offset table. Returns the absmax as ``[L, *scale_shape]``.
+    stacked ``[L, nbytes]``). Stacked tensors (or evenly spaced layers) cost
+    no host work per layer; other separate allocations are addressed through
+    a small device offset table. Returns the absmax as ``[L, *scale_shape]``.
     """
-    k0, v0, p0 = _first(ks), _first(vs), _first(payloads)
-    _check_kv(k0, v0)
+    kl, kshape, kst, kdt, _ = _as_layers(ks, "K layers", "k")
+    vl, vshape, vst, vdt, _ = _as_layers(vs, "V layers", "v")
+    _check_kv_meta(kshape, vshape, kdt, vdt)
     scope = _check_scope(scope, page_size)
-    _check_device(k0, v0, p0)
-    kl = _as_layers(ks, "K layers", K_ELEM_VIEW[k0.element_size()])
-    vl = _as_layers(vs, "V layers")
-    pl = _as_layers(payloads, "payloads")
+    t, h, d = vshape
+    kb = kdt.itemsize
+    pl = _payload_layers(payloads, _payload_bytes(t, h, d, kb, scope, page_size))
+    _check_device(kl.base, vl.base, pl.base)
     if not kl.count == vl.count == pl.count:
         raise UnsupportedConfigError(f"{kl.count} K, {vl.count} V and {pl.count} payloads: counts differ")
-    _check_payload(pl.base, payload_nbytes(k0, v0, scope, page_size))
-    t, h, d = v0.shape
     return _encode_core(
-        _dense_rows(kl), _dense_rows(vl), pl,
-        tokens=t, heads=h, dim=d, kb=k0.element_size(), scope=scope, page_size=page_size,
+        _dense_rows(kl, kst), _dense_rows(vl, vst), pl,
+        tokens=t, heads=h, dim=d, kb=kb, v_bf16=vdt == torch.bfloat16, scope=scope, page_size=page_size,
         fp8_dtype=fp8_dtype, strategy=strategy, table=None, block_size=1,
     )  # fmt: skip
 
 
 def _decode_core(
     pay: _Layers,
-    ko: _Rows | None,
+    ko: _Rows,
     vo: _Rows,
     *,
     tokens: int,
@@ -1107,33 +1162,32 @@ def _decode_core(
     table: torch.Tensor | None,
     block_size: int,
 ) -> None:
+    """Launch the fused decode over ``pay.count`` layers (outputs already in the kernels' views)."""
     fp = _fp8_params(fp8_dtype)
-    dev = pay.base.device
     if tokens == 0 or heads == 0 or dim == 0:
         return
+    dev = pay.base.device
     ps, s_pg, s_hd = _scale_strides(scope, tokens, heads, page_size)
     n_el = tokens * heads * dim
     kbytes = n_el * kb
-    q_base = pay.base[kbytes:]
-    k_aligned = kb > 0 and pay.base.data_ptr() % kb == 0 and pay.stride % kb == 0
-    if pay.table is not None and kb > 0:
-        k_aligned = k_aligned and all(o % kb == 0 for o in pay.table.tolist())
+    k_aligned = pay.base.data_ptr() % kb == 0 and pay.stride % kb == 0
+    if pay.table is not None and k_aligned and kb > 1:
+        k_aligned = all(o % kb == 0 for o in pay.table.tolist())
     dummy = _dummy_table(dev)
     paged = table is not None
-    kk = ko if ko is not None else vo
     q_tab, q_has = _tab(pay)
     vo_tab, vo_has = _tab(vo.layers)
-    ko_tab, ko_has = _tab(kk.layers)
+    ko_tab, ko_has = _tab(ko.layers)
     kw = {
-        "q_ptr": q_base, "s_ptr": dummy, "vo_ptr": vo.layers.base, "ko_ptr": kk.layers.base,
+        "q_ptr": pay.base, "s_ptr": dummy, "vo_ptr": vo.layers.base, "ko_ptr": ko.layers.base,
         "tbl_ptr": table if paged else dummy,
         "q_ltab": q_tab if q_has else dummy, "vo_ltab": vo_tab if vo_has else dummy,
         "ko_ltab": ko_tab if ko_has else dummy,
         "T": tokens, "H": heads, "PS": ps, "s_pg": s_pg, "s_hd": s_hd, "s_off": n_el, "s_sl": 0,
-        "BS": block_size, "k_off": kbytes,
+        "BS": block_size, "q_off": kbytes,
         "q_st": heads * dim, "q_sh": dim, "q_sd": 1, "q_sl": pay.stride,
-        **vo.kw("vo"), **kk.kw("ko"),
-        "D": dim, "KB": kb if ko is not None else 0, "MANT": fp.mant, "BIAS": fp.bias,
+        **vo.kw("vo"), **ko.kw("ko"),
+        "D": dim, "KB": kb, "MANT": fp.mant, "BIAS": fp.bias,
         "OUT_KIND": out_kind, "SCALE_BYTES": True, "K_ALIGNED": k_aligned, "PAGED": paged,
         "Q_TAB": q_has, "VO_TAB": vo_has, "KO_TAB": ko_has,
     }  # fmt: skip
@@ -1161,7 +1215,7 @@ def decode_fused(
     _check_device(payload, k_out, v_out)
     t, h, d = v_out.shape
     kb = k_out.element_size()
-    _check_payload(payload, k_out.numel() * kb + v_out.numel() + 4 * _n_scales(scope, t, h, page_size))
+    _check_payload(payload, _payload_bytes(t, h, d, kb, scope, page_size))
     vov, kind = _out_view(v_out)
     _decode_core(
         _Layers(payload, 0, None, 1),
@@ -1170,13 +1224,6 @@ def decode_fused(
         tokens=t, heads=h, dim=d, kb=kb, out_kind=kind, scope=scope, page_size=page_size,
         fp8_dtype=fp8_dtype, table=None, block_size=1,
     )  # fmt: skip
-
-
-def _n_scales(scope: ScaleScope, t: int, h: int, page_size: int | None) -> int:
-    n = 1
-    for s in scale_shape(scope, t, h, page_size):
-        n *= s
-    return n
 
 
 def decode_fused_layers(
@@ -1189,24 +1236,20 @@ def decode_fused_layers(
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> None:
     """:func:`decode_fused` over L layers in one launch (lists or stacked tensors)."""
-    p0, k0, v0 = _first(payloads), _first(k_outs), _first(v_outs)
-    _check_tensor3("k_out", k0)
-    _check_tensor3("v_out", v0)
-    if k0.shape != v0.shape:
-        raise UnsupportedConfigError(f"k_out {tuple(k0.shape)} and v_out {tuple(v0.shape)} differ")
+    kl, kshape, kst, kdt, _ = _as_layers(k_outs, "K outputs", "k")
+    vl, vshape, vst, vdt, _ = _as_layers(v_outs, "V outputs", "v")
+    if len(kshape) != 3 or kshape != vshape:
+        raise UnsupportedConfigError(f"k_out {kshape} and v_out {vshape} must be same-shaped [T, H, D]")
+    kind = _out_kind(vdt)
     scope = _check_scope(scope, page_size)
-    _check_device(p0, k0, v0)
-    t, h, d = v0.shape
-    kb = k0.element_size()
-    _, kind = _out_view(v0)
-    pl = _as_layers(payloads, "payloads")
-    kl = _as_layers(k_outs, "K outputs", K_ELEM_VIEW[kb])
-    vl = _as_layers(v_outs, "V outputs", torch.int16 if kind == 2 else None)
+    t, h, d = vshape
+    kb = kdt.itemsize
+    pl = _payload_layers(payloads, _payload_bytes(t, h, d, kb, scope, page_size))
+    _check_device(pl.base, kl.base, vl.base)
     if not kl.count == vl.count == pl.count:
         raise UnsupportedConfigError(f"{pl.count} payloads, {kl.count} K and {vl.count} V outputs: counts differ")
-    _check_payload(pl.base, k0.numel() * kb + v0.numel() + 4 * _n_scales(scope, t, h, page_size))
     _decode_core(
-        pl, _dense_rows(kl), _dense_rows(vl),
+        pl, _dense_rows(kl, kst), _dense_rows(vl, vst),
         tokens=t, heads=h, dim=d, kb=kb, out_kind=kind, scope=scope, page_size=page_size,
         fp8_dtype=fp8_dtype, table=None, block_size=1,
     )  # fmt: skip

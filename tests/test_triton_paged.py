@@ -210,6 +210,7 @@ def test_paged_errors() -> None:
         PT.encode_paged(cache, [0], PTS, layout="flash_nhd", num_tokens=1, block_size=BS, payload=pay)
     with pytest.raises(UnsupportedConfigError, match="both"):
         PT.gather_chunk(cache, [0], layout="flash_nhd", num_tokens=1, block_size=BS, out_k=torch.empty(1, H, D))
+    good = torch.zeros(QT.payload_nbytes(cache[0, 0, :1], cache[0, 0, :1], PTS), dtype=torch.uint8, device=DEVICE)
     with pytest.raises(UnsupportedConfigError, match="payloads"):
         PT.encode_paged_layers([cache, cache], [0], PTS, layout="flash_nhd", num_tokens=1, block_size=BS,
-                               payloads=[pay])  # fmt: skip
+                               payloads=[good])  # fmt: skip
