@@ -286,6 +286,11 @@ class Sizes:
     host_iters: int = 200
 
 
+QUICK_SIZES = Sizes(layers=2, chunk_tokens=8, heads=2, head_dim=32, page_size=4, big_tokens=16,
+                   cache_blocks=8, block_size=4, gather_blocks=3, host_iters=2)  # fmt: skip
+"""Toy sizes for a smoke run of the harness (``--quick``, the unit tests)."""
+
+
 def _copy_ms(timer: Timer, nbytes: int, device: str) -> float:
     import torch
 
@@ -323,7 +328,7 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
     vs = torch.randn((L, T, H, D), dtype=torch.float16, device=device, generator=g)
     in_bytes = 2 * ks.numel() * 2
     c_ms = _copy_ms(timer, in_bytes, device)
-    copy_bw["32-layer chunk"] = 2 * in_bytes / (c_ms * 1e6)
+    copy_bw[f"{L}-layer chunk"] = 2 * in_bytes / (c_ms * 1e6)
     ko, vo = torch.empty_like(ks), torch.empty_like(vs)
     for label, scope, ps, strat in variants:
         if over_budget(f"chunk {label}"):
@@ -562,13 +567,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip-tests", action="store_true", help="skip the pytest tier")
     ap.add_argument("--test-timeout", type=float, default=170.0, help="seconds for the pytest tier")
     ap.add_argument("--budget", type=float, default=330.0, help="seconds after which optional benchmarks are skipped")
+    ap.add_argument("--device", default="cuda", help="device (cpu only as a smoke run under TRITON_INTERPRET=1)")
+    ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run of the harness)")
     ap.add_argument("--pytest-child", metavar="SUMMARY", help=argparse.SUPPRESS)
     ap.add_argument("files", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.pytest_child:
         return run_pytest_child(args.files or TEST_FILES, args.pytest_child)
 
-    ok, why = gpu_status()
+    ok, why = gpu_status() if args.device != "cpu" else (True, "cpu (smoke run)")
     if not ok:
         print(f"gpu_check: {why}; nothing to check here. Run it on a machine with an NVIDIA GPU:")
         print("    PYTHONPATH=. python3 bench/gpu_check.py")
@@ -577,9 +584,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ensure_kernels_importable()
     import torch
 
-    device = "cuda"
+    device = args.device
     print(f"gpu_check on {why} (torch {torch.__version__})", flush=True)
-    checks = builtin_checks(device)
+    checks = builtin_checks(device, quick=args.quick)
     for c in checks:
         print(f"  check {'ok ' if c['ok'] else 'FAIL'} {c['check']} {c['error']}", flush=True)
     tests: dict[str, Any] = {"ran": False, "reason": "--skip-tests"}
@@ -592,9 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(tests.get("tail", ""))
         else:
             print(f"  pytest: not run ({tests.get('reason')})")
-    timer = Timer(device)
+    timer = Timer(device, warmup=0, reps=1, flush_mb=1) if args.quick else Timer(device)
+    sizes = QUICK_SIZES if args.quick else Sizes()
     remaining = args.budget - (time.perf_counter() - t0)
-    rows, copy_bw, extra = run_benchmarks(device, Sizes(), timer, budget_s=max(remaining, 30.0))
+    rows, copy_bw, extra = run_benchmarks(device, sizes, timer, budget_s=max(remaining, 30.0))
     print(format_table(rows, copy_bw))
     host = extra["host"]
     print(f"host CPU per {host['layers']}-layer chunk: launch {host['launch_us']} us + {host['layers']} headers "

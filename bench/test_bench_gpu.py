@@ -104,8 +104,7 @@ def test_builtin_checks_on_cpu() -> None:
 def test_benchmark_harness_on_cpu(tmp_path: Path) -> None:
     """The whole benchmark path at toy sizes (CPU timer), then the JSON summary."""
     gc.ensure_kernels_importable()
-    sizes = gc.Sizes(layers=2, chunk_tokens=8, heads=2, head_dim=32, page_size=4, big_tokens=16,
-                     cache_blocks=8, block_size=4, gather_blocks=3, host_iters=2)  # fmt: skip
+    sizes = gc.QUICK_SIZES
     dev = "cuda" if _CUDA else "cpu"
     timer = gc.Timer(dev, warmup=0, reps=1, flush_mb=1)
     rows, copy_bw, extra = gc.run_benchmarks(dev, sizes, timer)
@@ -135,3 +134,18 @@ def test_pytest_tier_reports_missing_or_runs(monkeypatch: pytest.MonkeyPatch) ->
     res = gc.run_pytest(["tests/test_cuda.py"], timeout_s=120)
     assert res["ran"] and res["rc"] in (0, 5)  # 5: everything skipped (no GPU)
     assert res["failed"] == 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(_CUDA, reason="the CPU smoke run is for machines without a GPU")
+def test_main_smoke_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """main() end to end on CPU at toy sizes: checks, table, host line, JSON summary."""
+    out = tmp_path / "gpu-check.json"
+    rc = gc.main(["--device", "cpu", "--quick", "--skip-tests", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "benchmark" in text and "host CPU per 2-layer chunk" in text and "wrote" in text
+    summary = json.loads(out.read_text())
+    assert summary["checks_ok"] and summary["tests"] == {"ran": False, "reason": "--skip-tests"}
+    assert {r["kind"] for r in summary["bench"]} == {"encode", "decode", "gather"}
+    assert "launch_us" in summary["host"] and summary["copy_GBps"]
