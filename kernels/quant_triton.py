@@ -206,6 +206,8 @@ class _Layers:
     stride: int
     table: torch.Tensor | None
     count: int
+    offsets: tuple[int, ...] = ()
+    """Host copy of the table's element offsets (no device sync to inspect them)."""
 
 
 def _stacked(x: torch.Tensor, view: torch.dtype | None = None) -> _Layers:
@@ -231,7 +233,7 @@ def _listed(xs: Sequence[torch.Tensor], view: torch.dtype | None = None) -> _Lay
     if all(o == i * step for i, o in enumerate(offs)):
         return _Layers(base, step, None, len(offs))
     table = torch.tensor(offs, dtype=torch.int64).to(base.device, non_blocking=True)
-    return _Layers(base, 0, table, len(offs))
+    return _Layers(base, 0, table, len(offs), tuple(offs))
 
 
 def _same_layout(xs: Sequence[torch.Tensor], what: str) -> None:
@@ -701,7 +703,7 @@ def _encode_core(
     tbl = table if paged else dummy
     k_aligned = pay.base.data_ptr() % kb == 0 and pay.stride % kb == 0
     if pay.table is not None and k_aligned and kb > 1:
-        k_aligned = all(o % kb == 0 for o in pay.table.tolist())
+        k_aligned = all(o % kb == 0 for o in pay.offsets)
     k_tab, k_has = _tab(k.layers)
     v_tab, v_has = _tab(v.layers)
     p_tab, p_has = _tab(pay)
@@ -1172,7 +1174,7 @@ def _decode_core(
     kbytes = n_el * kb
     k_aligned = pay.base.data_ptr() % kb == 0 and pay.stride % kb == 0
     if pay.table is not None and k_aligned and kb > 1:
-        k_aligned = all(o % kb == 0 for o in pay.table.tolist())
+        k_aligned = all(o % kb == 0 for o in pay.offsets)
     dummy = _dummy_table(dev)
     paged = table is not None
     q_tab, q_has = _tab(pay)
