@@ -29,7 +29,13 @@ demo:
 	$(BIN)/kvcodec demo
 
 bench:
+	mkdir -p bench/results
 	$(PYTEST) bench --benchmark-enable --benchmark-json=bench/results/bench-cpu.json -q
+
+# On a GPU machine with python3, torch and triton preinstalled (no venv, no
+# registry): CUDA tests + GPU benchmarks from the source tree.
+gpu-check:
+	PYTHONPATH=. $(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks
@@ -43,5 +49,6 @@ lmcache:
 	$(BIN)/python -c "import lmcache.v1.kv_codec as m; print('lmcache kv_codec importable:', m.AsymK16V8Codec)"
 
 bench-lmcache: lmcache
+	mkdir -p bench/results
 	$(PYTEST) bench/test_bench_codec.py bench/test_lmcache_bytes.py --benchmark-enable \
 	  --benchmark-json=bench/results/bench-codec-cpu.json -q
