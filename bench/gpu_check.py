@@ -309,12 +309,20 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
     t_start = time.perf_counter()
     rows: list[Row] = []
     copy_bw: dict[str, float] = {}
-    extra: dict[str, Any] = {"skipped": []}
+    extra: dict[str, Any] = {"skipped": [], "errors": []}
     L, T, H, D, PS = sizes.layers, sizes.chunk_tokens, sizes.heads, sizes.head_dim, sizes.page_size
     PH, LH, PTS = ScaleScope.PER_PAGE_HEAD, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_TENSOR
     variants = [("per_page_head", PH, PS, "auto"), ("per_layer_head", LH, None, "auto"),
                 ("per_layer_head single", LH, None, "single"), ("per_layer_head two_stage", LH, None, "two_stage"),
                 ("per_tensor", PTS, None, "auto")]  # fmt: skip
+
+    def measure(name: str, kind: str, fn: Callable[[], Any], c_ms: float, moved: int, target: float | None) -> None:
+        try:
+            ms = timer.ms(fn)
+        except Exception as e:  # record it, keep benchmarking the rest
+            extra["errors"].append(f"{name}: {type(e).__name__}: {e}"[:2000])
+            return
+        rows.append(Row(name, kind, ms, c_ms, moved, target))
 
     def over_budget(what: str) -> bool:
         if time.perf_counter() - t_start > budget_s:
@@ -336,11 +344,13 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
         nb = QT.payload_nbytes(ks[0], vs[0], scope, ps)
         pays = torch.empty((L, nb), dtype=torch.uint8, device=device)
         moved = in_bytes + pays.numel()  # read K+V, write payloads
-        ms = timer.ms(lambda s=scope, p=ps, st=strat, pl=pays: QT.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl, strategy=st))  # type: ignore[misc]  # fmt: skip
-        rows.append(Row(f"encode {L}x{T} {label}", "encode", ms, c_ms, moved, TARGETS["encode"] if strat == "auto" else None))
+        measure(f"encode {L}x{T} {label}", "encode",
+                lambda s=scope, p=ps, st=strat, pl=pays: QT.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl, strategy=st),  # type: ignore[misc]
+                c_ms, moved, TARGETS["encode"] if strat == "auto" else None)  # fmt: skip
         if strat == "auto":
-            ms = timer.ms(lambda s=scope, p=ps, pl=pays: QT.decode_fused_layers(pl, ko, vo, s, page_size=p))  # type: ignore[misc]
-            rows.append(Row(f"decode {L}x{T} {label}", "decode", ms, c_ms, moved, TARGETS["decode"]))
+            measure(f"decode {L}x{T} {label}", "decode",
+                    lambda s=scope, p=ps, pl=pays: QT.decode_fused_layers(pl, ko, vo, s, page_size=p),  # type: ignore[misc]
+                    c_ms, moved, TARGETS["decode"])  # fmt: skip
 
     # One large layer.
     if not over_budget("large layer"):
@@ -356,11 +366,13 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
                 continue
             pay = torch.empty(QT.payload_nbytes(k1, v1, scope, ps), dtype=torch.uint8, device=device)
             moved = in_bytes + pay.numel()
-            ms = timer.ms(lambda s=scope, p=ps, st=strat, pl=pay: QT.encode_fused(k1, v1, s, page_size=p, payload=pl, strategy=st))  # type: ignore[misc]  # fmt: skip
-            rows.append(Row(f"encode 1x{TB} {label}", "encode", ms, c_ms, moved, TARGETS["encode"] if strat == "auto" else None))
+            measure(f"encode 1x{TB} {label}", "encode",
+                    lambda s=scope, p=ps, st=strat, pl=pay: QT.encode_fused(k1, v1, s, page_size=p, payload=pl, strategy=st),  # type: ignore[misc]
+                    c_ms, moved, TARGETS["encode"] if strat == "auto" else None)  # fmt: skip
             if strat == "auto":
-                ms = timer.ms(lambda s=scope, p=ps, pl=pay: QT.decode_fused(pl, k1o, v1o, s, page_size=p))  # type: ignore[misc]
-                rows.append(Row(f"decode 1x{TB} {label}", "decode", ms, c_ms, moved, TARGETS["decode"]))
+                measure(f"decode 1x{TB} {label}", "decode",
+                        lambda s=scope, p=ps, pl=pay: QT.decode_fused(pl, k1o, v1o, s, page_size=p),  # type: ignore[misc]
+                        c_ms, moved, TARGETS["decode"])  # fmt: skip
 
     # Paged gather from a big cache, shuffled block ids.
     if not over_budget("paged gather"):
@@ -372,17 +384,48 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
         in_bytes = out.numel() * 2
         c_ms = _copy_ms(timer, in_bytes, device)
         copy_bw[f"gather {tok} tokens"] = 2 * in_bytes / (c_ms * 1e6)
-        ms = timer.ms(lambda: PT.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=tok, block_size=BS,
-                                              out_k=out[0], out_v=out[1], validate=False))  # fmt: skip
-        rows.append(Row(f"paged gather {GB} of {NBk} blocks", "gather", ms, c_ms, 2 * in_bytes, TARGETS["gather"]))
+        measure(f"paged gather {GB} of {NBk} blocks", "gather",
+                lambda: PT.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=tok, block_size=BS,
+                                        out_k=out[0], out_v=out[1], validate=False),
+                c_ms, 2 * in_bytes, TARGETS["gather"])  # fmt: skip
         pay = torch.empty(QT.payload_nbytes(out[0], out[1], PH, PS), dtype=torch.uint8, device=device)
-        ms = timer.ms(lambda: PT.encode_paged(cache, ids, PH, layout="flash_nhd", num_tokens=tok, block_size=BS,
-                                              page_size=PS, payload=pay, validate=False))  # fmt: skip
-        rows.append(Row(f"paged encode {GB} blocks per_page_head", "gather", ms, c_ms, in_bytes + pay.numel(), TARGETS["gather"]))
+        measure(f"paged encode {GB} blocks per_page_head", "gather",
+                lambda: PT.encode_paged(cache, ids, PH, layout="flash_nhd", num_tokens=tok, block_size=BS,
+                                        page_size=PS, payload=pay, validate=False),
+                c_ms, in_bytes + pay.numel(), TARGETS["gather"])  # fmt: skip
 
-    extra["host"] = host_overhead(device, sizes)
+    try:
+        extra["host"] = host_overhead(device, sizes)
+    except Exception as e:
+        extra["errors"].append(f"host overhead: {type(e).__name__}: {e}"[:2000])
+        extra["host"] = {"ok": False, "error": str(e)[:500], "layers": L, "launch_us": None, "headers_us": None,
+                         "headers_with_replace_us": None, "total_us": None}  # fmt: skip
     extra["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return rows, copy_bw, extra
+
+
+def autotuned_headline(device: str, sizes: Sizes, timer: Timer) -> list[Row]:
+    """The 32-layer chunk encode/decode again with autotuned tiles (rows named "... autotuned")."""
+    import torch
+    from kvcodec.kernels import quant_triton as QT
+
+    from kvcodec.format import ScaleScope
+
+    L, T, H, D, PS = sizes.layers, sizes.chunk_tokens, sizes.heads, sizes.head_dim, sizes.page_size
+    ks = torch.randn((L, T, H, D), dtype=torch.float16, device=device)
+    vs = torch.randn((L, T, H, D), dtype=torch.float16, device=device)
+    ko, vo = torch.empty_like(ks), torch.empty_like(vs)
+    in_bytes = 2 * ks.numel() * 2
+    c_ms = _copy_ms(timer, in_bytes, device)
+    rows = []
+    for label, scope, ps in (("per_page_head", ScaleScope.PER_PAGE_HEAD, PS), ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None)):
+        pays = torch.empty((L, QT.payload_nbytes(ks[0], vs[0], scope, ps)), dtype=torch.uint8, device=device)
+        moved = in_bytes + pays.numel()
+        ms = timer.ms(lambda s=scope, p=ps, pl=pays: QT.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl))  # type: ignore[misc]
+        rows.append(Row(f"encode {L}x{T} {label} autotuned", "encode", ms, c_ms, moved, TARGETS["encode"]))
+        ms = timer.ms(lambda s=scope, p=ps, pl=pays: QT.decode_fused_layers(pl, ko, vo, s, page_size=p))  # type: ignore[misc]
+        rows.append(Row(f"decode {L}x{T} {label} autotuned", "decode", ms, c_ms, moved, TARGETS["decode"]))
+    return rows
 
 
 def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
@@ -539,7 +582,13 @@ def summarize(
     except ImportError:
         triton_v = None
     host = extra.get("host", {})
-    bench_ok = all(r.ok is not False for r in rows) and host.get("ok", True)
+    # A workload meets its target if its heuristic or its autotuned row does.
+    best: dict[str, bool] = {}
+    for r in rows:
+        if r.ok is not None:
+            key = r.name.removesuffix(" autotuned")
+            best[key] = best.get(key, False) or bool(r.ok)
+    bench_ok = all(best.values()) and host.get("ok", True)
     tests_ok = (not tests.get("ran")) or (tests.get("rc") == 0)
     return {
         "device": device_name,
@@ -554,8 +603,9 @@ def summarize(
         "bench": [{**asdict(r), "ok": r.ok} for r in rows],
         "host": host,
         "skipped": extra.get("skipped", []),
-        "bench_ok": bench_ok,
-        "ok": all(c["ok"] for c in checks) and tests_ok and bench_ok,
+        "errors": extra.get("errors", []),
+        "bench_ok": bench_ok and not extra.get("errors"),
+        "ok": all(c["ok"] for c in checks) and tests_ok and bench_ok and not extra.get("errors"),
         "elapsed_s": round(elapsed_s, 1),
     }
 
@@ -565,8 +615,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=RESULTS, help="JSON summary path")
     ap.add_argument("--skip-tests", action="store_true", help="skip the pytest tier")
-    ap.add_argument("--test-timeout", type=float, default=170.0, help="seconds for the pytest tier")
-    ap.add_argument("--budget", type=float, default=330.0, help="seconds after which optional benchmarks are skipped")
+    ap.add_argument("--test-timeout", type=float, default=180.0, help="seconds for the pytest tier")
+    ap.add_argument("--budget", type=float, default=320.0, help="seconds after which optional parts are skipped")
+    ap.add_argument("--autotune", action="store_true",
+                    help="autotune every benchmark (slow: one compile per config and shape)")
     ap.add_argument("--device", default="cuda", help="device (cpu only as a smoke run under TRITON_INTERPRET=1)")
     ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run of the harness)")
     ap.add_argument("--pytest-child", metavar="SUMMARY", help=argparse.SUPPRESS)
@@ -591,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  check {'ok ' if c['ok'] else 'FAIL'} {c['check']} {c['error']}", flush=True)
     tests: dict[str, Any] = {"ran": False, "reason": "--skip-tests"}
     if not args.skip_tests:
-        tests = run_pytest(TEST_FILES, args.test_timeout)
+        tests = run_pytest(TEST_FILES, min(args.test_timeout, max(60.0, args.budget - 120 - (time.perf_counter() - t0))))
         if tests.get("ran"):
             print(f"  pytest: rc={tests.get('rc')} passed={tests.get('passed')} failed={tests.get('failed')} "
                   f"skipped={tests.get('skipped')} ({tests.get('s')} s)", flush=True)  # fmt: skip
@@ -601,9 +653,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  pytest: not run ({tests.get('reason')})")
     timer = Timer(device, warmup=0, reps=1, flush_mb=1) if args.quick else Timer(device)
     sizes = QUICK_SIZES if args.quick else Sizes()
+    from kvcodec.kernels import quant_triton as QT
+
+    QT.AUTOTUNE = bool(args.autotune)  # heuristic tiles; the headline rows get an autotuned pass below
     remaining = args.budget - (time.perf_counter() - t0)
     rows, copy_bw, extra = run_benchmarks(device, sizes, timer, budget_s=max(remaining, 30.0))
+    remaining = args.budget - (time.perf_counter() - t0)
+    if not args.autotune and device != "cpu":
+        if remaining > 60:
+            QT.AUTOTUNE = True
+            try:
+                rows += autotuned_headline(device, sizes, timer)
+            except Exception as e:
+                extra["errors"].append(f"autotuned pass: {type(e).__name__}: {e}"[:2000])
+            QT.AUTOTUNE = False
+        else:
+            extra["skipped"].append("autotuned headline rows (time budget)")
     print(format_table(rows, copy_bw))
+    for err in extra["errors"]:
+        print(f"  ERROR {err}")
     host = extra["host"]
     print(f"host CPU per {host['layers']}-layer chunk: launch {host['launch_us']} us + {host['layers']} headers "
           f"{host['headers_us']} us (with Header.replace: {host['headers_with_replace_us']} us) = "

@@ -120,6 +120,9 @@ def test_benchmark_harness_on_cpu(tmp_path: Path) -> None:
     path.write_text(json.dumps(summary))
     back = json.loads(path.read_text())
     assert back["checks_ok"] and back["tests_ok"] and len(back["bench"]) == len(rows)
+    assert extra["errors"] == []
+    head = gc.autotuned_headline(dev, sizes, timer)  # (autotuning itself needs a GPU; here the heuristic runs)
+    assert [r.name.endswith("autotuned") for r in head] == [True] * 4
     # Over budget: optional parts are skipped and said so.
     rows2, _, extra2 = gc.run_benchmarks(dev, sizes, timer, budget_s=0.0)
     assert extra2["skipped"] and len(rows2) < len(rows)
@@ -149,3 +152,22 @@ def test_main_smoke_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert summary["checks_ok"] and summary["tests"] == {"ran": False, "reason": "--skip-tests"}
     assert {r["kind"] for r in summary["bench"]} == {"encode", "decode", "gather"}
     assert "launch_us" in summary["host"] and summary["copy_GBps"]
+
+
+@pytest.mark.interpreter
+def test_benchmark_errors_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing kernel is reported in the summary; the other benchmarks still run."""
+    gc.ensure_kernels_importable()
+    from kvcodec.kernels import quant_triton as QT
+
+    def boom(*a: object, **k: object) -> None:
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(QT, "encode_fused_layers", boom)
+    dev = "cuda" if _CUDA else "cpu"
+    rows, copy_bw, extra = gc.run_benchmarks(dev, gc.QUICK_SIZES, gc.Timer(dev, warmup=0, reps=1, flush_mb=1))
+    assert any("compile failed" in e for e in extra["errors"])
+    assert any(r.kind == "gather" for r in rows) and any(r.kind == "decode" for r in rows)
+    summary = gc.summarize(device_name="x", checks=[], tests={"ran": False}, rows=rows, copy_bw=copy_bw,
+                           extra=extra, elapsed_s=0.0)  # fmt: skip
+    assert summary["errors"] and not summary["ok"]

@@ -545,8 +545,9 @@ def _quant_1d_kernel(
 
 
 def _tile_configs(max_bt: int) -> list[triton.Config]:
+    """Token-tile configs to autotune over (kept small: each one is a compile)."""
     out = []
-    for bt in (8, 16, 32, 64, 128, 256):
+    for bt in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         if bt > max_bt:
             continue
         for nw in (4, 8):
@@ -555,9 +556,13 @@ def _tile_configs(max_bt: int) -> list[triton.Config]:
 
 
 def _prune_tiles(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
+    """Keep tiles of 2K..16K elements (BLOCK_T x BLOCK_D); the smallest tile if none fits."""
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
-    keep = [c for c in configs if 1024 <= c.kwargs["BLOCK_T"] * bd <= 32768]
-    return keep or configs[:1]
+    keep = [c for c in configs if 2048 <= c.kwargs["BLOCK_T"] * bd <= 16384]
+    if keep:
+        return keep
+    best = min(configs, key=lambda c: abs(c.kwargs["BLOCK_T"] * bd - 4096))
+    return [c for c in configs if c.kwargs["BLOCK_T"] == best.kwargs["BLOCK_T"]]
 
 
 def _one_tile(args: dict[str, Any]) -> bool:
