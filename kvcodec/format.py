@@ -39,6 +39,7 @@ __all__ = [
     "MAX_SCALE_DIMS",
     "Hashes",
     "Header",
+    "HeaderPacker",
     "ParsedBlob",
     "ScaleScheme",
     "ScaleScope",
@@ -324,6 +325,48 @@ def _check_writable_header(h: Header) -> None:
         v = _as_int(name, getattr(h, name))
         if not 0 <= v <= MAX_PAYLOAD_LEN:
             raise UnsupportedConfigError(f"{name}={v} outside 0..{MAX_PAYLOAD_LEN}")
+
+
+class HeaderPacker:
+    """Packs many headers that differ only in layer_id / chunk_id, fast.
+
+    The template is validated and serialized once; each :meth:`pack_into`
+    copies its bytes and patches the two ids (int64 at offsets 20 and 28) and
+    the CRC, about a microsecond instead of a full serialization. For a
+    32-layer chunk this keeps header packing off the connector's critical path.
+    """
+
+    __slots__ = ("_crc_off", "_template", "header", "size")
+
+    _IDS = struct.Struct("<qq")
+
+    def __init__(self, template: Header) -> None:
+        self.header = template
+        self.size = header_size(template)
+        buf = bytearray(self.size)
+        pack_header_into(buf, template, 0)  # validates every field
+        self._template = bytes(buf)
+        self._crc_off = self.size - 4
+
+    def pack_into(self, buf: Any, *, layer_id: int, chunk_id: int, payload: Any = None, crc: int | None = None) -> int:
+        """Write the header for (layer_id, chunk_id) at the start of ``buf``; return its size.
+
+        The CRC is ``crc`` if given, else computed from ``payload`` (with the
+        header prefix too in version 2). Ids are checked as the parser would.
+        """
+        if layer_id < -1 or chunk_id < -1:
+            raise UnsupportedConfigError(f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 or >= 0")
+        mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+        mv[: self.size] = self._template
+        try:
+            self._IDS.pack_into(mv, 20, layer_id, chunk_id)
+        except struct.error as e:
+            raise UnsupportedConfigError(f"layer_id={layer_id}, chunk_id={chunk_id}: {e}") from None
+        if crc is None:
+            parts = () if payload is None else (payload,)
+            crc = payload_crc(self.header, mv[: self._crc_off], parts)
+        _U32.pack_into(mv, self._crc_off, crc & 0xFFFFFFFF)
+        return self.size
 
 
 def pack_header_into(buf: Any, h: Header, crc: int) -> int:

@@ -912,3 +912,26 @@ def test_v1_every_payload_and_structural_flip_is_detected() -> None:
         p = parse(bytes(SMALL[:i]) + bytes([SMALL[i] ^ x]) + SMALL[i + 1 :])
         assert bytes(p.payload) == K + V + S
         assert p.header_len == p0.header_len
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_header_packer_equals_full_serialization(version: int) -> None:
+    import os
+
+    from kvcodec.format import HeaderPacker
+
+    k, v, s = os.urandom(2 * 64), os.urandom(64), os.urandom(4 * 2)
+    tmpl = Header(
+        k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.PER_LAYER_HEAD,
+        version=version, chunk_size=8, page_size=4, kv_head_count=2, head_dim=4, scale_shape=(2,),
+        k_payload_len=len(k), v_payload_len=len(v), scale_payload_len=len(s), hashes=Hashes(model_id="m"),
+    )  # fmt: skip
+    packer = HeaderPacker(tmpl)
+    for layer in (0, 5, 31):
+        buf = bytearray(packer.size + len(k) + len(v) + len(s))
+        buf[packer.size :] = k + v + s
+        packer.pack_into(buf, layer_id=layer, chunk_id=3, payload=memoryview(buf)[packer.size :])
+        assert bytes(buf) == bytes(assemble(tmpl.replace(layer_id=layer, chunk_id=3), k, v, s))
+        assert parse(buf).header.layer_id == layer
+    with pytest.raises(UnsupportedConfigError, match="layer_id=-2"):
+        packer.pack_into(bytearray(packer.size), layer_id=-2, chunk_id=0, crc=0)
