@@ -413,6 +413,21 @@ def encode(
         q_dst = dev_payload[k_len : k_len + elems].view(v_dtype) if elems else None
         s_dst = dev_payload[k_len + elems :] if s_len else None
 
+    fused = (
+        be == "triton"
+        and v_scales is None
+        and k3 is not None
+        and elems > 0
+        and scale_dtype == torch.float32
+        and nonfinite == "error"
+    )
+    if fused:
+        # One launch writes K, the FP8 bytes and the scales into the payload.
+        payload = dev_payload if dev_payload is not None else torch.frombuffer(mv[hs:], dtype=torch.uint8)
+        amax = impl.encode_fused(k3, v3, sc, page_size=ps, fp8_dtype=v_dtype, payload=payload)
+        _check_finite_amax(amax, sc)
+        k_dst = q_dst = s_dst = None
+        v_scales = amax  # only its shape is used below
     if k_dst is not None and k3 is not None:
         k_dst.view(tokens, heads, dim).copy_(k3)
     if q_dst is not None:
@@ -431,6 +446,18 @@ def encode(
         torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
     _seal(mv, header)
     return out
+
+
+def _check_finite_amax(amax: torch.Tensor, scope: ScaleScope) -> None:
+    """Refuse NaN/Inf groups found by a fused kernel (one device sync)."""
+    bad = ~torch.isfinite(amax)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0]) if amax.dim() else ()
+        raise UnsupportedConfigError(
+            f"V holds NaN or Inf in {quant._group_name(scope, idx)} ({scope.name}); "
+            "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
+            "to scale by the finite values)"
+        )
 
 
 def _encode_v(

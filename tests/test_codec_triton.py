@@ -41,3 +41,21 @@ def test_auto_picks_torch_on_cpu():
     assert resolve_backend("auto", "cpu") == "torch"
     if not CUDA:
         assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest before triton loads
+
+
+def test_triton_fused_refuses_nan_naming_the_group():
+    from kvcodec.errors import UnsupportedConfigError
+
+    k = torch.zeros(32, 2, 8, dtype=torch.float16, device=DEV)
+    v = torch.ones(32, 2, 8, dtype=torch.float16, device=DEV)
+    v[20, 1, 3] = float("nan")
+    with pytest.raises(UnsupportedConfigError, match="page 1, head 1"):
+        encode(k, v, scope="per_page_head", page_size=16, backend="triton")
+
+
+def test_triton_fp16_scales_and_saturate_use_unfused_path():
+    k = torch.randn(24, 2, 16, device=DEV).half()
+    v = (torch.randn(24, 2, 16, device=DEV) * 9).half()
+    v[3, 0, 0] = float("inf")
+    kw = dict(scope="per_page_head", page_size=8, scale_dtype=torch.float16, nonfinite="saturate")
+    assert encode(k, v, backend="torch", **kw) == encode(k, v, backend="triton", **kw)
