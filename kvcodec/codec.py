@@ -517,15 +517,19 @@ def encode_layers(
 # ----------------------------------------------------------------------------
 
 
-def _view(mv: memoryview, dtype: torch.dtype, copy: bool) -> torch.Tensor:
-    """A tensor over ``mv``'s bytes: a view when allowed and writable, else one copy."""
+def _view(mv: memoryview, dtype: torch.dtype, copy: bool, *, transient: bool = False) -> torch.Tensor:
+    """A tensor over ``mv``'s bytes: a view when allowed, else one copy.
+
+    A read-only buffer is copied, since a tensor cannot be read-only, unless
+    ``transient``: the caller only reads the view before dropping it.
+    """
     if len(mv) == 0:
         return torch.empty(0, dtype=dtype)
     if mv.readonly:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             t = torch.frombuffer(mv, dtype=torch.uint8)
-        return t.clone().view(dtype)
+        return (t if transient and not copy else t.clone()).view(dtype)
     t = torch.frombuffer(mv, dtype=torch.uint8)
     return (t.clone() if copy else t).view(dtype)
 
@@ -613,11 +617,13 @@ def decode_parsed(
         base = payload
         k_mv, v_mv = base[:k_len], base[k_len : k_len + v_len]
         k_t = _view(k_mv, h.k_dtype, copy) if has_k else None
-        v_t = _view(v_mv, h.v_dtype, copy)
+        # V that is dequantized, or copied into out_v, is only read.
+        v_read_only = (out_v_dtype is not None and out_v_dtype != h.v_dtype) or out_v is not None
+        v_t = _view(v_mv, h.v_dtype, copy, transient=v_read_only)
     else:
         # One host-to-device transfer of K and V; scales travel on their own
         # (their offset may be unaligned).
-        raw = _view(payload[: k_len + v_len], torch.uint8, False).to(dev, non_blocking=False)
+        raw = _view(payload[: k_len + v_len], torch.uint8, False, transient=True).to(dev)
         k_t = raw[:k_len].view(h.k_dtype) if has_k else None
         v_t = raw[k_len:].view(h.v_dtype)
 
@@ -626,7 +632,8 @@ def decode_parsed(
         s_t = torch.empty(h.scale_shape, dtype=h.scale_dtype, device=dev)
     elif h.scale_payload_len:
         s_mv = payload[k_len + v_len : k_len + v_len + h.scale_payload_len]
-        s_t = _view(s_mv, h.scale_dtype, True).reshape(h.scale_shape).to(dev)
+        s_t = _view(s_mv, h.scale_dtype, True).reshape(h.scale_shape)
+        s_t = s_t.to(dev)
     elif h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT:
         s_t = torch.ones((), dtype=torch.float32, device=dev)
     elif h.scale_scope == ScaleScope.EXTERNAL and scales is not None:

@@ -385,21 +385,6 @@ def test_fp8_widening_exact_for_all_256_codes(dt):
     assert torch.equal(got.isnan(), ref.isnan())
 
 
-@pytest.mark.parametrize("t,ps", [(1, 4), (37, 16), (64, 16), (9, 1), (300, 7)])
-@pytest.mark.parametrize("sd", [torch.float32, torch.float16], ids=str)
-def test_fused_page_encode_equals_two_pass(t, ps, sd, monkeypatch):
-    """quant.encode_v's fused per-page path equals compute_scales + quantize, block edges included."""
-    monkeypatch.setattr(quant, "BLOCK_ELEMENTS", 5 * 3 * 16)  # many blocks, pages cut at block edges
-    _, v = _kv(t, 3, 16, vd=torch.bfloat16, seed=t)
-    scope = ScaleScope.PER_PAGE_HEAD
-    out = torch.empty(t, 3, 16, dtype=torch.float8_e4m3fn)
-    s = quant.encode_v(v, scope, page_size=ps, scale_dtype=sd, out=out)
-    s_ref = quant.compute_scales(v, scope, page_size=ps).to(sd)
-    q_ref = quant.quantize(v, s_ref, scope, page_size=ps)
-    assert torch.equal(s, s_ref)
-    assert torch.equal(out.view(torch.uint8), q_ref.view(torch.uint8))
-
-
 @pytest.mark.parametrize("scale", [1.0, 3.7e-3, 2.0**-120, 1e-40, 2.0**119, 3.0e38, float("inf")])
 def test_dequant_exact_for_all_codes_and_extreme_scales(scale):
     """q*scale equals torch's float(q)*scale for every code, scales near fp32's edges included."""
