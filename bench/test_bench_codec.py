@@ -6,8 +6,9 @@ page_size 16 (LMCache is given the paged view ``[128, 16, 8, 128]`` with page_ax
 Bytes moved, written out (E = 2048*8*128 elements):
 - encode + to bytes: reads K and V (2E + 2E bytes) and writes the blob
   (2E + E + scales + header); GB/s is quoted over the 4E input bytes.
-- from bytes + decode (raw FP8): reads the blob once (CRC) and returns views;
-  GB/s over the blob's bytes.
+- from bytes + decode (raw FP8): reads the blob once (CRC); from ``bytes`` (read-only)
+  K and V are copied out (as LMCache does), from a writable buffer (bytearray, the
+  store's copy-on-write mmap) they are views. GB/s over the blob's bytes.
 - decode with dequant to fp16: reads the blob, writes K (2E, a view on CPU) and V
   (2E); GB/s over the blob's bytes.
 
@@ -95,3 +96,18 @@ def test_decode_dequant_fp16(benchmark, blob):
         benchmark.extra_info["target_speedup"] = 1.0
     else:
         benchmark.extra_info.update(ratio_info(interleaved(fns, rounds=3), "kvcodec_dequant", len(blob)))
+
+
+def test_decode_raw_writable_buffer(benchmark, blob):
+    """The store's path: a writable buffer, K and V returned as views (no copy at all)."""
+    res = benchmark(lambda: decode(blob))
+    assert res.k.data_ptr() != 0
+    fns = {"kvcodec_views": lambda: decode(blob)}
+    if lm is not None:
+        c = _lm_codec()
+        ref = bytes(blob)
+        fns["lmcache"] = lambda: c.decode(c.from_bytes(ref))
+        benchmark.extra_info.update(ratio_info(interleaved(fns), "lmcache", len(blob)))
+        benchmark.extra_info["target_speedup"] = 5.0
+    else:
+        benchmark.extra_info.update(ratio_info(interleaved(fns, rounds=3), "kvcodec_views", len(blob)))
