@@ -495,6 +495,12 @@ def _external_scope(scales: torch.Tensor, heads: int) -> ScaleScope:
     )
 
 
+_FUSED_LAYER_KWARGS = frozenset(
+    {"scope", "page_size", "head_axis", "page_axis", "hashes", "chunk_id", "chunk_size",
+     "v_dtype", "allow_e5m2", "version", "backend"}
+)  # fmt: skip
+
+
 def encode_layers(
     ks: Sequence[torch.Tensor | None] | torch.Tensor,
     vs: Sequence[torch.Tensor] | torch.Tensor,
@@ -502,14 +508,77 @@ def encode_layers(
     layer_ids: Sequence[int] | None = None,
     **kwargs: Any,
 ) -> list[bytearray]:
-    """Encode every layer of a chunk: one blob per layer (stacked ``[L, ...]`` or lists)."""
+    """Encode every layer of a chunk: one blob per layer (stacked ``[L, ...]`` or lists).
+
+    On the Triton backend all layers go through one fused launch and the
+    headers come from one :class:`~kvcodec.format.HeaderPacker` template; the
+    blobs are identical to per-layer :func:`encode` calls (options the fused
+    kernel lacks, e.g. fp16 scales or nonfinite="saturate", take that path).
+    """
     n = len(vs)
     if len(ks) != n:
         raise UnsupportedConfigError(f"{len(ks)} K layers but {n} V layers")
     ids = list(layer_ids) if layer_ids is not None else list(range(n))
     if len(ids) != n:
         raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers")
+    if n and set(kwargs) <= _FUSED_LAYER_KWARGS and all(k is not None for k in ks):
+        device = vs[0].device
+        if resolve_backend(kwargs.get("backend"), device) == "triton":
+            sc = resolve_scope(kwargs.get("scope", ScaleScope.PER_PAGE_HEAD))
+            if sc in _COMPUTED and all(v.dtype in VDTYPES for v in vs):
+                return _encode_layers_fused(ks, vs, ids, sc, kwargs)  # type: ignore[arg-type]
     return [encode(ks[i], vs[i], layer_id=ids[i], **kwargs) for i in range(n)]
+
+
+def _encode_layers_fused(
+    ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], ids: list[int], sc: ScaleScope, kw: dict[str, Any]
+) -> list[bytearray]:
+    from .format import HeaderPacker
+
+    # Layer 0 through the single-layer path: it validates every argument and
+    # yields the header all layers share but for layer_id.
+    try:
+        first = encode(ks[0], vs[0], layer_id=ids[0], **kw)
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"layer {ids[0]}: {e}") from None
+    h0 = parse(first, verify_crc=False).header
+    if len(vs) == 1:
+        return [first]
+    ha, pa = kw.get("head_axis"), kw.get("page_axis")
+    k3s, v3s = [], []
+    for i in range(1, len(vs)):
+        if vs[i].shape != vs[0].shape or ks[i].shape != ks[0].shape:
+            raise UnsupportedConfigError(
+                f"layer {i} has K {tuple(ks[i].shape)} / V {tuple(vs[i].shape)}; layer 0 has "
+                f"{tuple(ks[0].shape)} / {tuple(vs[0].shape)}"
+            )
+        if ks[i].dtype != ks[0].dtype or vs[i].dtype != vs[0].dtype:
+            raise UnsupportedConfigError(f"layer {i} dtypes differ from layer 0's")
+        k3s.append(normalize_layout(ks[i], head_axis=ha, page_axis=pa)[0])
+        v3s.append(normalize_layout(vs[i], head_axis=ha, page_axis=pa)[0])
+    from .kernels import quant_triton as qt
+
+    ps = h0.page_size if h0.page_size > 0 else None
+    device = v3s[0].device
+    payloads = torch.empty((len(v3s), h0.payload_len), dtype=torch.uint8, device=device)
+    amax = qt.encode_fused_layers(k3s, v3s, sc, page_size=ps, fp8_dtype=h0.v_dtype, payloads=payloads)
+    bad = ~torch.isfinite(amax.reshape(len(v3s), -1)).all(dim=1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0]) + 1
+        try:
+            _check_finite_amax(amax[i - 1], sc)
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"layer {ids[i]}: {e}") from None
+    host = payloads.cpu() if device.type != "cpu" else payloads
+    packer = HeaderPacker(h0)
+    blobs = [first]
+    for j in range(len(v3s)):
+        out = bytearray(packer.size + h0.payload_len)
+        mv = memoryview(out)
+        torch.frombuffer(mv[packer.size :], dtype=torch.uint8).copy_(host[j])
+        packer.pack_into(mv, layer_id=ids[j + 1], chunk_id=h0.chunk_id, payload=mv[packer.size :])
+        blobs.append(out)
+    return blobs
 
 
 # ----------------------------------------------------------------------------

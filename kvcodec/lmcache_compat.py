@@ -244,14 +244,10 @@ def compute_v_scales(
     v3, _, _ = _canon(v.detach(), ScaleScope(scope), head_axis, page_axis, "compute_v_scales")
     # Quietly like LMCache: NaN/Inf groups give whatever the formula gives.
     amax = _quant._reduce_groups(
-        _quant.token_head_amax(v3), _canon_scope(scope), 1 if scope == ScaleScope.PER_PAGE_HEAD else None
+        _quant.token_head_amax(v3), ScaleScope(scope), 1 if scope == ScaleScope.PER_PAGE_HEAD else None
     )
     s = _quant._amax_to_scale(amax, _fp8_max(fp8_dtype))
     return s.reshape(()) if scope == ScaleScope.PER_TENSOR else s
-
-
-def _canon_scope(scope: ScaleScope) -> ScaleScope:
-    return ScaleScope(scope)
 
 
 def quantize_v_fp8(

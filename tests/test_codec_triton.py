@@ -59,3 +59,27 @@ def test_triton_fp16_scales_and_saturate_use_unfused_path():
     v[3, 0, 0] = float("inf")
     kw = dict(scope="per_page_head", page_size=8, scale_dtype=torch.float16, nonfinite="saturate")
     assert encode(k, v, backend="torch", **kw) == encode(k, v, backend="triton", **kw)
+
+
+@pytest.mark.parametrize("scope", ["per_tensor", "per_layer_head", "per_page_head"])
+def test_encode_layers_fused_equals_per_layer(scope):
+    from kvcodec import encode_layers
+
+    g = torch.Generator().manual_seed(3)
+    ks = torch.randn(4, 3, 8, 2, 16, generator=g).half().to(DEV)  # [L, pages, page_size, H, D]
+    vs = (torch.randn(4, 3, 8, 2, 16, generator=g) * 4).half().to(DEV)
+    kw = dict(scope=scope, hashes={"model_id": "m"}, chunk_id=5)
+    fused = encode_layers(ks, vs, layer_ids=[10, 11, 12, 13], backend="triton", **kw)
+    ref = [encode(ks[i], vs[i], layer_id=10 + i, backend="torch", **kw) for i in range(4)]
+    assert fused == ref
+
+
+def test_encode_layers_fused_names_the_nan_layer():
+    from kvcodec import encode_layers
+    from kvcodec.errors import UnsupportedConfigError
+
+    ks = torch.zeros(3, 16, 2, 8, dtype=torch.float16, device=DEV)
+    vs = torch.ones(3, 16, 2, 8, dtype=torch.float16, device=DEV)
+    vs[2, 9, 1, 0] = float("inf")
+    with pytest.raises(UnsupportedConfigError, match="layer 2: .*page 1, head 1"):
+        encode_layers(ks, vs, scope="per_page_head", page_size=8, backend="triton")
