@@ -81,5 +81,5 @@ def test_encode_layers_fused_names_the_nan_layer():
     ks = torch.zeros(3, 16, 2, 8, dtype=torch.float16, device=DEV)
     vs = torch.ones(3, 16, 2, 8, dtype=torch.float16, device=DEV)
     vs[2, 9, 1, 0] = float("inf")
-    with pytest.raises(UnsupportedConfigError, match="layer 2: .*page 1, head 1"):
+    with pytest.raises(UnsupportedConfigError, match=r"layer 2: .*page 1, head 1"):
         encode_layers(ks, vs, scope="per_page_head", page_size=8, backend="triton")
