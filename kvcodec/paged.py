@@ -34,6 +34,8 @@ __all__ = [
     "Layout",
     "block_ids_tensor",
     "blocks_needed",
+    "decode_chunk_into",
+    "encode_chunk",
     "gather_chunk",
     "kv_views",
     "scatter_chunk",
@@ -238,3 +240,90 @@ def _check_src(kc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
             raise UnsupportedConfigError(f"source on {x.device}, cache on {kc.device}")
         out.append(x)
     return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------
+# Codec entry points for connectors: paged cache <-> blob
+# ----------------------------------------------------------------------------
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def encode_chunk(
+    kv_cache: torch.Tensor,
+    block_ids: BlockIds,
+    *,
+    layout: Layout,
+    num_tokens: int,
+    block_size: int,
+    fp8_dtype: torch.dtype | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    k_dtype: torch.dtype = torch.float16,
+    backend: str | None = None,
+    **encode_kwargs: object,
+):  # -> bytearray
+    """Encode one layer's chunk straight out of a vLLM paged cache into an LMCKV blob.
+
+    ``encode_kwargs`` go to :func:`kvcodec.codec.encode` (scope, page_size,
+    hashes, layer_id, chunk_id, ...). An FP8 cache (vLLM's ``kv_cache_dtype="fp8"``,
+    uint8-backed with ``fp8_dtype``) needs its per-tensor ``k_scale``/``v_scale``:
+    K is widened to ``k_dtype`` (K16), V's FP8 bytes pass through untouched with
+    ``v_scale`` as a per-tensor scale.
+    """
+    from .codec import encode, resolve_backend
+
+    be = resolve_backend(backend, kv_cache.device)
+    k, v = gather_chunk(
+        kv_cache, block_ids, layout=layout, num_tokens=num_tokens, block_size=block_size,
+        fp8_dtype=fp8_dtype, backend="triton" if be == "triton" else "torch",
+    )  # fmt: skip
+    if v.dtype not in _FP8:
+        return encode(k, v, backend=be, **encode_kwargs)  # type: ignore[arg-type]
+    if k_scale is None or v_scale is None:
+        raise UnsupportedConfigError(
+            f"an FP8 cache ({v.dtype}) needs its k_scale and v_scale to encode K16/V8 blobs"
+        )
+    scope = encode_kwargs.pop("scope", "per_tensor")
+    if scope not in ("per_tensor", 0) and getattr(scope, "value", None) != 0:
+        raise UnsupportedConfigError(f"FP8 V passes through with one per-tensor scale; scope {scope!r} given")
+    k16 = (k.to(torch.float32) * k_scale).to(k_dtype)
+    s = torch.tensor(float(v_scale), dtype=torch.float32, device=v.device)
+    return encode(
+        k16, None, scope="per_tensor", v_dtype=v.dtype, allow_e5m2=v.dtype == torch.float8_e5m2,
+        precomputed_v_quant=v, precomputed_v_scales=s, backend=be, **encode_kwargs,
+    )  # type: ignore[arg-type]  # fmt: skip
+
+
+def decode_chunk_into(
+    blob: object,
+    kv_cache: torch.Tensor,
+    block_ids: BlockIds,
+    *,
+    layout: Layout,
+    block_size: int,
+    backend: str | None = None,
+    **decode_kwargs: object,
+):  # -> DecodedKV
+    """Decode a blob and write its K and V (dequantized to the cache dtype) into the chunk's blocks.
+
+    ``decode_kwargs`` go to :func:`kvcodec.codec.decode` (expected_hashes, ...).
+    Returns the :class:`~kvcodec.codec.DecodedKV` (its K/V are the scattered values).
+    """
+    from .codec import decode, resolve_backend
+
+    kc, _ = kv_views(kv_cache, layout=layout, block_size=block_size)
+    if kc.dtype in _FP8 or kc.dtype == torch.uint8:
+        raise UnsupportedConfigError(
+            f"decoding into an FP8 cache ({kc.dtype}) would requantize K; decode to a 16-bit cache"
+        )
+    be = resolve_backend(backend, kv_cache.device)
+    res = decode(blob, out_v_dtype=kc.dtype, device=kv_cache.device, backend=be, **decode_kwargs)  # type: ignore[arg-type]
+    if res.k is None:
+        raise UnsupportedConfigError("the blob holds no K; a paged cache needs both K and V")
+    k = res.k if res.k.dtype == kc.dtype else res.k.to(kc.dtype)
+    scatter_chunk(
+        kv_cache, block_ids, k, res.v, layout=layout, block_size=block_size,
+        backend="triton" if be == "triton" else "torch",
+    )  # fmt: skip
+    return res

@@ -150,3 +150,47 @@ def test_zero_tokens() -> None:
     k, v = gather_chunk(cache, [], layout="flashinfer", num_tokens=0, block_size=BS)
     assert k.shape == (0, H, D)
     scatter_chunk(cache, [], k, v, layout="flashinfer", block_size=BS)
+
+
+# --- connector entry points: paged cache <-> blob ----------------------------------
+
+
+@pytest.mark.parametrize("layout", ["flash_nhd", "flash_hnd", "flashinfer"])
+def test_encode_chunk_and_decode_into_roundtrip(layout):
+    import kvcodec.paged as P
+    from kvcodec import decode, encode
+
+    g = torch.Generator().manual_seed(1)
+    nb, bs, h, d, tokens = 12, 4, 2, 16, 14
+    shape = (2, nb, bs, h, d) if layout != "flashinfer" else (nb, 2, bs, h, d)
+    cache = torch.randn(*shape, generator=g).half()
+    ids = [7, 2, 9, 4]
+    blob = P.encode_chunk(cache, ids, layout=layout, num_tokens=tokens, block_size=bs,
+                          scope="per_page_head", page_size=8, layer_id=3)
+    k, v = P.gather_chunk(cache, ids, layout=layout, num_tokens=tokens, block_size=bs)
+    assert blob == encode(k, v, scope="per_page_head", page_size=8, layer_id=3)
+    target = torch.zeros_like(cache)
+    P.decode_chunk_into(blob, target, [0, 5, 6, 1], layout=layout, block_size=bs)
+    k2, v2 = P.gather_chunk(target, [0, 5, 6, 1], layout=layout, num_tokens=tokens, block_size=bs)
+    assert torch.equal(k2, k)
+    assert torch.equal(v2, decode(blob, out_v_dtype=torch.float16).v)
+
+
+def test_encode_chunk_fp8_cache_passes_v_through():
+    import kvcodec.paged as P
+    from kvcodec import decode
+
+    g = torch.Generator().manual_seed(2)
+    cache = (torch.randn(2, 6, 4, 2, 8, generator=g) * 50).to(torch.float8_e4m3fn).view(torch.uint8)
+    blob = P.encode_chunk(cache, [3, 1], layout="flash_nhd", num_tokens=8, block_size=4,
+                          fp8_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.25)
+    res = decode(blob)
+    _, v8 = P.gather_chunk(cache, [3, 1], layout="flash_nhd", num_tokens=8, block_size=4,
+                           fp8_dtype=torch.float8_e4m3fn)
+    assert torch.equal(res.v.view(torch.uint8), v8.view(torch.uint8))
+    assert res.scales.item() == 0.25 and res.k.dtype == torch.float16
+    with pytest.raises(UnsupportedConfigError, match="k_scale and v_scale"):
+        P.encode_chunk(cache, [3, 1], layout="flash_nhd", num_tokens=8, block_size=4,
+                       fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(UnsupportedConfigError, match="FP8 cache"):
+        P.decode_chunk_into(blob, cache, [3, 1], layout="flash_nhd", block_size=4)
