@@ -39,8 +39,8 @@ __all__ = [
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-BLOCK_ELEMENTS = 1 << 18
-"""fp32 scratch elements per block (1 MiB): bounds an encode's extra memory."""
+BLOCK_ELEMENTS = 1 << 19
+"""fp32 scratch elements per block (2 MiB): bounds an encode's extra memory."""
 
 NonFinitePolicy = Literal["error", "saturate"]
 
@@ -214,8 +214,8 @@ def quantize(
     for t0 in range(0, t, bt):
         t1 = min(t, t0 + bt)
         buf = scratch[: t1 - t0]
-        buf.copy_(v[t0:t1])
-        buf.div_(ts[t0:t1])
+        buf.copy_(v[t0:t1])  # widening is exact
+        buf.div_(ts[t0:t1])  # IEEE fp32 division
         buf.clamp_(-qmax, qmax)
         out[t0:t1].copy_(buf)
     return out
@@ -245,31 +245,25 @@ def encode_v(
     return scales
 
 
-def _fp8_widen_div256(
-    q: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, probe: torch.Tensor | None = None
-) -> None:
-    """``out = float(q) / 256`` exactly, for e4m3fn, with three int16 operations.
+def _fp8_widen_div256(q: torch.Tensor, scratch: torch.Tensor, probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``float(q) / 256`` exactly, as an fp16 tensor, for e4m3fn, with three int16 operations.
 
     An e4m3fn code placed in an fp16's bits (sign to bit 15, exponent and
     mantissa to bits 7..13) reads as the same value over 2^8, subnormals
     included, since the exponent biases differ by 8. Sign-extending the code
     as int8 and shifting left by 7 does that, except that the code's own sign
     bit lands on bit 14, which is cleared. NaN codes (0x7F, 0xFF) would read
-    as ±480/256 and are patched. ``scratch`` is int16 and ``probe`` uint8, of
-    ``q``'s shape.
+    as ±480/256: their mask is returned for the caller to patch. ``scratch`` is
+    int16 and ``probe`` uint8, of ``q``'s shape; the result is a view of scratch.
     """
     u = q.view(torch.uint8)
     h = scratch
     h.copy_(q.view(torch.int8))
     h.bitwise_left_shift_(7)
     h.bitwise_and_(~0x4000)
-    if probe is None:
-        probe = torch.empty_like(u)
     torch.bitwise_and(u, 0x7F, out=probe)
     nan_mask = (probe == 0x7F) if int(probe.amax()) == 0x7F else None
-    out.copy_(h.view(torch.float16))
-    if nan_mask is not None:
-        out.masked_fill_(nan_mask, float("nan"))
+    return h.view(torch.float16), nan_mask
 
 
 def fp8_to_float32(q: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,8 +283,11 @@ def fp8_to_float32(q: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | N
         return out
     if q.dtype != torch.float8_e4m3fn:
         raise UnsupportedConfigError(f"{q.dtype} is not an FP8 dtype")
-    _fp8_widen_div256(q, out, scratch)
+    h16, nan_mask = _fp8_widen_div256(q, scratch, torch.empty(q.shape, dtype=torch.uint8, device=q.device))
+    out.copy_(h16)
     out.mul_(256.0)  # a power of two: exact
+    if nan_mask is not None:
+        out.masked_fill_(nan_mask, float("nan"))
     return out
 
 
@@ -327,8 +324,13 @@ def dequantize(
         t1 = min(t, t0 + bt)
         buf = scratch[: t1 - t0]
         if fast:
-            _fp8_widen_div256(q[t0:t1], buf, iscratch[: t1 - t0], probe[: t1 - t0])
+            # Separate widen / multiply / narrow passes: torch's mixed-dtype
+            # kernels (fp16 x fp32 -> fp16) are many times slower on CPU.
+            h16, nan_mask = _fp8_widen_div256(q[t0:t1], iscratch[: t1 - t0], probe[: t1 - t0])
+            buf.copy_(h16)
             buf.mul_(ts256[t0:t1])
+            if nan_mask is not None:
+                buf.masked_fill_(nan_mask, float("nan"))
         elif q.device.type == "cpu":
             fp8_to_float32(q[t0:t1], buf)
             buf.mul_(ts[t0:t1])

@@ -386,11 +386,13 @@ def test_fp8_widening_exact_for_all_256_codes(dt):
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.7e-3, 2.0**-120, 1e-40, 2.0**119, 3.0e38, float("inf")])
-def test_dequant_exact_for_all_codes_and_extreme_scales(scale):
-    """q*scale equals torch's float(q)*scale for every code, scales near fp32's edges included."""
+@pytest.mark.parametrize("od", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_dequant_exact_for_all_codes_and_extreme_scales(scale, od):
+    """(float(q)*scale).to(od) for every code, scales near fp32's edges included."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(256, 1, 1)
     s = torch.tensor(scale, dtype=torch.float32)
-    got = quant.dequantize(codes, s, ScaleScope.PER_TENSOR, out_dtype=torch.float32)
-    ref = codes.to(torch.float32) * s
-    same = (got.view(torch.int32) == ref.view(torch.int32)) | (got.isnan() & ref.isnan())
+    got = quant.dequantize(codes, s, ScaleScope.PER_TENSOR, out_dtype=od)
+    ref = (codes.to(torch.float32) * s).to(od)
+    ib = torch.int32 if od == torch.float32 else torch.int16
+    same = (got.view(ib) == ref.view(ib)) | (got.isnan() & ref.isnan())
     assert bool(same.all())
