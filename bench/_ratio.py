@@ -14,7 +14,7 @@ from collections.abc import Callable
 __all__ = ["interleaved", "ratio_info"]
 
 
-def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 15, warmup: int = 2) -> dict[str, float]:
+def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 25, warmup: int = 3) -> dict[str, float]:
     """Median seconds per call of each callable, measured in alternating rounds."""
     for _ in range(warmup):
         for f in fns.values():
