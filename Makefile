@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install test test-interpret lint demo bench bench-lmcache lmcache gpu-check clean
+.PHONY: install test test-interpret lint demo bench bench-gate bench-lmcache lmcache gpu-check clean
 
 install: $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -31,6 +31,13 @@ demo:
 bench:
 	mkdir -p bench/results
 	$(PYTEST) bench --benchmark-enable --benchmark-json=bench/results/bench-cpu.json -q
+
+# CI performance gate: kvcodec's throughput as a ratio to a memcpy of the same
+# bytes in the same run, against the floors in bench/baseline.json.
+bench-gate:
+	mkdir -p bench/results
+	$(PYTEST) bench/test_bench_codec.py --benchmark-enable --benchmark-json=bench/results/bench-gate.json -q
+	$(BIN)/python bench/gate.py bench/results/bench-gate.json
 
 # On a GPU machine with python3, torch and triton preinstalled (no venv, no
 # registry): CUDA tests + GPU benchmarks from the source tree.

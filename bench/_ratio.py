@@ -28,13 +28,19 @@ def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 25, warmu
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def ratio_info(medians: dict[str, float], baseline: str, nbytes: int) -> dict[str, float]:
-    """extra_info entries: each median in ms, its GB/s over ``nbytes`` and its speed-up over ``baseline``."""
+def ratio_info(medians: dict[str, float], baselines: str | tuple[str, ...], nbytes: int) -> dict[str, float]:
+    """extra_info entries: each median in ms, its GB/s over ``nbytes``, and its speed-up over each baseline.
+
+    ``speedup_A_vs_B`` = median(B) / median(A), both from the same interleaved rounds.
+    """
     out: dict[str, float] = {}
-    base = medians[baseline]
+    bases = (baselines,) if isinstance(baselines, str) else baselines
     for name, sec in medians.items():
         out[f"{name}_ms"] = round(sec * 1e3, 4)
         out[f"{name}_GBps"] = round(nbytes / sec / 1e9, 3)
-        if name != baseline:
-            out[f"speedup_{name}_vs_{baseline}"] = round(base / sec, 2)
+        if name in bases:
+            continue
+        for base in bases:
+            if base in medians:
+                out[f"speedup_{name}_vs_{base}"] = round(medians[base] / sec, 3)
     return out

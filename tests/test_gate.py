@@ -1,0 +1,80 @@
+"""The CI performance gate (bench/gate.py): passes on noise, fails on a real slowdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import gate  # noqa: E402
+
+
+def _results(**ratios: float) -> dict:
+    return {"benchmarks": [{"name": n, "extra_info": {"speedup_kvcodec_vs_memcpy": r, "kvcodec_ms": 1.0}}
+                           for n, r in ratios.items()]}  # fmt: skip
+
+
+def _write(tmp_path: Path, name: str, data: dict) -> Path:
+    p = tmp_path / name
+    p.write_text(json.dumps(data))
+    return p
+
+
+def test_gate_passes_noise_and_fails_real_drop(tmp_path, capsys):
+    base = tmp_path / "baseline.json"
+    assert gate.main([str(_write(tmp_path, "a.json", _results(enc=0.20, dec=0.40))), "--baseline", str(base),
+                      "--update"]) == 0  # fmt: skip
+    assert json.loads(base.read_text()) == {"dec": {"speedup_kvcodec_vs_memcpy": 0.4},
+                                            "enc": {"speedup_kvcodec_vs_memcpy": 0.2}}  # fmt: skip
+    noisy = _write(tmp_path, "b.json", _results(enc=0.16, dec=0.45))  # -20%: noise
+    assert gate.main([str(noisy), "--baseline", str(base)]) == 0
+    slow = _write(tmp_path, "c.json", _results(enc=0.10, dec=0.45))  # -50%: a regression
+    assert gate.main([str(slow), "--baseline", str(base)]) == 1
+    assert "enc: speedup_kvcodec_vs_memcpy = 0.100, below 0.200" in capsys.readouterr().err
+    missing = _write(tmp_path, "d.json", _results(dec=0.45))
+    assert gate.main([str(missing), "--baseline", str(base)]) == 1
+
+
+def test_gate_update_takes_min_and_check_takes_median(tmp_path):
+    runs = [_write(tmp_path, f"r{i}.json", _results(enc=r)) for i, r in enumerate((0.2, 0.1, 0.3))]
+    base = tmp_path / "baseline.json"
+    assert gate.main([*map(str, runs), "--baseline", str(base), "--update"]) == 0
+    assert json.loads(base.read_text())["enc"]["speedup_kvcodec_vs_memcpy"] == 0.1
+    assert gate.merge([gate.ratios(json.loads(p.read_text())) for p in runs], "median") == {
+        "enc": {"speedup_kvcodec_vs_memcpy": 0.2}
+    }
+
+
+def test_gate_unreadable_inputs(tmp_path):
+    assert gate.main([str(tmp_path / "nope.json")]) == 2
+    ok = _write(tmp_path, "a.json", _results(enc=0.2))
+    assert gate.main([str(ok), "--baseline", str(tmp_path / "nope.json")]) == 2
+
+
+def test_committed_baseline_is_well_formed():
+    base = json.loads((ROOT / "bench" / "baseline.json").read_text())
+    assert base and all(gate.GATED.match(k) for v in base.values() for k in v)
+
+
+@pytest.mark.slow
+def test_gate_catches_an_injected_slowdown(tmp_path):
+    """End to end: a 3x slower encode fails the gate against a baseline measured just before."""
+
+    def run(out: Path, slowdown: int) -> None:
+        env = {**os.environ, "KVCODEC_BENCH_SLOWDOWN": str(slowdown)}
+        cmd = [sys.executable, "-m", "pytest", "bench/test_bench_codec.py", "-k", "test_encode", "-q",
+               "-p", "no:cacheprovider", "--benchmark-enable", f"--benchmark-json={out}"]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+
+    run(tmp_path / "base.json", 1)
+    run(tmp_path / "slow.json", 3)
+    base = tmp_path / "baseline.json"
+    assert gate.main([str(tmp_path / "base.json"), "--baseline", str(base), "--update"]) == 0
+    assert gate.main([str(tmp_path / "base.json"), "--baseline", str(base)]) == 0
+    assert gate.main([str(tmp_path / "slow.json"), "--baseline", str(base)]) == 1
