@@ -22,6 +22,7 @@ interpreter (``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -249,10 +250,7 @@ def _same_layout(xs: Sequence[torch.Tensor], what: str) -> None:
 def payload_nbytes(k: torch.Tensor, v: torch.Tensor, scope: ScaleScope, page_size: int | None = None) -> int:
     """Bytes of the LMCKV payload ``K ‖ V(FP8) ‖ scales(fp32)`` of one ``[T, H, D]`` chunk."""
     t, h, _ = v.shape
-    n_scales = 1
-    for s in scale_shape(scope, t, h, page_size):
-        n_scales *= s
-    return k.numel() * k.element_size() + v.numel() + 4 * n_scales
+    return k.numel() * k.element_size() + v.numel() + 4 * _n_scales(scope, t, h, page_size)
 
 
 def scales_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
@@ -1079,10 +1077,7 @@ def _payload_bytes(t: int, h: int, d: int, kb: int, scope: ScaleScope, page_size
 
 
 def _n_scales(scope: ScaleScope, t: int, h: int, page_size: int | None) -> int:
-    n = 1
-    for s in scale_shape(scope, t, h, page_size):
-        n *= s
-    return n
+    return math.prod(scale_shape(scope, t, h, page_size))
 
 
 def encode_fused(

@@ -503,7 +503,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
         k, v = both[args.k_name], both[args.v_name]
     else:
         k = _load_tensor(k_path, args.k_name) if k_path is not None else None
-        assert v_path is not None
+        if v_path is None:
+            raise CLIError("--v is required (or --k naming a .safetensors file holding both)", EXIT_USAGE)
         v = _load_tensor(v_path, args.v_name)
     scales = None
     if args.scales:
