@@ -47,8 +47,16 @@ __all__ = [
     "resolve_scope",
 ]
 
+# torch warns that a tensor over a read-only buffer is writable; kvcodec only
+# reads such views (or clones them at once). A filter scoped to this message and
+# to kvcodec's modules, set once: catch_warnings() per call is not thread-safe.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=r"kvcodec(\.|$)"
+)
+
 BACKENDS = ("auto", "torch", "triton")
-KDTYPES = (torch.float16, torch.bfloat16)
+KDTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""K dtypes copied bit-exact (fp16/bf16 are the point; fp32 is accepted as LMCache does)."""
 VDTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCALE_DTYPES = (torch.float32, torch.float16)
 
@@ -297,7 +305,7 @@ def encode(
                 f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(src.shape)}"
             )
         if k.dtype not in KDTYPES:
-            raise UnsupportedConfigError(f"K dtype must be float16 or bfloat16; got {k.dtype}")
+            raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
         if k.device != src.device:
             raise UnsupportedConfigError(f"K is on {k.device} but V on {src.device}")
         k3, _ = normalize_layout(k, head_axis=head_axis, page_axis=page_axis)
@@ -338,8 +346,10 @@ def encode(
             )
         q_src, _ = normalize_layout(precomputed_v_quant, head_axis=head_axis, page_axis=page_axis)
         v_scales = precomputed_v_scales
-        if v_scales is not None:
-            v_scales = v_scales.to(device=device, dtype=scale_dtype)
+        if sc == ScaleScope.NONE:
+            v_scales = torch.ones((), dtype=torch.float32, device=device)  # raw FP8 passes through
+        elif v_scales is not None:
+            v_scales = _as_scales(v_scales, device, scale_dtype)
             if sc == ScaleScope.EXTERNAL:
                 quant_scope = _external_scope(v_scales, heads)
             if computed or sc == ScaleScope.EXTERNAL:
@@ -355,7 +365,7 @@ def encode(
     elif sc == ScaleScope.EXTERNAL:
         if scales is None:
             raise UnsupportedConfigError("scope external needs the caller's scales (scales=...)")
-        v_scales = scales.to(device=device, dtype=scale_dtype)
+        v_scales = _as_scales(scales, device, scale_dtype)
         quant_scope = _external_scope(v_scales, heads)
         if quant_scope == ScaleScope.PER_PAGE_HEAD and ps is None:
             raise UnsupportedConfigError("external (pages, heads) scales need page_size")
@@ -417,6 +427,7 @@ def encode(
         be == "triton"
         and v_scales is None
         and k3 is not None
+        and k3.dtype in (torch.float16, torch.bfloat16)
         and elems > 0
         and scale_dtype == torch.float32
         and nonfinite == "error"
@@ -470,20 +481,18 @@ def _encode_v(
     nonfinite: quant.NonFinitePolicy,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Scales and FP8 bytes of V with the backend's fused path when it has one."""
-    fused = getattr(impl, "encode_v", None)
-    if fused is not None:
-        return fused(
-            v3, scope, page_size=ps, fp8_dtype=v_dtype, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out
-        )
+    """Scales (as stored) and FP8 bytes of V with the backend's kernels.
+
+    Quantization uses the scales after their cast to ``scale_dtype``, as LMCache does.
+    """
     scales = impl.compute_scales(v3, scope, page_size=ps, fp8_dtype=v_dtype, nonfinite=nonfinite)
-    scales = scales.to(scale_dtype)
+    scales = quant.narrow_scales(scales, scale_dtype, scope)
     impl.quantize(v3, scales, scope, page_size=ps, fp8_dtype=v_dtype, out=out)
     return scales
 
 
 def _external_scope(scales: torch.Tensor, heads: int) -> ScaleScope:
-    if scales.dim() == 0:
+    if scales.dim() == 0 or (scales.dim() == 1 and scales.shape[0] == 1 and heads != 1):
         return ScaleScope.PER_TENSOR
     if scales.dim() == 1 and scales.shape[0] == heads:
         return ScaleScope.PER_LAYER_HEAD
@@ -595,9 +604,7 @@ def _view(mv: memoryview, dtype: torch.dtype, copy: bool, *, transient: bool = F
     if len(mv) == 0:
         return torch.empty(0, dtype=dtype)
     if mv.readonly:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(mv, dtype=torch.uint8)
+        t = torch.frombuffer(mv, dtype=torch.uint8)  # its "not writable" warning is filtered below
         return (t if transient and not copy else t.clone()).view(dtype)
     t = torch.frombuffer(mv, dtype=torch.uint8)
     return (t.clone() if copy else t).view(dtype)
@@ -610,9 +617,10 @@ def decode(
     device: torch.device | str | None = None,
     expected_hashes: Any = None,
     strict_hashes: bool = False,
-    scales: torch.Tensor | None = None,
+    scales: torch.Tensor | float | None = None,
     out_k: torch.Tensor | None = None,
     out_v: torch.Tensor | None = None,
+    shape: tuple[int, int, int] | None = None,
     copy: bool = False,
     verify_crc: bool = True,
     strict: bool = False,
@@ -621,10 +629,12 @@ def decode(
     """Decode a blob (any buffer, or a :class:`ParsedBlob`) into shaped K and V.
 
     V comes back as raw FP8 (``out_v_dtype=None``) or dequantized to fp16,
-    bf16 or fp32, for every scope. ``out_k``/``out_v`` receive the results
-    in place (any strides, e.g. a connector's buffers). On CPU, K and raw V are
-    views into ``blob`` when it is writable and ``copy`` is False.
-    ``scales`` supplies an external scope's scales.
+    bf16 or fp32, for every scope. ``out_k``/``out_v`` receive the results in
+    place (any strides, e.g. a connector's buffers); ``out_v``'s dtype picks raw
+    or dequantized V when ``out_v_dtype`` is not given. On CPU, K and raw V are
+    views into ``blob`` when it is writable and ``copy`` is False. ``scales``
+    supplies an external scope's scales; ``shape`` = (tokens, heads, head_dim)
+    for blobs whose writer left the layout fields unset (LMCache's default).
     """
     parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
     if expected_hashes is not None:
@@ -637,9 +647,25 @@ def decode(
         scales=scales,
         out_k=out_k,
         out_v=out_v,
+        shape=shape,
         copy=copy,
         backend=backend,
     )
+
+
+def _as_scales(scales: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Caller scales (tensor, float, numpy) as a tensor of the blob's scale dtype."""
+    try:
+        return torch.as_tensor(scales).to(device=device, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UnsupportedConfigError(f"scales must be a tensor or a number; got {type(scales).__name__}: {e}") from None
+
+
+def _into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """Copy ``src`` into a caller buffer of the same element count, any shape or strides."""
+    if dst.numel() != src.numel():
+        raise UnsupportedConfigError(f"{what} has shape {tuple(dst.shape)}; the blob's is {tuple(src.shape)}")
+    dst.copy_(src if dst.shape == src.shape else src.reshape(dst.shape))
 
 
 def decode_parsed(
@@ -648,7 +674,7 @@ def decode_parsed(
     *,
     out_v_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-    scales: torch.Tensor | None = None,
+    scales: torch.Tensor | float | None = None,
     out_k: torch.Tensor | None = None,
     out_v: torch.Tensor | None = None,
     copy: bool = False,
@@ -657,18 +683,24 @@ def decode_parsed(
 ) -> DecodedKV:
     """Decode from a header and its payload view (see :func:`decode`).
 
-    ``shape`` overrides ``(tokens, heads, head_dim)`` for blobs whose writer
-    left the layout fields unset.
+    Without layout fields and without ``shape``, K and V come back flat; they
+    can still be dequantized where the scope needs no layout (per tensor, unit).
     """
     dev = torch.device(device) if device is not None else (
         out_v.device if out_v is not None else out_k.device if out_k is not None else torch.device("cpu")
     )
-    if out_v_dtype is not None and out_v_dtype not in (*VDTYPES, h.v_dtype):
-        raise UnsupportedConfigError(
-            f"out_v_dtype must be None (raw FP8), float16, bfloat16 or float32; got {out_v_dtype}"
-        )
     if h.v_dtype not in quant.FP8_DTYPES:
         raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+    if out_v is not None:
+        if out_v_dtype is None:
+            out_v_dtype = out_v.dtype
+        elif out_v_dtype != out_v.dtype:
+            raise UnsupportedConfigError(f"out_v is {out_v.dtype} but out_v_dtype={out_v_dtype}")
+    raw_v = out_v_dtype is None or out_v_dtype == h.v_dtype
+    if not raw_v and out_v_dtype not in VDTYPES:
+        raise UnsupportedConfigError(
+            f"V decodes to raw {h.v_dtype} or to float16, bfloat16 or float32; got {out_v_dtype}"
+        )
     k_len, v_len = h.k_payload_len, h.v_payload_len
     n = v_len // h.v_dtype.itemsize
     if shape is None:
@@ -676,37 +708,38 @@ def decode_parsed(
             shape = (n // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim)
         elif n == 0:
             shape = (0, max(h.kv_head_count, 1), max(h.head_dim, 1))
-    if shape is not None and math.prod(shape) != n:
-        raise UnsupportedConfigError(f"shape {shape} holds {math.prod(shape)} elements; the blob has {n}")
+    elif len(shape) != 3 or math.prod(shape) != n:
+        raise UnsupportedConfigError(f"shape {tuple(shape)} does not hold the blob's {n} elements as (T, H, D)")
 
     # An empty chunk has no K bytes yet has a K; a V-only blob has V bytes and no K.
     has_k = bool(k_len) or not v_len
-    on_host = dev.type == "cpu"
-    if on_host:
-        base = payload
-        k_mv, v_mv = base[:k_len], base[k_len : k_len + v_len]
-        k_t = _view(k_mv, h.k_dtype, copy) if has_k else None
+    if dev.type == "cpu":
+        k_t = _view(payload[:k_len], h.k_dtype, copy) if has_k else None
         # V that is dequantized, or copied into out_v, is only read.
-        v_read_only = (out_v_dtype is not None and out_v_dtype != h.v_dtype) or out_v is not None
-        v_t = _view(v_mv, h.v_dtype, copy, transient=v_read_only)
+        v_t = _view(payload[k_len : k_len + v_len], h.v_dtype, copy, transient=not raw_v or out_v is not None)
     else:
         # One host-to-device transfer of K and V; scales travel on their own
         # (their offset may be unaligned).
-        raw = _view(payload[: k_len + v_len], torch.uint8, False, transient=True).to(dev)
-        k_t = raw[:k_len].view(h.k_dtype) if has_k else None
-        v_t = raw[k_len:].view(h.v_dtype)
+        dev_raw = _view(payload[: k_len + v_len], torch.uint8, False, transient=True).to(dev)
+        k_t = dev_raw[:k_len].view(h.k_dtype) if has_k else None
+        v_t = dev_raw[k_len:].view(h.v_dtype)
 
+    unit = h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT
     s_t: torch.Tensor | None = None
-    if not h.scale_payload_len and math.prod(h.scale_shape) == 0 and h.scale_scope in _COMPUTED:
-        s_t = torch.empty(h.scale_shape, dtype=h.scale_dtype, device=dev)
+    if unit:
+        s_t = torch.ones((), dtype=torch.float32, device=dev)
     elif h.scale_payload_len:
         s_mv = payload[k_len + v_len : k_len + v_len + h.scale_payload_len]
-        s_t = _view(s_mv, h.scale_dtype, True).reshape(h.scale_shape)
-        s_t = s_t.to(dev)
-    elif h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT:
-        s_t = torch.ones((), dtype=torch.float32, device=dev)
+        s_t = _view(s_mv, h.scale_dtype, True).reshape(h.scale_shape).to(dev)
+        if scales is not None:
+            given = _as_scales(scales, dev, h.scale_dtype)
+            if given.numel() != s_t.numel() or not torch.equal(given.reshape(s_t.shape), s_t):
+                raise UnsupportedConfigError("scales= given, but the blob stores its own, different scales")
+    elif h.scale_scope in _COMPUTED and math.prod(h.scale_shape) == 0:
+        s_t = torch.empty(h.scale_shape, dtype=h.scale_dtype, device=dev)
     elif h.scale_scope == ScaleScope.EXTERNAL and scales is not None:
-        s_t = scales.to(dev)
+        # Quantized with the scales cast to the blob's scale dtype: use them so.
+        s_t = _as_scales(scales, dev, h.scale_dtype)
 
     if shape is not None:
         if k_t is not None:
@@ -715,47 +748,45 @@ def decode_parsed(
     if out_k is not None:
         if k_t is None:
             raise UnsupportedConfigError("out_k given but the blob holds no K")
-        if out_k.numel() != k_t.numel():
-            raise UnsupportedConfigError(
-                f"out_k has shape {tuple(out_k.shape)}; the blob's K is {tuple(k_t.shape)}"
-            )
-        out_k.copy_(k_t.view(out_k.shape) if out_k.shape != k_t.shape else k_t)
+        _into(out_k, k_t, "out_k")
         k_t = out_k
 
-    if out_v_dtype is None and out_v is not None and out_v.dtype != h.v_dtype:
-        out_v_dtype = out_v.dtype
-    if out_v_dtype is None or out_v_dtype == h.v_dtype:
+    if raw_v:
         if out_v is not None:
-            if out_v.numel() != v_t.numel():
-                raise UnsupportedConfigError(
-                    f"out_v has shape {tuple(out_v.shape)}; the blob's V is {tuple(v_t.shape)}"
-                )
-            out_v.copy_(v_t.view(out_v.shape))
+            _into(out_v, v_t, "out_v")
             v_t = out_v
         return DecodedKV(k_t, v_t, s_t, h)
 
     if s_t is None:
-        raise UnsupportedConfigError(
-            "cannot dequantize an external-scope blob without its scales: pass scales="
-        )
-    if shape is None:
-        raise UnsupportedConfigError(
-            "the blob leaves kv_head_count/head_dim unset: pass shape=(tokens, heads, head_dim) "
-            "to dequantize it"
-        )
-    scope = h.scale_scope
-    if scope == ScaleScope.EXTERNAL:
-        scope = _external_scope(s_t, shape[1])
-    elif scope == ScaleScope.NONE:
+        raise UnsupportedConfigError("cannot dequantize an external-scope blob without its scales: pass scales=")
+    if unit:
         scope = ScaleScope.PER_TENSOR
+    elif h.scale_scope == ScaleScope.EXTERNAL:
+        scope = _external_scope(s_t, shape[1] if shape is not None else 1)
+    else:
+        scope = h.scale_scope
+    dq_shape = shape
+    if dq_shape is None:
+        if scope != ScaleScope.PER_TENSOR:
+            raise UnsupportedConfigError(
+                f"the blob leaves kv_head_count/head_dim unset and its {h.scale_scope.name} scales need "
+                "them: pass shape=(tokens, heads, head_dim)"
+            )
+        dq_shape = (1, 1, n)  # one scale for all: any grouping of the elements will do
     ps = h.page_size if h.page_size > 0 else None
     impl = _impl(resolve_backend(backend, dev))
+    v3 = v_t.reshape(dq_shape)
     target = None
     if out_v is not None:
-        if out_v.numel() != v_t.numel():
-            raise UnsupportedConfigError(
-                f"out_v has shape {tuple(out_v.shape)}; the blob's V is {tuple(v_t.shape)}"
-            )
-        target = out_v if tuple(out_v.shape) == shape else out_v.view(shape)
-    v_dq = impl.dequantize(v_t, s_t, scope, page_size=ps, out_dtype=out_v_dtype, out=target)
-    return DecodedKV(k_t, out_v if out_v is not None else v_dq, s_t, h)
+        if out_v.numel() != n:
+            raise UnsupportedConfigError(f"out_v has shape {tuple(out_v.shape)}; the blob's V has {n} elements")
+        try:
+            target = out_v if tuple(out_v.shape) == dq_shape else out_v.view(dq_shape)
+        except RuntimeError:
+            target = None  # strides that cannot take that shape: go through a temporary
+    v_dq = impl.dequantize(v3, s_t, scope, page_size=ps, out_dtype=out_v_dtype, out=target)
+    if out_v is not None:
+        if target is None:
+            out_v.copy_(v_dq.reshape(out_v.shape))
+        return DecodedKV(k_t, out_v, s_t, h)
+    return DecodedKV(k_t, v_dq if shape is not None else v_dq.reshape(-1), s_t, h)

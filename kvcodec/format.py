@@ -769,6 +769,11 @@ def _check_consistency(h: Header) -> None:
     """Cross-field checks the reference reader lacks (raises CorruptEncodedKVError)."""
     k_el = _elements(h.k_payload_len, h.k_dtype, "K")
     v_el = _elements(h.v_payload_len, h.v_dtype, "V")
+    if k_el and not v_el:
+        raise CorruptEncodedKVError(
+            f"K holds {k_el} elements ({h.k_payload_len} bytes of {h.k_dtype}) but V is empty; "
+            "a blob may omit K, never V"
+        )
     if k_el and v_el and k_el != v_el:
         raise CorruptEncodedKVError(
             f"K holds {k_el} elements ({h.k_payload_len} bytes of {h.k_dtype}) but V holds "

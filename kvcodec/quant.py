@@ -30,9 +30,9 @@ __all__ = [
     "NonFinitePolicy",
     "compute_scales",
     "dequantize",
-    "encode_v",
     "fp8_max",
     "fp8_to_float32",
+    "narrow_scales",
     "quantize",
     "scale_shape",
     "token_head_amax",
@@ -221,28 +221,24 @@ def quantize(
     return out
 
 
-def encode_v(
-    v: torch.Tensor,
-    scope: ScaleScope,
-    *,
-    page_size: int | None = None,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    scale_dtype: torch.dtype = torch.float32,
-    nonfinite: NonFinitePolicy = "error",
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Scales (``scale_dtype``) and FP8 of ``v`` into ``out``: compute_scales then quantize.
+def narrow_scales(scales: torch.Tensor, scale_dtype: torch.dtype, scope: ScaleScope) -> torch.Tensor:
+    """``scales`` cast to the stored dtype; refuses a group whose scale the cast ruins.
 
-    Quantization uses the scales as stored (after the cast to ``scale_dtype``),
-    as LMCache does, so fp16 scales give the bytes LMCache writes with them.
-    (A single fused pass per page block measured no faster on CPU: the
-    fp32->fp8 cast dominates and per-block small ops cost what the saved
-    widening gains.)
+    fp16 scales overflow above 65504 (an fp32 V with amax > 2.9e7) and flush to
+    zero below 6e-8 (amax < 2.7e-5): LMCache writes such blobs, and they decode
+    to Inf/NaN. kvcodec refuses them, naming the group.
     """
-    scales = compute_scales(v, scope, page_size=page_size, fp8_dtype=fp8_dtype, nonfinite=nonfinite)
-    scales = scales.to(scale_dtype)
-    quantize(v, scales, scope, page_size=page_size, fp8_dtype=fp8_dtype, out=out)
-    return scales
+    out = scales.to(scale_dtype)
+    if scale_dtype == torch.float32:
+        return out
+    bad = ~(torch.isfinite(out) & (out > 0)) & torch.isfinite(scales)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
+        raise UnsupportedConfigError(
+            f"scale {float(scales[idx] if idx else scales):.3g} of {_group_name(scope, idx)} does not fit "
+            f"{scale_dtype} (it becomes {float(out[idx] if idx else out)}); use scale_dtype=torch.float32"
+        )
+    return out
 
 
 def _fp8_widen_div256(q: torch.Tensor, scratch: torch.Tensor, probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

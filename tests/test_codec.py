@@ -289,7 +289,7 @@ def test_no_k_blob():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"k": torch.zeros(4, 2, 8), "v": torch.zeros(4, 2, 8).half()}, "K dtype"),
+        ({"k": torch.zeros(4, 2, 8, dtype=torch.int16), "v": torch.zeros(4, 2, 8).half()}, "K dtype"),
         ({"k": torch.zeros(4, 2, 8).half(), "v": torch.zeros(4, 2, 9).half()}, "shapes must match"),
         ({"k": torch.zeros(4, 2, 8).half(), "v": torch.zeros(4, 2, 8, dtype=torch.int32)}, "V dtype"),
         ({"k": torch.zeros(8).half(), "v": torch.zeros(8).half()}, "3-D"),
@@ -396,3 +396,115 @@ def test_dequant_exact_for_all_codes_and_extreme_scales(scale, od):
     ib = torch.int32 if od == torch.float32 else torch.int16
     same = (got.view(ib) == ref.view(ib)) | (got.isnan() & ref.isnan())
     assert bool(same.all())
+
+
+def test_decoding_bytes_warns_nothing_even_with_warnings_as_errors():
+    """Read-only sources: no torch 'not writable' warning escapes, and no global filter is touched per call."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, warnings, kvcodec\n"
+        "n = len(warnings.filters)\n"
+        "b = bytes(kvcodec.encode(torch.ones(4, 1, 8).half(), torch.ones(4, 1, 8).half(), scope='per_tensor'))\n"
+        "for _ in range(3): kvcodec.decode(b); kvcodec.decode(b, out_v_dtype=torch.float16)\n"
+        "assert len(warnings.filters) == n\n"
+    )
+    res = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+# --- review findings, each pinned -------------------------------------------------
+
+
+def test_unset_layout_blob_decodes_flat_or_with_shape():
+    from kvcodec.format import Header, assemble
+
+    k, v = _kv(8, 2, 4, seed=4)
+    s = quant.compute_scales(v, ScaleScope.PER_LAYER_HEAD)
+    q = quant.quantize(v, s, ScaleScope.PER_LAYER_HEAD)
+    h = Header(k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.PER_LAYER_HEAD,
+               scale_shape=(2,))  # LMCache's default: layout fields unset  # fmt: skip
+    blob = assemble(h, k.numpy().tobytes(), q.view(torch.uint8).numpy().tobytes(), s.numpy().tobytes())
+    raw = decode(blob)
+    assert raw.k.shape == (64,) and raw.v.shape == (64,)
+    with pytest.raises(UnsupportedConfigError, match=r"pass shape=\(tokens, heads, head_dim\)"):
+        decode(blob, out_v_dtype=torch.float16)
+    dq = decode(blob, out_v_dtype=torch.float32, shape=(8, 2, 4))
+    assert torch.equal(dq.v, quant.dequantize(q, s, ScaleScope.PER_LAYER_HEAD, out_dtype=torch.float32))
+    # per tensor needs no layout: dequantized flat
+    h_pt = h.replace(scale_scope=ScaleScope.PER_TENSOR, scale_shape=())
+    s0 = quant.compute_scales(v, ScaleScope.PER_TENSOR)
+    q0 = quant.quantize(v, s0, ScaleScope.PER_TENSOR)
+    blob0 = assemble(h_pt, b"", q0.view(torch.uint8).numpy().tobytes(), s0.reshape(1).numpy().tobytes())
+    flat = decode(blob0, out_v_dtype=torch.float32).v
+    assert flat.shape == (64,) and torch.equal(flat, (q0.float() * s0).reshape(-1))
+
+
+def test_out_v_dtype_and_out_v_must_agree():
+    k, v = _kv(8, 2, 8)
+    blob = encode(k, v, scope="per_tensor")
+    with pytest.raises(UnsupportedConfigError, match=r"out_v is torch\.float16 but out_v_dtype"):
+        decode(blob, out_v_dtype=torch.float8_e4m3fn, out_v=torch.empty(8, 2, 8, dtype=torch.float16))
+    with pytest.raises(UnsupportedConfigError, match="int32"):
+        decode(blob, out_v=torch.empty(8, 2, 8, dtype=torch.int32))
+    with pytest.raises(UnsupportedConfigError, match="float64"):
+        decode(blob, out_v_dtype=torch.float64)
+
+
+def test_dequant_into_noncontiguous_connector_buffer():
+    k, v = _kv(32, 2, 8)
+    blob = encode(k, v, scope="per_page_head", page_size=16)
+    cache = torch.zeros(2, 2, 16, 2, 8, dtype=torch.float16)  # [pages, K/V, page_size, H, D]
+    decode(blob, out_k=cache[:, 0], out_v=cache[:, 1])
+    assert torch.equal(cache[:, 0].reshape(32, 2, 8), k)
+    assert torch.equal(cache[:, 1].reshape(32, 2, 8), decode(blob, out_v_dtype=torch.float16).v)
+
+
+def test_raw_scope_with_precomputed_fp8():
+    k, v = _kv(8, 2, 8)
+    q = v.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    blob = encode(k, None, scope="raw", precomputed_v_quant=q)
+    assert torch.equal(decode(blob).v.view(torch.uint8), q.view(torch.uint8))
+    assert parse(blob).header.scale_scheme == ScaleScheme.UNIT
+
+
+def test_external_scales_fp16_float_and_conflicts():
+    k, v = _kv(8, 2, 8)
+    s = torch.tensor([0.0123, 0.05])
+    blob = encode(k, v, scope="external", scales=s, scale_dtype=torch.float16)
+    dq = decode(blob, out_v_dtype=torch.float32, scales=s).v
+    assert torch.equal(dq, decode(blob).v.float() * s.half().float().view(1, 2, 1))  # the scales encode used
+    blob1 = encode(k, v, scope="external", scales=0.02)  # a plain float works
+    assert decode(blob1, out_v_dtype=torch.float32, scales=0.02).v.shape == (8, 2, 8)
+    stored = encode(k, None, scope="external", precomputed_v_quant=decode(blob).v, precomputed_v_scales=s,
+                    store_scales=True)  # fmt: skip
+    with pytest.raises(UnsupportedConfigError, match="stores its own, different scales"):
+        decode(stored, out_v_dtype=torch.float32, scales=s * 2)
+    assert decode(stored, out_v_dtype=torch.float32, scales=s).v.shape == (8, 2, 8)
+
+
+def test_v2_unit_scheme_with_any_scope_decodes():
+    from kvcodec.format import Header, assemble
+
+    q = torch.arange(64, dtype=torch.uint8).view(torch.float8_e4m3fn).view(8, 2, 4)
+    h = Header(k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.PER_PAGE_HEAD,
+               version=2, scale_scheme=ScaleScheme.UNIT, chunk_size=8, page_size=4, kv_head_count=2,
+               head_dim=4, scale_shape=(2, 2))  # fmt: skip
+    blob = assemble(h, b"", q.view(torch.uint8).numpy().tobytes(), b"")
+    assert torch.equal(decode(blob, out_v_dtype=torch.float32).v, q.float())
+
+
+@pytest.mark.parametrize("amax", [1e-6, 1e8])
+def test_fp16_scales_that_do_not_fit_are_refused(amax):
+    k = torch.zeros(16, 1, 8, dtype=torch.float16)
+    v = torch.full((16, 1, 8), amax, dtype=torch.float32)
+    with pytest.raises(UnsupportedConfigError, match=r"does not fit torch\.float16.*scale_dtype=torch\.float32"):
+        encode(k, v, scope="per_page_head", page_size=8, scale_dtype=torch.float16)
+    encode(k, v, scope="per_page_head", page_size=8)  # fp32 scales are fine
+
+
+def test_k_fp32_accepted_bit_exact():
+    k = torch.randn(8, 2, 8)
+    res = decode(encode(k, k.half(), scope="per_tensor"))
+    assert res.k.dtype == torch.float32 and torch.equal(res.k, k)

@@ -935,3 +935,8 @@ def test_header_packer_equals_full_serialization(version: int) -> None:
         assert parse(buf).header.layer_id == layer
     with pytest.raises(UnsupportedConfigError, match="layer_id=-2"):
         packer.pack_into(bytearray(packer.size), layer_id=-2, chunk_id=0, crc=0)
+
+
+def test_k_without_v_is_refused() -> None:
+    with pytest.raises(CorruptEncodedKVError, match=r"K holds 32 elements \(64 bytes of torch.float16\) but V is empty"):
+        parse(raw_blob(v=b"", s=b""))

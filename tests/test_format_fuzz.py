@@ -225,7 +225,8 @@ def headers_and_payloads(draw) -> tuple[Header, bytes, bytes, bytes]:
     heads = draw(st.integers(1, 3))
     dim = draw(st.integers(1, 5))
     page = draw(st.integers(1, 4))
-    has_k, has_v = draw(st.booleans()), draw(st.booleans())
+    has_v = draw(st.booleans())
+    has_k = has_v and draw(st.booleans())  # a blob may omit K, never V while holding K
     n_el = tokens * heads * dim
     k = draw(st.binary(min_size=n_el * k_dtype.itemsize, max_size=n_el * k_dtype.itemsize)) if has_k else b""
     v = draw(st.binary(min_size=n_el * v_dtype.itemsize, max_size=n_el * v_dtype.itemsize)) if has_v else b""
