@@ -82,3 +82,14 @@ def test_lmcache_cannot_dequant_per_head_but_kvcodec_can():
     res = decode(blob, out_v_dtype=torch.float16)
     assert res.v.shape == (32, 4, 32)
     assert (res.v.float() - v.reshape(32, 4, 32).float()).abs().max() < 0.07 * v.float().abs().max()
+
+
+@pytest.mark.parametrize("scope", ["PER_TENSOR", "PER_LAYER_HEAD"])
+def test_head_major_layout_byte_identical(scope):
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(4, 32, 16, generator=g).half()  # [heads, tokens, dim]
+    v = (torch.randn(4, 32, 16, generator=g) * 3).half()
+    ref_codec = lm.AsymK16V8Codec(scale_scope=lm.ScaleScope[scope])
+    ref = ref_codec.to_bytes(ref_codec.encode(k, v, head_axis=0, layer_id=2))
+    ours = KvCompat(scale_scope=getattr(lm.ScaleScope, scope).value)
+    assert ours.to_bytes(ours.encode(k, v, head_axis=0, layer_id=2)) == ref

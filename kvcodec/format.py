@@ -531,6 +531,13 @@ class ParsedBlob:
 
 
 def _as_bytes_view(buf: Any) -> memoryview:
+    if type(buf).__module__ == "torch" and isinstance(buf, torch.Tensor):
+        # A host tensor (e.g. a pinned staging buffer): its bytes, without a copy.
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise UnsupportedConfigError(
+                f"a tensor blob must be a contiguous CPU tensor; got {buf.device}, contiguous={buf.is_contiguous()}"
+            )
+        buf = buf.detach().view(-1).view(torch.uint8).numpy()
     try:
         mv = memoryview(buf)
     except TypeError:

@@ -98,7 +98,7 @@ class EncodedKV:
     header_bytes: bytes | None = None
     version: int = 1
     scale_scheme: ScaleScheme = ScaleScheme.COMPUTED
-    # The whole blob kvcodec built or parsed, for a one-copy ``to_bytes``.
+    # (blob kvcodec built or parsed, the payload view it handed out), for a one-copy ``to_bytes``.
     _blob: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -137,6 +137,7 @@ def _to_header(enc: EncodedKV) -> _fmt.Header:
 
 def _from_parsed(p: _fmt.ParsedBlob) -> EncodedKV:
     h = p.header
+    payload = p.payload
     return EncodedKV(
         k_dtype=h.k_dtype,
         v_dtype=h.v_dtype,
@@ -153,11 +154,11 @@ def _from_parsed(p: _fmt.ParsedBlob) -> EncodedKV:
         k_payload_len=h.k_payload_len,
         v_payload_len=h.v_payload_len,
         scale_payload_len=h.scale_payload_len,
-        payload=p.payload,
+        payload=payload,
         header_bytes=bytes(p.header_bytes),
         version=h.version,
         scale_scheme=h.scale_scheme,
-        _blob=p.blob,
+        _blob=(p.blob, payload),
     )
 
 
@@ -353,6 +354,13 @@ class AsymK16V8Codec:
             )
         if scope == ScaleScope.PER_PAGE_HEAD and page_axis is None:
             raise UnsupportedConfigError("compute_v_scales(PER_PAGE_HEAD) requires page_axis")
+        given = {"chunk_size": chunk_size, "page_size": page_size, "kv_head_count": kv_head_count,
+                 "head_dim": head_dim}  # fmt: skip
+        if not _token_major(v, head_axis, page_axis if scope == ScaleScope.PER_PAGE_HEAD else None):
+            return self._encode_caller_layout(
+                k, v, scope, hashes, layer_id, chunk_id, given, head_axis, page_axis,
+                precomputed_v_scales, precomputed_v_quant,
+            )  # fmt: skip
         pre: dict[str, Any] = {}
         if precomputed_v_quant is not None:
             pre = {
@@ -377,30 +385,59 @@ class AsymK16V8Codec:
         p = _fmt.parse(blob, verify_crc=False)
         h = p.header
         # Caller-given layout fields win, as in LMCache; unset ones are filled.
-        given = {
-            "chunk_size": chunk_size,
-            "page_size": page_size,
-            "kv_head_count": kv_head_count,
-            "head_dim": head_dim,
-        }
         changes = {name: val for name, val in given.items() if val != -1 and val != getattr(h, name)}
         if changes:
             h = h.replace(**changes)
             _codec._seal(memoryview(blob), h)
-            p = _fmt.parse(blob, verify_crc=False)
+            p = _parse_own(blob)
         return _from_parsed(p)
+
+    def _encode_caller_layout(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scope: ScaleScope,
+        hashes: CodecHashes | None,
+        layer_id: int,
+        chunk_id: int,
+        given: dict[str, int],
+        head_axis: int,
+        page_axis: int | None,
+        pre_scales: torch.Tensor | None,
+        pre_quant: torch.Tensor | None,
+    ) -> EncodedKV:
+        """LMCache's own semantics for layouts that are not token-major: bytes in the caller's
+        layout (``.contiguous()``), layout fields only as given, so a caller's reshape to its
+        shape restores the data exactly as with LMCache."""
+        kw = {"head_axis": head_axis, "page_axis": page_axis}
+        if pre_quant is not None:
+            if pre_quant.dtype != self.fp8_dtype:
+                raise UnsupportedConfigError(
+                    f"encode: precomputed_v_quant dtype {pre_quant.dtype} != codec {self.fp8_dtype}"
+                )
+            q, scales = pre_quant, torch.as_tensor(pre_scales).to(self.scale_dtype)
+        else:
+            scales = compute_v_scales(v, scope, fp8_dtype=self.fp8_dtype, **kw).to(self.scale_dtype)
+            q = quantize_v_fp8(v, scales, scope, fp8_dtype=self.fp8_dtype, **kw)
+        if k.dtype not in _codec.KDTYPES:
+            raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
+        parts = [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy() for t in (k, q, scales)]
+        h = _fmt.Header(
+            k_dtype=k.dtype, v_dtype=self.fp8_dtype, scale_dtype=self.scale_dtype, scale_scope=scope,
+            layer_id=layer_id, chunk_id=chunk_id, scale_shape=tuple(scales.shape),
+            hashes=_fmt.Hashes.coerce(hashes), **given,
+        )  # fmt: skip
+        return _from_parsed(_parse_own(_fmt.assemble(h, *parts)))
 
     def to_bytes(self, enc: EncodedKV) -> bytes:
         """Header + payload as ``bytes``."""
         if enc.header_bytes is None:
             enc.header_bytes = serialize_header(enc)
-        blob = enc._blob
-        if (
-            blob is not None
-            and len(blob) == len(enc.header_bytes) + len(enc.payload)
-            and blob[: len(enc.header_bytes)] == enc.header_bytes
-        ):
-            return bytes(blob)
+        if enc._blob is not None:
+            blob, payload = enc._blob
+            # One copy of the blob as built, unless the caller swapped payload or header.
+            if enc.payload is payload and blob[: len(enc.header_bytes)] == enc.header_bytes:
+                return bytes(blob)
         return enc.header_bytes + bytes(enc.payload)
 
     def from_bytes(self, buf: Any, *, expected_hashes: CodecHashes | None = None) -> EncodedKV:
@@ -431,33 +468,36 @@ class AsymK16V8Codec:
             raise CorruptEncodedKVError(
                 f"payload is {len(payload)} bytes; the header declares {h.payload_len}"
             )
-        shape = None
-        n = h.v_payload_len // max(1, h.v_dtype.itemsize)
-        if h.kv_head_count <= 0 or h.head_dim <= 0:
-            shape = _guess_shape(h, n)
+        # Without layout fields (LMCache's default) K and V come back flat, as from LMCache.
         res = _codec.decode_parsed(
             h,
             payload,
             out_v_dtype=None if out_v_dtype == enc.v_dtype else out_v_dtype,
             device=device or torch.device("cpu"),
             copy=True,
-            shape=shape,
         )
         k = res.k if res.k is not None else torch.empty(0, dtype=enc.k_dtype)
         if out_k_dtype is not None and out_k_dtype != k.dtype:
             k = k.to(out_k_dtype)
         v = res.v
-        if shape is None and (h.kv_head_count <= 0 or h.head_dim <= 0):
-            k, v = k.reshape(-1), v.reshape(-1)
         scales = res.scales if res.scales is not None else torch.empty(0, dtype=enc.scale_dtype)
         return k, v, scales
 
 
-def _guess_shape(h: _fmt.Header, n: int) -> tuple[int, int, int] | None:
-    """A [tokens, heads, dim] shape for blobs without layout fields, where one is certain."""
-    if h.scale_scope == ScaleScope.PER_TENSOR or h.scale_scope == ScaleScope.NONE:
-        return (1, 1, n) if n else None
-    return None
+def _token_major(v: torch.Tensor, head_axis: int, page_axis: int | None) -> bool:
+    """Whether ``v``'s contiguous bytes are already token-major [T,H,D] / [P,S,H,D]."""
+    nd = v.dim()
+    if nd not in (3, 4) or head_axis % nd != nd - 2:
+        return False
+    return page_axis is None or page_axis % nd == 0
+
+
+def _parse_own(blob: Any) -> _fmt.ParsedBlob:
+    """Parse a blob this module just wrote; inconsistent caller fields are the caller's error."""
+    try:
+        return _fmt.parse(blob, verify_crc=False)
+    except CorruptEncodedKVError as e:
+        raise UnsupportedConfigError(f"the layout fields given make an inconsistent blob: {e}") from None
 
 
 def install() -> types.ModuleType:

@@ -271,9 +271,11 @@ def encode_chunk(
     K is widened to ``k_dtype`` (K16), V's FP8 bytes pass through untouched with
     ``v_scale`` as a per-tensor scale.
     """
-    from .codec import encode, resolve_backend
+    from .codec import encode, resolve_backend, resolve_scope
+    from .format import ScaleScope
 
     be = resolve_backend(backend, kv_cache.device)
+    encode_kwargs.setdefault("page_size", block_size)  # scale pages default to the cache's blocks
     k, v = gather_chunk(
         kv_cache, block_ids, layout=layout, num_tokens=num_tokens, block_size=block_size,
         fp8_dtype=fp8_dtype, backend="triton" if be == "triton" else "torch",
@@ -285,7 +287,7 @@ def encode_chunk(
             f"an FP8 cache ({v.dtype}) needs its k_scale and v_scale to encode K16/V8 blobs"
         )
     scope = encode_kwargs.pop("scope", "per_tensor")
-    if scope not in ("per_tensor", 0) and getattr(scope, "value", None) != 0:
+    if resolve_scope(scope) != ScaleScope.PER_TENSOR:  # type: ignore[arg-type]
         raise UnsupportedConfigError(f"FP8 V passes through with one per-tensor scale; scope {scope!r} given")
     k16 = (k.to(torch.float32) * k_scale).to(k_dtype)
     s = torch.tensor(float(v_scale), dtype=torch.float32, device=v.device)

@@ -940,3 +940,13 @@ def test_header_packer_equals_full_serialization(version: int) -> None:
 def test_k_without_v_is_refused() -> None:
     with pytest.raises(CorruptEncodedKVError, match=r"K holds 32 elements \(64 bytes of torch.float16\) but V is empty"):
         parse(raw_blob(v=b"", s=b""))
+
+
+def test_parse_accepts_a_cpu_tensor_without_copy() -> None:
+    blob = raw_blob()
+    t = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    p = parse(t)
+    assert bytes(p.payload) == bytes(parse(blob).payload)
+    assert torch.frombuffer(p.payload, dtype=torch.uint8).data_ptr() == t.data_ptr() + p.header_len
+    with pytest.raises(UnsupportedConfigError, match="contiguous CPU tensor"):
+        parse(t[::2])

@@ -130,3 +130,42 @@ def test_caller_fields_win():
     enc = codec.encode(k, k, chunk_size=256, page_size=16)
     assert (enc.chunk_size, enc.page_size, enc.kv_head_count, enc.head_dim) == (256, 16, 2, 16)
     parse(codec.to_bytes(enc))  # still a valid blob
+
+
+def test_head_major_layout_keeps_lmcache_semantics():
+    """[H, T, D] input: bytes in the caller's layout, so the caller's reshape restores K exactly."""
+    codec = compat.AsymK16V8Codec(scale_scope=compat.ScaleScope.PER_LAYER_HEAD)
+    k = torch.randn(4, 32, 8).half()  # [heads, tokens, dim]
+    v = torch.randn(4, 32, 8).half()
+    enc = codec.encode(k, v, head_axis=0)
+    assert enc.kv_head_count == -1  # not token-major: fields only as given, like LMCache
+    k2, v2, s2 = codec.decode(codec.from_bytes(codec.to_bytes(enc)))
+    assert torch.equal(k2.reshape(k.shape), k)
+    q_ref = compat.quantize_v_fp8(v, s2, compat.ScaleScope.PER_LAYER_HEAD, head_axis=0)
+    assert torch.equal(v2.reshape(v.shape).view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_unset_layout_decodes_flat_like_lmcache():
+    from kvcodec.format import Header, assemble
+
+    h = Header(k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=compat.ScaleScope.PER_TENSOR)
+    blob = bytes(assemble(h, bytes(64), bytes(32), torch.tensor([0.5]).numpy().tobytes()))
+    codec = compat.AsymK16V8Codec()
+    k, v, s = codec.decode(codec.from_bytes(blob), out_v_dtype=torch.float16)
+    assert k.shape == (32,) and v.shape == (32,) and s.shape == ()
+
+
+def test_to_bytes_follows_a_swapped_payload():
+    codec = compat.AsymK16V8Codec()
+    x = torch.randn(8, 2, 16).half()
+    enc = codec.encode(x, x)
+    fresh = bytes(len(enc.payload))
+    enc.payload = fresh
+    assert codec.to_bytes(enc) == enc.header_bytes + fresh
+
+
+def test_inconsistent_caller_fields_are_a_config_error():
+    codec = compat.AsymK16V8Codec()
+    x = torch.randn(8, 2, 16).half()
+    with pytest.raises(errors.UnsupportedConfigError, match="inconsistent blob"):
+        codec.encode(x, x, chunk_size=4)

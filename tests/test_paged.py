@@ -194,3 +194,16 @@ def test_encode_chunk_fp8_cache_passes_v_through():
                        fp8_dtype=torch.float8_e4m3fn)
     with pytest.raises(UnsupportedConfigError, match="FP8 cache"):
         P.decode_chunk_into(blob, cache, [3, 1], layout="flash_nhd", block_size=4)
+
+
+def test_encode_chunk_defaults_page_size_to_block_size_and_scope_names():
+    import kvcodec.paged as P
+    from kvcodec.format import parse
+
+    cache = torch.randn(2, 6, 4, 2, 8).half()
+    blob = P.encode_chunk(cache, [1, 3], layout="flash_nhd", num_tokens=8, block_size=4)
+    assert parse(blob).header.page_size == 4 and parse(blob).header.scale_shape == (2, 2)
+    c8 = (torch.randn(2, 6, 4, 2, 8) * 9).to(torch.float8_e4m3fn)
+    for name in ("PER_TENSOR", "tensor", "per_tensor"):
+        P.encode_chunk(c8, [1, 3], layout="flash_nhd", num_tokens=8, block_size=4, k_scale=1.0, v_scale=0.5,
+                       scope=name)  # fmt: skip
