@@ -379,7 +379,7 @@ def test_garbage_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert main(["encode", "--k", str(tmp_path / name), "--v", str(tmp_path / name), "--out", "x"]) == 1
         assert name in _one_error_line(capsys.readouterr().err)
     # A valid .npy whose dtype the codec refuses for K.
-    np.save(tmp_path / "f.npy", np.zeros((4, 2, 8), np.float32))
+    np.save(tmp_path / "f.npy", np.zeros((4, 2, 8), np.int16))
     assert main(["encode", "--k", str(tmp_path / "f.npy"), "--v", str(tmp_path / "f.npy"), "--out", "x"]) == 1
     assert "K dtype" in _one_error_line(capsys.readouterr().err)
 
