@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 import torch
 
 from . import quant
-from .crc import crc32
 from .errors import CodecMismatchError, UnsupportedConfigError
 from .format import (
     HASH_KEYS,
@@ -31,6 +30,7 @@ from .format import (
     header_size,
     pack_header_into,
     parse,
+    payload_crc,
 )
 
 __all__ = [
@@ -241,9 +241,8 @@ def _check_fp8(v_dtype: torch.dtype, allow_e5m2: bool) -> None:
 def _seal(buf: memoryview, h: Header) -> int:
     """Write ``h``'s header at the start of ``buf`` (payload already in place), CRC included."""
     hs = pack_header_into(buf, h, 0)
-    payload = buf[hs : hs + h.payload_len]
-    c = crc32(buf[: hs - 4]) if h.version >= 2 else 0
-    struct.pack_into("<I", buf, hs - 4, crc32(payload, c))
+    crc = payload_crc(h, buf[: hs - 4], (buf[hs : hs + h.payload_len],))
+    struct.pack_into("<I", buf, hs - 4, crc)
     return hs
 
 
@@ -264,7 +263,7 @@ def encode(
     v_dtype: torch.dtype = torch.float8_e4m3fn,
     allow_e5m2: bool = False,
     scale_dtype: torch.dtype = torch.float32,
-    scales: torch.Tensor | None = None,
+    scales: torch.Tensor | float | None = None,
     precomputed_v_quant: torch.Tensor | None = None,
     precomputed_v_scales: torch.Tensor | None = None,
     nonfinite: quant.NonFinitePolicy = "error",
@@ -280,8 +279,8 @@ def encode(
     ``external`` quantizes with caller ``scales`` and stores none; ``raw``
     writes unit-scale FP8 in a version-2 header. ``store_scales=True`` keeps an
     external scope's scales in the payload too (as LMCache does with attached
-    scales). Layout fields left None are
-    filled from the tensors. Returns header and payload in one ``bytearray``.
+    scales). Layout fields left None are filled from the tensors. Returns header
+    and payload in one ``bytearray``.
     """
     sc = resolve_scope(scope)
     _check_fp8(v_dtype, allow_e5m2)
