@@ -10,9 +10,11 @@ commands that need them, so ``kvcodec --help`` is fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import fnmatch
 import json
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -162,14 +164,28 @@ def _bytes_str(n: int) -> str:
     return f"{n:,} ({_human(n)})" if n >= 1024 else f"{n:,}"
 
 
+def _read_regular(path: Path) -> bytes:
+    """A regular file's bytes; anything else (FIFO, device, socket) raises OSError, never blocks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def _read_file(path: Path) -> bytes:
-    """The file's bytes; a directory or missing file raises CLIError."""
+    """The file's bytes; a directory, a missing or a non-regular file raises CLIError."""
     if path.is_dir():
         raise CLIError(f"{path}: is a directory")
     try:
-        return path.read_bytes()
+        return _read_regular(path)
     except FileNotFoundError:
         raise CLIError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CLIError(f"{path}: {e.strerror or e}") from None
 
 
 def _require_files(paths: Iterable[Path], *, allow_dirs: bool = False) -> None:
@@ -183,6 +199,8 @@ def _require_files(paths: Iterable[Path], *, allow_dirs: bool = False) -> None:
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write ``path`` through a temp file in its folder, renamed into place when complete."""
+    if not path.name or path.is_dir():
+        raise CLIError(f"{path}: is a directory, not an output file")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise CLIError(f"{path}: folder {parent} does not exist")
@@ -347,8 +365,17 @@ def _walk(root: Path, pattern: str = "*") -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root, onerror=_raise_walk_error):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
-            if not name.startswith(".") and fnmatch.fnmatchcase(name, pattern):
-                yield Path(dirpath) / name
+            p = Path(dirpath) / name
+            if not name.startswith(".") and fnmatch.fnmatchcase(name, pattern) and _is_regular(p):
+                yield p
+
+
+def _is_regular(p: Path) -> bool:
+    """Only regular files are blobs: a FIFO or device in a tree must not hang a walk."""
+    try:
+        return stat.S_ISREG(os.stat(p).st_mode)
+    except OSError:
+        return True  # let the read report why it cannot be read
 
 
 def _raise_walk_error(e: OSError) -> None:
@@ -381,7 +408,7 @@ def _verify_one(path: Path, args: argparse.Namespace, expected: dict[str, str]) 
     from .format import parse
 
     try:
-        data = path.read_bytes()
+        data = _read_regular(path)
     except OSError as e:
         return e.strerror or str(e)
     try:
@@ -872,7 +899,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except SystemExit as e:  # --help / --version
         return e.code if isinstance(e.code, int) else EXIT_OK
-    debug = bool(os.environ.get("KVCODEC_DEBUG"))
+    debug = os.environ.get("KVCODEC_DEBUG", "") not in ("", "0")
     try:
         if args.threads is not None and args.command != "demo":
             import torch

@@ -108,7 +108,15 @@ def block_ids_tensor(
         ids = block_ids
         host_check = ids.device.type == "cpu"
     else:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        try:
+            raw = torch.as_tensor(list(block_ids))
+        except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+            raise UnsupportedConfigError(f"block_ids must be a sequence of ints: {e}") from None
+        if raw.dim() != 1 or (raw.numel() and (raw.is_floating_point() or raw.dtype == torch.bool)):
+            raise UnsupportedConfigError(
+                f"block_ids must be a flat sequence of ints; got {raw.dim()}-D {raw.dtype}"
+            )
+        ids = raw.to(torch.int64)
         host_check = True
     if ids.numel() < need:
         raise UnsupportedConfigError(
@@ -119,6 +127,8 @@ def block_ids_tensor(
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_blocks:
             raise UnsupportedConfigError(f"block ids span {lo}..{hi}; the cache has {num_blocks} blocks")
+        if ids.unique().numel() != need:
+            raise UnsupportedConfigError(f"block ids repeat: {ids.tolist()[:16]}; a chunk's blocks are distinct")
     return ids.to(device=device, non_blocking=True).contiguous()
 
 
@@ -323,7 +333,11 @@ def decode_chunk_into(
     res = decode(blob, out_v_dtype=kc.dtype, device=kv_cache.device, backend=be, **decode_kwargs)  # type: ignore[arg-type]
     if res.k is None:
         raise UnsupportedConfigError("the blob holds no K; a paged cache needs both K and V")
-    k = res.k if res.k.dtype == kc.dtype else res.k.to(kc.dtype)
+    if res.k.dtype != kc.dtype:
+        raise UnsupportedConfigError(
+            f"the blob's K is {res.k.dtype} but the cache is {kc.dtype}: K must load bit-exact"
+        )
+    k = res.k
     scatter_chunk(
         kv_cache, block_ids, k, res.v, layout=layout, block_size=block_size,
         backend="triton" if be == "triton" else "torch",

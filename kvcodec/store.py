@@ -186,7 +186,10 @@ class DirectoryStore:
         """Test seam: called at each write step ("open", "write", "fsync", "replace", "done")."""
         os.makedirs(self._root, exist_ok=True)
         if self._quarantine:
-            os.makedirs(self.quarantine_dir, exist_ok=True)
+            try:
+                os.makedirs(self.quarantine_dir, exist_ok=True)
+            except OSError:  # a read-only store can still be read; quarantine is tried when needed
+                pass
         self.refresh()
 
     # ------------------------------------------------------------------ keys
@@ -320,7 +323,8 @@ class DirectoryStore:
         """One ``get`` attempt; None when a damaged file was replaced meanwhile (and ``retry``)."""
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # O_NONBLOCK: a FIFO under a key's name must not hang the read (S_ISREG refuses it below).
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             self._forget(key)
             raise KeyError(key) from None
@@ -343,7 +347,10 @@ class DirectoryStore:
                     except BufferError:  # pragma: no cover - a view still alive; GC frees it
                         pass
             if reason is not None:
-                where, replaced = self._discard(path, st)
+                try:
+                    where, replaced = self._discard(path, st)
+                except OSError as e:  # read-only store: report the damage, leave the file
+                    where, replaced = f"could not quarantine it ({e.strerror})", False
                 if replaced and retry:
                     return None
                 if not replaced:

@@ -491,3 +491,26 @@ def test_console_script(tmp_path: Path) -> None:
     r = subprocess.run([str(script), "verify", str(p)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "verified 1 blobs: 1 ok, 0 bad"
+
+
+def test_fifo_in_a_tree_or_named_does_not_hang(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _blob(tmp_path / "d", "a.blob")
+    os.mkfifo(tmp_path / "d" / "zfifo")
+    assert main(["verify", str(tmp_path / "d")]) == 0  # the FIFO is not a blob: skipped
+    assert "1 ok, 0 bad" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "d" / "zfifo")]) == 1
+    assert "not a regular file" in capsys.readouterr().out  # inspect reports per file, in its table
+
+
+def test_output_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    b = _blob(tmp_path)
+    (tmp_path / "dd.npz").mkdir()
+    assert main(["decode", str(b), "--out", str(tmp_path / "dd.npz")]) == 1
+    assert "dd.npz: is a directory" in _one_error_line(capsys.readouterr().err)
+
+
+def test_kvcodec_debug_zero_means_off(tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVCODEC_DEBUG", "0")
+    (tmp_path / "e.blob").write_bytes(b"")
+    assert main(["decode", str(tmp_path / "e.blob"), "--out", str(tmp_path / "e.npz")]) == 1
+    _one_error_line(capsys.readouterr().err)

@@ -207,3 +207,22 @@ def test_encode_chunk_defaults_page_size_to_block_size_and_scope_names():
     for name in ("PER_TENSOR", "tensor", "per_tensor"):
         P.encode_chunk(c8, [1, 3], layout="flash_nhd", num_tokens=8, block_size=4, k_scale=1.0, v_scale=0.5,
                        scope=name)  # fmt: skip
+
+
+def test_block_id_validation_and_k_dtype_mismatch():
+    import kvcodec.paged as P
+    from kvcodec import encode
+
+    cache = torch.randn(2, 6, 4, 2, 8).half()
+    for bad, match in (([3.7, 1], "flat sequence of ints"), ([[1, 2]], "flat sequence"), ([2**70, 1], "ints"),
+                       ([2, 2], "repeat")):  # fmt: skip
+        with pytest.raises(UnsupportedConfigError, match=match):
+            P.gather_chunk(cache, bad, layout="flash_nhd", num_tokens=8, block_size=4)
+    with pytest.raises(UnsupportedConfigError, match="repeat"):
+        P.scatter_chunk(cache, [2, 2], torch.zeros(8, 2, 8).half(), torch.zeros(8, 2, 8).half(),
+                        layout="flash_nhd", block_size=4)  # fmt: skip
+    blob = encode(torch.randn(8, 2, 8).bfloat16(), torch.randn(8, 2, 8).bfloat16(), scope="per_tensor")
+    before = cache.clone()
+    with pytest.raises(UnsupportedConfigError, match="K must load bit-exact"):
+        P.decode_chunk_into(blob, cache, [1, 3], layout="flash_nhd", block_size=4)
+    assert torch.equal(cache, before)

@@ -639,3 +639,27 @@ def test_quarantine_puts_back_a_blob_renamed_in_mid_move(
     monkeypatch.undo()
     assert os.listdir(st.quarantine_dir) == []
     assert st.keys() == ["k"] and st.total_bytes == len(good)
+
+
+def test_corrupt_blob_in_a_store_that_cannot_quarantine(tmp_path, monkeypatch):
+    """A read-only store still reports CorruptEncodedKVError (a cache miss), never a bare OSError."""
+    s = DirectoryStore(tmp_path)
+    s.put("k", make_blob(4096, 1))
+    p = tmp_path / "k"
+    data = bytearray(p.read_bytes())
+    data[-3] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+    def refuse(*a, **kw):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.raises(CorruptEncodedKVError, match="could not quarantine it"):
+        s.get("k")
+
+
+def test_fifo_under_a_key_name_does_not_hang(tmp_path):
+    s = DirectoryStore(tmp_path)
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(KeyError):
+        s.get("pipe")
