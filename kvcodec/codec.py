@@ -246,6 +246,38 @@ def _seal(buf: memoryview, h: Header) -> int:
     return hs
 
 
+@dataclass
+class _Plan:
+    """A validated encode: the header to write and what fills the payload."""
+
+    header: Header
+    k3: torch.Tensor | None
+    v3: torch.Tensor
+    q_src: torch.Tensor | None
+    v_scales: torch.Tensor | None
+    quant_scope: ScaleScope
+    sc: ScaleScope
+    ps: int | None
+    be: str
+    impl: Any
+    device: torch.device
+    nonfinite: quant.NonFinitePolicy
+
+    @property
+    def fusable(self) -> bool:
+        """Whether one fused Triton launch can write K, FP8 V and the scales."""
+        h = self.header
+        return (
+            self.be == "triton"
+            and self.v_scales is None
+            and self.k3 is not None
+            and h.k_dtype in (torch.float16, torch.bfloat16)
+            and h.v_payload_len > 0
+            and h.scale_dtype == torch.float32
+            and self.nonfinite == "error"
+        )
+
+
 def encode(
     k: torch.Tensor | None,
     v: torch.Tensor | None,
@@ -282,6 +314,59 @@ def encode(
     scales). Layout fields left None are filled from the tensors. Returns header
     and payload in one ``bytearray``.
     """
+    plan = _plan_encode(
+        k,
+        v,
+        scope=scope,
+        page_size=page_size,
+        head_axis=head_axis,
+        page_axis=page_axis,
+        hashes=hashes,
+        layer_id=layer_id,
+        chunk_id=chunk_id,
+        chunk_size=chunk_size,
+        kv_head_count=kv_head_count,
+        head_dim=head_dim,
+        v_dtype=v_dtype,
+        allow_e5m2=allow_e5m2,
+        scale_dtype=scale_dtype,
+        scales=scales,
+        precomputed_v_quant=precomputed_v_quant,
+        precomputed_v_scales=precomputed_v_scales,
+        nonfinite=nonfinite,
+        version=version,
+        store_scales=store_scales,
+        backend=backend,
+    )
+    return _write_blob(plan)
+
+
+def _plan_encode(
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    *,
+    scope: ScopeLike = ScaleScope.PER_PAGE_HEAD,
+    page_size: int | None = None,
+    head_axis: int | None = None,
+    page_axis: int | None = None,
+    hashes: Any = None,
+    layer_id: int = -1,
+    chunk_id: int = -1,
+    chunk_size: int | None = None,
+    kv_head_count: int | None = None,
+    head_dim: int | None = None,
+    v_dtype: torch.dtype = torch.float8_e4m3fn,
+    allow_e5m2: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+    scales: torch.Tensor | float | None = None,
+    precomputed_v_quant: torch.Tensor | None = None,
+    precomputed_v_scales: torch.Tensor | None = None,
+    nonfinite: quant.NonFinitePolicy = "error",
+    version: int = 1,
+    store_scales: bool | None = None,
+    backend: str | None = None,
+) -> _Plan:
+    """Validate encode's arguments and lay out the blob: everything short of writing it."""
     sc = resolve_scope(scope)
     _check_fp8(v_dtype, allow_e5m2)
     if scale_dtype not in SCALE_DTYPES:
@@ -405,6 +490,19 @@ def encode(
         scale_payload_len=s_len,
         hashes=Hashes.coerce(hashes),
     )
+    return _Plan(
+        header=header, k3=k3, v3=v3, q_src=q_src, v_scales=v_scales, quant_scope=quant_scope,
+        sc=sc, ps=ps, be=be, impl=impl, device=device, nonfinite=nonfinite,
+    )  # fmt: skip
+
+
+def _write_blob(p: _Plan) -> bytearray:
+    """Fill one buffer with the planned header and payload (K, FP8 V, scales) and seal it."""
+    header, k3, v3, q_src, v_scales = p.header, p.k3, p.v3, p.q_src, p.v_scales
+    sc, ps, impl, device, nonfinite, quant_scope = p.sc, p.ps, p.impl, p.device, p.nonfinite, p.quant_scope
+    k_dtype, v_dtype, scale_dtype = header.k_dtype, header.v_dtype, header.scale_dtype
+    tokens, heads, dim = v3.shape
+    k_len, elems, s_len = header.k_payload_len, header.v_payload_len, header.scale_payload_len
     hs = header_size(header)
     out = bytearray(hs + header.payload_len)
     mv = memoryview(out)
@@ -422,20 +520,11 @@ def encode(
         q_dst = dev_payload[k_len : k_len + elems].view(v_dtype) if elems else None
         s_dst = dev_payload[k_len + elems :] if s_len else None
 
-    fused = (
-        be == "triton"
-        and v_scales is None
-        and k3 is not None
-        and k3.dtype in (torch.float16, torch.bfloat16)
-        and elems > 0
-        and scale_dtype == torch.float32
-        and nonfinite == "error"
-    )
-    if fused:
+    if p.fusable:
         # One launch writes K, the FP8 bytes and the scales into the payload.
         payload = dev_payload if dev_payload is not None else torch.frombuffer(mv[hs:], dtype=torch.uint8)
         amax = impl.encode_fused(k3, v3, sc, page_size=ps, fp8_dtype=v_dtype, payload=payload)
-        _check_finite_amax(amax, sc)
+        quant.check_finite_amax(amax, sc)
         k_dst = q_dst = s_dst = None
         v_scales = amax  # only its shape is used below
     if k_dst is not None and k3 is not None:
@@ -456,18 +545,6 @@ def encode(
         torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
     _seal(mv, header)
     return out
-
-
-def _check_finite_amax(amax: torch.Tensor, scope: ScaleScope) -> None:
-    """Refuse NaN/Inf groups found by a fused kernel (one device sync)."""
-    bad = ~torch.isfinite(amax)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0]) if amax.dim() else ()
-        raise UnsupportedConfigError(
-            f"V holds NaN or Inf in {quant._group_name(scope, idx)} ({scope.name}); "
-            "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
-            "to scale by the finite values)"
-        )
 
 
 def _encode_v(
@@ -529,32 +606,26 @@ def encode_layers(
     ids = list(layer_ids) if layer_ids is not None else list(range(n))
     if len(ids) != n:
         raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers")
-    if n and set(kwargs) <= _FUSED_LAYER_KWARGS and all(k is not None for k in ks):
-        device = vs[0].device
-        if resolve_backend(kwargs.get("backend"), device) == "triton":
-            sc = resolve_scope(kwargs.get("scope", ScaleScope.PER_PAGE_HEAD))
-            if sc in _COMPUTED and all(v.dtype in VDTYPES for v in vs):
-                return _encode_layers_fused(ks, vs, ids, sc, kwargs)  # type: ignore[arg-type]
+    if n > 1 and set(kwargs) <= _FUSED_LAYER_KWARGS and all(k is not None for k in ks):
+        try:
+            plan = _plan_encode(ks[0], vs[0], layer_id=ids[0], **kwargs)
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"layer {ids[0]}: {e}") from None
+        if plan.fusable:
+            return _encode_layers_fused(plan, ks, vs, ids, kwargs)  # type: ignore[arg-type]
     return [encode(ks[i], vs[i], layer_id=ids[i], **kwargs) for i in range(n)]
 
 
 def _encode_layers_fused(
-    ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], ids: list[int], sc: ScaleScope, kw: dict[str, Any]
+    plan: _Plan, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], ids: list[int], kw: dict[str, Any]
 ) -> list[bytearray]:
+    """All layers in one Triton launch; layer 0's plan validated the arguments and gives the header."""
     from .format import HeaderPacker
 
-    # Layer 0 through the single-layer path: it validates every argument and
-    # yields the header all layers share but for layer_id.
-    try:
-        first = encode(ks[0], vs[0], layer_id=ids[0], **kw)
-    except UnsupportedConfigError as e:
-        raise UnsupportedConfigError(f"layer {ids[0]}: {e}") from None
-    h0 = parse(first, verify_crc=False).header
-    if len(vs) == 1:
-        return [first]
+    h0 = plan.header
     ha, pa = kw.get("head_axis"), kw.get("page_axis")
     k3s, v3s = [], []
-    for i in range(1, len(vs)):
+    for i in range(len(vs)):
         if vs[i].shape != vs[0].shape or ks[i].shape != ks[0].shape:
             raise UnsupportedConfigError(
                 f"layer {i} has K {tuple(ks[i].shape)} / V {tuple(vs[i].shape)}; layer 0 has "
@@ -564,27 +635,25 @@ def _encode_layers_fused(
             raise UnsupportedConfigError(f"layer {i} dtypes differ from layer 0's")
         k3s.append(normalize_layout(ks[i], head_axis=ha, page_axis=pa)[0])
         v3s.append(normalize_layout(vs[i], head_axis=ha, page_axis=pa)[0])
-    from .kernels import quant_triton as qt
-
-    ps = h0.page_size if h0.page_size > 0 else None
-    device = v3s[0].device
-    payloads = torch.empty((len(v3s), h0.payload_len), dtype=torch.uint8, device=device)
-    amax = qt.encode_fused_layers(k3s, v3s, sc, page_size=ps, fp8_dtype=h0.v_dtype, payloads=payloads)
+    payloads = torch.empty((len(v3s), h0.payload_len), dtype=torch.uint8, device=plan.device)
+    amax = plan.impl.encode_fused_layers(
+        k3s, v3s, plan.sc, page_size=plan.ps, fp8_dtype=h0.v_dtype, payloads=payloads
+    )
     bad = ~torch.isfinite(amax.reshape(len(v3s), -1)).all(dim=1)
     if bool(bad.any()):
-        i = int(bad.nonzero()[0]) + 1
+        i = int(bad.nonzero()[0])
         try:
-            _check_finite_amax(amax[i - 1], sc)
+            quant.check_finite_amax(amax[i], plan.sc)
         except UnsupportedConfigError as e:
             raise UnsupportedConfigError(f"layer {ids[i]}: {e}") from None
-    host = payloads.cpu() if device.type != "cpu" else payloads
+    host = payloads.cpu() if plan.device.type != "cpu" else payloads
     packer = HeaderPacker(h0)
-    blobs = [first]
+    blobs = []
     for j in range(len(v3s)):
         out = bytearray(packer.size + h0.payload_len)
         mv = memoryview(out)
         torch.frombuffer(mv[packer.size :], dtype=torch.uint8).copy_(host[j])
-        packer.pack_into(mv, layer_id=ids[j + 1], chunk_id=h0.chunk_id, payload=mv[packer.size :])
+        packer.pack_into(mv, layer_id=ids[j], chunk_id=h0.chunk_id, payload=mv[packer.size :])
         blobs.append(out)
     return blobs
 

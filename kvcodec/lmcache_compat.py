@@ -195,27 +195,32 @@ def _fp8_max(dtype: torch.dtype) -> float:
 
 
 def _canon(
-    x: torch.Tensor, scope: ScaleScope, head_axis: int, page_axis: int | None, who: str
-) -> tuple[torch.Tensor, tuple[int, ...], list[int]]:
+    x: torch.Tensor, scope: Any, head_axis: int, page_axis: int | None, who: str
+) -> tuple[torch.Tensor, ScaleScope, int | None, tuple[int, ...], list[int]]:
     """View ``x`` as kvcodec's [tokens, heads, dim] such that LMCache's groups map onto ours.
 
-    Returns the 3-D tensor, the moved shape and the permutation to undo.
+    Returns the 3-D tensor, the scope, the page size to use (one page per
+    index of LMCache's page axis), the moved shape and the permutation to undo.
     """
+    try:
+        scope = ScaleScope(scope)
+    except ValueError:
+        raise UnsupportedConfigError(f"unsupported scope: {scope}") from None
     nd = x.dim()
     if scope == ScaleScope.PER_TENSOR:
-        return x.reshape(1, 1, -1), tuple(x.shape), list(range(nd))
+        return x.reshape(1, 1, -1), scope, None, tuple(x.shape), list(range(nd))
     head = head_axis % nd
     if scope == ScaleScope.PER_LAYER_HEAD:
         order = [head] + [d for d in range(nd) if d != head]
         y = x.permute(order)
-        return y.reshape(1, x.shape[head], -1), tuple(y.shape), order
+        return y.reshape(1, x.shape[head], -1), scope, None, tuple(y.shape), order
     if scope == ScaleScope.PER_PAGE_HEAD:
         if page_axis is None:
             raise UnsupportedConfigError(f"{who}(PER_PAGE_HEAD) requires page_axis")
         page = page_axis % nd
         order = [page, head] + [d for d in range(nd) if d not in (page, head)]
         y = x.permute(order)
-        return y.reshape(x.shape[page], x.shape[head], -1), tuple(y.shape), order
+        return y.reshape(x.shape[page], x.shape[head], -1), scope, 1, tuple(y.shape), order
     raise UnsupportedConfigError(f"unsupported scope: {scope}")
 
 
@@ -235,20 +240,15 @@ def compute_v_scales(
     page_axis: int | None = None,
 ) -> torch.Tensor:
     """fp32 scales of ``v``: () per tensor, (heads,) per layer-head, (pages, heads) per page-head."""
-    _fp8_max(fp8_dtype)
+    qmax = _fp8_max(fp8_dtype)
     if scope == ScaleScope.EXTERNAL:
         raise UnsupportedConfigError(
             "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them."
         )
-    if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
-        raise UnsupportedConfigError(f"unknown scale scope: {scope}")
-    v3, _, _ = _canon(v.detach(), ScaleScope(scope), head_axis, page_axis, "compute_v_scales")
+    v3, sc, ps, _, _ = _canon(v.detach(), scope, head_axis, page_axis, "compute_v_scales")
     # Quietly like LMCache: NaN/Inf groups give whatever the formula gives.
-    amax = _quant._reduce_groups(
-        _quant.token_head_amax(v3), ScaleScope(scope), 1 if scope == ScaleScope.PER_PAGE_HEAD else None
-    )
-    s = _quant._amax_to_scale(amax, _fp8_max(fp8_dtype))
-    return s.reshape(()) if scope == ScaleScope.PER_TENSOR else s
+    s = _quant._amax_to_scale(_quant._reduce_groups(_quant.token_head_amax(v3), sc, ps), qmax)
+    return s.reshape(()) if sc == ScaleScope.PER_TENSOR else s
 
 
 def quantize_v_fp8(
@@ -262,13 +262,9 @@ def quantize_v_fp8(
 ) -> torch.Tensor:
     """FP8 of ``v`` under ``scales`` (saturating), same shape as ``v``."""
     _fp8_max(fp8_dtype)
-    if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
-        raise UnsupportedConfigError(f"unsupported scope: {scope}")
-    v3, moved, order = _canon(v.detach(), ScaleScope(scope), head_axis, page_axis, "quantize_v_fp8")
-    ps = 1 if scope == ScaleScope.PER_PAGE_HEAD else None
-    q3 = _quant.quantize(v3, scales.reshape(_quant.scale_shape(scope, v3.shape[0], v3.shape[1], ps)),
-                         ScaleScope(scope), page_size=ps, fp8_dtype=fp8_dtype)
-    return _uncanon(q3, moved, order)
+    v3, sc, ps, moved, order = _canon(v.detach(), scope, head_axis, page_axis, "quantize_v_fp8")
+    s = scales.reshape(_quant.scale_shape(sc, v3.shape[0], v3.shape[1], ps))
+    return _uncanon(_quant.quantize(v3, s, sc, page_size=ps, fp8_dtype=fp8_dtype), moved, order)
 
 
 def dequantize_v_fp8(
@@ -281,13 +277,9 @@ def dequantize_v_fp8(
     page_axis: int | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_v_fp8`, in ``out_dtype``."""
-    if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
-        raise UnsupportedConfigError(f"unsupported scope: {scope}")
-    q3, moved, order = _canon(q.detach(), ScaleScope(scope), head_axis, page_axis, "dequantize_v_fp8")
-    ps = 1 if scope == ScaleScope.PER_PAGE_HEAD else None
-    s = scales.to(q.device).reshape(_quant.scale_shape(scope, q3.shape[0], q3.shape[1], ps))
-    out = _quant.dequantize(q3, s, ScaleScope(scope), page_size=ps, out_dtype=out_dtype)
-    return _uncanon(out, moved, order)
+    q3, sc, ps, moved, order = _canon(q.detach(), scope, head_axis, page_axis, "dequantize_v_fp8")
+    s = scales.to(q.device).reshape(_quant.scale_shape(sc, q3.shape[0], q3.shape[1], ps))
+    return _uncanon(_quant.dequantize(q3, s, sc, page_size=ps, out_dtype=out_dtype), moved, order)
 
 
 # ----------------------------------------------------------------------------

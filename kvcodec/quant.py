@@ -28,6 +28,7 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "FP8_DTYPES",
     "NonFinitePolicy",
+    "check_finite_amax",
     "compute_scales",
     "dequantize",
     "fp8_max",
@@ -133,6 +134,18 @@ def _group_name(scope: ScaleScope, idx: tuple[int, ...]) -> str:
     return f"page {idx[0]}, head {idx[1]}"
 
 
+def check_finite_amax(amax: torch.Tensor, scope: ScaleScope) -> None:
+    """Refuse NaN/Inf in any group's absmax, naming the first such group (a device sync on GPU)."""
+    bad = ~torch.isfinite(amax)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0]) if amax.dim() else ()
+        raise UnsupportedConfigError(
+            f"V holds NaN or Inf in {_group_name(scope, idx)} ({scope.name}); "
+            "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
+            "to scale by the finite values)"
+        )
+
+
 def compute_scales(
     v: torch.Tensor,
     scope: ScaleScope,
@@ -151,15 +164,9 @@ def compute_scales(
         raise UnsupportedConfigError(f"expected V as [tokens, heads, head_dim]; got shape {tuple(v.shape)}")
     qmax = fp8_max(fp8_dtype)
     amax = _reduce_groups(token_head_amax(v, finite_only=False), scope, page_size)
-    bad = ~torch.isfinite(amax)
-    if bool(bad.any()):
+    if not bool(torch.isfinite(amax).all()):
         if nonfinite == "error":
-            idx = tuple(int(i) for i in bad.nonzero()[0]) if amax.dim() else ()
-            raise UnsupportedConfigError(
-                f"V holds NaN or Inf in {_group_name(scope, idx)} ({scope.name}); "
-                "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
-                "to scale by the finite values)"
-            )
+            check_finite_amax(amax, scope)
         if nonfinite != "saturate":
             raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {nonfinite!r}")
         amax = _reduce_groups(token_head_amax(v, finite_only=True), scope, page_size)
