@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import quant
+from . import native, quant
+from .crc import crc32
 from .errors import CodecMismatchError, UnsupportedConfigError
 from .format import (
     HASH_KEYS,
@@ -54,7 +55,7 @@ warnings.filterwarnings(
     "ignore", message="The given buffer is not writable", category=UserWarning, module=r"kvcodec(\.|$)"
 )
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "native", "triton")
 KDTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """K dtypes copied bit-exact (fp16/bf16 are the point; fp32 is accepted as LMCache does)."""
 VDTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,23 +133,31 @@ def _triton_usable(device: torch.device) -> bool:
 
 
 def resolve_backend(backend: str | None, device: torch.device | str) -> str:
-    """Pick "torch" or "triton" for ``device``.
+    """Pick "torch", "native" or "triton" for ``device``.
 
     ``None`` reads ``KVCODEC_BACKEND`` (default "auto"). "auto" takes Triton on
-    CUDA when it is installed and torch elsewhere (on CPU Triton only runs in
-    its slow interpreter, for correctness tests). An explicit "triton" that
-    cannot run raises :class:`UnsupportedConfigError`.
+    CUDA when it is installed, the C loops of :mod:`kvcodec.native` on CPU when
+    they are built, and the torch reference otherwise (on CPU Triton only runs
+    in its slow interpreter, for correctness tests). An explicit backend that
+    cannot run on ``device`` raises :class:`UnsupportedConfigError`.
     """
     device = torch.device(device)
     b = (backend or os.environ.get("KVCODEC_BACKEND") or "auto").lower()
     if b not in BACKENDS:
         raise UnsupportedConfigError(f"unknown backend {b!r}; expected one of {BACKENDS}")
     if b == "auto":
-        return "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+        if device.type == "cuda":
+            return "triton" if _triton_usable(device) else "torch"
+        return "native" if device.type == "cpu" and native.AVAILABLE else "torch"
     if b == "triton" and not _triton_usable(device):
         raise UnsupportedConfigError(
             f"backend 'triton' cannot run on {device}: it needs a CUDA device with triton "
             "installed, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    if b == "native" and (device.type != "cpu" or not native.AVAILABLE):
+        raise UnsupportedConfigError(
+            f"backend 'native' cannot run on {device}: it needs CPU tensors and the kvcodec._cpu "
+            f"extension ({'built' if native.AVAILABLE else 'not built: reinstall with a C compiler'})"
         )
     return b
 
@@ -158,6 +167,8 @@ def _impl(backend: str) -> Any:
         from .kernels import quant_triton
 
         return quant_triton
+    if backend == "native":
+        return native
     return quant
 
 
@@ -504,7 +515,8 @@ def _write_blob(p: _Plan) -> bytearray:
     tokens, heads, dim = v3.shape
     k_len, elems, s_len = header.k_payload_len, header.v_payload_len, header.scale_payload_len
     hs = header_size(header)
-    out = bytearray(hs + header.payload_len)
+    # Every byte is written below (header, K, V, scales), so no zero-fill.
+    out = native.empty_bytearray(hs + header.payload_len)
     mv = memoryview(out)
     v_off, s_off = hs + k_len, hs + k_len + elems
     if device.type == "cpu":
@@ -520,6 +532,27 @@ def _write_blob(p: _Plan) -> bytearray:
         q_dst = dev_payload[k_len : k_len + elems].view(v_dtype) if elems else None
         s_dst = dev_payload[k_len + elems :] if s_len else None
 
+    if (
+        p.be == "native"
+        and v_scales is None
+        and q_src is None
+        and scale_dtype == torch.float32
+        and nonfinite == "error"
+        and k_dst is not None
+        and q_dst is not None
+        and s_dst is not None
+        and native.can_encode_fused(k3, v3, sc, v_dtype)
+    ):
+        # V's scales and codes on a C thread while this one copies K and CRCs it.
+        scales32 = torch.empty(quant.scale_shape(sc, tokens, heads, ps), dtype=torch.float32)
+        job = native.encode_start(k3, v3, sc, ps, k_dst, q_dst, scales32)
+        crc_off = pack_header_into(mv, header, 0) - 4
+        crc = payload_crc(header, mv[:crc_off], (mv[hs:v_off],))
+        if job.wait() == -1:
+            s_dst.copy_(scales32.view(-1).view(torch.uint8))
+            struct.pack_into("<I", mv, crc_off, crc32(mv[v_off:], crc))
+            return out
+        k_dst = None  # K is in place; the reference redoes V (and raises for NaN/Inf)
     if p.fusable:
         # One launch writes K, the FP8 bytes and the scales into the payload.
         payload = dev_payload if dev_payload is not None else torch.frombuffer(mv[hs:], dtype=torch.uint8)

@@ -247,7 +247,7 @@ def compute_v_scales(
         )
     v3, sc, ps, _, _ = _canon(v.detach(), scope, head_axis, page_axis, "compute_v_scales")
     # Quietly like LMCache: NaN/Inf groups give whatever the formula gives.
-    s = _quant._amax_to_scale(_quant._reduce_groups(_quant.token_head_amax(v3), sc, ps), qmax)
+    s = _quant.amax_to_scale(_quant.reduce_groups(_quant.token_head_amax(v3), sc, ps), qmax)
     return s.reshape(()) if sc == ScaleScope.PER_TENSOR else s
 
 

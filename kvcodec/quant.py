@@ -28,6 +28,7 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "FP8_DTYPES",
     "NonFinitePolicy",
+    "amax_to_scale",
     "check_finite_amax",
     "compute_scales",
     "dequantize",
@@ -35,6 +36,7 @@ __all__ = [
     "fp8_to_float32",
     "narrow_scales",
     "quantize",
+    "reduce_groups",
     "scale_shape",
     "token_head_amax",
 ]
@@ -102,7 +104,8 @@ def token_head_amax(v: torch.Tensor, *, finite_only: bool = False) -> torch.Tens
     return out
 
 
-def _reduce_groups(amax_th: torch.Tensor, scope: ScaleScope, page_size: int | None) -> torch.Tensor:
+def reduce_groups(amax_th: torch.Tensor, scope: ScaleScope, page_size: int | None) -> torch.Tensor:
+    """Per-group absmax from per-(token, head) absmax ``[tokens, heads]``, shaped as the scope's scales."""
     t, h = amax_th.shape
     shape = scale_shape(scope, t, h, page_size)
     if t == 0:
@@ -120,7 +123,8 @@ def _reduce_groups(amax_th: torch.Tensor, scope: ScaleScope, page_size: int | No
     return amax_th.view(pages, ps, h).amax(dim=1)
 
 
-def _amax_to_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """``amax / qmax`` in fp32 (IEEE division), 1.0 where the group is all zeros."""
     # Tensor / tensor division: IEEE-rounded, never a multiply by a reciprocal.
     scale = torch.div(amax, torch.tensor(qmax, dtype=torch.float32, device=amax.device))
     return torch.where(amax > 0, scale, torch.full_like(scale, _ZERO_SCALE))
@@ -163,14 +167,14 @@ def compute_scales(
     if v.dim() != 3:
         raise UnsupportedConfigError(f"expected V as [tokens, heads, head_dim]; got shape {tuple(v.shape)}")
     qmax = fp8_max(fp8_dtype)
-    amax = _reduce_groups(token_head_amax(v, finite_only=False), scope, page_size)
+    amax = reduce_groups(token_head_amax(v, finite_only=False), scope, page_size)
     if not bool(torch.isfinite(amax).all()):
         if nonfinite == "error":
             check_finite_amax(amax, scope)
         if nonfinite != "saturate":
             raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {nonfinite!r}")
-        amax = _reduce_groups(token_head_amax(v, finite_only=True), scope, page_size)
-    return _amax_to_scale(amax, qmax)
+        amax = reduce_groups(token_head_amax(v, finite_only=True), scope, page_size)
+    return amax_to_scale(amax, qmax)
 
 
 def _token_scales(

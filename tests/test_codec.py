@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec import quant
+from kvcodec import native, quant
 from kvcodec.codec import decode, encode, encode_layers, normalize_layout, resolve_backend
 from kvcodec.errors import CodecMismatchError, UnsupportedConfigError
 from kvcodec.format import Hashes, ScaleScheme, ScaleScope, parse
@@ -317,8 +317,9 @@ def test_bad_input_errors(kwargs, match):
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("KVCODEC_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert resolve_backend("auto", "cpu") == "torch"
-    assert resolve_backend(None, "cpu") == "torch"
+    cpu_auto = "native" if native.AVAILABLE else "torch"
+    assert resolve_backend("auto", "cpu") == cpu_auto
+    assert resolve_backend(None, "cpu") == cpu_auto
     monkeypatch.setenv("KVCODEC_BACKEND", "triton")
     with pytest.raises(UnsupportedConfigError, match="TRITON_INTERPRET"):
         resolve_backend(None, "cpu")

@@ -35,10 +35,11 @@ def test_triton_backend_blob_and_decode_equal_torch(scope, shape, vd):
         assert torch.equal(ra.v.view(torch.uint8), rb.v.view(torch.uint8))
 
 
-def test_auto_picks_torch_on_cpu():
+def test_auto_never_picks_the_interpreter_on_cpu():
+    from kvcodec import native
     from kvcodec.codec import resolve_backend
 
-    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("auto", "cpu") == ("native" if native.AVAILABLE else "torch")
     if not CUDA:
         assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest before triton loads
 

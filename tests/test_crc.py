@@ -38,24 +38,42 @@ def test_crc32_accepts_buffers_and_chains(data: bytes) -> None:
     assert 0 <= crc_mod.crc32(buf, 0xFFFFFFFF) <= 0xFFFFFFFF
 
 
-def test_backend_is_isal_when_installed() -> None:
-    if importlib.util.find_spec("isal") is None:
-        assert crc_mod.CRC_BACKEND == "zlib"
-    else:
-        assert crc_mod.CRC_BACKEND == "isal"
+def _expected_backend() -> str:
+    if importlib.util.find_spec("kvcodec._cpu") is not None:
+        return "native"
+    return "isal" if importlib.util.find_spec("isal") is not None else "zlib"
 
 
-def test_zlib_fallback_without_isal(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+def test_backend_is_the_fastest_installed() -> None:
+    assert crc_mod.CRC_BACKEND == _expected_backend()
+
+
+def _reload_without(monkeypatch: pytest.MonkeyPatch, *names: str):
+    import kvcodec
+
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
+        if name.startswith("kvcodec."):
+            monkeypatch.delattr(kvcodec, name.split(".", 1)[1], raising=False)
+    monkeypatch.delitem(sys.modules, "isal.isal_zlib", raising=False)
+    return importlib.reload(crc_mod)
+
+
+@pytest.mark.parametrize(
+    ("blocked", "expect"),
+    [(("kvcodec._cpu",), "isal"), (("kvcodec._cpu", "isal"), "zlib")],
+)
+def test_fallbacks(monkeypatch: pytest.MonkeyPatch, data: bytes, blocked, expect) -> None:
+    if expect == "isal" and importlib.util.find_spec("isal") is None:
+        pytest.skip("isal not installed")
     try:
         with monkeypatch.context() as m:
-            m.setitem(sys.modules, "isal", None)  # `import isal` now raises ImportError
-            m.delitem(sys.modules, "isal.isal_zlib", raising=False)
-            mod = importlib.reload(crc_mod)
-            assert mod.CRC_BACKEND == "zlib"
-            assert mod.crc32 is mod.crc32_zlib
+            mod = _reload_without(m, *blocked)
+            assert mod.CRC_BACKEND == expect
+            if expect == "zlib":
+                assert mod.crc32 is mod.crc32_zlib
             for size in SIZES:
                 assert mod.crc32(data[:size], 7) == zlib.crc32(data[:size], 7)
     finally:
         importlib.reload(crc_mod)  # back to the real backend for everyone else
-    if importlib.util.find_spec("isal") is not None:
-        assert crc_mod.CRC_BACKEND == "isal"
+    assert crc_mod.CRC_BACKEND == _expected_backend()

@@ -70,7 +70,7 @@ def rand_v(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, scale: flo
 
 
 def ref_amax(v: torch.Tensor, scope: ScaleScope, page_size: int | None, finite_only: bool = False) -> torch.Tensor:
-    return Q._reduce_groups(Q.token_head_amax(v.cpu(), finite_only=finite_only), scope, page_size)
+    return Q.reduce_groups(Q.token_head_amax(v.cpu(), finite_only=finite_only), scope, page_size)
 
 
 def ref_payload(

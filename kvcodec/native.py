@@ -1,0 +1,239 @@
+"""The "native" backend: the codec's CPU loops in C (``kvcodec._cpu``), bit-exact with :mod:`kvcodec.quant`.
+
+torch's fp32 -> e4m3 cast and its FP8 widening are scalar loops on CPU; the C
+loops do the same arithmetic (IEEE division, round to nearest even, the same
+saturation) in a few vectorised integer operations, over two threads for large
+chunks, with the GIL released. The module has :mod:`kvcodec.quant`'s
+``compute_scales`` / ``quantize`` / ``dequantize`` signatures and hands any
+case it does not cover to that reference: non-CPU tensors, e5m2, a head_dim
+that is not contiguous, ``nonfinite="saturate"``, non-finite or non-positive
+scales, NaN in V or NaN codes in q. The extension is optional (built at
+install when a C compiler is present): :data:`AVAILABLE` says whether it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quant
+from .errors import UnsupportedConfigError
+from .format import ScaleScope
+
+__all__ = [
+    "AVAILABLE",
+    "EncodeJob",
+    "can_encode_fused",
+    "compute_scales",
+    "dequantize",
+    "empty_bytearray",
+    "encode_start",
+    "quantize",
+    "threads",
+    "token_head_amax",
+]
+
+try:
+    from . import _cpu  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the install
+    _cpu = None
+
+AVAILABLE: bool = _cpu is not None
+"""Whether the C extension is built and importable."""
+
+_DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_SCOPE_CODE = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScope.PER_PAGE_HEAD: 2}
+
+
+def threads() -> int:
+    """Threads the C loops may use: torch's intra-op setting, at most two (more gained nothing here)."""
+    return max(1, min(2, torch.get_num_threads()))
+
+
+def _rows_ok(x: torch.Tensor, dtypes: object) -> bool:
+    """A CPU ``[T, H, D]`` tensor of a handled dtype with head_dim contiguous."""
+    return (
+        _cpu is not None
+        and x.device.type == "cpu"
+        and x.dim() == 3
+        and x.dtype in dtypes  # type: ignore[operator]
+        and (x.shape[2] <= 1 or x.stride(2) == 1)
+        and x.numel() > 0
+    )
+
+
+def _page(scope: ScaleScope, page_size: int | None) -> int:
+    return int(page_size or 1) if scope == ScaleScope.PER_PAGE_HEAD else 1
+
+
+def token_head_amax(v: torch.Tensor, *, finite_only: bool = False) -> torch.Tensor:
+    """``amax(|V|)`` over head_dim per (token, head), fp32 ``[tokens, heads]`` (see :mod:`kvcodec.quant`)."""
+    if finite_only or not _rows_ok(v, _DTYPE_CODE):
+        return quant.token_head_amax(v, finite_only=finite_only)
+    t, h, d = v.shape
+    out = torch.empty((t, h), dtype=torch.float32)
+    _cpu.token_head_amax(v.data_ptr(), t, h, d, v.stride(0), v.stride(1), _DTYPE_CODE[v.dtype],
+                         out.data_ptr(), threads())  # fmt: skip
+    return out
+
+
+def compute_scales(
+    v: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    page_size: int | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    nonfinite: quant.NonFinitePolicy = "error",
+) -> torch.Tensor:
+    """fp32 scales of ``v`` for a scope; equal to :func:`kvcodec.quant.compute_scales`."""
+    if (
+        nonfinite != "error"
+        or fp8_dtype != torch.float8_e4m3fn
+        or scope not in _SCOPE_CODE
+        or not _rows_ok(v, _DTYPE_CODE)
+    ):
+        return quant.compute_scales(v, scope, page_size=page_size, fp8_dtype=fp8_dtype, nonfinite=nonfinite)
+    amax = quant.reduce_groups(token_head_amax(v), scope, page_size)
+    quant.check_finite_amax(amax, scope)
+    return quant.amax_to_scale(amax, quant.fp8_max(fp8_dtype))
+
+
+def _scales_f32(scales: torch.Tensor) -> torch.Tensor | None:
+    """Scales as contiguous fp32 on CPU, or None when some are not finite and positive."""
+    s = scales.to(device="cpu", dtype=torch.float32).contiguous()
+    return s if bool(((s > 0) & torch.isfinite(s)).all()) else None
+
+
+def quantize(
+    v: torch.Tensor,
+    scales: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    page_size: int | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FP8 of ``v / scale`` (see :func:`kvcodec.quant.quantize`), bit for bit."""
+    t, h, d = v.shape
+    if out is None:
+        out = torch.empty((t, h, d), dtype=fp8_dtype, device=v.device)
+    elif tuple(out.shape) != (t, h, d) or out.dtype != fp8_dtype:
+        raise UnsupportedConfigError(f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}")
+    s = None
+    if fp8_dtype == torch.float8_e4m3fn and scope in _SCOPE_CODE and _rows_ok(v, _DTYPE_CODE) and _rows_ok(
+        out, (fp8_dtype,)
+    ):
+        want = quant.scale_shape(scope, t, h, page_size)
+        if tuple(scales.shape) != want:
+            raise UnsupportedConfigError(
+                f"scales of shape {tuple(scales.shape)} do not fit scope {scope.name} over "
+                f"{t} tokens x {h} heads (page_size {page_size}); expected {want}"
+            )
+        s = _scales_f32(scales)
+    if s is not None:
+        met_nan = _cpu.quantize(
+            v.data_ptr(), t, h, d, v.stride(0), v.stride(1), _DTYPE_CODE[v.dtype], s.data_ptr(),
+            _SCOPE_CODE[scope], _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1),
+            threads(),
+        )  # fmt: skip
+        if not met_nan:
+            return out
+    return quant.quantize(v, scales, scope, page_size=page_size, fp8_dtype=fp8_dtype, out=out)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    scope: ScaleScope,
+    *,
+    page_size: int | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``float(q) * scale`` cast to ``out_dtype`` or into ``out`` (see :func:`kvcodec.quant.dequantize`)."""
+    t, h, d = q.shape
+    if out is None:
+        out = torch.empty((t, h, d), dtype=out_dtype, device=q.device)
+    elif tuple(out.shape) != (t, h, d):
+        raise UnsupportedConfigError(f"out is {tuple(out.shape)}; expected {(t, h, d)}")
+    s = None
+    if (
+        scope in _SCOPE_CODE
+        and _rows_ok(q, (torch.float8_e4m3fn,))
+        and _rows_ok(out, _DTYPE_CODE)
+        and tuple(scales.shape) == quant.scale_shape(scope, t, h, page_size)
+    ):
+        s = scales.to(device="cpu", dtype=torch.float32).contiguous()
+        if not bool(torch.isfinite(s).all()):
+            s = None
+    if s is not None:
+        nan_codes = _cpu.dequantize(
+            q.data_ptr(), t, h, d, q.stride(0), q.stride(1), s.data_ptr(), _SCOPE_CODE[scope],
+            _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODE[out.dtype],
+            threads(),
+        )  # fmt: skip
+        if not nan_codes:
+            return out
+    return quant.dequantize(q, scales, scope, page_size=page_size, out_dtype=out_dtype, out=out)
+
+
+def empty_bytearray(n: int) -> bytearray:
+    """A bytearray of ``n`` bytes for the caller to overwrite entirely (not zeroed; huge pages advised)."""
+    return _cpu.empty_bytearray(n) if _cpu is not None else bytearray(n)
+
+
+def can_encode_fused(k3: torch.Tensor | None, v3: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dtype) -> bool:
+    """Whether :func:`encode_start` handles this chunk (otherwise use the three-step path)."""
+    return (
+        k3 is not None
+        and scope in _SCOPE_CODE
+        and fp8_dtype == torch.float8_e4m3fn
+        and _rows_ok(v3, _DTYPE_CODE)
+        and _rows_ok(k3, _DTYPE_CODE)
+        and tuple(k3.shape) == tuple(v3.shape)
+    )
+
+
+class EncodeJob:
+    """V's scales and codes running on a C thread while this one copies K (see :func:`encode_start`)."""
+
+    __slots__ = ("_job",)
+
+    def __init__(self, job: object) -> None:
+        self._job = job
+
+    def wait(self) -> int:
+        """Join the thread: -1 when done; otherwise the reference must redo V (it raises for NaN/Inf)."""
+        return int(_cpu.encode_wait(self._job))
+
+
+def encode_start(
+    k3: torch.Tensor,
+    v3: torch.Tensor,
+    scope: ScaleScope,
+    page_size: int | None,
+    k_out: torch.Tensor,
+    q_out: torch.Tensor,
+    scales_out: torch.Tensor,
+) -> EncodeJob:
+    """Start one chunk's encode: V's fp32 scales and e4m3 codes on a second thread, K copied here.
+
+    ``k_out`` (K's dtype) and ``q_out`` (uint8/e4m3) are dense ``[T, H, D]`` (any
+    alignment), ``scales_out`` dense fp32 of the scope's scale shape. The inputs
+    must pass :func:`can_encode_fused`. Returns when K is copied; call
+    ``.wait()`` before reading V's codes or the scales.
+    """
+    t, h, d = v3.shape
+    for name, x in (("k_out", k_out), ("q_out", q_out), ("scales_out", scales_out)):
+        if not x.is_contiguous() or x.device.type != "cpu":
+            raise UnsupportedConfigError(f"{name} must be a contiguous CPU tensor")
+    if k_out.numel() != t * h * d or q_out.numel() != t * h * d or k_out.dtype != k3.dtype:
+        raise UnsupportedConfigError("k_out/q_out do not match the chunk")
+    if scales_out.dtype != torch.float32 or tuple(scales_out.shape) != quant.scale_shape(scope, t, h, page_size):
+        raise UnsupportedConfigError("scales_out does not fit the scope")
+    keep = (k3, v3, k_out, q_out, scales_out)
+    job = _cpu.encode_start(
+        keep, v3.data_ptr(), v3.stride(0), v3.stride(1), _DTYPE_CODE[v3.dtype], t, h, d,
+        _SCOPE_CODE[scope], _page(scope, page_size), q_out.data_ptr(), scales_out.data_ptr(),
+        k3.data_ptr(), k3.stride(0), k3.stride(1), k3.element_size(), k_out.data_ptr(),
+    )  # fmt: skip
+    return EncodeJob(job)

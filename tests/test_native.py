@@ -1,0 +1,353 @@
+"""The "native" backend (kvcodec._cpu, C) equals the torch reference bit for bit, on every SIMD level."""
+
+from __future__ import annotations
+
+import gc
+import random
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec import native, quant
+from kvcodec.codec import decode, encode, resolve_backend
+from kvcodec.errors import UnsupportedConfigError
+from kvcodec.format import ScaleScope, parse
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="kvcodec._cpu is not built")
+
+S = ScaleScope
+SCOPES = [(S.PER_TENSOR, None), (S.PER_LAYER_HEAD, None), (S.PER_PAGE_HEAD, 16), (S.PER_PAGE_HEAD, 3)]
+LEVELS = [0, 1, 2]  # portable C, AVX2 + PCLMUL, everything the CPU has
+
+
+@pytest.fixture(params=LEVELS, ids=lambda x: f"simd{x}")
+def level(request):
+    from kvcodec import _cpu
+
+    prev = _cpu.simd(request.param)
+    yield request.param
+    _cpu.simd(2 if prev[0] or prev[1] else 0)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so NaNs compare by payload and -0 differs from +0."""
+    return x.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def _all_fp16() -> torch.Tensor:
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    return x[torch.isfinite(x)]
+
+
+def _all_bf16() -> torch.Tensor:
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return x[torch.isfinite(x)]
+
+
+# --- the cast and the division -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [_all_fp16, _all_bf16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("scale", [1.0, 0.75, 3.0e-3, 1.0 / 448, 2.0**-20, 5.0e3, 1.0e-40])
+def test_quantize_every_16bit_value(level, make, scale):
+    """All finite fp16/bf16 values (odd count: tails of every loop), as one row, for each scale."""
+    x = make()
+    v = x.view(1, 1, -1)
+    s = torch.tensor(scale, dtype=torch.float32)
+    got = native.quantize(v, s, S.PER_TENSOR)
+    want = quant.quantize(v, s, S.PER_TENSOR)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_quantize_random_fp32(level):
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int64, generator=g).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[torch.isfinite(x)]
+    for s in (1.0, 1.0e-30, 3.0e30, 0.125):
+        v = x.view(1, 1, -1)
+        st_ = torch.tensor(s)
+        assert torch.equal(_bits(native.quantize(v, st_, S.PER_TENSOR)), _bits(quant.quantize(v, st_, S.PER_TENSOR)))
+
+
+def test_quantize_nan_and_inf_take_the_reference(level):
+    v = torch.tensor([[[1.0, float("nan"), -float("inf"), float("inf"), -2.0] * 7]], dtype=torch.float16)
+    s = torch.tensor(0.5)
+    assert torch.equal(_bits(native.quantize(v, s, S.PER_TENSOR)), _bits(quant.quantize(v, s, S.PER_TENSOR)))
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_quantize_bad_scales_take_the_reference(scale):
+    v = torch.randn(4, 2, 40).half()
+    s = torch.full((2,), scale)
+    assert torch.equal(
+        _bits(native.quantize(v, s, S.PER_LAYER_HEAD)), _bits(quant.quantize(v, s, S.PER_LAYER_HEAD))
+    )
+
+
+# --- dequantization -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_every_code(level, out_dtype):
+    """All 254 non-NaN codes x scales that round, overflow to Inf, land subnormal, or are zero/negative."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    scales = [1.0, 0.3, 1.0e-3, 7.0e-8, 1.0e-40, 3.0e35, 2.0e5, 0.0, -2.5, 65504.0 / 448]
+    for sv in scales:
+        q = codes.view(torch.float8_e4m3fn).view(1, 1, -1)
+        s = torch.tensor(sv)
+        got = native.dequantize(q, s, S.PER_TENSOR, out_dtype=out_dtype)
+        want = quant.dequantize(q, s, S.PER_TENSOR, out_dtype=out_dtype)
+        assert torch.equal(_bits(got), _bits(want)), sv
+
+
+def test_dequantize_nan_codes_and_nonfinite_scales_take_the_reference(level):
+    q = torch.tensor([[[0x7F, 0x01, 0xFF, 0x40] * 5]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for sv in (1.5, float("inf"), float("nan")):
+        s = torch.tensor(sv)
+        for od in (torch.float16, torch.bfloat16, torch.float32):
+            got = native.dequantize(q, s, S.PER_TENSOR, out_dtype=od)
+            want = quant.dequantize(q, s, S.PER_TENSOR, out_dtype=od)
+            assert torch.equal(_bits(got), _bits(want))
+
+
+# --- whole tensors: scopes, odd shapes, strides, threads --------------------------------------
+
+SHAPES = [(1, 1, 8), (17, 3, 33), (5, 1, 256), (40, 2, 1), (256, 8, 128)]  # the last one runs on two threads
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scope,ps", SCOPES, ids=lambda x: getattr(x, "name", str(x)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_scales_codes_and_dequant_equal_reference(shape, scope, ps, dtype):
+    g = torch.Generator().manual_seed(hash((shape, scope, ps)) & 0xFFFF)
+    v = (torch.randn(shape, generator=g) * 4).to(dtype)
+    v[0, 0, 0] = 0.0  # and a zero
+    a = native.compute_scales(v, scope, page_size=ps)
+    b = quant.compute_scales(v, scope, page_size=ps)
+    assert torch.equal(_bits(a), _bits(b))
+    qa, qb = native.quantize(v, a, scope, page_size=ps), quant.quantize(v, b, scope, page_size=ps)
+    assert torch.equal(_bits(qa), _bits(qb))
+    for od in (torch.float16, torch.bfloat16, torch.float32):
+        assert torch.equal(
+            _bits(native.dequantize(qa, a, scope, page_size=ps, out_dtype=od)),
+            _bits(quant.dequantize(qb, b, scope, page_size=ps, out_dtype=od)),
+        )
+
+
+def test_strided_inputs_and_outputs():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 30, 4, 72, generator=g).half()
+    v = base[1, :, 1:3, :64]  # token and head strides of a bigger tensor, head_dim contiguous
+    s = native.compute_scales(v, S.PER_PAGE_HEAD, page_size=4)
+    assert torch.equal(s, quant.compute_scales(v, S.PER_PAGE_HEAD, page_size=4))
+    out = torch.empty(30, 2, 100, dtype=torch.float8_e4m3fn)[:, :, :64]
+    native.quantize(v, s, S.PER_PAGE_HEAD, page_size=4, out=out)
+    want = quant.quantize(v, s, S.PER_PAGE_HEAD, page_size=4)
+    assert torch.equal(_bits(out), _bits(want))
+    dst = torch.zeros(2, 30, 2, 64, dtype=torch.bfloat16)[1]
+    native.dequantize(want, s, S.PER_PAGE_HEAD, page_size=4, out=dst)
+    assert torch.equal(dst, quant.dequantize(want, s, S.PER_PAGE_HEAD, page_size=4, out_dtype=torch.bfloat16))
+    # head_dim not contiguous: the reference does it
+    vt = torch.randn(8, 2, 16, generator=g).half().transpose(0, 2)
+    st_ = native.compute_scales(vt, S.PER_TENSOR)
+    assert torch.equal(_bits(native.quantize(vt, st_, S.PER_TENSOR)), _bits(quant.quantize(vt, st_, S.PER_TENSOR)))
+
+
+def test_nonfinite_v_is_refused_like_the_reference():
+    v = torch.randn(32, 2, 16).half()
+    v[21, 1, 3] = float("nan")
+    with pytest.raises(UnsupportedConfigError) as a:
+        native.compute_scales(v, S.PER_PAGE_HEAD, page_size=8)
+    with pytest.raises(UnsupportedConfigError) as b:
+        quant.compute_scales(v, S.PER_PAGE_HEAD, page_size=8)
+    assert str(a.value) == str(b.value) and "page 2, head 1" in str(a.value)
+    # the opt-in policy goes to the reference
+    assert torch.equal(
+        native.compute_scales(v, S.PER_TENSOR, nonfinite="saturate"),
+        quant.compute_scales(v, S.PER_TENSOR, nonfinite="saturate"),
+    )
+
+
+def test_quantize_checks_scale_shape():
+    v = torch.randn(4, 2, 8).half()
+    with pytest.raises(UnsupportedConfigError, match="expected"):
+        native.quantize(v, torch.ones(3), S.PER_LAYER_HEAD)
+    with pytest.raises(UnsupportedConfigError, match="expected"):
+        native.quantize(v, torch.ones(2), S.PER_LAYER_HEAD, out=torch.empty(4, 2, 7, dtype=torch.float8_e4m3fn))
+
+
+# --- the fused chunk encode -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (33, 3, 40), (16, 8, 256), (512, 8, 128)], ids=str)
+@pytest.mark.parametrize("scope,ps", SCOPES, ids=lambda x: getattr(x, "name", str(x)))
+@pytest.mark.parametrize("kdt,vdt", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                     (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("version", [1, 2])
+def test_encode_bytes_equal_torch_backend(shape, scope, ps, kdt, vdt, version):
+    g = torch.Generator().manual_seed(11)
+    k = torch.randn(shape, generator=g).to(kdt)
+    v = (torch.randn(shape, generator=g) * 3).to(vdt)
+    kw = dict(scope=scope, page_size=ps, version=version, layer_id=3)
+    a = encode(k, v, backend="native", **kw)
+    b = encode(k, v, backend="torch", **kw)
+    assert a == b
+    parse(a)  # CRC and all
+
+
+def test_encode_strided_kv_slices():
+    kv = torch.randn(2, 64, 4, 2, 32).half()  # [k/v, pages, page, heads, dim]
+    a = encode(kv[0], kv[1], scope="per_page_head", backend="native")
+    b = encode(kv[0].contiguous(), kv[1].contiguous(), scope="per_page_head", backend="torch")
+    assert a == b
+
+
+def test_encode_nonfinite_refused_after_fused_attempt():
+    k = torch.randn(48, 2, 16).half()
+    v = torch.randn(48, 2, 16).half()
+    v[40, 0, 0] = float("inf")
+    msgs = []
+    for be in ("native", "torch"):
+        with pytest.raises(UnsupportedConfigError) as e:
+            encode(k, v, scope="per_page_head", page_size=16, backend=be)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1] and "page 2, head 0" in msgs[0]
+
+
+def test_encode_fp32_v_with_subnormal_absmax_matches():
+    """amax / 448 underflows to a zero scale: the fused path hands the chunk to the reference."""
+    k = torch.zeros(4, 1, 8).half()
+    v = torch.zeros(4, 1, 8)
+    v[1, 0, 2] = 1.0e-44
+    assert encode(k, v, scope="per_tensor", backend="native") == encode(k, v, scope="per_tensor", backend="torch")
+
+
+def test_encode_scale_dtypes_and_external_match():
+    k = torch.randn(20, 2, 16).half()
+    v = torch.randn(20, 2, 16).half()
+    for kw in (
+        dict(scope="per_page_head", page_size=8, scale_dtype=torch.float16),
+        dict(scope="per_layer_head", scale_dtype=torch.float16, version=2),
+        dict(scope="external", scales=torch.tensor([0.01, 0.02])),
+        dict(scope="raw"),
+    ):
+        assert encode(k, v, backend="native", **kw) == encode(k, v, backend="torch", **kw), kw
+
+
+def test_decode_dequant_matches_torch_backend():
+    k = torch.randn(300, 4, 64).half()
+    v = torch.randn(300, 4, 64).half()
+    blob = encode(k, v, scope="per_page_head", page_size=16)
+    for od in (torch.float16, torch.bfloat16, torch.float32):
+        a = decode(blob, out_v_dtype=od, backend="native").v
+        b = decode(blob, out_v_dtype=od, backend="torch").v
+        assert torch.equal(a, b)
+
+
+def test_dropped_job_is_joined():
+    """A job collected without wait() joins its thread before releasing the buffers it holds."""
+    k = torch.randn(256, 8, 128).half()
+    v = torch.randn(256, 8, 128).half()
+    ko, qo = torch.empty_like(k), torch.empty(256, 8, 128, dtype=torch.float8_e4m3fn)
+    so = torch.empty(16, 8)
+    job = native.encode_start(k, v, S.PER_PAGE_HEAD, 16, ko, qo, so)
+    del job, k, v
+    gc.collect()
+    job = native.encode_start(ko, ko, S.PER_PAGE_HEAD, 16, torch.empty_like(ko), qo, so)
+    assert job.wait() == -1
+
+
+def test_encode_start_validates_outputs():
+    k = torch.randn(8, 2, 16).half()
+    with pytest.raises(UnsupportedConfigError, match="scales_out"):
+        native.encode_start(k, k, S.PER_LAYER_HEAD, None, torch.empty_like(k),
+                            torch.empty(8, 2, 16, dtype=torch.uint8), torch.empty(3))  # fmt: skip
+    with pytest.raises(UnsupportedConfigError, match="contiguous"):
+        native.encode_start(k, k, S.PER_TENSOR, None, torch.empty(8, 2, 32).half()[:, :, :16],
+                            torch.empty(8, 2, 16, dtype=torch.uint8), torch.empty(()))  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    t=st.integers(0, 70),
+    h=st.integers(1, 4),
+    d=st.integers(1, 70),
+    ps=st.integers(1, 20),
+    scope=st.sampled_from(["per_tensor", "per_layer_head", "per_page_head"]),
+    dt=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    mag=st.sampled_from([1e-6, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_native_equals_torch(t, h, d, ps, scope, dt, mag, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, h, d, generator=g).half()
+    v = (torch.randn(t, h, d, generator=g) * mag).to(dt)
+    a = encode(k, v, scope=scope, page_size=ps, backend="native")
+    assert a == encode(k, v, scope=scope, page_size=ps, backend="torch")
+    da = decode(a, out_v_dtype=torch.float16, backend="native")
+    db = decode(a, out_v_dtype=torch.float16, backend="torch")
+    assert torch.equal(_bits(da.v), _bits(db.v))
+
+
+# --- CRC, buffers, backend choice ---------------------------------------------------------------
+
+
+def test_crc32_every_level_lengths_offsets_threads(level):
+    from kvcodec import _cpu
+
+    rng = random.Random(level)
+    data = rng.randbytes(3 << 20)
+    lengths = [*range(0, 300), 1 << 20, (3 << 20) - 77, *(rng.randrange(0, 1 << 21) for _ in range(40))]
+    for n in lengths:
+        off = rng.randrange(0, 64)
+        init = rng.randrange(0, 1 << 32)
+        buf = memoryview(data)[off : off + n]
+        want = zlib.crc32(buf, init)
+        assert _cpu.crc32(buf, init) == want
+        assert _cpu.crc32(buf, init, 2) == want
+
+
+def test_crc32_combine():
+    from kvcodec import _cpu
+
+    rng = random.Random(5)
+    for _ in range(100):
+        a = rng.randbytes(rng.randrange(0, 3000))
+        b = rng.randbytes(rng.randrange(0, 70000))
+        assert _cpu.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc32_refuses_non_buffers():
+    from kvcodec import _cpu
+
+    with pytest.raises(TypeError):
+        _cpu.crc32("text")
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 3 << 20])
+def test_empty_bytearray(n):
+    b = native.empty_bytearray(n)
+    assert type(b) is bytearray and len(b) == n
+    b[:] = b"\x01" * n
+    assert b.count(1) == n
+    with pytest.raises(ValueError):
+        native.empty_bytearray(-1)
+
+
+def test_backend_resolution(monkeypatch):
+    monkeypatch.delenv("KVCODEC_BACKEND", raising=False)
+    assert resolve_backend("auto", "cpu") == "native"
+    assert resolve_backend("native", "cpu") == "native"
+    with pytest.raises(UnsupportedConfigError, match="native"):
+        resolve_backend("native", "meta")
+    monkeypatch.setattr(native, "AVAILABLE", False)
+    assert resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(UnsupportedConfigError, match="not built"):
+        resolve_backend("native", "cpu")
+    monkeypatch.setenv("KVCODEC_BACKEND", "torch")
+    monkeypatch.setattr(native, "AVAILABLE", True)
+    assert resolve_backend(None, "cpu") == "torch"
