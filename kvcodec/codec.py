@@ -28,6 +28,7 @@ from .format import (
     ParsedBlob,
     ScaleScheme,
     ScaleScope,
+    check_crc,
     header_size,
     pack_header_into,
     parse,
@@ -543,14 +544,13 @@ def _write_blob(p: _Plan) -> bytearray:
         and s_dst is not None
         and native.can_encode_fused(k3, v3, sc, v_dtype)
     ):
-        # V's scales and codes on a C thread while this one copies K and CRCs it.
-        scales32 = torch.empty(quant.scale_shape(sc, tokens, heads, ps), dtype=torch.float32)
-        job = native.encode_start(k3, v3, sc, ps, k_dst, q_dst, scales32)
+        # K, V's codes, the scales and the CRC in one C call (two threads).
         crc_off = pack_header_into(mv, header, 0) - 4
-        crc = payload_crc(header, mv[:crc_off], (mv[hs:v_off],))
-        if job.wait() == -1:
-            s_dst.copy_(scales32.view(-1).view(torch.uint8))
-            struct.pack_into("<I", mv, crc_off, crc32(mv[v_off:], crc))
+        status, crc = native.encode_chunk(
+            k3, v3, sc, ps, k_dst, q_dst, s_dst, payload_crc(header, mv[:crc_off], ())
+        )
+        if status == -1:
+            struct.pack_into("<I", mv, crc_off, crc)
             return out
         k_dst = None  # K is in place; the reference redoes V (and raises for NaN/Inf)
     if p.fusable:
@@ -737,12 +737,29 @@ def decode(
     supplies an external scope's scales; ``shape`` = (tokens, heads, head_dim)
     for blobs whose writer left the layout fields unset (LMCache's default).
     """
-    parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
+    if isinstance(blob, ParsedBlob):
+        parsed, payload = blob, blob.payload
+    else:
+        on_cpu = out_k is None and out_v is None and (device is None or torch.device(device).type == "cpu")
+        fused = verify_crc and on_cpu and native.AVAILABLE
+        parsed = parse(blob, verify_crc=verify_crc and not fused, strict=strict)
+        payload = parsed.payload
+        if fused:
+            # Verify the CRC here instead: a read-only blob is copied out in the
+            # same pass (K and V then become views of the copy, not copies again).
+            h = parsed.header
+            init = payload_crc(h, parsed.crc_prefix, ())
+            if payload.readonly or copy:
+                own = memoryview(native.empty_bytearray(len(payload)))
+                check_crc(h, parsed.crc, native.copy_crc(own, payload, init))
+                payload, copy = own, False
+            else:
+                check_crc(h, parsed.crc, crc32(payload, init))
     if expected_hashes is not None:
         check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
     return decode_parsed(
         parsed.header,
-        parsed.payload,
+        payload,
         out_v_dtype=out_v_dtype,
         device=device,
         scales=scales,
@@ -815,9 +832,20 @@ def decode_parsed(
     # An empty chunk has no K bytes yet has a K; a V-only blob has V bytes and no K.
     has_k = bool(k_len) or not v_len
     if dev.type == "cpu":
-        k_t = _view(payload[:k_len], h.k_dtype, copy) if has_k else None
         # V that is dequantized, or copied into out_v, is only read.
-        v_t = _view(payload[k_len : k_len + v_len], h.v_dtype, copy, transient=not raw_v or out_v is not None)
+        v_transient = not raw_v or out_v is not None
+        k_src, v_src = payload[:k_len], payload[k_len : k_len + v_len]
+        n_out = k_len if v_transient else k_len + v_len
+        if (payload.readonly or copy) and n_out:
+            # What must be copied (K, and raw V for the caller) goes into one fresh
+            # buffer in one memcpy; the tensors are views of it.
+            own = memoryview(native.empty_bytearray(n_out))
+            own[:] = payload[:n_out]
+            k_src = own[:k_len]
+            if not v_transient:
+                v_src = own[k_len:]
+        k_t = _view(k_src, h.k_dtype, False) if has_k else None
+        v_t = _view(v_src, h.v_dtype, False, transient=v_transient)
     else:
         # One host-to-device transfer of K and V; scales travel on their own
         # (their offset may be unaligned).

@@ -44,6 +44,7 @@ __all__ = [
     "ScaleScheme",
     "ScaleScope",
     "assemble",
+    "check_crc",
     "dtype_to_id",
     "header_size",
     "id_to_dtype",
@@ -433,6 +434,15 @@ def payload_crc(h: Header, header_prefix: Any, payload: Iterable[Any]) -> int:
     return c
 
 
+def check_crc(h: Header, stored: int, got: int) -> None:
+    """Raise :class:`CorruptEncodedKVError` when the CRC computed over a blob is not the one stored."""
+    if got != stored:
+        raise CorruptEncodedKVError(
+            f"CRC mismatch: header says {stored:#010x}, "
+            f"{'header+' if h.version >= 2 else ''}payload gives {got:#010x}"
+        )
+
+
 def serialize_header(h: Header, payload: Iterable[Any] | None = None, *, crc: int | None = None) -> bytes:
     """The header bytes of ``h``.
 
@@ -502,6 +512,11 @@ class ParsedBlob:
         return self.buffer[: self.header_len]
 
     @property
+    def crc_prefix(self) -> memoryview:
+        """What the CRC covers before the payload: the header up to its CRC field (v2; v1 ignores it)."""
+        return self.buffer[: self.header_len - 4]
+
+    @property
     def payload(self) -> memoryview:
         """K ‖ V ‖ scales, a view into the source buffer."""
         return self.buffer[self.header_len : self.header_len + self.header.payload_len]
@@ -556,6 +571,9 @@ def _as_bytes_view(buf: Any) -> memoryview:
     return mv
 
 
+_SHAPE_STRUCTS = tuple(struct.Struct(f"<{n}q") for n in range(MAX_SCALE_DIMS + 1))
+
+
 class _Reader:
     """Bounds-checked cursor over a memoryview."""
 
@@ -579,16 +597,23 @@ class _Reader:
         self.off += st.size
         return vals
 
-    def string(self, what: str) -> str:
-        (length,) = self.unpack(_U16, f"{what} length")
-        self.need(length, what)
-        raw = self.mv[self.off : self.off + length]
-        start = self.off
-        self.off += length
+    def string(self, what: str, *args: object) -> str:
+        """A u16-length-prefixed UTF-8 string; ``what.format(*args)`` names it in errors only."""
+        mv, off = self.mv, self.off
+        if 2 > self.n - off:
+            self.need(2, what.format(*args) + " length")
+        length = mv[off] | (mv[off + 1] << 8)
+        off += 2
+        self.off = off
+        if length > self.n - off:
+            self.need(length, what.format(*args))
+        self.off = off + length
+        if not length:
+            return ""
         try:
-            return str(raw, "utf-8")
+            return str(mv[off : off + length], "utf-8")
         except UnicodeDecodeError as e:
-            raise CorruptEncodedKVError(f"{what} at offset {start} is not UTF-8: {e.reason}") from None
+            raise CorruptEncodedKVError(f"{what.format(*args)} at offset {off} is not UTF-8: {e.reason}") from None
 
 
 def _check_layout_int(name: str, value: int, minimum: int) -> None:
@@ -663,8 +688,7 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False) -> ParsedB
     _check_layout_int("kv_head_count", kv_head_count, 1)
     _check_layout_int("head_dim", head_dim, 1)
 
-    shape_st = struct.Struct(f"<{n_scale}q")
-    scale_shape = r.unpack(shape_st, "scale_shape")
+    scale_shape = r.unpack(_SHAPE_STRUCTS[n_scale], "scale_shape")
     for i, d in enumerate(scale_shape):
         if not 0 <= d <= MAX_DIM:
             raise CorruptEncodedKVError(f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}")
@@ -681,8 +705,8 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False) -> ParsedB
     unknown: list[tuple[str, str]] = []
     seen: dict[str, int] = {}
     for i in range(n_pairs):
-        key = r.string(f"hash key #{i}")
-        val = r.string(f"hash value #{i} ({key!r})")
+        key = r.string("hash key #{}", i)
+        val = r.string("hash value #{} ({!r})", i, key)
         if key in seen:
             raise CorruptEncodedKVError(
                 f"duplicate hash key {key!r}: pair #{i} repeats pair #{seen[key]}; expected unique keys"
@@ -736,12 +760,7 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False) -> ParsedB
 
     if verify_crc:
         payload = mv[header_len : header_len + payload_len]
-        got = payload_crc(header, mv[:crc_off], (payload,))
-        if got != crc_stored:
-            raise CorruptEncodedKVError(
-                f"CRC mismatch: header says {crc_stored:#010x}, "
-                f"{'header+' if version >= 2 else ''}payload gives {got:#010x}"
-            )
+        check_crc(header, crc_stored, payload_crc(header, mv[:crc_off], (payload,)))
     _check_consistency(header)
     return ParsedBlob(
         header=header,

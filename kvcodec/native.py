@@ -13,20 +13,24 @@ install when a C compiler is present): :data:`AVAILABLE` says whether it is.
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 
 from . import quant
+from .crc import crc32
 from .errors import UnsupportedConfigError
 from .format import ScaleScope
 
 __all__ = [
     "AVAILABLE",
-    "EncodeJob",
     "can_encode_fused",
     "compute_scales",
+    "copy_crc",
     "dequantize",
     "empty_bytearray",
-    "encode_start",
+    "encode_chunk",
     "quantize",
     "threads",
     "token_head_amax",
@@ -45,8 +49,17 @@ _SCOPE_CODE = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScop
 
 
 def threads() -> int:
-    """Threads the C loops may use: torch's intra-op setting, at most two (more gained nothing here)."""
-    return max(1, min(2, torch.get_num_threads()))
+    """Threads of a fused chunk encode: ``KVCODEC_THREADS`` (default 2, at most torch's intra-op count).
+
+    Only the fused encode splits its work: K's copy and CRC beside V's codes.
+    quantize/dequantize alone run on one thread: they are bound by memory
+    bandwidth here, and a second thread met torch's spinning OpenMP workers.
+    """
+    try:
+        n = int(os.environ.get("KVCODEC_THREADS", "2"))
+    except ValueError:
+        n = 2
+    return max(1, min(n, torch.get_num_threads()))
 
 
 def _rows_ok(x: torch.Tensor, dtypes: object) -> bool:
@@ -72,7 +85,7 @@ def token_head_amax(v: torch.Tensor, *, finite_only: bool = False) -> torch.Tens
     t, h, d = v.shape
     out = torch.empty((t, h), dtype=torch.float32)
     _cpu.token_head_amax(v.data_ptr(), t, h, d, v.stride(0), v.stride(1), _DTYPE_CODE[v.dtype],
-                         out.data_ptr(), threads())  # fmt: skip
+                         out.data_ptr(), 1)  # fmt: skip
     return out
 
 
@@ -132,8 +145,7 @@ def quantize(
     if s is not None:
         met_nan = _cpu.quantize(
             v.data_ptr(), t, h, d, v.stride(0), v.stride(1), _DTYPE_CODE[v.dtype], s.data_ptr(),
-            _SCOPE_CODE[scope], _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1),
-            threads(),
+            _SCOPE_CODE[scope], _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1), 1,
         )  # fmt: skip
         if not met_nan:
             return out
@@ -168,12 +180,20 @@ def dequantize(
     if s is not None:
         nan_codes = _cpu.dequantize(
             q.data_ptr(), t, h, d, q.stride(0), q.stride(1), s.data_ptr(), _SCOPE_CODE[scope],
-            _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODE[out.dtype],
-            threads(),
+            _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODE[out.dtype], 1,
         )  # fmt: skip
         if not nan_codes:
             return out
     return quant.dequantize(q, scales, scope, page_size=page_size, out_dtype=out_dtype, out=out)
+
+
+def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (same length) and return ``zlib.crc32(src, crc)``, in one read of ``src``."""
+    if _cpu is None:
+        dst[:] = src
+        return crc32(src, crc)
+    # One thread: a second one measured no faster here once torch's OpenMP workers spin.
+    return int(_cpu.copy_crc(dst, src, crc & 0xFFFFFFFF, 1))
 
 
 def empty_bytearray(n: int) -> bytearray:
@@ -193,47 +213,38 @@ def can_encode_fused(k3: torch.Tensor | None, v3: torch.Tensor, scope: ScaleScop
     )
 
 
-class EncodeJob:
-    """V's scales and codes running on a C thread while this one copies K (see :func:`encode_start`)."""
-
-    __slots__ = ("_job",)
-
-    def __init__(self, job: object) -> None:
-        self._job = job
-
-    def wait(self) -> int:
-        """Join the thread: -1 when done; otherwise the reference must redo V (it raises for NaN/Inf)."""
-        return int(_cpu.encode_wait(self._job))
-
-
-def encode_start(
+def encode_chunk(
     k3: torch.Tensor,
     v3: torch.Tensor,
     scope: ScaleScope,
     page_size: int | None,
     k_out: torch.Tensor,
     q_out: torch.Tensor,
-    scales_out: torch.Tensor,
-) -> EncodeJob:
-    """Start one chunk's encode: V's fp32 scales and e4m3 codes on a second thread, K copied here.
+    s_out: torch.Tensor,
+    crc: int,
+) -> tuple[int, int]:
+    """One chunk's payload: K copied, V's e4m3 codes and fp32 scales, and the CRC over all three.
 
-    ``k_out`` (K's dtype) and ``q_out`` (uint8/e4m3) are dense ``[T, H, D]`` (any
-    alignment), ``scales_out`` dense fp32 of the scope's scale shape. The inputs
-    must pass :func:`can_encode_fused`. Returns when K is copied; call
-    ``.wait()`` before reading V's codes or the scales.
+    ``k_out`` (K's dtype) and ``q_out`` (e4m3) are dense ``[T, H, D]`` tensors
+    and ``s_out`` the scales' bytes (uint8), all typically views into the blob at
+    any alignment; ``crc`` is the CRC so far (the v2 header prefix's, or 0). The
+    inputs must pass :func:`can_encode_fused`. Returns ``(status, crc)``: status
+    -1 when done; otherwise V was not finished (NaN/Inf, a zero scale) and the
+    reference must redo V and the scales (K is in place either way).
     """
     t, h, d = v3.shape
-    for name, x in (("k_out", k_out), ("q_out", q_out), ("scales_out", scales_out)):
+    shape = quant.scale_shape(scope, t, h, page_size)
+    for name, x in (("k_out", k_out), ("q_out", q_out), ("s_out", s_out)):
         if not x.is_contiguous() or x.device.type != "cpu":
             raise UnsupportedConfigError(f"{name} must be a contiguous CPU tensor")
     if k_out.numel() != t * h * d or q_out.numel() != t * h * d or k_out.dtype != k3.dtype:
         raise UnsupportedConfigError("k_out/q_out do not match the chunk")
-    if scales_out.dtype != torch.float32 or tuple(scales_out.shape) != quant.scale_shape(scope, t, h, page_size):
-        raise UnsupportedConfigError("scales_out does not fit the scope")
-    keep = (k3, v3, k_out, q_out, scales_out)
-    job = _cpu.encode_start(
-        keep, v3.data_ptr(), v3.stride(0), v3.stride(1), _DTYPE_CODE[v3.dtype], t, h, d,
-        _SCOPE_CODE[scope], _page(scope, page_size), q_out.data_ptr(), scales_out.data_ptr(),
-        k3.data_ptr(), k3.stride(0), k3.stride(1), k3.element_size(), k_out.data_ptr(),
+    if s_out.numel() * s_out.element_size() != 4 * math.prod(shape):
+        raise UnsupportedConfigError(f"s_out does not hold {math.prod(shape)} fp32 scales")
+    scratch = torch.empty(shape, dtype=torch.float32)
+    status, out_crc = _cpu.encode_chunk(
+        v3.data_ptr(), v3.stride(0), v3.stride(1), _DTYPE_CODE[v3.dtype], t, h, d, _SCOPE_CODE[scope],
+        _page(scope, page_size), q_out.data_ptr(), scratch.data_ptr(), k3.data_ptr(), k3.stride(0),
+        k3.stride(1), k3.element_size(), k_out.data_ptr(), s_out.data_ptr(), crc & 0xFFFFFFFF, threads(),
     )  # fmt: skip
-    return EncodeJob(job)
+    return int(status), int(out_crc)

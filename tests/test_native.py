@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import random
 import zlib
 
@@ -248,27 +247,35 @@ def test_decode_dequant_matches_torch_backend():
         assert torch.equal(a, b)
 
 
-def test_dropped_job_is_joined():
-    """A job collected without wait() joins its thread before releasing the buffers it holds."""
-    k = torch.randn(256, 8, 128).half()
-    v = torch.randn(256, 8, 128).half()
-    ko, qo = torch.empty_like(k), torch.empty(256, 8, 128, dtype=torch.float8_e4m3fn)
-    so = torch.empty(16, 8)
-    job = native.encode_start(k, v, S.PER_PAGE_HEAD, 16, ko, qo, so)
-    del job, k, v
-    gc.collect()
-    job = native.encode_start(ko, ko, S.PER_PAGE_HEAD, 16, torch.empty_like(ko), qo, so)
-    assert job.wait() == -1
-
-
-def test_encode_start_validates_outputs():
+def test_encode_chunk_validates_outputs():
     k = torch.randn(8, 2, 16).half()
-    with pytest.raises(UnsupportedConfigError, match="scales_out"):
-        native.encode_start(k, k, S.PER_LAYER_HEAD, None, torch.empty_like(k),
-                            torch.empty(8, 2, 16, dtype=torch.uint8), torch.empty(3))  # fmt: skip
+    q = torch.empty(8, 2, 16, dtype=torch.uint8)
+    with pytest.raises(UnsupportedConfigError, match="s_out"):
+        native.encode_chunk(k, k, S.PER_LAYER_HEAD, None, torch.empty_like(k), q, torch.empty(3, dtype=torch.uint8), 0)
     with pytest.raises(UnsupportedConfigError, match="contiguous"):
-        native.encode_start(k, k, S.PER_TENSOR, None, torch.empty(8, 2, 32).half()[:, :, :16],
-                            torch.empty(8, 2, 16, dtype=torch.uint8), torch.empty(()))  # fmt: skip
+        native.encode_chunk(k, k, S.PER_TENSOR, None, torch.empty(8, 2, 32).half()[:, :, :16], q,
+                            torch.empty(4, dtype=torch.uint8), 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_encode_chunk_crc_and_threads(monkeypatch, threads):
+    """The CRC the C call returns continues the caller's, over K, V and the scales, on one or two threads."""
+    monkeypatch.setenv("KVCODEC_THREADS", str(threads))
+    g = torch.Generator().manual_seed(threads)
+    for scope, ps in SCOPES:
+        k = torch.randn(300, 8, 128, generator=g).half()
+        v = torch.randn(300, 8, 128, generator=g).bfloat16()
+        n_s = 4 * max(1, int(torch.tensor(quant.scale_shape(scope, 300, 8, ps)).prod()))
+        ko, qo = torch.empty_like(k), torch.empty(300, 8, 128, dtype=torch.float8_e4m3fn)
+        so = torch.empty(n_s, dtype=torch.uint8)
+        status, crc = native.encode_chunk(k, v, scope, ps, ko, qo, so, 0x1234)
+        assert status == -1
+        s_ref = quant.compute_scales(v, scope, page_size=ps)
+        assert torch.equal(ko, k)
+        assert torch.equal(_bits(qo), _bits(quant.quantize(v, s_ref, scope, page_size=ps)))
+        assert torch.equal(so.view(torch.float32).reshape(s_ref.shape), s_ref)
+        want = zlib.crc32(so.numpy(), zlib.crc32(qo.view(torch.uint8).numpy(), zlib.crc32(ko.view(torch.uint8).numpy(), 0x1234)))
+        assert crc == want
 
 
 @settings(max_examples=60, deadline=None)
@@ -351,3 +358,70 @@ def test_backend_resolution(monkeypatch):
     monkeypatch.setenv("KVCODEC_BACKEND", "torch")
     monkeypatch.setattr(native, "AVAILABLE", True)
     assert resolve_backend(None, "cpu") == "torch"
+
+
+def test_c_loops_on_two_threads_equal_one():
+    """The C entry points can split tokens over two threads (the wrapper uses one); same bytes either way."""
+    from kvcodec import _cpu
+
+    g = torch.Generator().manual_seed(9)
+    v = torch.randn(512, 8, 128, generator=g).half()  # above the C side's two-thread threshold
+    s = quant.compute_scales(v, S.PER_PAGE_HEAD, page_size=16)
+    outs = []
+    for th in (1, 2):
+        a = torch.empty(512, 8)
+        _cpu.token_head_amax(v.data_ptr(), 512, 8, 128, 1024, 128, 0, a.data_ptr(), th)
+        q = torch.empty(512, 8, 128, dtype=torch.uint8)
+        assert not _cpu.quantize(v.data_ptr(), 512, 8, 128, 1024, 128, 0, s.data_ptr(), 2, 16, q.data_ptr(),
+                                 1024, 128, th)  # fmt: skip
+        o = torch.empty(512, 8, 128, dtype=torch.bfloat16)
+        assert _cpu.dequantize(q.data_ptr(), 512, 8, 128, 1024, 128, s.data_ptr(), 2, 16, o.data_ptr(),
+                               1024, 128, 1, th) == 0  # fmt: skip
+        outs.append((a, q, o))
+    for x, y in zip(*outs):
+        assert torch.equal(_bits(x), _bits(y))
+    assert torch.equal(outs[0][0], quant.token_head_amax(v))
+
+
+# --- decode: the CRC checked while a read-only blob is copied out ------------------------------
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "copy"])
+def test_decode_copy_and_crc_in_one_pass(version, kind):
+    k = torch.randn(600, 4, 64).half()
+    v = torch.randn(600, 4, 64).half()
+    blob = encode(k, v, scope="per_page_head", page_size=16, version=version)
+    src = bytes(blob) if kind == "bytes" else bytearray(blob)
+    res = decode(src, copy=kind == "copy")
+    assert torch.equal(res.k, k)
+    assert torch.equal(res.v.view(torch.uint8), decode(bytes(blob), backend="torch").v.view(torch.uint8))
+    res.k.zero_()
+    if kind == "bytearray":  # a writable buffer without copy=True: K and V are views of it
+        assert bytes(src) != bytes(blob)
+        src = bytearray(blob)
+    else:  # never an alias of an immutable buffer, nor of one the caller asked to copy
+        assert bytes(src) == bytes(blob)
+    dq = decode(src, out_v_dtype=torch.bfloat16)
+    assert torch.equal(dq.v, decode(bytes(blob), out_v_dtype=torch.bfloat16, backend="torch").v)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("where", ["k", "v", "scales"])
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_decode_detects_corruption_like_parse(version, where, kind):
+    from kvcodec.errors import CorruptEncodedKVError
+
+    k = torch.randn(300, 2, 64).half()
+    v = torch.randn(300, 2, 64).half()
+    blob = bytearray(encode(k, v, scope="per_page_head", page_size=16, version=version))
+    p = parse(blob)
+    off = {"k": p.header_len + 5, "v": p.header_len + p.header.k_payload_len + 7, "scales": len(blob) - 2}[where]
+    blob[off] ^= 0x10
+    with pytest.raises(CorruptEncodedKVError) as want:
+        parse(bytes(blob))
+    for od in (None, torch.float16):
+        with pytest.raises(CorruptEncodedKVError) as got:
+            decode(kind(blob), out_v_dtype=od)
+        assert str(got.value) == str(want.value)
+    assert decode(kind(blob), verify_crc=False).k.shape == (300, 2, 64)

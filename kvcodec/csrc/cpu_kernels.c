@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <stdint.h>
@@ -329,33 +330,77 @@ VCLMUL_FN static inline __m256i fold256(__m256i acc, __m256i k, __m256i next) {
     return _mm256_xor_si256(_mm256_xor_si256(lo, hi), next);
 }
 
-VCLMUL_FN static uint32_t crc_vclmul(uint32_t reg, const uint8_t *p, size_t n) {
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)p);
-    __m256i a1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-    __m256i a2 = _mm256_loadu_si256((const __m256i *)(p + 64));
-    __m256i a3 = _mm256_loadu_si256((const __m256i *)(p + 96));
+/* Loads 32 bytes for the CRC and, when copying, stores them to the destination too. */
+#define LOAD_FOLD(off) _mm256_loadu_si256((const __m256i *)(p + (off)))
+#define STORE_COPY(off, x) \
+    if (copy) _mm256_storeu_si256((__m256i *)(dst + (off)), x)
+
+/* `copy` is a constant at each call site, so each caller gets its own loop. */
+VCLMUL_FN static inline uint32_t crc_vclmul_impl(uint32_t reg, const uint8_t *p, size_t n, uint8_t *dst,
+                                                  const int copy) {
+    __m256i a0 = LOAD_FOLD(0), a1 = LOAD_FOLD(32), a2 = LOAD_FOLD(64), a3 = LOAD_FOLD(96);
+    STORE_COPY(0, a0);
+    STORE_COPY(32, a1);
+    STORE_COPY(64, a2);
+    STORE_COPY(96, a3);
     a0 = _mm256_xor_si256(a0, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)reg)));
     p += 128;
+    dst += copy ? 128 : 0;
     n -= 128;
     const __m256i k1024 = _mm256_set_epi64x((long long)K_FOLD1024_HI, (long long)K_FOLD1024_LO,
                                             (long long)K_FOLD1024_HI, (long long)K_FOLD1024_LO);
     for (; n >= 128; p += 128, n -= 128) {
-        a0 = fold256(a0, k1024, _mm256_loadu_si256((const __m256i *)p));
-        a1 = fold256(a1, k1024, _mm256_loadu_si256((const __m256i *)(p + 32)));
-        a2 = fold256(a2, k1024, _mm256_loadu_si256((const __m256i *)(p + 64)));
-        a3 = fold256(a3, k1024, _mm256_loadu_si256((const __m256i *)(p + 96)));
+        __m256i b0 = LOAD_FOLD(0), b1 = LOAD_FOLD(32), b2 = LOAD_FOLD(64), b3 = LOAD_FOLD(96);
+        if (copy) {
+            STORE_COPY(0, b0);
+            STORE_COPY(32, b1);
+            STORE_COPY(64, b2);
+            STORE_COPY(96, b3);
+            dst += 128;
+        }
+        a0 = fold256(a0, k1024, b0);
+        a1 = fold256(a1, k1024, b1);
+        a2 = fold256(a2, k1024, b2);
+        a3 = fold256(a3, k1024, b3);
     }
     const __m256i k256 = _mm256_set_epi64x((long long)K_FOLD256_HI, (long long)K_FOLD256_LO,
                                            (long long)K_FOLD256_HI, (long long)K_FOLD256_LO);
     __m256i a = fold256(fold256(fold256(a0, k256, a1), k256, a2), k256, a3);
     const __m128i k128 = _mm_set_epi64x((long long)K_FOLD128_HI, (long long)K_FOLD128_LO);
     __m128i x = fold(_mm256_castsi256_si128(a), k128, _mm256_extracti128_si256(a, 1));
-    for (; n >= 16; p += 16, n -= 16) x = fold(x, k128, _mm_loadu_si128((const __m128i *)p));
+    for (; n >= 16; p += 16, n -= 16) {
+        __m128i y = _mm_loadu_si128((const __m128i *)p);
+        if (copy) {
+            _mm_storeu_si128((__m128i *)dst, y);
+            dst += 16;
+        }
+        x = fold(x, k128, y);
+    }
+    if (copy) memcpy(dst, p, n);
     uint8_t state[16];
     _mm_storeu_si128((__m128i *)state, x);
     return crc_bytes(crc_bytes(0, state, 16), p, n);
 }
+
+VCLMUL_FN static uint32_t crc_vclmul(uint32_t reg, const uint8_t *p, size_t n) {
+    return crc_vclmul_impl(reg, p, n, NULL, 0);
+}
+
+VCLMUL_FN static uint32_t crc_vclmul_copy(uint32_t reg, const uint8_t *p, size_t n, uint8_t *dst) {
+    return crc_vclmul_impl(reg, p, n, dst, 1);
+}
 #endif
+
+static uint32_t crc32_update(uint32_t crc, const uint8_t *p, size_t n);
+
+/* memcpy(dst, p, n) and zlib.crc32(p, crc) in one read of p where the CPU allows. */
+static uint32_t crc32_copy(uint32_t crc, const uint8_t *p, size_t n, uint8_t *dst) {
+#ifdef KV_HAVE_AVX2
+    if (kv_clmul > 1 && n >= 256) return ~crc_vclmul_copy(~crc, p, n, dst);
+#endif
+    memcpy(dst, p, n);
+    return crc32_update(crc, p, n);
+}
 
 /* zlib.crc32(data, crc) without the GIL. */
 static uint32_t crc32_update(uint32_t crc, const uint8_t *p, size_t n) {
@@ -370,23 +415,24 @@ static uint32_t crc32_update(uint32_t crc, const uint8_t *p, size_t n) {
 typedef struct {
     const uint8_t *p;
     size_t n;
+    uint8_t *dst; /* NULL: CRC only */
     uint32_t crc;
 } CrcJob;
 
 static void *crc_job(void *arg) {
     CrcJob *j = (CrcJob *)arg;
-    j->crc = crc32_update(0, j->p, j->n);
+    j->crc = j->dst ? crc32_copy(0, j->p, j->n, j->dst) : crc32_update(0, j->p, j->n);
     return NULL;
 }
 
-/* CRC over two threads for long buffers: halves, then combined. */
-static uint32_t crc32_parallel(uint32_t crc, const uint8_t *p, size_t n, int threads) {
-    if (threads < 2 || n < ((size_t)1 << 20)) return crc32_update(crc, p, n);
+/* CRC (and copy, when dst is given) over two threads for long buffers: halves, then combined. */
+static uint32_t crc32_parallel(uint32_t crc, const uint8_t *p, size_t n, uint8_t *dst, int threads) {
     size_t half = (n / 2) & ~(size_t)63;
-    CrcJob second = {p + half, n - half, 0};
+    CrcJob second = {p + half, n - half, dst ? dst + half : NULL, 0};
     pthread_t tid;
-    if (pthread_create(&tid, NULL, crc_job, &second) != 0) return crc32_update(crc, p, n);
-    uint32_t first = crc32_update(crc, p, half);
+    if (threads < 2 || n < ((size_t)1 << 20) || pthread_create(&tid, NULL, crc_job, &second) != 0)
+        return dst ? crc32_copy(crc, p, n, dst) : crc32_update(crc, p, n);
+    uint32_t first = dst ? crc32_copy(crc, p, half, dst) : crc32_update(crc, p, half);
     pthread_join(tid, NULL);
     return crc_combine(first, second.crc, n - half);
 }
@@ -715,8 +761,12 @@ static inline int finite_f32(float x) { return (f32_bits(x) & 0x7FFFFFFFu) < 0x7
 /* The scale of a group from its absmax: amax / 448 (IEEE division), 1.0 for zero. */
 static inline float scale_of(float amax) { return amax > 0.0f ? amax / 448.0f : 1.0f; }
 
+/* One chunk's payload in one call: K copied and CRC'd on the calling thread,
+ * V's scales and codes (each block CRC'd while still in cache) taken block by
+ * block from a shared counter by both threads, then the block CRCs combined in
+ * order and the scales appended. Blocks are pages (per_page_head) or 16-token
+ * runs (the wider scopes, whose scales the worker computes first). */
 typedef struct {
-    /* V in, codes and fp32 scales out */
     const char *v;
     Py_ssize_t vst, vsh;
     int vdt;
@@ -724,158 +774,170 @@ typedef struct {
     int scope;
     Py_ssize_t page;
     uint8_t *q;     /* dense [T, H, D] */
-    float *scales;  /* dense, one per group */
-    /* K in and out (copied by the calling thread) */
+    float *scales;  /* dense fp32, one per group */
     const char *k;
     Py_ssize_t kst, ksh, kes;
-    char *kdst;
-    /* result: -1 fine; >= 0 the first group whose absmax is NaN/Inf; -2 no memory;
-     * -3 a scale of zero (fp32 V with a subnormal absmax); -4 a NaN met. The
-     * caller hands all but -1 to the reference, which raises or handles them. */
-    Py_ssize_t bad;
-    pthread_t tid;
-    int running;
-    PyObject *keep; /* the buffers, alive until the worker is joined */
-} EncJob;
+    char *kdst;     /* dense [T, H, D] */
+    Py_ssize_t bt, nblocks;
+    uint32_t *block_crc;
+    Py_ssize_t next;   /* atomic: the next block to take */
+    int ready;         /* atomic: 0 scales pending, 1 ready, -1 failed (wider scopes) */
+    int stop;          /* atomic: set on failure */
+    Py_ssize_t bad;    /* -1 fine; else a reason for the caller to take the reference */
+} Enc;
 
-/* V's scales and codes for the whole chunk, one pass per page for per_page_head
- * (the page's rows stay in cache between absmax and quantization), two passes
- * for the wider scopes. */
-static void *enc_v_job(void *arg) {
-    EncJob *j = (EncJob *)arg;
-    const Py_ssize_t T = j->T, H = j->H, D = j->D;
-    j->bad = -1;
-    if (j->scope == SC_PAGE_HEAD) {
-        Py_ssize_t pages = (T + j->page - 1) / j->page;
-        for (Py_ssize_t p = 0; p < pages; p++) {
-            Py_ssize_t t0 = p * j->page, t1 = t0 + j->page < T ? t0 + j->page : T;
-            for (Py_ssize_t h = 0; h < H; h++) {
-                float m = 0.0f;
-                for (Py_ssize_t t = t0; t < t1; t++) {
-                    float r = row_amax(j->vdt, j->v, t * j->vst + h * j->vsh, D);
-                    m = (f32_bits(r) > f32_bits(m)) ? r : m; /* on bits: NaN wins, as in torch */
-                }
-                if (!finite_f32(m)) {
-                    j->bad = p * H + h;
-                    return NULL;
-                }
-                float s = scale_of(m);
-                if (s == 0.0f) { /* an fp32 V whose absmax is subnormal: the reference's business */
-                    j->bad = -3;
-                    return NULL;
-                }
-                j->scales[p * H + h] = s;
-                int nan = 0;
-                for (Py_ssize_t t = t0; t < t1; t++)
-                    nan |= quant_row(j->vdt, j->v, t * j->vst + h * j->vsh, D, s, j->q + (t * H + h) * D);
-                if (nan) { /* cannot happen with a finite absmax; kept as a guard */
-                    j->bad = -4;
-                    return NULL;
-                }
+static void enc_fail(Enc *e, Py_ssize_t why) {
+    __atomic_store_n(&e->bad, why, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->stop, 1, __ATOMIC_RELEASE);
+}
+
+/* Block b: (per_page_head) its groups' absmax and scales, then codes; its CRC. */
+static void enc_block(Enc *e, Py_ssize_t b) {
+    const Py_ssize_t H = e->H, D = e->D;
+    Py_ssize_t t0 = b * e->bt, t1 = t0 + e->bt < e->T ? t0 + e->bt : e->T;
+    int nan = 0;
+    for (Py_ssize_t h = 0; h < H; h++) {
+        float s;
+        if (e->scope == SC_PAGE_HEAD) {
+            float m = 0.0f;
+            for (Py_ssize_t t = t0; t < t1; t++) {
+                float r = row_amax(e->vdt, e->v, t * e->vst + h * e->vsh, D);
+                m = (f32_bits(r) > f32_bits(m)) ? r : m; /* on bits: a NaN wins, as in torch */
             }
+            if (!finite_f32(m)) {
+                enc_fail(e, b * H + h);
+                return;
+            }
+            s = scale_of(m);
+            if (s == 0.0f) { /* fp32 V with a subnormal absmax */
+                enc_fail(e, -3);
+                return;
+            }
+            e->scales[b * H + h] = s;
+        } else {
+            s = e->scales[e->scope == SC_TENSOR ? 0 : h];
         }
-        return NULL;
+        for (Py_ssize_t t = t0; t < t1; t++)
+            nan |= quant_row(e->vdt, e->v, t * e->vst + h * e->vsh, D, s, e->q + (t * H + h) * D);
     }
-    Py_ssize_t groups = j->scope == SC_TENSOR ? 1 : H;
-    float *m = (float *)calloc((size_t)(groups > 0 ? groups : 1), sizeof(float));
-    if (!m) {
-        j->bad = -2;
-        return NULL;
+    if (nan) { /* cannot happen with a finite absmax; a guard */
+        enc_fail(e, -4);
+        return;
     }
-    for (Py_ssize_t t = 0; t < T; t++)
-        for (Py_ssize_t h = 0; h < H; h++) {
-            float r = row_amax(j->vdt, j->v, t * j->vst + h * j->vsh, D);
-            float *g = m + (j->scope == SC_TENSOR ? 0 : h);
+    e->block_crc[b] = crc32_update(0, e->q + t0 * H * D, (size_t)((t1 - t0) * H * D));
+}
+
+static void enc_take_blocks(Enc *e) {
+    for (;;) {
+        if (__atomic_load_n(&e->stop, __ATOMIC_ACQUIRE)) return;
+        Py_ssize_t b = __atomic_fetch_add(&e->next, 1, __ATOMIC_RELAXED);
+        if (b >= e->nblocks) return;
+        enc_block(e, b);
+    }
+}
+
+/* The wider scopes' scales: absmax over all tokens per group (per_tensor: one). */
+static void enc_wide_scales(Enc *e) {
+    Py_ssize_t groups = e->scope == SC_TENSOR ? 1 : e->H;
+    for (Py_ssize_t g = 0; g < groups; g++) e->scales[g] = 0.0f;
+    for (Py_ssize_t t = 0; t < e->T; t++)
+        for (Py_ssize_t h = 0; h < e->H; h++) {
+            float r = row_amax(e->vdt, e->v, t * e->vst + h * e->vsh, e->D);
+            float *g = e->scales + (e->scope == SC_TENSOR ? 0 : h);
             *g = (f32_bits(r) > f32_bits(*g)) ? r : *g;
         }
     for (Py_ssize_t g = 0; g < groups; g++) {
-        if (!finite_f32(m[g])) {
-            j->bad = g;
-            free(m);
-            return NULL;
+        if (!finite_f32(e->scales[g])) {
+            enc_fail(e, g);
+            __atomic_store_n(&e->ready, -1, __ATOMIC_RELEASE);
+            return;
         }
-        j->scales[g] = scale_of(m[g]);
-        if (j->scales[g] == 0.0f) {
-            j->bad = -3;
-            free(m);
-            return NULL;
+        e->scales[g] = scale_of(e->scales[g]);
+        if (e->scales[g] == 0.0f) {
+            enc_fail(e, -3);
+            __atomic_store_n(&e->ready, -1, __ATOMIC_RELEASE);
+            return;
         }
     }
-    free(m);
-    int nan = 0;
-    for (Py_ssize_t t = 0; t < T; t++)
-        for (Py_ssize_t h = 0; h < H; h++)
-            nan |= quant_row(j->vdt, j->v, t * j->vst + h * j->vsh, D, j->scales[j->scope == SC_TENSOR ? 0 : h],
-                             j->q + (t * H + h) * D);
-    if (nan) j->bad = -4;
+    __atomic_store_n(&e->ready, 1, __ATOMIC_RELEASE);
+}
+
+static void *enc_worker(void *arg) {
+    Enc *e = (Enc *)arg;
+    if (e->scope != SC_PAGE_HEAD) enc_wide_scales(e);
+    enc_take_blocks(e);
     return NULL;
 }
 
-static void enc_join(EncJob *j) {
-    if (j->running) {
-        pthread_join(j->tid, NULL);
-        j->running = 0;
+/* K's rows into their dense place, CRC'd every ~64 KiB while in cache. */
+static uint32_t enc_copy_k(Enc *e, uint32_t crc) {
+    const Py_ssize_t H = e->H, D = e->D, row = D * e->kes;
+    Py_ssize_t per = (65536 / (H * row > 0 ? H * row : 1));
+    per = per > 0 ? per : 1;
+    for (Py_ssize_t t0 = 0; t0 < e->T; t0 += per) {
+        Py_ssize_t t1 = t0 + per < e->T ? t0 + per : e->T;
+        for (Py_ssize_t t = t0; t < t1; t++)
+            for (Py_ssize_t h = 0; h < H; h++)
+                memcpy(e->kdst + (t * H + h) * row, e->k + (t * e->kst + h * e->ksh) * e->kes, (size_t)row);
+        crc = crc32_update(crc, (const uint8_t *)e->kdst + t0 * H * row, (size_t)((t1 - t0) * H * row));
     }
+    return crc;
 }
 
-static void enc_capsule_free(PyObject *cap) {
-    EncJob *j = (EncJob *)PyCapsule_GetPointer(cap, "kvcodec._cpu.EncJob");
-    if (!j) return;
-    Py_BEGIN_ALLOW_THREADS enc_join(j);
-    Py_END_ALLOW_THREADS Py_XDECREF(j->keep);
-    free(j);
-}
-
-/* encode_start(keep, v, vst, vsh, vdtype, T, H, D, scope, page, q, scales,
- *              k, kst, ksh, k_itemsize, kdst) -> job
- * Starts V's scales and codes on a second thread and copies K's rows (dense
- * [T, H, D]) on this one, without the GIL. `keep` holds every buffer until the
- * job is waited for or collected. */
-static PyObject *py_encode_start(PyObject *self, PyObject *args) {
+/* encode_chunk(v, vst, vsh, vdtype, T, H, D, scope, page, q, scales32,
+ *              k, kst, ksh, k_itemsize, kdst, sdst, crc, threads) -> (status, crc)
+ * Fills K (dense) at kdst, V's codes at q, the fp32 scales at scales32 and, as
+ * bytes, at sdst; `crc` is the CRC so far (of the v2 header prefix, or 0) and the
+ * result continues it over K, V and the scales. status -1: done; anything else:
+ * the reference must redo V (a NaN/Inf group index, or -2..-4). */
+static PyObject *py_encode_chunk(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *keep;
-    Py_ssize_t v, vst, vsh, T, H, D, page, q, scales, k, kst, ksh, kes, kdst;
-    int vdt, scope;
-    if (!PyArg_ParseTuple(args, "Onnninnninnnnnnnn", &keep, &v, &vst, &vsh, &vdt, &T, &H, &D, &scope, &page, &q,
-                          &scales, &k, &kst, &ksh, &kes, &kdst))
+    Py_ssize_t v, vst, vsh, T, H, D, page, q, scales, k, kst, ksh, kes, kdst, sdst;
+    int vdt, scope, threads;
+    unsigned int crc_in;
+    if (!PyArg_ParseTuple(args, "nnninnninnnnnnnnnIi", &v, &vst, &vsh, &vdt, &T, &H, &D, &scope, &page, &q,
+                          &scales, &k, &kst, &ksh, &kes, &kdst, &sdst, &crc_in, &threads))
         return NULL;
     if (check_common(T, H, D, vdt, scope, page)) return NULL;
     if (kes != 2 && kes != 4) {
         PyErr_SetString(PyExc_ValueError, "K itemsize must be 2 or 4");
         return NULL;
     }
-    EncJob *j = (EncJob *)calloc(1, sizeof(EncJob));
-    if (!j) return PyErr_NoMemory();
-    *j = (EncJob){.v = (const char *)v, .vst = vst, .vsh = vsh, .vdt = vdt, .T = T, .H = H, .D = D,
-                  .scope = scope, .page = page, .q = (uint8_t *)q, .scales = (float *)scales,
-                  .k = (const char *)k, .kst = kst, .ksh = ksh, .kes = kes, .kdst = (char *)kdst, .bad = -1,
-                  .keep = keep};
-    Py_INCREF(keep);
-    PyObject *cap = PyCapsule_New(j, "kvcodec._cpu.EncJob", enc_capsule_free);
-    if (!cap) {
-        Py_DECREF(keep);
-        free(j);
-        return NULL;
-    }
+    Enc e = {.v = (const char *)v, .vst = vst, .vsh = vsh, .vdt = vdt, .T = T, .H = H, .D = D, .scope = scope,
+             .page = page, .q = (uint8_t *)q, .scales = (float *)scales, .k = (const char *)k, .kst = kst,
+             .ksh = ksh, .kes = kes, .kdst = (char *)kdst, .bad = -1};
+    e.bt = scope == SC_PAGE_HEAD ? page : 16;
+    e.nblocks = (T + e.bt - 1) / e.bt;
+    e.block_crc = (uint32_t *)malloc((size_t)(e.nblocks > 0 ? e.nblocks : 1) * sizeof(uint32_t));
+    if (!e.block_crc) return PyErr_NoMemory();
+    uint32_t crc = crc_in;
+    Py_ssize_t groups = scope == SC_TENSOR ? 1 : scope == SC_LAYER_HEAD ? H : e.nblocks * H;
     Py_BEGIN_ALLOW_THREADS
-    j->running = pthread_create(&j->tid, NULL, enc_v_job, j) == 0;
-    for (Py_ssize_t t = 0; t < T; t++)
-        for (Py_ssize_t h = 0; h < H; h++)
-            memcpy(j->kdst + ((t * H + h) * D) * kes, j->k + (t * kst + h * ksh) * kes, (size_t)(D * kes));
-    if (!j->running) enc_v_job(j); /* no thread to be had: do it here */
+    pthread_t tid;
+    int two = threads > 1 && T * H * D >= KV_PARALLEL_MIN && pthread_create(&tid, NULL, enc_worker, &e) == 0;
+    crc = enc_copy_k(&e, crc);
+    if (!two) {
+        enc_worker(&e);
+    } else {
+        if (scope != SC_PAGE_HEAD)
+            while (__atomic_load_n(&e.ready, __ATOMIC_ACQUIRE) == 0) sched_yield();
+        enc_take_blocks(&e);
+        pthread_join(tid, NULL);
+    }
+    if (e.bad == -1) {
+        /* the blocks' CRCs in order: crc(A B) = crc(A) * x^(8 len B) + crc(B) mod P */
+        Py_ssize_t full = e.bt * H * D, last = (T - (e.nblocks - 1) * e.bt) * H * D;
+        uint32_t shift_full = gf2_shift_bytes((uint64_t)full);
+        for (Py_ssize_t b = 0; b < e.nblocks; b++) {
+            uint32_t sh = b == e.nblocks - 1 && last != full ? gf2_shift_bytes((uint64_t)last) : shift_full;
+            crc = gf2_mulmod(sh, crc) ^ e.block_crc[b];
+        }
+        memcpy((void *)sdst, e.scales, (size_t)groups * sizeof(float));
+        crc = crc32_update(crc, (const uint8_t *)sdst, (size_t)groups * sizeof(float));
+    }
     Py_END_ALLOW_THREADS
-    return cap;
-}
-
-/* encode_wait(job) -> -1 when done, else the EncJob.bad code. */
-static PyObject *py_encode_wait(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *cap;
-    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
-    EncJob *j = (EncJob *)PyCapsule_GetPointer(cap, "kvcodec._cpu.EncJob");
-    if (!j) return NULL;
-    Py_BEGIN_ALLOW_THREADS enc_join(j);
-    Py_END_ALLOW_THREADS return PyLong_FromSsize_t(j->bad);
+    free(e.block_crc);
+    return Py_BuildValue("(nI)", e.bad, crc);
 }
 
 /* empty_bytearray(n): a bytearray whose bytes are not zeroed (the caller writes
@@ -914,8 +976,30 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
     int threads = 1;
     if (!PyArg_ParseTuple(args, "y*|Ii", &view, &crc, &threads)) return NULL;
     uint32_t out;
-    Py_BEGIN_ALLOW_THREADS out = crc32_parallel(crc, (const uint8_t *)view.buf, (size_t)view.len, threads);
+    Py_BEGIN_ALLOW_THREADS out = crc32_parallel(crc, (const uint8_t *)view.buf, (size_t)view.len, NULL, threads);
     Py_END_ALLOW_THREADS PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(out);
+}
+
+/* copy_crc(dst, src, crc=0, threads=1) -> zlib.crc32(src, crc), with src copied
+ * into dst (same length) in the same pass, without the GIL. */
+static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer dst, src;
+    unsigned int crc = 0;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "w*y*|Ii", &dst, &src, &crc, &threads)) return NULL;
+    if (dst.len != src.len) {
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "copy_crc: dst and src differ in length");
+        return NULL;
+    }
+    uint32_t out;
+    Py_BEGIN_ALLOW_THREADS out =
+        crc32_parallel(crc, (const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)dst.buf, threads);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
     return PyLong_FromUnsignedLong(out);
 }
 
@@ -960,10 +1044,10 @@ static PyObject *py_simd(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"encode_start", py_encode_start, METH_VARARGS, "Start V's scales and codes on a thread; copy K here."},
-    {"encode_wait", py_encode_wait, METH_VARARGS, "Join an encode_start job: -1, or the first NaN/Inf group."},
+    {"encode_chunk", py_encode_chunk, METH_VARARGS, "K, V's codes, scales and the CRC of one chunk (two threads)."},
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "An uninitialised bytearray (huge pages advised)."},
     {"crc32", py_crc32, METH_VARARGS, "crc32(buffer, crc=0, threads=1): zlib's CRC-32, GIL released."},
+    {"copy_crc", py_copy_crc, METH_VARARGS, "copy_crc(dst, src, crc=0, threads=1): copy and CRC in one pass."},
     {"crc32_combine", py_crc32_combine, METH_VARARGS, "crc32_combine(a, b, len_b): CRC of A then B."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous (avx2, crc): 0 portable, 1 AVX2 + PCLMUL, 2 all, -1 read."},
     {"token_head_amax", py_token_head_amax, METH_VARARGS, "amax(|V|) per (token, head) into fp32 [T, H]."},
