@@ -6,11 +6,15 @@ page_size 16 (LMCache is given the paged view ``[128, 16, 8, 128]`` with page_ax
 Bytes moved, written out (E = 2048*8*128 elements):
 - encode + to bytes: reads K and V (2E + 2E bytes) and writes the blob
   (2E + E + scales + header); GB/s is quoted over the 4E input bytes.
-- from bytes + decode (raw FP8): reads the blob once (CRC); from ``bytes`` (read-only)
-  K and V are copied out (as LMCache does), from a writable buffer (bytearray, the
-  store's copy-on-write mmap) they are views. GB/s over the blob's bytes.
-- decode with dequant to fp16: reads the blob, writes K (2E, a view on CPU) and V
-  (2E); GB/s over the blob's bytes.
+- from bytes + decode (raw FP8): reads the blob once; from ``bytes`` (read-only)
+  the payload is copied out in that same pass (CRC and copy fused: writes 3E), as
+  LMCache copies K and V; from a writable buffer (bytearray, the store's
+  copy-on-write mmap) K and V are views (reads only). GB/s over the blob's bytes.
+- decode with dequant to fp16: reads the blob (copying it out of ``bytes``: 3E
+  written), writes V (2E); GB/s over the blob's bytes.
+
+"kvcodec" is the default backend (auto: the C loops of kvcodec.native when
+built); "kvcodec_torch" the pure-torch reference, measured in the same rounds.
 
 Ratios come from interleaved rounds in one run (bench/_ratio.py), so they hold
 on a noisy machine; the targets from the codec issue are recorded beside them.
@@ -76,7 +80,10 @@ def test_encode(benchmark, layer):
     k, v = layer
     out = benchmark(lambda: encode(k, v, scope="per_page_head"))
     benchmark.extra_info.update(input_bytes=4 * ELEMS, blob_bytes=len(out))
-    fns = {"kvcodec": lambda: encode(k, v, scope="per_page_head")}
+    fns = {
+        "kvcodec": lambda: encode(k, v, scope="per_page_head"),
+        "kvcodec_torch": lambda: encode(k, v, scope="per_page_head", backend="torch"),
+    }
     if lm is not None:
         c = _lm_codec()
         fns["lmcache"] = lambda: c.to_bytes(c.encode(k, v, page_axis=0, **_fields()))
@@ -99,7 +106,10 @@ def test_decode_dequant_fp16(benchmark, blob):
     ref = bytes(blob)
     res = benchmark(lambda: decode(ref, out_v_dtype=torch.float16))
     assert res.v.dtype == torch.float16 and res.v.shape == (TOKENS, HEADS, DIM)
-    fns = {"kvcodec_dequant": lambda: decode(ref, out_v_dtype=torch.float16)}
+    fns = {
+        "kvcodec_dequant": lambda: decode(ref, out_v_dtype=torch.float16),
+        "kvcodec_torch_dequant": lambda: decode(ref, out_v_dtype=torch.float16, backend="torch"),
+    }
     if lm is not None:
         c = _lm_codec()
         fns["lmcache_raw"] = lambda: c.decode(c.from_bytes(ref))

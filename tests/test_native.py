@@ -425,3 +425,34 @@ def test_decode_detects_corruption_like_parse(version, where, kind):
             decode(kind(blob), out_v_dtype=od)
         assert str(got.value) == str(want.value)
     assert decode(kind(blob), verify_crc=False).k.shape == (300, 2, 64)
+
+
+def test_unzeroed_blob_buffers_are_written_in_full(monkeypatch):
+    """Blobs start from unzeroed memory: every byte must be written. Poison it and compare."""
+    cases = []
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(37, 3, 24, generator=g).half()
+    v = torch.randn(37, 3, 24, generator=g).half()
+    for be in ("native", "torch"):
+        for kw in (
+            dict(scope="per_page_head", page_size=8),
+            dict(scope="per_tensor", version=2, hashes={"model_id": "m"}),
+            dict(scope="per_layer_head", scale_dtype=torch.float16),
+            dict(scope="external", scales=torch.tensor([0.1, 0.2, 0.3])),
+            dict(scope="external", scales=torch.tensor(0.1), store_scales=True),
+            dict(scope="raw", version=2),
+        ):
+            cases.append((be, kw, encode(k, v, backend=be, **kw)))
+    cases.append(("empty", {}, encode(k[:0], v[:0], scope="per_tensor")))
+    real = native.empty_bytearray
+    monkeypatch.setattr(native, "empty_bytearray", lambda n: bytearray(b"\xa5" * n))
+    for be, kw, want in cases:
+        got = encode(k[:0], v[:0], scope="per_tensor") if be == "empty" else encode(k, v, backend=be, **kw)
+        assert got == want, (be, kw)
+    monkeypatch.setattr(native, "empty_bytearray", real)
+    # decode's copy of a read-only blob too
+    blob = bytes(cases[0][2])
+    monkeypatch.setattr(native, "empty_bytearray", lambda n: bytearray(b"\x5a" * n))
+    r = decode(blob)
+    assert torch.equal(r.k, k)
+    assert torch.equal(r.v.view(torch.uint8), decode(bytearray(blob)).v.view(torch.uint8))
