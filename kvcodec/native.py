@@ -63,7 +63,11 @@ def threads() -> int:
 
 
 def _rows_ok(x: torch.Tensor, dtypes: object) -> bool:
-    """A CPU ``[T, H, D]`` tensor of a handled dtype with head_dim contiguous."""
+    """A CPU ``[T, H, D]`` tensor of a handled dtype, head_dim contiguous, elements aligned.
+
+    Alignment matters: C may assume a ``uint16_t *`` is 2-byte aligned, and a
+    tensor over a buffer at an odd offset (a view into a blob) is not.
+    """
     return (
         _cpu is not None
         and x.device.type == "cpu"
@@ -71,6 +75,7 @@ def _rows_ok(x: torch.Tensor, dtypes: object) -> bool:
         and x.dtype in dtypes  # type: ignore[operator]
         and (x.shape[2] <= 1 or x.stride(2) == 1)
         and x.numel() > 0
+        and x.data_ptr() % x.element_size() == 0
     )
 
 
@@ -112,8 +117,14 @@ def compute_scales(
 
 def _scales_f32(scales: torch.Tensor) -> torch.Tensor | None:
     """Scales as contiguous fp32 on CPU, or None when some are not finite and positive."""
-    s = scales.to(device="cpu", dtype=torch.float32).contiguous()
+    s = _aligned_f32(scales)
     return s if bool(((s > 0) & torch.isfinite(s)).all()) else None
+
+
+def _aligned_f32(scales: torch.Tensor) -> torch.Tensor:
+    """Scales as contiguous, 4-byte aligned fp32 on CPU (what the C loops index)."""
+    s = scales.to(device="cpu", dtype=torch.float32).contiguous()
+    return s.clone() if s.data_ptr() % 4 else s
 
 
 def quantize(
@@ -174,7 +185,7 @@ def dequantize(
         and _rows_ok(out, _DTYPE_CODE)
         and tuple(scales.shape) == quant.scale_shape(scope, t, h, page_size)
     ):
-        s = scales.to(device="cpu", dtype=torch.float32).contiguous()
+        s = _aligned_f32(scales)
         if not bool(torch.isfinite(s).all()):
             s = None
     if s is not None:

@@ -456,3 +456,23 @@ def test_unzeroed_blob_buffers_are_written_in_full(monkeypatch):
     r = decode(blob)
     assert torch.equal(r.k, k)
     assert torch.equal(r.v.view(torch.uint8), decode(bytearray(blob)).v.view(torch.uint8))
+
+
+def test_misaligned_tensors_take_the_reference():
+    """Tensors over a buffer at an odd offset (views into a blob) are not handed to C."""
+    g = torch.Generator().manual_seed(8)
+    v = torch.randn(20, 2, 32, generator=g).half()
+    def odd(n: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(1 + 2 * n), dtype=torch.float16, offset=1, count=n)
+
+    mis = odd(v.numel()).view(20, 2, 32)
+    mis.copy_(v)
+    assert mis.data_ptr() % 2 == 1
+    s = native.compute_scales(mis, S.PER_PAGE_HEAD, page_size=4)
+    assert torch.equal(s, quant.compute_scales(v, S.PER_PAGE_HEAD, page_size=4))
+    q = native.quantize(mis, s, S.PER_PAGE_HEAD, page_size=4)
+    assert torch.equal(_bits(q), _bits(quant.quantize(v, s, S.PER_PAGE_HEAD, page_size=4)))
+    out = odd(v.numel()).view(20, 2, 32)
+    native.dequantize(q, s, S.PER_PAGE_HEAD, page_size=4, out=out)
+    assert torch.equal(out, quant.dequantize(q, s, S.PER_PAGE_HEAD, page_size=4))
+    assert encode(mis, mis, scope="per_tensor") == encode(v, v, scope="per_tensor", backend="torch")
