@@ -737,6 +737,7 @@ def decode(
     supplies an external scope's scales; ``shape`` = (tokens, heads, head_dim)
     for blobs whose writer left the layout fields unset (LMCache's default).
     """
+    k_copy: memoryview | None = None
     if isinstance(blob, ParsedBlob):
         parsed, payload = blob, blob.payload
     else:
@@ -749,7 +750,13 @@ def decode(
             # same pass (K and V then become views of the copy, not copies again).
             h = parsed.header
             init = payload_crc(h, parsed.crc_prefix, ())
-            if payload.readonly or copy:
+            dequant = out_v_dtype is not None and out_v_dtype != h.v_dtype
+            if (payload.readonly or copy) and dequant:
+                # V is only read (dequantized into a new tensor): copy K alone.
+                k_copy = memoryview(native.empty_bytearray(h.k_payload_len))
+                crc = native.copy_crc(k_copy, payload[: h.k_payload_len], init)
+                check_crc(h, parsed.crc, crc32(payload[h.k_payload_len :], crc))
+            elif payload.readonly or copy:
                 own = memoryview(native.empty_bytearray(len(payload)))
                 check_crc(h, parsed.crc, native.copy_crc(own, payload, init))
                 payload, copy = own, False
@@ -768,6 +775,7 @@ def decode(
         shape=shape,
         copy=copy,
         backend=backend,
+        _k_copy=k_copy,
     )
 
 
@@ -798,8 +806,11 @@ def decode_parsed(
     copy: bool = False,
     backend: str | None = None,
     shape: tuple[int, int, int] | None = None,
+    _k_copy: memoryview | None = None,
 ) -> DecodedKV:
     """Decode from a header and its payload view (see :func:`decode`).
+
+    ``_k_copy`` (internal): K's bytes already copied out of a read-only payload.
 
     Without layout fields and without ``shape``, K and V come back flat; they
     can still be dequantized where the scope needs no layout (per tensor, unit).
@@ -836,7 +847,9 @@ def decode_parsed(
         v_transient = not raw_v or out_v is not None
         k_src, v_src = payload[:k_len], payload[k_len : k_len + v_len]
         n_out = k_len if v_transient else k_len + v_len
-        if (payload.readonly or copy) and n_out:
+        if _k_copy is not None and v_transient:
+            k_src = _k_copy
+        elif (payload.readonly or copy) and n_out:
             # What must be copied (K, and raw V for the caller) goes into one fresh
             # buffer in one memcpy; the tensors are views of it.
             own = memoryview(native.empty_bytearray(n_out))
