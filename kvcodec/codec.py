@@ -20,7 +20,7 @@ import torch
 
 from . import native, quant
 from .crc import crc32
-from .errors import CodecMismatchError, UnsupportedConfigError
+from .errors import CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
 from .format import (
     HASH_KEYS,
     Hashes,
@@ -542,7 +542,7 @@ def _write_blob(p: _Plan) -> bytearray:
         and k_dst is not None
         and q_dst is not None
         and s_dst is not None
-        and native.can_encode_fused(k3, v3, sc, v_dtype)
+        and native.can_encode_fused(k3, v3, sc, v_dtype, ps)
     ):
         # K, V's codes, the scales and the CRC in one C call (two threads).
         crc_off = pack_header_into(mv, header, 0) - 4
@@ -743,7 +743,12 @@ def decode(
     else:
         on_cpu = out_k is None and out_v is None and (device is None or torch.device(device).type == "cpu")
         fused = verify_crc and on_cpu and native.AVAILABLE
-        parsed = parse(blob, verify_crc=verify_crc and not fused, strict=strict)
+        try:
+            parsed = parse(blob, verify_crc=verify_crc and not fused, strict=strict)
+        except CorruptEncodedKVError:
+            if fused:  # report what a parse with its CRC check reports first
+                parse(blob, strict=strict)
+            raise
         payload = parsed.payload
         if fused:
             # Verify the CRC here instead: a read-only blob is copied out in the

@@ -14,6 +14,7 @@ install when a C compiler is present): :data:`AVAILABLE` says whether it is.
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import torch
@@ -76,11 +77,25 @@ def _rows_ok(x: torch.Tensor, dtypes: object) -> bool:
         and (x.shape[2] <= 1 or x.stride(2) == 1)
         and x.numel() > 0
         and x.data_ptr() % x.element_size() == 0
+        and not x.is_neg()  # lazy negation/conjugation: C would read the raw bytes
+        and not x.is_conj()
     )
 
 
-def _page(scope: ScaleScope, page_size: int | None) -> int:
-    return int(page_size or 1) if scope == ScaleScope.PER_PAGE_HEAD else 1
+def _out_ok(x: torch.Tensor, dtypes: object) -> bool:
+    """An output the C loops may write: as :func:`_rows_ok`, and no two elements sharing memory."""
+    return _rows_ok(x, dtypes) and torch._debug_has_internal_overlap(x) == 0
+
+
+def _page(scope: ScaleScope, page_size: int | None) -> int | None:
+    """The page size C gets (1 outside per_page_head), or None when it is not a positive int."""
+    if scope != ScaleScope.PER_PAGE_HEAD:
+        return 1
+    try:
+        ps = operator.index(page_size)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return ps if ps >= 1 else None
 
 
 def token_head_amax(v: torch.Tensor, *, finite_only: bool = False) -> torch.Tensor:
@@ -107,6 +122,7 @@ def compute_scales(
         nonfinite != "error"
         or fp8_dtype != torch.float8_e4m3fn
         or scope not in _SCOPE_CODE
+        or _page(scope, page_size) is None
         or not _rows_ok(v, _DTYPE_CODE)
     ):
         return quant.compute_scales(v, scope, page_size=page_size, fp8_dtype=fp8_dtype, nonfinite=nonfinite)
@@ -137,16 +153,22 @@ def quantize(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 of ``v / scale`` (see :func:`kvcodec.quant.quantize`), bit for bit."""
+    quant.fp8_max(fp8_dtype)  # the reference's first check, and its message
     t, h, d = v.shape
     if out is None:
         out = torch.empty((t, h, d), dtype=fp8_dtype, device=v.device)
     elif tuple(out.shape) != (t, h, d) or out.dtype != fp8_dtype:
         raise UnsupportedConfigError(f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}")
     s = None
-    if fp8_dtype == torch.float8_e4m3fn and scope in _SCOPE_CODE and _rows_ok(v, _DTYPE_CODE) and _rows_ok(
-        out, (fp8_dtype,)
+    page = _page(scope, page_size)
+    if (
+        fp8_dtype == torch.float8_e4m3fn
+        and scope in _SCOPE_CODE
+        and page is not None
+        and _rows_ok(v, _DTYPE_CODE)
+        and _out_ok(out, (fp8_dtype,))
     ):
-        want = quant.scale_shape(scope, t, h, page_size)
+        want = quant.scale_shape(scope, t, h, page)
         if tuple(scales.shape) != want:
             raise UnsupportedConfigError(
                 f"scales of shape {tuple(scales.shape)} do not fit scope {scope.name} over "
@@ -155,8 +177,8 @@ def quantize(
         s = _scales_f32(scales)
     if s is not None:
         met_nan = _cpu.quantize(
-            v.data_ptr(), t, h, d, v.stride(0), v.stride(1), _DTYPE_CODE[v.dtype], s.data_ptr(),
-            _SCOPE_CODE[scope], _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1), 1,
+            v.data_ptr(), t, h, d, v.stride(0), v.stride(1), _DTYPE_CODE[v.dtype], s.data_ptr(), s.numel(),
+            _SCOPE_CODE[scope], page, out.data_ptr(), out.stride(0), out.stride(1), 1,
         )  # fmt: skip
         if not met_nan:
             return out
@@ -179,19 +201,21 @@ def dequantize(
     elif tuple(out.shape) != (t, h, d):
         raise UnsupportedConfigError(f"out is {tuple(out.shape)}; expected {(t, h, d)}")
     s = None
+    page = _page(scope, page_size)
     if (
         scope in _SCOPE_CODE
+        and page is not None
         and _rows_ok(q, (torch.float8_e4m3fn,))
-        and _rows_ok(out, _DTYPE_CODE)
-        and tuple(scales.shape) == quant.scale_shape(scope, t, h, page_size)
+        and _out_ok(out, _DTYPE_CODE)
+        and tuple(scales.shape) == quant.scale_shape(scope, t, h, page)
     ):
         s = _aligned_f32(scales)
         if not bool(torch.isfinite(s).all()):
             s = None
     if s is not None:
         nan_codes = _cpu.dequantize(
-            q.data_ptr(), t, h, d, q.stride(0), q.stride(1), s.data_ptr(), _SCOPE_CODE[scope],
-            _page(scope, page_size), out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODE[out.dtype], 1,
+            q.data_ptr(), t, h, d, q.stride(0), q.stride(1), s.data_ptr(), s.numel(), _SCOPE_CODE[scope],
+            page, out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODE[out.dtype], 1,
         )  # fmt: skip
         if not nan_codes:
             return out
@@ -199,24 +223,42 @@ def dequantize(
 
 
 def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
-    """Copy ``src`` into ``dst`` (same length) and return ``zlib.crc32(src, crc)``, in one read of ``src``."""
+    """Copy ``src``'s bytes into ``dst`` and return ``zlib.crc32(src, crc)``, reading ``src`` once.
+
+    Byte semantics: ``dst`` (C-contiguous, writable) must hold exactly as many
+    bytes as ``src``; overlapping buffers get the CRC of ``src`` as it was.
+    """
+    if not dst.c_contiguous:
+        raise ValueError("copy_crc: dst must be C-contiguous")
+    d = dst.cast("B")
+    s = src.cast("B") if src.c_contiguous else memoryview(src.tobytes())
+    if len(d) != len(s):
+        raise ValueError(f"copy_crc: dst holds {len(d)} bytes, src {len(s)}")
     if _cpu is None:
-        dst[:] = src
-        return crc32(src, crc)
+        c = crc32(s, crc)
+        d[:] = s
+        return c
     # One thread: a second one measured no faster here once torch's OpenMP workers spin.
-    return int(_cpu.copy_crc(dst, src, crc & 0xFFFFFFFF, 1))
+    return int(_cpu.copy_crc(d, s, crc & 0xFFFFFFFF, 1))
 
 
 def empty_bytearray(n: int) -> bytearray:
-    """A bytearray of ``n`` bytes for the caller to overwrite entirely (not zeroed; huge pages advised)."""
+    """A bytearray of ``n`` bytes for the caller to overwrite entirely (not zeroed; pages faulted in up front)."""
     return _cpu.empty_bytearray(n) if _cpu is not None else bytearray(n)
 
 
-def can_encode_fused(k3: torch.Tensor | None, v3: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dtype) -> bool:
+def can_encode_fused(
+    k3: torch.Tensor | None,
+    v3: torch.Tensor,
+    scope: ScaleScope,
+    fp8_dtype: torch.dtype,
+    page_size: int | None = None,
+) -> bool:
     """Whether :func:`encode_start` handles this chunk (otherwise use the three-step path)."""
     return (
         k3 is not None
         and scope in _SCOPE_CODE
+        and _page(scope, page_size) is not None
         and fp8_dtype == torch.float8_e4m3fn
         and _rows_ok(v3, _DTYPE_CODE)
         and _rows_ok(k3, _DTYPE_CODE)
@@ -243,6 +285,8 @@ def encode_chunk(
     -1 when done; otherwise V was not finished (NaN/Inf, a zero scale) and the
     reference must redo V and the scales (K is in place either way).
     """
+    if not can_encode_fused(k3, v3, scope, torch.float8_e4m3fn, page_size):
+        raise UnsupportedConfigError("encode_chunk: these inputs need the reference path (see can_encode_fused)")
     t, h, d = v3.shape
     shape = quant.scale_shape(scope, t, h, page_size)
     for name, x in (("k_out", k_out), ("q_out", q_out), ("s_out", s_out)):

@@ -372,10 +372,10 @@ def test_c_loops_on_two_threads_equal_one():
         a = torch.empty(512, 8)
         _cpu.token_head_amax(v.data_ptr(), 512, 8, 128, 1024, 128, 0, a.data_ptr(), th)
         q = torch.empty(512, 8, 128, dtype=torch.uint8)
-        assert not _cpu.quantize(v.data_ptr(), 512, 8, 128, 1024, 128, 0, s.data_ptr(), 2, 16, q.data_ptr(),
+        assert not _cpu.quantize(v.data_ptr(), 512, 8, 128, 1024, 128, 0, s.data_ptr(), s.numel(), 2, 16, q.data_ptr(),
                                  1024, 128, th)  # fmt: skip
         o = torch.empty(512, 8, 128, dtype=torch.bfloat16)
-        assert _cpu.dequantize(q.data_ptr(), 512, 8, 128, 1024, 128, s.data_ptr(), 2, 16, o.data_ptr(),
+        assert _cpu.dequantize(q.data_ptr(), 512, 8, 128, 1024, 128, s.data_ptr(), s.numel(), 2, 16, o.data_ptr(),
                                1024, 128, 1, th) == 0  # fmt: skip
         outs.append((a, q, o))
     for x, y in zip(*outs):
@@ -476,3 +476,102 @@ def test_misaligned_tensors_take_the_reference():
     native.dequantize(q, s, S.PER_PAGE_HEAD, page_size=4, out=out)
     assert torch.equal(out, quant.dequantize(q, s, S.PER_PAGE_HEAD, page_size=4))
     assert encode(mis, mis, scope="per_tensor") == encode(v, v, scope="per_tensor", backend="torch")
+
+
+# --- review findings: each took the reference or raised, never a wrong answer ------------------
+
+
+def test_non_integer_page_size_never_reaches_c():
+    v = torch.randn(64, 1, 16).half()
+    s = torch.ones(34, 1)
+    for f in (
+        lambda: native.quantize(v, s, S.PER_PAGE_HEAD, page_size=1.9),
+        lambda: native.dequantize(quant.quantize(v, torch.ones(64, 1), S.PER_PAGE_HEAD, page_size=1), s,
+                                  S.PER_PAGE_HEAD, page_size=1.9),
+    ):
+        with pytest.raises((RuntimeError, UnsupportedConfigError, TypeError)):
+            f()
+    assert torch.equal(native.compute_scales(v, S.PER_PAGE_HEAD, page_size=2),
+                       quant.compute_scales(v, S.PER_PAGE_HEAD, page_size=2))  # fmt: skip
+
+
+def test_c_refuses_too_few_scales():
+    from kvcodec import _cpu
+
+    v = torch.randn(64, 2, 16).half()
+    s = torch.ones(3)
+    q = torch.empty(64, 2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="fewer scales"):
+        _cpu.quantize(v.data_ptr(), 64, 2, 16, 32, 16, 0, s.data_ptr(), 3, 2, 16, q.data_ptr(), 32, 16, 1)
+    with pytest.raises(ValueError, match="fewer scales"):
+        _cpu.dequantize(q.data_ptr(), 64, 2, 16, 32, 16, s.data_ptr(), 3, 2, 16, v.data_ptr(), 32, 16, 0, 1)
+
+
+def test_lazily_negated_tensors():
+    v = torch.randn(16, 2, 8).half()
+    neg = torch._neg_view(v)
+    assert neg.is_neg()
+    s = quant.compute_scales(neg, S.PER_TENSOR)
+    assert torch.equal(native.compute_scales(neg, S.PER_TENSOR), s)
+    assert torch.equal(_bits(native.quantize(neg, s, S.PER_TENSOR)), _bits(quant.quantize(neg, s, S.PER_TENSOR)))
+    assert encode(neg, neg, scope="per_tensor") == encode(neg, neg, scope="per_tensor", backend="torch")
+
+
+def test_overlapping_outputs_are_refused_like_the_reference():
+    v = torch.randn(4, 2, 8).half()
+    s = torch.tensor(0.01)
+    out = torch.empty(1, 1, 8, dtype=torch.float8_e4m3fn).expand(4, 2, 8)
+    with pytest.raises(RuntimeError, match="more than one element"):
+        native.quantize(v, s, S.PER_TENSOR, out=out)
+    q = quant.quantize(v, s, S.PER_TENSOR)
+    with pytest.raises(RuntimeError, match="more than one element"):
+        native.dequantize(q, s, S.PER_TENSOR, out=torch.empty(1, 1, 8).half().expand(4, 2, 8))
+
+
+def test_copy_crc_overlap_noncontiguous_and_lengths():
+    data = bytearray(range(256)) * 8
+    want_crc = zlib.crc32(data[:1000])
+    want = bytes(data[:1000])
+    mv = memoryview(data)
+    assert native.copy_crc(mv[24:1024], mv[:1000]) == want_crc  # overlapping, dst after src
+    assert bytes(data[24:1024]) == want
+    src = memoryview(bytes(range(64)))[::2]
+    dst = bytearray(32)
+    assert native.copy_crc(memoryview(dst), src) == zlib.crc32(bytes(src)) and dst == bytes(src)
+    with pytest.raises(ValueError, match="holds"):
+        native.copy_crc(memoryview(bytearray(3)), memoryview(b"ab"))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.copy_crc(memoryview(bytearray(8))[::2], memoryview(b"abcd"))
+
+
+def test_amax_nan_is_canonical():
+    for dt, bad in ((torch.float16, 0x7C01), (torch.bfloat16, 0xFF81)):
+        x = torch.zeros(2, 1, 4, dtype=dt)
+        x.view(torch.int16)[1, 0, 2] = bad - (1 << 16) if bad >= 1 << 15 else bad
+        got = native.token_head_amax(x)
+        assert torch.equal(_bits(got), _bits(quant.token_head_amax(x)))
+
+
+def test_corrupt_v2_header_reports_crc_first():
+    from kvcodec.errors import CorruptEncodedKVError
+
+    k = torch.randn(32, 2, 8).half()
+    blob = bytearray(encode(k, k, scope="per_tensor", version=2))
+    blob[20] ^= 0x01  # a layout field, covered by v2's CRC
+    with pytest.raises(CorruptEncodedKVError) as want:
+        parse(bytes(blob))
+    with pytest.raises(CorruptEncodedKVError) as got:
+        decode(bytes(blob))
+    assert str(got.value) == str(want.value)
+
+
+def test_quantize_checks_fp8_dtype_first():
+    with pytest.raises(UnsupportedConfigError, match="not an FP8 dtype"):
+        native.quantize(torch.randn(2, 2, 2).half(), torch.tensor(1.0), S.PER_TENSOR, fp8_dtype=torch.float16)
+
+
+def test_encode_chunk_refuses_what_it_cannot_do():
+    k = torch.randn(8, 2, 16).half()
+    q = torch.empty(8, 2, 16, dtype=torch.uint8)
+    with pytest.raises(UnsupportedConfigError, match="reference"):
+        native.encode_chunk(k[:4], k, S.PER_TENSOR, None, torch.empty_like(k), q, torch.empty(4, dtype=torch.uint8), 0)

@@ -108,13 +108,18 @@ static inline uint16_t f32_to_f16(float x) {
 
 /* ------------------------------------------------------------------ amax */
 
+/* Any NaN as torch's reductions give it (0x7FC00000), whatever its payload or sign. */
+static inline float canonical_nan(float x) {
+    return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? bits_f32(0x7FC00000u) : x;
+}
+
 KV_CLONES static void amax_rows_f16(const uint16_t *p, Py_ssize_t D, float *out) {
     uint16_t m = 0;
     for (Py_ssize_t d = 0; d < D; d++) {
         uint16_t a = p[d] & 0x7FFF; /* |x| of a non-NaN orders like its bits */
         m = a > m ? a : m;
     }
-    *out = f16_to_f32(m);
+    *out = canonical_nan(f16_to_f32(m));
 }
 
 KV_CLONES static void amax_rows_bf16(const uint16_t *p, Py_ssize_t D, float *out) {
@@ -123,7 +128,7 @@ KV_CLONES static void amax_rows_bf16(const uint16_t *p, Py_ssize_t D, float *out
         uint16_t a = p[d] & 0x7FFF;
         m = a > m ? a : m;
     }
-    *out = bf16_to_f32(m);
+    *out = canonical_nan(bf16_to_f32(m));
 }
 
 KV_CLONES static void amax_rows_f32(const uint32_t *p, Py_ssize_t D, float *out) {
@@ -132,7 +137,7 @@ KV_CLONES static void amax_rows_f32(const uint32_t *p, Py_ssize_t D, float *out)
         uint32_t a = p[d] & 0x7FFFFFFFu;
         m = a > m ? a : m;
     }
-    *out = bits_f32(m);
+    *out = canonical_nan(bits_f32(m));
 }
 
 /* amax(|x|) over head_dim per (token, head) into a dense fp32 [T, H] array.
@@ -668,6 +673,21 @@ static int run_split(void *(*fn)(void *), Job *base, Py_ssize_t T, int threads, 
     return n;
 }
 
+/* Scales a scope needs over T tokens x H heads. */
+static Py_ssize_t scales_needed(Py_ssize_t T, Py_ssize_t H, int scope, Py_ssize_t page) {
+    if (scope == SC_TENSOR) return 1;
+    if (scope == SC_LAYER_HEAD) return H;
+    return ((T + page - 1) / page) * H;
+}
+
+static int check_scales(Py_ssize_t T, Py_ssize_t H, int scope, Py_ssize_t page, Py_ssize_t n) {
+    if (n < scales_needed(T, H, scope, page)) {
+        PyErr_SetString(PyExc_ValueError, "fewer scales than the scope needs");
+        return -1;
+    }
+    return 0;
+}
+
 static int check_common(Py_ssize_t T, Py_ssize_t H, Py_ssize_t D, int dtype, int scope, Py_ssize_t page) {
     if (T < 0 || H < 0 || D < 0) {
         PyErr_SetString(PyExc_ValueError, "negative extent");
@@ -696,30 +716,30 @@ static PyObject *py_token_head_amax(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* quantize(v, T, H, D, st, sh, dtype, scales, scope, page, q, qt, qh, threads) -> met a NaN */
+/* quantize(v, T, H, D, st, sh, dtype, scales, n_scales, scope, page, q, qt, qh, threads) -> met a NaN */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t v, T, H, D, st, sh, scales, page, q, qt, qh, nans = 0;
+    Py_ssize_t v, T, H, D, st, sh, scales, n_scales, page, q, qt, qh, nans = 0;
     int dtype, scope, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnininnnni", &v, &T, &H, &D, &st, &sh, &dtype, &scales, &scope, &page,
-                          &q, &qt, &qh, &threads))
+    if (!PyArg_ParseTuple(args, "nnnnnninninnnni", &v, &T, &H, &D, &st, &sh, &dtype, &scales, &n_scales, &scope,
+                          &page, &q, &qt, &qh, &threads))
         return NULL;
-    if (check_common(T, H, D, dtype, scope, page)) return NULL;
+    if (check_common(T, H, D, dtype, scope, page) || check_scales(T, H, scope, page, n_scales)) return NULL;
     Job j = {.src = (const char *)v, .dst = (char *)q, .scales = (const float *)scales, .H = H, .D = D,
              .st = st, .sh = sh, .dt = qt, .dh = qh, .dtype = dtype, .scope = scope, .page = page};
     Py_BEGIN_ALLOW_THREADS run_split(quant_job, &j, T, threads, &nans);
     Py_END_ALLOW_THREADS return PyBool_FromLong(nans != 0);
 }
 
-/* dequantize(q, T, H, D, qt, qh, scales, scope, page, out, ot, oh, out_dtype, threads) -> NaN codes met */
+/* dequantize(q, T, H, D, qt, qh, scales, n_scales, scope, page, out, ot, oh, out_dtype, threads) -> NaN codes met */
 static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t q, T, H, D, qt, qh, scales, page, out, ot, oh, nans = 0;
+    Py_ssize_t q, T, H, D, qt, qh, scales, n_scales, page, out, ot, oh, nans = 0;
     int scope, out_dtype, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnninnnnii", &q, &T, &H, &D, &qt, &qh, &scales, &scope, &page, &out, &ot,
-                          &oh, &out_dtype, &threads))
+    if (!PyArg_ParseTuple(args, "nnnnnnnninnnnii", &q, &T, &H, &D, &qt, &qh, &scales, &n_scales, &scope, &page,
+                          &out, &ot, &oh, &out_dtype, &threads))
         return NULL;
-    if (check_common(T, H, D, out_dtype, scope, page)) return NULL;
+    if (check_common(T, H, D, out_dtype, scope, page) || check_scales(T, H, scope, page, n_scales)) return NULL;
     Job j = {.src = (const char *)q, .dst = (char *)out, .scales = (const float *)scales, .H = H, .D = D,
              .st = qt, .sh = qh, .dt = ot, .dh = oh, .out_dtype = out_dtype, .scope = scope, .page = page};
     /* NaN codes first, so nothing is written when the reference must take over. */
@@ -996,8 +1016,15 @@ static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint32_t out;
-    Py_BEGIN_ALLOW_THREADS out =
-        crc32_parallel(crc, (const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)dst.buf, threads);
+    const char *a = (const char *)src.buf, *b = (const char *)dst.buf;
+    int overlap = src.len > 0 && a < b + dst.len && b < a + src.len;
+    Py_BEGIN_ALLOW_THREADS
+    if (overlap) { /* CRC what src holds before the copy changes it */
+        out = crc32_parallel(crc, (const uint8_t *)src.buf, (size_t)src.len, NULL, threads);
+        memmove(dst.buf, src.buf, (size_t)src.len);
+    } else {
+        out = crc32_parallel(crc, (const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)dst.buf, threads);
+    }
     Py_END_ALLOW_THREADS PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return PyLong_FromUnsignedLong(out);
