@@ -14,6 +14,7 @@ memoryviews into the caller's buffer; nothing of the payload is copied.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import struct
@@ -245,11 +246,19 @@ class Header:
         return replace(self, **changes)
 
 
-def _hash_pairs(h: Header) -> list[tuple[bytes, bytes]]:
+def _hash_pairs(h: Header) -> tuple[tuple[bytes, bytes], ...]:
+    """The six (key, value) pairs as UTF-8, validated; memoized per Hashes (a model's are fixed)."""
+    try:
+        return _hash_pairs_cached(h.hashes)
+    except TypeError:  # a non-str (unhashable) value: let the uncached path name it
+        return _hash_pairs_of(h.hashes)
+
+
+def _hash_pairs_of(hashes: Hashes) -> tuple[tuple[bytes, bytes], ...]:
     out = []
     for k in HASH_KEYS:
         kb = k.encode()
-        val = getattr(h.hashes, k) or ""
+        val = getattr(hashes, k) or ""
         if not isinstance(val, str):
             raise UnsupportedConfigError(f"hash {k!r} is a {type(val).__name__}; expected str")
         try:
@@ -261,7 +270,10 @@ def _hash_pairs(h: Header) -> list[tuple[bytes, bytes]]:
                 f"hash {k!r} is {len(vb)} bytes in UTF-8; at most {MAX_HASH_STR} fit"
             )
         out.append((kb, vb))
-    return out
+    return tuple(out)
+
+
+_hash_pairs_cached = functools.lru_cache(maxsize=256)(_hash_pairs_of)
 
 
 def header_size(h: Header) -> int:

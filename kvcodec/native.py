@@ -45,6 +45,9 @@ except ImportError:  # pragma: no cover - depends on the install
 AVAILABLE: bool = _cpu is not None
 """Whether the C extension is built and importable."""
 
+LAST_ENCODE_THREADS = 0
+"""Threads the latest :func:`encode_chunk` ran on (for tests and benchmarks)."""
+
 _DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _SCOPE_CODE = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScope.PER_PAGE_HEAD: 2}
 
@@ -297,9 +300,11 @@ def encode_chunk(
     if s_out.numel() * s_out.element_size() != 4 * math.prod(shape):
         raise UnsupportedConfigError(f"s_out does not hold {math.prod(shape)} fp32 scales")
     scratch = torch.empty(shape, dtype=torch.float32)
-    status, out_crc = _cpu.encode_chunk(
+    status, out_crc, used = _cpu.encode_chunk(
         v3.data_ptr(), v3.stride(0), v3.stride(1), _DTYPE_CODE[v3.dtype], t, h, d, _SCOPE_CODE[scope],
         _page(scope, page_size), q_out.data_ptr(), scratch.data_ptr(), k3.data_ptr(), k3.stride(0),
         k3.stride(1), k3.element_size(), k_out.data_ptr(), s_out.data_ptr(), crc & 0xFFFFFFFF, threads(),
     )  # fmt: skip
+    global LAST_ENCODE_THREADS
+    LAST_ENCODE_THREADS = int(used)
     return int(status), int(out_crc)

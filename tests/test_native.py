@@ -182,7 +182,7 @@ def test_quantize_checks_scale_shape():
 # --- the fused chunk encode -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 8), (33, 3, 40), (16, 8, 256), (512, 8, 128)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 8), (33, 3, 40), (16, 8, 256), (1040, 8, 128)], ids=str)
 @pytest.mark.parametrize("scope,ps", SCOPES, ids=lambda x: getattr(x, "name", str(x)))
 @pytest.mark.parametrize("kdt,vdt", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
                                      (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])  # fmt: skip
@@ -263,13 +263,14 @@ def test_encode_chunk_crc_and_threads(monkeypatch, threads):
     monkeypatch.setenv("KVCODEC_THREADS", str(threads))
     g = torch.Generator().manual_seed(threads)
     for scope, ps in SCOPES:
-        k = torch.randn(300, 8, 128, generator=g).half()
-        v = torch.randn(300, 8, 128, generator=g).bfloat16()
-        n_s = 4 * max(1, int(torch.tensor(quant.scale_shape(scope, 300, 8, ps)).prod()))
-        ko, qo = torch.empty_like(k), torch.empty(300, 8, 128, dtype=torch.float8_e4m3fn)
+        t = 1030  # 1030 x 8 x 128 elements: above the C side's two-thread threshold (2^20)
+        k = torch.randn(t, 8, 128, generator=g).half()
+        v = torch.randn(t, 8, 128, generator=g).bfloat16()
+        n_s = 4 * max(1, int(torch.tensor(quant.scale_shape(scope, t, 8, ps)).prod()))
+        ko, qo = torch.empty_like(k), torch.empty(t, 8, 128, dtype=torch.float8_e4m3fn)
         so = torch.empty(n_s, dtype=torch.uint8)
         status, crc = native.encode_chunk(k, v, scope, ps, ko, qo, so, 0x1234)
-        assert status == -1
+        assert status == -1 and native.LAST_ENCODE_THREADS == threads
         s_ref = quant.compute_scales(v, scope, page_size=ps)
         assert torch.equal(ko, k)
         assert torch.equal(_bits(qo), _bits(quant.quantize(v, s_ref, scope, page_size=ps)))
