@@ -26,6 +26,7 @@ from .format import ScaleScope
 
 __all__ = [
     "AVAILABLE",
+    "OPENMP",
     "can_encode_fused",
     "compute_scales",
     "copy_crc",
@@ -45,6 +46,32 @@ except ImportError:  # pragma: no cover - depends on the install
 AVAILABLE: bool = _cpu is not None
 """Whether the C extension is built and importable."""
 
+
+def _loaded_openmp() -> str:
+    """Path of the OpenMP runtime torch loaded into this process (Linux), or ""."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "omp" in line and line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+    except OSError:
+        return ""
+    for prefix in ("libgomp", "libiomp5", "libomp"):
+        for p in sorted(paths):
+            if os.path.basename(p).startswith(prefix):
+                return p
+    return ""
+
+
+OPENMP: bool = bool(
+    _cpu is not None
+    and os.environ.get("KVCODEC_OPENMP", "1") != "0"
+    and torch.backends.openmp.is_available()
+    and _cpu.use_openmp(_loaded_openmp())
+)
+"""Whether a fused encode's two threads are a team of torch's own OpenMP runtime
+(no contention with its spinning workers) rather than a thread of kvcodec's.
+``KVCODEC_OPENMP=0`` turns it off."""
+
+
 LAST_ENCODE_THREADS = 0
 """Threads the latest :func:`encode_chunk` ran on (for tests and benchmarks)."""
 
@@ -53,17 +80,24 @@ _SCOPE_CODE = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScop
 
 
 def threads() -> int:
-    """Threads of a fused chunk encode: ``KVCODEC_THREADS`` (default 2, at most torch's intra-op count).
+    """Threads kvcodec's C code may use: ``KVCODEC_THREADS`` (default 2, at most torch's intra-op count).
 
-    Only the fused encode splits its work: K's copy and CRC beside V's codes.
-    quantize/dequantize alone run on one thread: they are bound by memory
-    bandwidth here, and a second thread met torch's spinning OpenMP workers.
+    A fused chunk encode splits its work (K's copy and CRC beside V's codes),
+    and so do the CRC and copy+CRC of buffers from 1 MiB when torch's OpenMP
+    runtime is at hand (:data:`OPENMP`). quantize/dequantize alone run on one
+    thread: memory-bound here, and a second thread met torch's spinning workers.
     """
     try:
         n = int(os.environ.get("KVCODEC_THREADS", "2"))
     except ValueError:
         n = 2
     return max(1, min(n, torch.get_num_threads()))
+
+
+if _cpu is not None:
+    # CRC and copy+CRC of long buffers (>= 1 MiB) split in two only on torch's
+    # own OpenMP team: a thread of kvcodec's met its spinning workers (slower).
+    _cpu.set_default_threads(threads() if OPENMP else 1)
 
 
 def _rows_ok(x: torch.Tensor, dtypes: object) -> bool:
@@ -241,8 +275,7 @@ def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
         c = crc32(s, crc)
         d[:] = s
         return c
-    # One thread: a second one measured no faster here once torch's OpenMP workers spin.
-    return int(_cpu.copy_crc(d, s, crc & 0xFFFFFFFF, 1))
+    return int(_cpu.copy_crc(d, s, crc & 0xFFFFFFFF))
 
 
 def empty_bytearray(n: int) -> bytearray:

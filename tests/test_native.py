@@ -576,3 +576,68 @@ def test_encode_chunk_refuses_what_it_cannot_do():
     q = torch.empty(8, 2, 16, dtype=torch.uint8)
     with pytest.raises(UnsupportedConfigError, match="reference"):
         native.encode_chunk(k[:4], k, S.PER_TENSOR, None, torch.empty_like(k), q, torch.empty(4, dtype=torch.uint8), 0)
+
+
+@pytest.mark.parametrize("openmp", [True, False], ids=["torch-openmp-team", "own-pthread"])
+def test_two_thread_paths_equal(monkeypatch, openmp):
+    """Both ways of running two threads (a team of torch's OpenMP runtime, or a pthread) give the same bytes."""
+    from kvcodec import _cpu
+
+    monkeypatch.setenv("KVCODEC_THREADS", "2")
+    if openmp and not native.OPENMP:
+        pytest.skip("torch's OpenMP runtime was not found in this process")
+    try:
+        if not openmp:
+            _cpu.use_openmp("")
+        g = torch.Generator().manual_seed(21)
+        k = torch.randn(1100, 8, 128, generator=g).half()
+        v = torch.randn(1100, 8, 128, generator=g).half()
+        for scope in ("per_page_head", "per_layer_head"):
+            a = encode(k, v, scope=scope, page_size=16)
+            assert native.LAST_ENCODE_THREADS == 2
+            assert a == encode(k, v, scope=scope, page_size=16, backend="torch")
+        data = bytes(a)
+        for th in (1, 2):
+            assert _cpu.crc32(data, 5, th) == zlib.crc32(data, 5)
+            dst = bytearray(len(data))
+            assert _cpu.copy_crc(dst, data, 5, th) == zlib.crc32(data, 5) and dst == data
+    finally:
+        if native.OPENMP:
+            assert _cpu.use_openmp(native._loaded_openmp())
+
+
+def test_openmp_runtime_is_found_only_if_loaded():
+    from kvcodec import _cpu
+
+    assert not _cpu.use_openmp("/nonexistent/libgomp.so.1")
+    assert not _cpu.use_openmp("")
+    if native.OPENMP:
+        assert _cpu.use_openmp(native._loaded_openmp())
+
+
+_FORK_INPUTS: list[torch.Tensor] = []
+
+
+def test_forked_child_encodes_without_hanging():
+    """GNU libgomp hangs in a forked child that starts a team; kvcodec's child uses a pthread instead.
+
+    (torch's own parallel ops hang in such a child too, so the child only
+    encodes tensors it inherited: kvcodec's encode runs no parallel torch op.)
+    """
+    import multiprocessing as mp
+    import os
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    g = torch.Generator().manual_seed(3)
+    _FORK_INPUTS[:] = [torch.randn(1100, 8, 128, generator=g).half() for _ in range(2)]
+    want = encode(*_FORK_INPUTS, scope="per_page_head", page_size=16)  # the parent's team exists now
+    assert native.LAST_ENCODE_THREADS == 2
+    with mp.get_context("fork").Pool(1) as pool:
+        got, used = pool.apply_async(_child_encode, ()).get(timeout=60)
+    assert got == bytes(want) and used == 2
+
+
+def _child_encode() -> tuple[bytes, int]:
+    blob = encode(*_FORK_INPUTS, scope="per_page_head", page_size=16)
+    return bytes(blob), native.LAST_ENCODE_THREADS
