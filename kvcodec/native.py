@@ -275,7 +275,7 @@ def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
         c = crc32(s, crc)
         d[:] = s
         return c
-    return int(_cpu.copy_crc(d, s, crc & 0xFFFFFFFF))
+    return int(_cpu.copy_crc(d, s, crc & 0xFFFFFFFF, threads() if OPENMP else 1))
 
 
 def empty_bytearray(n: int) -> bytearray:
