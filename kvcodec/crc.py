@@ -11,7 +11,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-__all__ = ["CRC_BACKEND", "crc32", "crc32_zlib"]
+__all__ = ["CRC_BACKEND", "crc32", "crc32_zlib", "set_threads_source"]
 
 Buffer = "bytes | bytearray | memoryview"
 
@@ -19,6 +19,22 @@ Buffer = "bytes | bytearray | memoryview"
 def crc32_zlib(data: object, value: int = 0) -> int:
     """CRC-32 of ``data`` continuing from ``value``, with the stdlib's zlib."""
     return zlib.crc32(data, value) & 0xFFFFFFFF  # type: ignore[arg-type]
+
+
+_LONG = 1 << 20
+
+
+def _one_thread() -> int:
+    return 1
+
+
+_threads_source: Callable[[], int] = _one_thread
+
+
+def set_threads_source(fn: Callable[[], int]) -> None:
+    """Where the native CRC asks, per call, how many threads a buffer of >= 1 MiB may use."""
+    global _threads_source
+    _threads_source = fn
 
 
 def _agrees(fn: Callable[..., int]) -> bool:
@@ -36,7 +52,11 @@ def _load() -> tuple[Callable[..., int], str]:
         native_crc = _cpu.crc32
 
         def crc32_native(data: object, value: int = 0) -> int:
-            return native_crc(data, value & 0xFFFFFFFF)
+            try:
+                long = len(data) >= _LONG  # type: ignore[arg-type]
+            except TypeError:
+                long = False
+            return native_crc(data, value & 0xFFFFFFFF, _threads_source() if long else 1)
 
         if _agrees(crc32_native):
             return crc32_native, "native"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 
 import torch
 
@@ -30,6 +31,7 @@ __all__ = [
     "can_encode_fused",
     "compute_scales",
     "copy_crc",
+    "crc_threads",
     "dequantize",
     "empty_bytearray",
     "encode_chunk",
@@ -47,18 +49,30 @@ AVAILABLE: bool = _cpu is not None
 """Whether the C extension is built and importable."""
 
 
+_SO = re.compile(r"\.so(\.\d+)*$")
+
+
 def _loaded_openmp() -> str:
-    """Path of the OpenMP runtime torch loaded into this process (Linux), or ""."""
+    """Path of the OpenMP runtime loaded into this process (Linux), or "".
+
+    Read off ``/proc/self/maps``; with several loaded, the one in torch's own
+    directory wins, then libgomp, libiomp5, libomp.
+    """
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "omp" in line and line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+            paths = {line.split()[-1] for line in f if "omp" in line}
     except OSError:
         return ""
-    for prefix in ("libgomp", "libiomp5", "libomp"):
-        for p in sorted(paths):
-            if os.path.basename(p).startswith(prefix):
-                return p
-    return ""
+    torch_dir = os.path.dirname(torch.__file__)
+    prefixes = ("libgomp", "libiomp5", "libomp")
+    found = [
+        (not p.startswith(torch_dir), i, p)
+        for p in paths
+        if _SO.search(p)
+        for i, pre in enumerate(prefixes)
+        if os.path.basename(p).startswith(pre)
+    ]
+    return min(found)[2] if found else ""
 
 
 OPENMP: bool = bool(
@@ -74,6 +88,9 @@ OPENMP: bool = bool(
 
 LAST_ENCODE_THREADS = 0
 """Threads the latest :func:`encode_chunk` ran on (for tests and benchmarks)."""
+
+_LONG = 1 << 20
+"""Bytes from which a CRC may be split over two threads (the C side's threshold too)."""
 
 _DTYPE_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _SCOPE_CODE = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScope.PER_PAGE_HEAD: 2}
@@ -94,10 +111,16 @@ def threads() -> int:
     return max(1, min(n, torch.get_num_threads()))
 
 
+def crc_threads() -> int:
+    """Threads for a CRC of a long buffer (>= 1 MiB): :func:`threads` on torch's
+    own OpenMP team, else one (a thread of kvcodec's met torch's spinning workers)."""
+    return threads() if OPENMP else 1
+
+
 if _cpu is not None:
-    # CRC and copy+CRC of long buffers (>= 1 MiB) split in two only on torch's
-    # own OpenMP team: a thread of kvcodec's met its spinning workers (slower).
-    _cpu.set_default_threads(threads() if OPENMP else 1)
+    from . import crc as _crc
+
+    _crc.set_threads_source(crc_threads)
 
 
 def _rows_ok(x: torch.Tensor, dtypes: object) -> bool:
@@ -275,7 +298,7 @@ def copy_crc(dst: memoryview, src: memoryview, crc: int = 0) -> int:
         c = crc32(s, crc)
         d[:] = s
         return c
-    return int(_cpu.copy_crc(d, s, crc & 0xFFFFFFFF, threads() if OPENMP else 1))
+    return int(_cpu.copy_crc(d, s, crc & 0xFFFFFFFF, crc_threads() if len(s) >= _LONG else 1))
 
 
 def empty_bytearray(n: int) -> bytearray:

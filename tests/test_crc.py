@@ -76,4 +76,8 @@ def test_fallbacks(monkeypatch: pytest.MonkeyPatch, data: bytes, blocked, expect
                 assert mod.crc32(data[:size], 7) == zlib.crc32(data[:size], 7)
     finally:
         importlib.reload(crc_mod)  # back to the real backend for everyone else
+        from kvcodec import native
+
+        if native.AVAILABLE:
+            crc_mod.set_threads_source(native.crc_threads)
     assert crc_mod.CRC_BACKEND == _expected_backend()

@@ -641,3 +641,48 @@ def test_forked_child_encodes_without_hanging():
 def _child_encode() -> tuple[bytes, int]:
     blob = encode(*_FORK_INPUTS, scope="per_page_head", page_size=16)
     return bytes(blob), native.LAST_ENCODE_THREADS
+
+
+def test_crc_threads_follow_settings_per_call(monkeypatch):
+    """A long CRC asks for its threads at each call (KVCODEC_THREADS, torch's count), not once at import."""
+    from kvcodec import crc as crc_mod
+
+    seen = []
+    monkeypatch.setattr(crc_mod, "_threads_source", lambda: seen.append(1) or 1)
+    data = bytes(2 << 20)
+    assert crc_mod.crc32(data) == zlib.crc32(data)
+    assert crc_mod.crc32(data[:1000]) == zlib.crc32(data[:1000])
+    assert len(seen) == 1  # asked for the long buffer only
+    monkeypatch.setenv("KVCODEC_THREADS", "1")
+    assert native.crc_threads() == 1
+    monkeypatch.setenv("KVCODEC_THREADS", "2")
+    assert native.crc_threads() == (min(2, torch.get_num_threads()) if native.OPENMP else 1)
+
+
+def test_use_openmp_switch_races_with_running_crcs():
+    """Switching the OpenMP hooks while other threads run two-thread CRCs never crashes or errs."""
+    import threading
+
+    from kvcodec import _cpu
+
+    if not native.OPENMP:
+        pytest.skip("torch's OpenMP runtime was not found in this process")
+    data = bytes(range(256)) * 8192  # 2 MiB
+    want = zlib.crc32(data)
+    bad, stop = [], threading.Event()
+
+    def work():
+        while not stop.is_set():
+            if _cpu.crc32(data, 0, 2) != want:
+                bad.append(1)
+
+    ts = [threading.Thread(target=work) for _ in range(2)]
+    for t in ts:
+        t.start()
+    path = native._loaded_openmp()
+    for i in range(300):
+        _cpu.use_openmp("" if i % 2 else path)
+    stop.set()
+    for t in ts:
+        t.join()
+    assert _cpu.use_openmp(path) and not bad

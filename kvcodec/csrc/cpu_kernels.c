@@ -24,6 +24,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -59,11 +60,16 @@ static int kv_populate = 1;
  * runtimes export too. */
 typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
 typedef int (*omp_int_t)(void);
-static gomp_parallel_t kv_gomp_parallel = NULL;
-static omp_int_t kv_omp_thread_num = NULL;
-static omp_int_t kv_omp_num_threads = NULL;
-/* Threads crc32()/copy_crc() use when not told (set_default_threads). */
-static int kv_default_threads = 1;
+typedef struct {
+    gomp_parallel_t parallel;
+    omp_int_t thread_num;
+    omp_int_t num_threads;
+} OmpHooks;
+/* Published whole with one atomic store (use_openmp, the fork handler); each
+ * use loads it once, so a concurrent switch never shows half a set. */
+static OmpHooks *kv_omp = NULL;
+
+static OmpHooks *omp_hooks(void) { return __atomic_load_n(&kv_omp, __ATOMIC_ACQUIRE); }
 
 /* Elements below which one thread does the work (thread start costs ~20 us). */
 #define KV_PARALLEL_MIN (1 << 18)
@@ -452,11 +458,14 @@ static void *crc_job(void *arg) {
 typedef struct {
     void *(*fn)(void *);
     void *arg[2];
+    const OmpHooks *omp;
 } Pair;
 
+/* Members 0 and 1 of a team take one half each; a team of one takes both; the
+ * others (the team is torch's default size, so its pool keeps its threads) idle. */
 static void pair_body(void *p) {
     Pair *pr = (Pair *)p;
-    int id = kv_omp_thread_num(), n = kv_omp_num_threads();
+    int id = pr->omp->thread_num(), n = pr->omp->num_threads();
     if (id == 0) {
         pr->fn(pr->arg[0]);
         if (n < 2) pr->fn(pr->arg[1]);
@@ -468,9 +477,10 @@ static void pair_body(void *p) {
 /* fn(a) and fn(b) at once: as a team of torch's OpenMP runtime when use_openmp()
  * found it (see there), else with a thread of our own; in turn if neither can be had. */
 static void run_pair(void *(*fn)(void *), void *a, void *b) {
-    if (kv_gomp_parallel) {
-        Pair pr = {fn, {a, b}};
-        kv_gomp_parallel(pair_body, &pr, 2, 0);
+    const OmpHooks *omp = omp_hooks();
+    if (omp) {
+        Pair pr = {fn, {a, b}, omp};
+        omp->parallel(pair_body, &pr, 0, 0); /* 0: the runtime's default team size */
         return;
     }
     pthread_t tid;
@@ -966,16 +976,17 @@ static void enc_caller_blocks(Enc *e) {
 typedef struct {
     Enc *e;
     uint32_t crc; /* in: the CRC so far; out: continued over K */
-    int size;     /* threads the team had */
+    int size;     /* threads that worked (1 or 2) */
+    const OmpHooks *omp;
 } EncTeam;
 
 /* One OpenMP team member: thread 0 plays the caller, thread 1 the worker; a team
- * of one (the runtime may give fewer threads) does both, in order. */
+ * of one (torch set to one thread, say) does both, in order; others idle. */
 static void enc_team_body(void *arg) {
     EncTeam *t = (EncTeam *)arg;
-    int id = kv_omp_thread_num(), n = kv_omp_num_threads();
+    int id = t->omp->thread_num(), n = t->omp->num_threads();
     if (id == 0) {
-        t->size = n;
+        t->size = n < 2 ? 1 : 2;
         t->crc = enc_copy_k(t->e, t->crc);
         if (n < 2)
             enc_worker(t->e);
@@ -1017,9 +1028,10 @@ static PyObject *py_encode_chunk(PyObject *self, PyObject *args) {
     int two = 0;
     Py_BEGIN_ALLOW_THREADS
     int want_two = threads > 1 && T * H * D >= KV_PARALLEL_MIN_ENCODE;
-    if (want_two && kv_gomp_parallel) {
-        EncTeam team = {.e = &e, .crc = crc};
-        kv_gomp_parallel(enc_team_body, &team, 2, 0);
+    const OmpHooks *omp = omp_hooks();
+    if (want_two && omp) {
+        EncTeam team = {.e = &e, .crc = crc, .omp = omp};
+        omp->parallel(enc_team_body, &team, 0, 0); /* 0: the runtime's default team size */
         crc = team.crc;
         two = team.size;
     } else {
@@ -1053,7 +1065,8 @@ static PyObject *py_encode_chunk(PyObject *self, PyObject *args) {
 /* Whether every page of [p, p + len) is resident (memory malloc recycled): then
  * populating would only cost time (~0.15 us a page even when nothing is missing). */
 static int all_resident(void *p, size_t len) {
-    size_t pages = (len + 4095) / 4096;
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t pages = (len + (size_t)pg - 1) / (size_t)pg;
     unsigned char *vec = (unsigned char *)malloc(pages);
     if (!vec) return 0;
     int all = mincore(p, len, vec) == 0;
@@ -1082,39 +1095,40 @@ static PyObject *py_empty_bytearray(PyObject *self, PyObject *args) {
     /* Fault the pages in with one call (Linux >= 5.14) rather than one trap per 4 KiB
      * page as the payload is written: several times cheaper on a VM. Advice only. */
     if (n >= (Py_ssize_t)(1 << 20) && kv_populate) {
-        const uintptr_t pg = 4096;
+        const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
         uintptr_t lo = ((uintptr_t)PyByteArray_AS_STRING(b) + pg - 1) & ~(pg - 1);
         uintptr_t hi = ((uintptr_t)PyByteArray_AS_STRING(b) + (uintptr_t)n) & ~(pg - 1);
+        /* the new object is not shared yet: no need to hold the GIL */
+        Py_BEGIN_ALLOW_THREADS
         if (hi > lo && !all_resident((void *)lo, hi - lo))
             (void)madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
+        Py_END_ALLOW_THREADS
     }
 #endif
     return b;
 }
 
-/* crc32(buffer, crc=0, threads=default) -> zlib.crc32(buffer, crc), without the GIL. */
+/* crc32(buffer, crc=0, threads=1) -> zlib.crc32(buffer, crc), without the GIL. */
 static PyObject *py_crc32(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
     unsigned int crc = 0;
-    int threads = -1;
+    int threads = 1;
     if (!PyArg_ParseTuple(args, "y*|Ii", &view, &crc, &threads)) return NULL;
-    if (threads < 0) threads = kv_default_threads;
     uint32_t out;
     Py_BEGIN_ALLOW_THREADS out = crc32_parallel(crc, (const uint8_t *)view.buf, (size_t)view.len, NULL, threads);
     Py_END_ALLOW_THREADS PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(out);
 }
 
-/* copy_crc(dst, src, crc=0, threads=default) -> zlib.crc32(src, crc), with src copied
+/* copy_crc(dst, src, crc=0, threads=1) -> zlib.crc32(src, crc), with src copied
  * into dst (same length) in the same pass, without the GIL. */
 static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer dst, src;
     unsigned int crc = 0;
-    int threads = -1;
+    int threads = 1;
     if (!PyArg_ParseTuple(args, "w*y*|Ii", &dst, &src, &crc, &threads)) return NULL;
-    if (threads < 0) threads = kv_default_threads;
     if (dst.len != src.len) {
         PyBuffer_Release(&dst);
         PyBuffer_Release(&src);
@@ -1136,15 +1150,6 @@ static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(out);
 }
 
-/* set_default_threads(n) -> previous: threads crc32/copy_crc use when not given. */
-static PyObject *py_set_default_threads(PyObject *self, PyObject *args) {
-    (void)self;
-    int n, prev = kv_default_threads;
-    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
-    kv_default_threads = n < 1 ? 1 : n;
-    return PyLong_FromLong(prev);
-}
-
 /* crc32_combine(crc_a, crc_b, len_b) -> CRC of A followed by B. */
 static PyObject *py_crc32_combine(PyObject *self, PyObject *args) {
     (void)self;
@@ -1156,10 +1161,7 @@ static PyObject *py_crc32_combine(PyObject *self, PyObject *args) {
 
 /* A forked child has the runtime's state but not its threads: GNU libgomp then
  * waits forever for them. Children use threads of their own instead. */
-static void kv_after_fork_child(void) {
-    kv_gomp_parallel = NULL;
-    kv_omp_thread_num = kv_omp_num_threads = NULL;
-}
+static void kv_after_fork_child(void) { __atomic_store_n(&kv_omp, NULL, __ATOMIC_RELEASE); }
 
 /* use_openmp(path) -> bool: take GOMP_parallel from the OpenMP runtime at `path`
  * if (and only if) it is already loaded in this process; "" turns it off. */
@@ -1167,23 +1169,29 @@ static PyObject *py_use_openmp(PyObject *self, PyObject *args) {
     (void)self;
     const char *path;
     if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
-    kv_gomp_parallel = NULL;
-    kv_omp_thread_num = kv_omp_num_threads = NULL;
-    if (!path[0]) Py_RETURN_FALSE;
-    void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD); /* never loads a second runtime */
-    if (!h) Py_RETURN_FALSE;
-    gomp_parallel_t par = (gomp_parallel_t)dlsym(h, "GOMP_parallel");
-    omp_int_t num = (omp_int_t)dlsym(h, "omp_get_thread_num");
-    omp_int_t size = (omp_int_t)dlsym(h, "omp_get_num_threads");
-    if (!par || !num || !size) Py_RETURN_FALSE; /* the handle stays: the runtime is loaded anyway */
-    static int atfork_done = 0;
-    if (!atfork_done) {
-        if (pthread_atfork(NULL, NULL, kv_after_fork_child) != 0) Py_RETURN_FALSE;
-        atfork_done = 1;
+    if (!path[0]) {
+        __atomic_store_n(&kv_omp, NULL, __ATOMIC_RELEASE);
+        Py_RETURN_FALSE;
     }
-    kv_omp_thread_num = num;
-    kv_omp_num_threads = size;
-    kv_gomp_parallel = par;
+    void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD); /* never loads a second runtime */
+    OmpHooks found = {NULL, NULL, NULL};
+    if (h) {
+        found.parallel = (gomp_parallel_t)dlsym(h, "GOMP_parallel");
+        found.thread_num = (omp_int_t)dlsym(h, "omp_get_thread_num");
+        found.num_threads = (omp_int_t)dlsym(h, "omp_get_num_threads");
+    } /* the handle stays open: the runtime is loaded anyway */
+    static int atfork_done = 0;
+    if (!found.parallel || !found.thread_num || !found.num_threads ||
+        (!atfork_done && pthread_atfork(NULL, NULL, kv_after_fork_child) != 0)) {
+        __atomic_store_n(&kv_omp, NULL, __ATOMIC_RELEASE);
+        Py_RETURN_FALSE;
+    }
+    atfork_done = 1;
+    /* One allocation per successful call, never freed: a thread may still hold the old one. */
+    OmpHooks *pub = (OmpHooks *)malloc(sizeof(OmpHooks));
+    if (!pub) return PyErr_NoMemory();
+    *pub = found;
+    __atomic_store_n(&kv_omp, pub, __ATOMIC_RELEASE);
     Py_RETURN_TRUE;
 }
 
@@ -1222,9 +1230,8 @@ static PyMethodDef methods[] = {
     {"encode_chunk", py_encode_chunk, METH_VARARGS, "K, V's codes, scales and the CRC of one chunk (two threads)."},
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "An uninitialised bytearray (huge pages advised)."},
     {"use_openmp", py_use_openmp, METH_VARARGS, "use_openmp(path): run fused encodes on that (loaded) OpenMP runtime."},
-    {"crc32", py_crc32, METH_VARARGS, "crc32(buffer, crc=0, threads=default): zlib's CRC-32, GIL released."},
-    {"copy_crc", py_copy_crc, METH_VARARGS, "copy_crc(dst, src, crc=0, threads=default): copy and CRC in one pass."},
-    {"set_default_threads", py_set_default_threads, METH_VARARGS, "set_default_threads(n): crc32/copy_crc threads."},
+    {"crc32", py_crc32, METH_VARARGS, "crc32(buffer, crc=0, threads=1): zlib's CRC-32, GIL released."},
+    {"copy_crc", py_copy_crc, METH_VARARGS, "copy_crc(dst, src, crc=0, threads=1): copy and CRC in one pass."},
     {"crc32_combine", py_crc32_combine, METH_VARARGS, "crc32_combine(a, b, len_b): CRC of A then B."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous (avx2, crc): 0 portable, 1 AVX2 + PCLMUL, 2 all, -1 read."},
     {"token_head_amax", py_token_head_amax, METH_VARARGS, "amax(|V|) per (token, head) into fp32 [T, H]."},
