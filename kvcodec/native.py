@@ -215,10 +215,7 @@ def quantize(
     """FP8 of ``v / scale`` (see :func:`kvcodec.quant.quantize`), bit for bit."""
     quant.fp8_max(fp8_dtype)  # the reference's first check, and its message
     t, h, d = v.shape
-    if out is None:
-        out = torch.empty((t, h, d), dtype=fp8_dtype, device=v.device)
-    elif tuple(out.shape) != (t, h, d) or out.dtype != fp8_dtype:
-        raise UnsupportedConfigError(f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}")
+    out = quant.output_for(out, (t, h, d), fp8_dtype, v.device, same_dtype=True)
     s = None
     page = _page(scope, page_size)
     if (
@@ -256,10 +253,7 @@ def dequantize(
 ) -> torch.Tensor:
     """``float(q) * scale`` cast to ``out_dtype`` or into ``out`` (see :func:`kvcodec.quant.dequantize`)."""
     t, h, d = q.shape
-    if out is None:
-        out = torch.empty((t, h, d), dtype=out_dtype, device=q.device)
-    elif tuple(out.shape) != (t, h, d):
-        raise UnsupportedConfigError(f"out is {tuple(out.shape)}; expected {(t, h, d)}")
+    out = quant.output_for(out, (t, h, d), out_dtype, q.device, same_dtype=False)
     s = None
     page = _page(scope, page_size)
     if (

@@ -35,6 +35,7 @@ __all__ = [
     "fp8_max",
     "fp8_to_float32",
     "narrow_scales",
+    "output_for",
     "quantize",
     "reduce_groups",
     "scale_shape",
@@ -195,6 +196,28 @@ def _token_scales(
     return s.repeat_interleave(int(page_size or 1), dim=0)[:tokens].unsqueeze(-1)
 
 
+def output_for(
+    out: torch.Tensor | None,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    same_dtype: bool,
+) -> torch.Tensor:
+    """The caller's ``out`` checked against ``shape`` (and ``dtype`` if ``same_dtype``), or a new tensor.
+
+    Shared by every backend's quantize (``out`` must be the FP8 dtype) and
+    dequantize (``out``'s own dtype decides the output's).
+    """
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or (same_dtype and out.dtype != dtype):
+        want = f"{shape} {dtype}" if same_dtype else f"{shape}"
+        got = f"{tuple(out.shape)} {out.dtype}" if same_dtype else f"{tuple(out.shape)}"
+        raise UnsupportedConfigError(f"out is {got}; expected {want}")
+    return out
+
+
 def quantize(
     v: torch.Tensor,
     scales: torch.Tensor,
@@ -211,12 +234,7 @@ def quantize(
     """
     qmax = fp8_max(fp8_dtype)
     t, h, d = v.shape
-    if out is None:
-        out = torch.empty((t, h, d), dtype=fp8_dtype, device=v.device)
-    elif tuple(out.shape) != (t, h, d) or out.dtype != fp8_dtype:
-        raise UnsupportedConfigError(
-            f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}"
-        )
+    out = output_for(out, (t, h, d), fp8_dtype, v.device, same_dtype=True)
     if v.numel() == 0:
         return out
     ts = _token_scales(scales, scope, t, h, page_size)
@@ -309,10 +327,7 @@ def dequantize(
 ) -> torch.Tensor:
     """``float(q) * scale`` (fp32, one rounding) cast to ``out_dtype`` or written into ``out``."""
     t, h, d = q.shape
-    if out is None:
-        out = torch.empty((t, h, d), dtype=out_dtype, device=q.device)
-    elif tuple(out.shape) != (t, h, d):
-        raise UnsupportedConfigError(f"out is {tuple(out.shape)}; expected {(t, h, d)}")
+    out = output_for(out, (t, h, d), out_dtype, q.device, same_dtype=False)
     if q.numel() == 0:
         return out
     ts = _token_scales(scales.to(q.device), scope, t, h, page_size)
