@@ -720,16 +720,13 @@ static int run_split(void *(*fn)(void *), Job *base, Py_ssize_t T, int threads, 
     jobs[0].t1 = T;
     jobs[0].nan_codes = 0;
     int n = (threads > 1 && T >= 2 && T * base->H * base->D >= KV_PARALLEL_MIN) ? 2 : 1;
-    pthread_t tid;
     if (n == 2) {
-        Py_ssize_t mid = T / 2;
         jobs[1] = jobs[0];
-        jobs[0].t1 = mid;
-        jobs[1].t0 = mid;
-        if (pthread_create(&tid, NULL, fn, &jobs[1]) != 0) n = 1, jobs[0].t1 = T;
+        jobs[0].t1 = jobs[1].t0 = T / 2;
+        run_pair(fn, &jobs[0], &jobs[1]); /* the same two-thread mechanism as the CRC's */
+    } else {
+        fn(&jobs[0]);
     }
-    fn(&jobs[0]);
-    if (n == 2) pthread_join(tid, NULL);
     if (nan_codes) *nan_codes = jobs[0].nan_codes + (n == 2 ? jobs[1].nan_codes : 0);
     return n;
 }
@@ -1195,21 +1192,6 @@ static PyObject *py_use_openmp(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* e4m3_codes(src_f32, n, dst_u8): the cast alone, for exhaustive tests. */
-static PyObject *py_e4m3_codes(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t src, n, dst;
-    if (!PyArg_ParseTuple(args, "nnn", &src, &n, &dst)) return NULL;
-    int nan;
-    Py_BEGIN_ALLOW_THREADS
-#ifdef KV_HAVE_AVX2
-    if (kv_simd) nan = quant_row_f32_avx2((const float *)src, n, 1.0f, (uint8_t *)dst);
-    else
-#endif
-    nan = quant_row_f32((const float *)src, n, 1.0f, (uint8_t *)dst);
-    Py_END_ALLOW_THREADS return PyBool_FromLong(nan);
-}
-
 /* simd(level) -> (previous AVX2 flag, previous CRC level). Level 0: portable
  * loops and bytewise CRC; 1: AVX2 loops and 128-bit PCLMULQDQ; 2: all this CPU
  * has (the default); -1 only reads. For tests of every path. */
@@ -1237,7 +1219,6 @@ static PyMethodDef methods[] = {
     {"token_head_amax", py_token_head_amax, METH_VARARGS, "amax(|V|) per (token, head) into fp32 [T, H]."},
     {"quantize", py_quantize, METH_VARARGS, "V / scale to e4m3fn codes (finite V, positive scales)."},
     {"dequantize", py_dequantize, METH_VARARGS, "e4m3fn codes times scale to fp16/bf16/fp32; returns NaN codes met."},
-    {"e4m3_codes", py_e4m3_codes, METH_VARARGS, "fp32 to e4m3fn codes, RNE, saturating (finite input)."},
     {NULL, NULL, 0, NULL},
 };
 
