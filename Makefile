@@ -44,6 +44,9 @@ bench-gate:
 gpu-check:
 	PYTHONPATH=. $(PY) bench/gpu_check.py
 
+# Per-area targets (vLLM, LMCache, kernel audit, sanitizers) live in mk/*.mk.
+-include mk/*.mk
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cli import main
+from .tools.cli import main
 
 __all__: list[str] = []
 

@@ -1,4 +1,4 @@
-"""kvcodec.crc: the fastest CRC-32 installed equals zlib's, and the zlib fallback works."""
+"""kvcodec.format.crc: ISA-L's CRC-32 equals zlib's, and the zlib fallback works."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-import kvcodec.crc as crc_mod
+import kvcodec.format.crc as crc_mod
 
 SIZES = [0, 1, 7, 64, 4096 + 3, 1 << 20]
 
@@ -39,8 +39,6 @@ def test_crc32_accepts_buffers_and_chains(data: bytes) -> None:
 
 
 def _expected_backend() -> str:
-    if importlib.util.find_spec("kvcodec._cpu") is not None:
-        return "native"
     return "isal" if importlib.util.find_spec("isal") is not None else "zlib"
 
 
@@ -59,10 +57,7 @@ def _reload_without(monkeypatch: pytest.MonkeyPatch, *names: str):
     return importlib.reload(crc_mod)
 
 
-@pytest.mark.parametrize(
-    ("blocked", "expect"),
-    [(("kvcodec._cpu",), "isal"), (("kvcodec._cpu", "isal"), "zlib")],
-)
+@pytest.mark.parametrize(("blocked", "expect"), [(("isal",), "zlib")])
 def test_fallbacks(monkeypatch: pytest.MonkeyPatch, data: bytes, blocked, expect) -> None:
     if expect == "isal" and importlib.util.find_spec("isal") is None:
         pytest.skip("isal not installed")
@@ -76,8 +71,4 @@ def test_fallbacks(monkeypatch: pytest.MonkeyPatch, data: bytes, blocked, expect
                 assert mod.crc32(data[:size], 7) == zlib.crc32(data[:size], 7)
     finally:
         importlib.reload(crc_mod)  # back to the real backend for everyone else
-        from kvcodec import native
-
-        if native.AVAILABLE:
-            crc_mod.set_threads_source(native.crc_threads)
     assert crc_mod.CRC_BACKEND == _expected_backend()

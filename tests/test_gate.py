@@ -1,14 +1,14 @@
-"""The CI performance gate (bench/gate.py): passes on noise, fails on a real slowdown."""
+"""The CI performance gate's logic (bench/gate.py) on synthetic results: no timing here.
+
+The end-to-end check (a real injected 3x slowdown failing the gate) is a
+benchmark run, `make bench-gate-selftest`, recorded in bench/README.md.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -60,21 +60,3 @@ def test_gate_unreadable_inputs(tmp_path):
 def test_committed_baseline_is_well_formed():
     base = json.loads((ROOT / "bench" / "baseline.json").read_text())
     assert base and all(gate.GATED.match(k) for v in base.values() for k in v)
-
-
-@pytest.mark.slow
-def test_gate_catches_an_injected_slowdown(tmp_path):
-    """End to end: a 3x slower encode fails the gate against a baseline measured just before."""
-
-    def run(out: Path, slowdown: int) -> None:
-        env = {**os.environ, "KVCODEC_BENCH_SLOWDOWN": str(slowdown)}
-        cmd = [sys.executable, "-m", "pytest", "bench/test_bench_codec.py", "-k", "test_encode", "-q",
-               "-p", "no:cacheprovider", "--benchmark-enable", f"--benchmark-json={out}"]  # fmt: skip
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-
-    run(tmp_path / "base.json", 1)
-    run(tmp_path / "slow.json", 3)
-    base = tmp_path / "baseline.json"
-    assert gate.main([str(tmp_path / "base.json"), "--baseline", str(base), "--update"]) == 0
-    assert gate.main([str(tmp_path / "base.json"), "--baseline", str(base)]) == 0
-    assert gate.main([str(tmp_path / "slow.json"), "--baseline", str(base)]) == 1

@@ -1,4 +1,4 @@
-"""The reference numerics of the K16/V8 codec, in torch (CPU or GPU).
+"""The torch backend: the codec's numerics (see :mod:`kvcodec.numerics`) in torch ops, CPU or GPU.
 
 Everything works on V in canonical token-major layout ``[tokens, heads, head_dim]``.
 For each scale group (whole tensor; one head over all tokens; one page x one
@@ -9,7 +9,7 @@ head, a partial last page over the tokens it holds)::
     V_hat = float(q) * scale              (then cast to the output dtype)
 
 These are LMCache's numerics, so blobs are byte-identical to its
-``AsymK16V8Codec``. The Triton kernels must equal this module bit for bit.
+``AsymK16V8Codec``. Every other backend must equal this module bit for bit.
 
 Work is done in token blocks so that no full-size fp32 copy of V is made:
 peak scratch memory is bounded by :data:`BLOCK_ELEMENTS` fp32 values.
@@ -17,58 +17,35 @@ peak scratch memory is bounded by :data:`BLOCK_ELEMENTS` fp32 values.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from .errors import UnsupportedConfigError
-from .format import ScaleScope
+from ..errors import UnsupportedConfigError
+from ..numerics import (
+    ScaleScope,
+    amax_to_scale,
+    check_finite_amax,
+    fp8_max,
+    narrow_scales,
+    output_for,
+    scale_shape,
+    token_scales,
+)
+from .base import Groups, NonFinitePolicy
 
 __all__ = [
+    "BACKEND",
     "BLOCK_ELEMENTS",
-    "FP8_DTYPES",
-    "NonFinitePolicy",
-    "amax_to_scale",
-    "check_finite_amax",
+    "ReferenceBackend",
     "compute_scales",
     "dequantize",
-    "fp8_max",
     "fp8_to_float32",
-    "narrow_scales",
-    "output_for",
     "quantize",
     "reduce_groups",
-    "scale_shape",
     "token_head_amax",
 ]
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 BLOCK_ELEMENTS = 1 << 19
 """fp32 scratch elements per block (2 MiB): bounds an encode's extra memory."""
-
-NonFinitePolicy = Literal["error", "saturate"]
-
-_ZERO_SCALE = 1.0
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an FP8 dtype: 448 (e4m3fn) or 57344 (e5m2)."""
-    if dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"{dtype} is not an FP8 dtype; expected one of {FP8_DTYPES}")
-    return float(torch.finfo(dtype).max)
-
-
-def scale_shape(scope: ScaleScope, tokens: int, heads: int, page_size: int | None) -> tuple[int, ...]:
-    """Shape of the scale tensor a scope gives for a ``[tokens, heads, *]`` chunk."""
-    if scope == ScaleScope.PER_TENSOR:
-        return ()
-    if scope == ScaleScope.PER_LAYER_HEAD:
-        return (heads,)
-    if scope == ScaleScope.PER_PAGE_HEAD:
-        if not page_size or page_size < 1:
-            raise UnsupportedConfigError(f"per_page_head needs page_size >= 1; got {page_size}")
-        return (-(-tokens // page_size), heads)
-    raise UnsupportedConfigError(f"scope {ScaleScope(scope).name} has no computed scales")
 
 
 def _block_tokens(heads: int, dim: int, page_size: int | None) -> int:
@@ -116,39 +93,11 @@ def reduce_groups(amax_th: torch.Tensor, scope: ScaleScope, page_size: int | Non
     if scope == ScaleScope.PER_LAYER_HEAD:
         return amax_th.amax(dim=0)
     ps = int(page_size or 1)  # scale_shape has checked it
-    pages = shape[0]
-    pad = pages * ps - t
-    if pad:
-        # Pad with zeros: they never win a max of absolute values.
-        amax_th = torch.cat([amax_th, amax_th.new_zeros((pad, h))])
-    return amax_th.view(pages, ps, h).amax(dim=1)
-
-
-def amax_to_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``amax / qmax`` in fp32 (IEEE division), 1.0 where the group is all zeros."""
-    # Tensor / tensor division: IEEE-rounded, never a multiply by a reciprocal.
-    scale = torch.div(amax, torch.tensor(qmax, dtype=torch.float32, device=amax.device))
-    return torch.where(amax > 0, scale, torch.full_like(scale, _ZERO_SCALE))
-
-
-def _group_name(scope: ScaleScope, idx: tuple[int, ...]) -> str:
-    if scope == ScaleScope.PER_TENSOR:
-        return "the whole tensor"
-    if scope == ScaleScope.PER_LAYER_HEAD:
-        return f"head {idx[0]}"
-    return f"page {idx[0]}, head {idx[1]}"
-
-
-def check_finite_amax(amax: torch.Tensor, scope: ScaleScope) -> None:
-    """Refuse NaN/Inf in any group's absmax, naming the first such group (a device sync on GPU)."""
-    bad = ~torch.isfinite(amax)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0]) if amax.dim() else ()
-        raise UnsupportedConfigError(
-            f"V holds NaN or Inf in {_group_name(scope, idx)} ({scope.name}); "
-            "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
-            "to scale by the finite values)"
-        )
+    full = t // ps
+    parts = [amax_th[: full * ps].view(full, ps, h).amax(dim=1)] if full else []
+    if full * ps < t:  # the partial last page: its own group, never padded to page_size rows
+        parts.append(amax_th[full * ps :].amax(dim=0, keepdim=True))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def compute_scales(
@@ -178,46 +127,6 @@ def compute_scales(
     return amax_to_scale(amax, qmax)
 
 
-def _token_scales(
-    scales: torch.Tensor, scope: ScaleScope, tokens: int, heads: int, page_size: int | None
-) -> torch.Tensor:
-    """Scales broadcastable against ``[tokens, heads, head_dim]``, in fp32."""
-    s = scales.to(torch.float32)
-    want = scale_shape(scope, tokens, heads, page_size)
-    if tuple(s.shape) != want:
-        raise UnsupportedConfigError(
-            f"scales of shape {tuple(s.shape)} do not fit scope {scope.name} over "
-            f"{tokens} tokens x {heads} heads (page_size {page_size}); expected {want}"
-        )
-    if scope == ScaleScope.PER_TENSOR:
-        return s.reshape(1, 1, 1).expand(tokens, 1, 1)
-    if scope == ScaleScope.PER_LAYER_HEAD:
-        return s.reshape(1, heads, 1).expand(tokens, heads, 1)
-    return s.repeat_interleave(int(page_size or 1), dim=0)[:tokens].unsqueeze(-1)
-
-
-def output_for(
-    out: torch.Tensor | None,
-    shape: tuple[int, int, int],
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    same_dtype: bool,
-) -> torch.Tensor:
-    """The caller's ``out`` checked against ``shape`` (and ``dtype`` if ``same_dtype``), or a new tensor.
-
-    Shared by every backend's quantize (``out`` must be the FP8 dtype) and
-    dequantize (``out``'s own dtype decides the output's).
-    """
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(out.shape) != shape or (same_dtype and out.dtype != dtype):
-        want = f"{shape} {dtype}" if same_dtype else f"{shape}"
-        got = f"{tuple(out.shape)} {out.dtype}" if same_dtype else f"{tuple(out.shape)}"
-        raise UnsupportedConfigError(f"out is {got}; expected {want}")
-    return out
-
-
 def quantize(
     v: torch.Tensor,
     scales: torch.Tensor,
@@ -237,7 +146,7 @@ def quantize(
     out = output_for(out, (t, h, d), fp8_dtype, v.device, same_dtype=True)
     if v.numel() == 0:
         return out
-    ts = _token_scales(scales, scope, t, h, page_size)
+    ts = token_scales(scales, scope, t, h, page_size)
     bt = _block_tokens(h, d, None)
     scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=v.device)
     for t0 in range(0, t, bt):
@@ -247,26 +156,6 @@ def quantize(
         buf.div_(ts[t0:t1])  # IEEE fp32 division
         buf.clamp_(-qmax, qmax)
         out[t0:t1].copy_(buf)
-    return out
-
-
-def narrow_scales(scales: torch.Tensor, scale_dtype: torch.dtype, scope: ScaleScope) -> torch.Tensor:
-    """``scales`` cast to the stored dtype; refuses a group whose scale the cast ruins.
-
-    fp16 scales overflow above 65504 (an fp32 V with amax > 2.9e7) and flush to
-    zero below 6e-8 (amax < 2.7e-5): LMCache writes such blobs, and they decode
-    to Inf/NaN. kvcodec refuses them, naming the group.
-    """
-    out = scales.to(scale_dtype)
-    if scale_dtype == torch.float32:
-        return out
-    bad = ~(torch.isfinite(out) & (out > 0)) & torch.isfinite(scales)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
-        raise UnsupportedConfigError(
-            f"scale {float(scales[idx] if idx else scales):.3g} of {_group_name(scope, idx)} does not fit "
-            f"{scale_dtype} (it becomes {float(out[idx] if idx else out)}); use scale_dtype=torch.float32"
-        )
     return out
 
 
@@ -330,7 +219,7 @@ def dequantize(
     out = output_for(out, (t, h, d), out_dtype, q.device, same_dtype=False)
     if q.numel() == 0:
         return out
-    ts = _token_scales(scales.to(q.device), scope, t, h, page_size)
+    ts = token_scales(scales.to(q.device), scope, t, h, page_size)
     bt = _block_tokens(h, d, None)
     scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=q.device)
     # On CPU, widen q/256 by bit operations and multiply by 256*scale: the
@@ -361,3 +250,40 @@ def dequantize(
             buf.mul_(ts[t0:t1])
         out[t0:t1].copy_(buf)
     return out
+
+
+class ReferenceBackend:
+    """The :class:`~kvcodec.backends.base.Backend` in torch ops: never declines."""
+
+    name = "torch"
+
+    def encode_v(
+        self,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scales (as stored) and FP8 codes of ``v``."""
+        g = groups
+        scales = compute_scales(v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite)
+        scales = narrow_scales(scales, scale_dtype, g.scope)
+        quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
+        return scales
+
+    def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
+        """FP8 codes of ``v`` with the caller's scales."""
+        g = groups
+        return quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
+
+    def dequantize(
+        self, q: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``float(q) * scale`` into ``out``."""
+        g = groups
+        return dequantize(q, scales, g.scope, page_size=g.page_size, out_dtype=out.dtype, out=out)
+
+
+BACKEND = ReferenceBackend()

@@ -1,0 +1,66 @@
+"""The one interface every backend implements, and how a backend declines a request.
+
+A backend turns V (token-major ``[tokens, heads, head_dim]``) into scales and
+FP8 codes and back. It never parses, never checksums and never starts threads.
+A backend that cannot serve a particular call (a dtype, an alignment, NaN in
+the data...) raises :class:`Declined` *before writing any output*; the
+dispatcher in :mod:`kvcodec.backends` then runs the reference and records why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..numerics import NonFinitePolicy, ScaleScope
+
+__all__ = ["Backend", "Declined", "Groups", "NonFinitePolicy"]
+
+
+class Declined(Exception):
+    """Raised by a backend that cannot serve a call; the dispatcher runs the reference instead."""
+
+
+@dataclass(frozen=True)
+class Groups:
+    """How V's elements are grouped under one scale, and the FP8 format they are cast to."""
+
+    scope: ScaleScope
+    """PER_TENSOR, PER_LAYER_HEAD or PER_PAGE_HEAD (external scales take the scope of their shape)."""
+    page_size: int | None = None
+    """Tokens per page (PER_PAGE_HEAD only; a partial last page is its own group)."""
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Scales, FP8 codes and dequantized V, bit-exact with the reference (``backend="torch"``)."""
+
+    name: str
+
+    def encode_v(
+        self,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Compute V's scales, write its FP8 codes into ``out``; return the scales as stored (``scale_dtype``).
+
+        Quantization uses the scales after their cast to ``scale_dtype``, as LMCache does.
+        """
+        ...
+
+    def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
+        """FP8 codes of ``v / scale`` (RNE, saturating) into ``out``, with the caller's scales."""
+        ...
+
+    def dequantize(
+        self, q: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``float(q) * scale`` rounded once to ``out.dtype`` (fp16, bf16 or fp32), into ``out``."""
+        ...

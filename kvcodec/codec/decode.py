@@ -1,0 +1,346 @@
+"""Decode: an LMCKV blob -> shaped K and V, in three stages (parse, check, materialise).
+
+1. :func:`decode` parses the buffer (bounds, then CRC, then consistency) and
+   checks the identity hashes;
+2. :class:`DecodeRequest` holds the validated arguments (output buffers,
+   device, shape);
+3. :func:`decode_parsed` builds K (bit-exact) and V (raw FP8, or dequantized
+   by the chosen backend) over the payload, zero-copy where it can.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import backends
+from ..errors import UnsupportedConfigError
+from ..format import Header, ParsedBlob, ScaleScheme, ScaleScope, check_consistency, parse
+from ..numerics import FP8_DTYPES
+from .dtypes import VDTYPES, to_torch
+from .encode import _as_scales, external_scope
+from .layout import check_hashes
+
+__all__ = ["DecodeRequest", "DecodedKV", "decode", "decode_parsed"]
+
+# torch warns that a tensor over a read-only buffer is writable; kvcodec only
+# reads such views (or clones them at once). Filtered once, for kvcodec's modules.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=r"kvcodec(\.|$)"
+)
+
+_COMPUTED = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+
+
+class DecodedKV(NamedTuple):
+    """What :func:`decode` returns."""
+
+    k: torch.Tensor | None
+    """K ``[tokens, heads, head_dim]`` at its stored dtype (None if the blob holds no K)."""
+    v: torch.Tensor
+    """V: raw FP8, or dequantized to the requested dtype, ``[tokens, heads, head_dim]``."""
+    scales: torch.Tensor | None
+    """V's scales as stored (scale_shape); None for external scopes without given scales."""
+    header: Header
+
+
+# ----------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------
+
+
+def _device(device: Any, out_k: Any, out_v: Any) -> torch.device:
+    if device is None:
+        t = out_v if out_v is not None else out_k
+        return t.device if t is not None else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise UnsupportedConfigError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedConfigError(f"device {dev} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise UnsupportedConfigError(f"device {dev}: kvcodec decodes to cpu or cuda")
+    return dev
+
+
+def _check_shape(shape: Any) -> tuple[int, int, int] | None:
+    if shape is None:
+        return None
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise UnsupportedConfigError(f"shape must be (tokens, heads, head_dim); got {shape!r}") from None
+    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        raise UnsupportedConfigError(f"shape must be three non-negative ints (tokens, heads, head_dim); got {shape!r}")
+    return dims  # type: ignore[return-value]
+
+
+def _check_out(name: str, t: Any, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """A caller's output tensor: dense, writable in place, no self-overlap, no autograd."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedConfigError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided or t.device.type == "meta":
+        raise UnsupportedConfigError(f"{name} must be a dense strided tensor; got {t.layout} on {t.device}")
+    if t.requires_grad:
+        raise UnsupportedConfigError(f"{name} requires grad; decode writes in place (pass a detached tensor)")
+    if dtype is not None and t.dtype != dtype:
+        raise UnsupportedConfigError(f"{name} is {t.dtype}; the blob holds {dtype} (K is copied bit-exact, never converted)")
+    if torch._debug_has_internal_overlap(t) == 1:  # 1: certainly overlapping (2: too hard to tell)
+        raise UnsupportedConfigError(f"{name} has elements sharing memory (e.g. made by expand); it cannot be written")
+    return t
+
+
+def _fits(name: str, t: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    """``t`` is ``[tokens, heads, head_dim]``, or ``[..., heads, head_dim]`` whose leading dims hold the tokens."""
+    if t.dim() < 2 or tuple(t.shape[-2:]) != shape[1:] or math.prod(t.shape[:-2]) != shape[0]:
+        raise UnsupportedConfigError(
+            f"{name} has shape {tuple(t.shape)}; the blob's is {shape} (leading dims may split the tokens)"
+        )
+
+
+def _overlaps(t: torch.Tensor, src: memoryview) -> bool:
+    """Whether ``t``'s memory range intersects the source buffer's."""
+    if t.device.type != "cpu" or not len(src) or not t.numel():
+        return False
+    base = torch.frombuffer(src, dtype=torch.uint8).data_ptr()
+    lo = t.data_ptr()
+    hi = lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return lo < base + len(src) and base < hi
+
+
+@dataclass
+class DecodeRequest:
+    """decode's validated arguments."""
+
+    device: torch.device
+    out_v_dtype: torch.dtype | None
+    out_k: torch.Tensor | None = None
+    out_v: torch.Tensor | None = None
+    shape: tuple[int, int, int] | None = None
+    scales: Any = None
+    copy: bool = False
+    backend: str | None = None
+
+    @property
+    def raw_v(self) -> bool:
+        """Whether V comes back as its FP8 codes."""
+        return self.out_v_dtype is None or self.out_v_dtype in FP8_DTYPES
+
+
+def _request(h: Header, **kw: Any) -> DecodeRequest:
+    v_dtype = to_torch(h.v_dtype)
+    if v_dtype not in FP8_DTYPES:
+        raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+    out_k = _check_out("out_k", kw["out_k"], to_torch(h.k_dtype))
+    out_v = _check_out("out_v", kw["out_v"], None)
+    out_v_dtype = kw["out_v_dtype"]
+    if out_v is not None:
+        if out_v_dtype is None:
+            out_v_dtype = out_v.dtype
+        elif out_v_dtype != out_v.dtype:
+            raise UnsupportedConfigError(f"out_v is {out_v.dtype} but out_v_dtype={out_v_dtype}")
+    if out_v_dtype is not None and out_v_dtype != v_dtype and out_v_dtype not in VDTYPES:
+        raise UnsupportedConfigError(
+            f"V decodes to raw {h.v_dtype} or to float16, bfloat16 or float32; got {out_v_dtype}"
+        )
+    return DecodeRequest(
+        device=_device(kw["device"], out_k, out_v),
+        out_v_dtype=None if out_v_dtype == v_dtype else out_v_dtype,
+        out_k=out_k,
+        out_v=out_v,
+        shape=_check_shape(kw["shape"]),
+        scales=kw["scales"],
+        copy=bool(kw["copy"]),
+        backend=kw["backend"],
+    )
+
+
+# ----------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------
+
+
+def decode(
+    blob: Any,
+    *,
+    out_v_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    expected_hashes: Any = None,
+    strict_hashes: bool = False,
+    scales: torch.Tensor | float | None = None,
+    out_k: torch.Tensor | None = None,
+    out_v: torch.Tensor | None = None,
+    shape: tuple[int, int, int] | None = None,
+    copy: bool = False,
+    verify_crc: bool = True,
+    strict: bool = False,
+    backend: str | None = None,
+) -> DecodedKV:
+    """Decode a blob (any buffer, or a :class:`ParsedBlob`) into shaped K and V.
+
+    V comes back as raw FP8 (``out_v_dtype=None``) or dequantized to fp16,
+    bf16 or fp32, for every scope. ``out_k``/``out_v`` receive the results in
+    place (any strides; ``out_k`` of K's own dtype); ``out_v``'s dtype picks
+    raw or dequantized V when ``out_v_dtype`` is not given. On CPU, K and raw
+    V are views into ``blob`` when it is writable and ``copy`` is False.
+    ``scales`` supplies an external scope's scales; ``shape`` = (tokens,
+    heads, head_dim) for blobs whose writer left the layout fields unset.
+    """
+    parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
+    if expected_hashes is not None:
+        check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
+    req = _request(
+        parsed.header, out_v_dtype=out_v_dtype, device=device, scales=scales, out_k=out_k, out_v=out_v,
+        shape=shape, copy=copy, backend=backend,
+    )  # fmt: skip
+    return decode_parsed(parsed.header, parsed.payload, req)
+
+
+def _shape(h: Header, n: int, given: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+    """(tokens, heads, head_dim) of the payload: from ``shape=``, else the layout fields (None: unknown)."""
+    if given is not None:
+        if math.prod(given) != n:
+            raise UnsupportedConfigError(f"shape {given} does not hold the blob's {n} elements as (T, H, D)")
+        return given
+    if h.kv_head_count > 0 and h.head_dim > 0:
+        return (n // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim)
+    if n == 0:
+        return (0, max(h.kv_head_count, 1), max(h.head_dim, 1))
+    return None
+
+
+def _tensor(mv: memoryview, dtype: torch.dtype, own: bool) -> torch.Tensor:
+    """A tensor over ``mv``: a view, or a copy when ``own`` (a read-only buffer or ``copy=True``)."""
+    if not len(mv):
+        return torch.empty(0, dtype=dtype)
+    t = torch.frombuffer(mv, dtype=torch.uint8)
+    return (t.clone() if own else t).view(dtype)
+
+
+def _kv_tensors(h: Header, payload: memoryview, req: DecodeRequest) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Flat K (None when the blob has none) and FP8 V on the request's device."""
+    k_len, v_len = h.k_payload_len, h.v_payload_len
+    has_k = bool(k_len) or not v_len  # an empty chunk has an (empty) K
+    k_dt, v_dt = to_torch(h.k_dtype), to_torch(h.v_dtype)
+    if req.device.type != "cpu":
+        raw = _tensor(payload[: k_len + v_len], torch.uint8, False).to(req.device)
+        return (raw[:k_len].view(k_dt) if has_k else None), raw[k_len:].view(v_dt)
+    own = payload.readonly or req.copy
+    v_read_only = not req.raw_v or req.out_v is not None  # V is only read: never copied
+    if own and not v_read_only and k_len + v_len:
+        both = _tensor(payload[: k_len + v_len], torch.uint8, True)  # one copy of K and V together
+        return (both[:k_len].view(k_dt) if has_k else None), both[k_len:].view(v_dt)
+    k = _tensor(payload[:k_len], k_dt, own and req.out_k is None) if has_k else None
+    return k, _tensor(payload[k_len : k_len + v_len], v_dt, False)
+
+
+def _scale_tensor(h: Header, payload: memoryview, req: DecodeRequest) -> torch.Tensor | None:
+    """V's scales: stored, unit, or the caller's for an external scope."""
+    dev, s_dt = req.device, to_torch(h.scale_dtype)
+    if h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT:
+        return torch.ones((), dtype=torch.float32, device=dev)
+    if h.scale_payload_len:
+        off = h.k_payload_len + h.v_payload_len
+        s_t = _tensor(payload[off : off + h.scale_payload_len], s_dt, True).reshape(h.scale_shape).to(dev)
+        if req.scales is not None:
+            given = _as_scales(req.scales, dev, s_dt)
+            if given.numel() != s_t.numel() or not torch.equal(given.reshape(s_t.shape), s_t):
+                raise UnsupportedConfigError("scales= given, but the blob stores its own, different scales")
+        return s_t
+    if h.scale_scope in _COMPUTED and math.prod(h.scale_shape) == 0:
+        return torch.empty(h.scale_shape, dtype=s_dt, device=dev)
+    if h.scale_scope == ScaleScope.EXTERNAL and req.scales is not None:
+        return _as_scales(req.scales, dev, s_dt)  # quantized with them cast to the blob's scale dtype
+    return None
+
+
+def _into(name: str, dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, int, int], payload: memoryview) -> None:
+    _fits(name, dst, shape)
+    if _overlaps(dst, payload):
+        raise UnsupportedConfigError(f"{name} overlaps the blob being decoded; decode into separate memory")
+    dst.copy_(src.view(dst.shape))
+
+
+def _groups(h: Header, s_t: torch.Tensor, shape: tuple[int, int, int] | None, n: int) -> tuple[backends.Groups, tuple[int, int, int]]:
+    """The scale grouping V was quantized with, and the shape to dequantize it in."""
+    if h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT:
+        scope = ScaleScope.PER_TENSOR
+    elif h.scale_scope == ScaleScope.EXTERNAL:
+        scope = external_scope(s_t, shape[1] if shape is not None else 1)
+    else:
+        scope = h.scale_scope
+    if shape is None:
+        if scope != ScaleScope.PER_TENSOR:
+            raise UnsupportedConfigError(
+                f"the blob leaves kv_head_count/head_dim unset and its {h.scale_scope.name} scales need "
+                "them: pass shape=(tokens, heads, head_dim)"
+            )
+        shape = (1, 1, n)  # one scale for all: any grouping of the elements will do
+    ps = h.page_size if h.page_size > 0 else None
+    return backends.Groups(scope, ps, to_torch(h.v_dtype)), shape
+
+
+def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: DecodeRequest,
+                shape: tuple[int, int, int] | None, payload: memoryview) -> torch.Tensor:
+    """V dequantized into ``req.out_v`` (or a new tensor of ``shape``, flat when unknown)."""
+    if s_t is None:
+        raise UnsupportedConfigError("cannot dequantize an external-scope blob without its scales: pass scales=")
+    n = v_t.numel()
+    groups, dq_shape = _groups(h, s_t, shape, n)
+    be = backends.select(req.backend, req.device)
+    dst = req.out_v
+    target = None
+    if dst is not None:
+        _fits("out_v", dst, dq_shape if shape is not None else (n, 1, 1))
+        if _overlaps(dst, payload):
+            raise UnsupportedConfigError("out_v overlaps the blob being decoded; decode into separate memory")
+        try:
+            target = dst.view(dq_shape)  # written in place
+        except RuntimeError:
+            target = None  # strides that cannot take that shape: go through a temporary
+    in_place = target is not None
+    if target is None:
+        target = torch.empty(dq_shape, dtype=req.out_v_dtype, device=req.device)
+    backends.call(be, "dequantize", v_t.reshape(dq_shape), s_t, groups, out=target)
+    if dst is None:
+        return target if shape is not None else target.reshape(-1)
+    if not in_place:
+        dst.copy_(target.reshape(dst.shape))
+    return dst
+
+
+def decode_parsed(h: Header, payload: memoryview, req: DecodeRequest) -> DecodedKV:
+    """Decode from a header and its payload view (see :func:`decode`).
+
+    Without layout fields and without ``shape``, K and V come back flat; they
+    can still be dequantized where the scope needs no layout (per tensor, unit).
+    """
+    check_consistency(h)  # a header-level parse (consistency=False) left this to decode
+    n = h.v_payload_len // h.v_dtype.itemsize
+    shape = _shape(h, n, req.shape)
+    k_t, v_t = _kv_tensors(h, payload, req)
+    s_t = _scale_tensor(h, payload, req)
+    if shape is not None:
+        k_t = k_t.view(shape) if k_t is not None else None
+        v_t = v_t.view(shape)
+    flat = (n, 1, 1) if shape is None else shape
+    if req.out_k is not None:
+        if k_t is None:
+            raise UnsupportedConfigError("out_k given but the blob holds no K")
+        _into("out_k", req.out_k, k_t, flat, payload)
+        k_t = req.out_k
+    if not req.raw_v:
+        return DecodedKV(k_t, _dequantize(h, v_t, s_t, req, shape, payload), s_t, h)
+    if req.out_v is not None:
+        if req.out_v.dtype != v_t.dtype:
+            raise UnsupportedConfigError(f"out_v is {req.out_v.dtype}; raw V is {v_t.dtype}")
+        _into("out_v", req.out_v, v_t, flat, payload)
+        v_t = req.out_v
+    return DecodedKV(k_t, v_t, s_t, h)

@@ -1,0 +1,450 @@
+"""Encode: K/V tensors -> one LMCKV blob, in three stages (plan, write, seal).
+
+1. :func:`plan_encode` validates the tensors and the :class:`EncodeSpec` and
+   lays out the header: nothing is written yet.
+2. :func:`write_payload` fills ``K ‖ V ‖ scales`` straight into the output
+   buffer: K copied bit-exact, V quantized by the chosen backend.
+3. :func:`seal` packs the header in front of the payload with its CRC.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import backends
+from ..errors import UnsupportedConfigError
+from ..format import (
+    Hashes,
+    Header,
+    HeaderPacker,
+    ScaleScheme,
+    ScaleScope,
+    as_bytes_view,
+    header_size,
+    pack_header_into,
+    payload_crc,
+)
+from ..numerics import FP8_DTYPES, check_finite_amax, scale_shape
+from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
+from .layout import normalize_layout, resolve_scope
+from .spec import EncodeSpec
+
+__all__ = ["EncodePlan", "encode", "encode_layers", "encoded_size", "plan_encode", "seal", "write_payload"]
+
+_COMPUTED = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+
+
+@dataclass
+class EncodePlan:
+    """A validated encode: the header to write and what fills the payload."""
+
+    header: Header
+    k: torch.Tensor | None
+    """K, token-major ``[tokens, heads, head_dim]`` (None for a V-only blob)."""
+    v: torch.Tensor
+    """V token-major: floats to quantize, or FP8 codes to pass through (``fp8_given``)."""
+    fp8_given: bool
+    scales: torch.Tensor | None
+    """Scales to quantize with (external, precomputed, raw's unit); None: computed from V."""
+    groups: backends.Groups
+    backend: backends.Backend
+    nonfinite: str
+
+    @property
+    def fusable(self) -> bool:
+        """Whether one fused Triton launch can write K, FP8 V and the scales."""
+        h = self.header
+        return (
+            self.backend.name == "triton"
+            and self.scales is None
+            and self.k is not None
+            and str(h.k_dtype) in ("float16", "bfloat16")
+            and h.v_payload_len > 0
+            and str(h.scale_dtype) == "float32"
+            and self.nonfinite == "error"
+        )
+
+
+# ----------------------------------------------------------------------------
+# Stage 1: plan
+# ----------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, x: Any) -> torch.Tensor:
+    """A dense, materialised tensor (not meta, sparse, nested), detached from autograd."""
+    if not isinstance(x, torch.Tensor):
+        raise UnsupportedConfigError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.is_nested or x.layout != torch.strided or x.device.type == "meta":
+        raise UnsupportedConfigError(f"{name} must be a dense strided tensor with data; got {x.layout} on {x.device}")
+    return x.detach()
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UnsupportedConfigError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise UnsupportedConfigError(f"{name} must be >= {minimum}; got {value}")
+    return value
+
+
+def _check_options(spec: EncodeSpec) -> tuple[ScaleScope, int]:
+    """Scope and header version, after the dtype and policy options are checked."""
+    sc = resolve_scope(spec.scope)
+    if spec.v_dtype == torch.float8_e5m2 and not spec.allow_e5m2:
+        raise UnsupportedConfigError("float8_e5m2 V is opt-in: pass allow_e5m2=True")
+    if spec.v_dtype not in FP8_DTYPES:
+        raise UnsupportedConfigError(f"v_dtype must be float8_e4m3fn or float8_e5m2; got {spec.v_dtype}")
+    if spec.scale_dtype not in SCALE_DTYPES:
+        raise UnsupportedConfigError(f"scale_dtype must be float32 or float16; got {spec.scale_dtype}")
+    if spec.nonfinite not in ("error", "saturate"):
+        raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {spec.nonfinite!r}")
+    version = spec.version
+    if sc == ScaleScope.NONE:
+        version = max(version, 2) if isinstance(version, int) else version
+    if version not in (1, 2) or isinstance(version, bool):
+        raise UnsupportedConfigError(f"header version must be 1 or 2; got {version!r}")
+    for name in ("layer_id", "chunk_id", "chunk_size", "kv_head_count", "head_dim"):
+        _check_int(name, getattr(spec, name), -1)
+    _check_int("page_size", spec.page_size, 1)
+    return sc, version
+
+
+def _token_major(
+    k: Any, v: Any, spec: EncodeSpec
+) -> tuple[torch.Tensor | None, torch.Tensor, bool, int | None]:
+    """K and V (or precomputed FP8 V) as ``[tokens, heads, head_dim]``, and the page size."""
+    q = spec.precomputed_v_quant
+    src = _check_tensor("precomputed_v_quant" if v is None else "v", v if v is not None else q)
+    if src is None:
+        raise UnsupportedConfigError("encode needs v, or precomputed_v_quant with its scales")
+    ax = {"head_axis": spec.head_axis, "page_axis": spec.page_axis}
+    v3, lay = normalize_layout(src, **ax)
+    if q is not None:
+        q = _check_tensor("precomputed_v_quant", q)
+        if q.dtype != spec.v_dtype:
+            raise UnsupportedConfigError(f"encode: precomputed_v_quant dtype {q.dtype} != codec {spec.v_dtype}")
+        if tuple(q.shape) != tuple(src.shape):
+            raise UnsupportedConfigError(f"precomputed_v_quant shape {tuple(q.shape)} != V {tuple(src.shape)}")
+        v3 = normalize_layout(q, **ax)[0]
+    elif v3.dtype not in VDTYPES:
+        raise UnsupportedConfigError(f"V dtype must be float16, bfloat16 or float32; got {v3.dtype}")
+    k3 = None
+    if k is not None:
+        k = _check_tensor("k", k)
+        if tuple(k.shape) != tuple(src.shape):
+            raise UnsupportedConfigError(
+                f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(src.shape)}"
+            )
+        if k.dtype not in KDTYPES:
+            raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
+        if k.device != src.device:
+            raise UnsupportedConfigError(f"K is on {k.device} but V on {src.device}")
+        k3 = normalize_layout(k, **ax)[0]
+    ps = spec.page_size if spec.page_size is not None else lay.page_size
+    return k3, v3, q is not None, ps
+
+
+def _as_scales(scales: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Caller scales (tensor, float, numpy) as a tensor of the blob's scale dtype."""
+    if isinstance(scales, torch.Tensor):
+        _check_tensor("scales", scales)
+    try:
+        return torch.as_tensor(scales).to(device=device, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UnsupportedConfigError(f"scales must be a tensor or a number; got {type(scales).__name__}: {e}") from None
+
+
+def external_scope(scales: torch.Tensor, heads: int) -> ScaleScope:
+    """The computed scope whose scale shape ``scales`` has (for external scales)."""
+    if scales.dim() == 0 or (scales.dim() == 1 and scales.shape[0] == 1 and heads != 1):
+        return ScaleScope.PER_TENSOR
+    if scales.dim() == 1 and scales.shape[0] == heads:
+        return ScaleScope.PER_LAYER_HEAD
+    if scales.dim() == 2 and scales.shape[1] == heads:
+        return ScaleScope.PER_PAGE_HEAD
+    raise UnsupportedConfigError(
+        f"external scales of shape {tuple(scales.shape)} fit no scope: expected (), ({heads},) or (pages, {heads})"
+    )
+
+
+def _plan_scales(
+    spec: EncodeSpec, sc: ScaleScope, v3: torch.Tensor, fp8_given: bool, ps: int | None
+) -> tuple[torch.Tensor | None, ScaleScope]:
+    """The scales to quantize with (None: computed) and the grouping they imply."""
+    dev, heads = v3.device, v3.shape[1]
+    if sc == ScaleScope.NONE:
+        if spec.scales is not None:
+            raise UnsupportedConfigError("scope raw has unit scales; scales= does not apply")
+        return torch.ones((), dtype=torch.float32, device=dev), ScaleScope.PER_TENSOR
+    given = spec.precomputed_v_scales if fp8_given else spec.scales
+    if fp8_given and given is None:
+        raise UnsupportedConfigError("encode: precomputed_v_quant requires precomputed_v_scales")
+    if given is None:
+        if sc == ScaleScope.EXTERNAL:
+            raise UnsupportedConfigError("scope external needs the caller's scales (scales=...)")
+        if sc == ScaleScope.PER_PAGE_HEAD and ps is None:
+            raise UnsupportedConfigError(
+                "per_page_head needs page_size= or a paged [pages, page_size, heads, head_dim] input"
+            )
+        return None, sc
+    if not fp8_given and sc != ScaleScope.EXTERNAL:
+        raise UnsupportedConfigError("scales= is for scope external; use precomputed_v_scales")
+    scales = _as_scales(given, dev, spec.scale_dtype)
+    group_scope = external_scope(scales, heads) if sc == ScaleScope.EXTERNAL else sc
+    if group_scope == ScaleScope.PER_PAGE_HEAD and ps is None:
+        raise UnsupportedConfigError("(pages, heads) scales need page_size")
+    want = scale_shape(group_scope, v3.shape[0], heads, ps)
+    if tuple(scales.shape) != want and not (sc == ScaleScope.EXTERNAL and scales.numel() == 1 and want == ()):
+        raise UnsupportedConfigError(
+            f"scales of shape {tuple(scales.shape)} do not fit scope {sc.name} over {v3.shape[0]} tokens x "
+            f"{heads} heads (page_size {ps}); expected {want}"
+        )
+    return scales.reshape(want), group_scope
+
+
+def _make_header(spec: EncodeSpec, plan: dict[str, Any]) -> Header:
+    sc, version, k3, v3, ps, scales = (plan[n] for n in ("sc", "version", "k3", "v3", "ps", "scales"))
+    tokens, heads, dim = v3.shape
+    computed = sc in _COMPUTED
+    store = spec.store_scales
+    if store is None or sc == ScaleScope.NONE:
+        store = computed
+    elif computed and not store:
+        raise UnsupportedConfigError(f"scope {sc.name} always stores its scales")
+    if scales is None:
+        shape = scale_shape(sc, tokens, heads, ps)
+    else:
+        shape = tuple(scales.shape) if sc != ScaleScope.NONE else ()
+    given = {"kv_head_count": heads, "head_dim": dim}
+    for name, actual in given.items():
+        value = getattr(spec, name)
+        if value is not None and value not in (-1, actual):
+            raise UnsupportedConfigError(f"{name}={value} but the tensors have {actual}")
+    if spec.chunk_size not in (None, -1) and spec.chunk_size < tokens:
+        raise UnsupportedConfigError(f"chunk_size={spec.chunk_size} is smaller than the {tokens} tokens given")
+    k_dtype = k3.dtype if k3 is not None else torch.float16
+    elems = tokens * heads * dim
+    return Header(
+        k_dtype=k_dtype,
+        v_dtype=spec.v_dtype,
+        scale_dtype=spec.scale_dtype,
+        scale_scope=sc,
+        version=version,
+        scale_scheme=ScaleScheme.UNIT if sc == ScaleScope.NONE else ScaleScheme.COMPUTED,
+        layer_id=spec.layer_id,
+        chunk_id=spec.chunk_id,
+        chunk_size=tokens if spec.chunk_size is None else spec.chunk_size,
+        page_size=-1 if ps is None else ps,
+        kv_head_count=heads if spec.kv_head_count is None else spec.kv_head_count,
+        head_dim=dim if spec.head_dim is None else spec.head_dim,
+        scale_shape=shape,
+        k_payload_len=elems * k_dtype.itemsize if k3 is not None else 0,
+        v_payload_len=elems,
+        scale_payload_len=(math.prod(shape) if store else 0) * spec.scale_dtype.itemsize,
+        hashes=Hashes.coerce(spec.hashes),
+    )
+
+
+def plan_encode(k: Any, v: Any, spec: EncodeSpec) -> EncodePlan:
+    """Validate an encode and lay out its blob: everything short of writing it."""
+    sc, version = _check_options(spec)
+    k3, v3, fp8_given, ps = _token_major(k, v, spec)
+    scales, group_scope = _plan_scales(spec, sc, v3, fp8_given, ps)
+    parts = {"sc": sc, "version": version, "k3": k3, "v3": v3, "ps": ps, "scales": scales}
+    header = _make_header(spec, parts)
+    return EncodePlan(
+        header=header,
+        k=k3,
+        v=v3,
+        fp8_given=fp8_given,
+        scales=scales,
+        groups=backends.Groups(group_scope, ps, spec.v_dtype),
+        backend=backends.select(spec.backend, v3.device),
+        nonfinite=spec.nonfinite,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Stage 2: write the payload
+# ----------------------------------------------------------------------------
+
+
+def _sections(p: EncodePlan, payload: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """K, V-code and scale-byte views of a payload tensor (uint8, on any device)."""
+    h = p.header
+    k_len, v_len = h.k_payload_len, h.v_payload_len
+    shape = tuple(p.v.shape)
+    k_dst = payload[:k_len].view(to_torch(h.k_dtype)).view(shape) if k_len else None
+    q_dst = payload[k_len : k_len + v_len].view(to_torch(h.v_dtype)).view(shape) if v_len else None
+    return k_dst, q_dst, payload[k_len + v_len :]
+
+
+def write_payload(p: EncodePlan, payload: torch.Tensor) -> None:
+    """Fill ``payload`` (uint8, ``header.payload_len`` bytes, on V's device) with K, FP8 V and the scales."""
+    if p.fusable:
+        amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)  # type: ignore[attr-defined]
+        check_finite_amax(amax, p.groups.scope)
+        return
+    k_dst, q_dst, s_dst = _sections(p, payload)
+    if k_dst is not None:
+        k_dst.copy_(p.k)
+    scales = p.scales
+    if q_dst is None:  # an empty chunk: the scales of nothing
+        if scales is None:
+            scales = torch.ones(p.header.scale_shape, dtype=to_torch(p.header.scale_dtype), device=p.v.device)
+    elif p.fp8_given:
+        q_dst.copy_(p.v)
+    elif scales is None:
+        scale_dtype = to_torch(p.header.scale_dtype)
+        scales = backends.call(
+            p.backend, "encode_v", p.v, p.groups, scale_dtype=scale_dtype, nonfinite=p.nonfinite, out=q_dst
+        )
+    else:
+        backends.call(p.backend, "quantize", p.v, scales, p.groups, out=q_dst)
+    if len(s_dst):
+        s_dst.copy_(scales.contiguous().reshape(-1).view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------
+# Stage 3: seal
+# ----------------------------------------------------------------------------
+
+
+def seal(buf: memoryview, h: Header) -> int:
+    """Pack ``h``'s header at the start of ``buf`` (payload already in place) with its CRC; return the blob size."""
+    hs = pack_header_into(buf, h, 0)
+    crc = payload_crc(h, buf[: hs - 4], (buf[hs : hs + h.payload_len],))
+    buf[hs - 4 : hs] = crc.to_bytes(4, "little")
+    return hs + h.payload_len
+
+
+def _out_view(out: Any, size: int) -> memoryview:
+    mv = as_bytes_view(out)
+    if mv.readonly:
+        raise UnsupportedConfigError(f"out is a read-only {type(out).__name__}")
+    if len(mv) < size:
+        raise UnsupportedConfigError(f"out holds {len(mv)} bytes; this blob needs {size}")
+    return mv[:size]
+
+
+def _write_blob(p: EncodePlan, out: Any = None) -> tuple[Any, memoryview]:
+    """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view."""
+    hs = header_size(p.header)
+    size = hs + p.header.payload_len
+    owner = bytearray(size) if out is None else out
+    mv = _out_view(owner, size)
+    if p.v.device.type == "cpu":
+        payload = torch.frombuffer(mv[hs:], dtype=torch.uint8) if p.header.payload_len else torch.empty(0, dtype=torch.uint8)
+        write_payload(p, payload)
+    else:
+        dev_payload = torch.empty(p.header.payload_len, dtype=torch.uint8, device=p.v.device)
+        write_payload(p, dev_payload)
+        torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
+    seal(mv, p.header)
+    return owner, mv
+
+
+def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, **options: Any) -> Any:
+    """Encode one layer's K and V of a chunk into an LMCKV blob.
+
+    ``k``/``v`` are ``[tokens, heads, head_dim]`` or paged ``[pages, page_size,
+    heads, head_dim]`` (other orders via ``head_axis``/``page_axis``); ``k``
+    may be None for a V-only blob. Options are the fields of
+    :class:`EncodeSpec`, given as ``spec`` or as keywords (keywords win).
+    Returns header and payload in one new ``bytearray``; with ``out`` (any
+    writable buffer of at least :func:`encoded_size` bytes) the blob is written
+    there instead and a memoryview of its bytes is returned.
+    """
+    plan = plan_encode(k, v, EncodeSpec.of(spec, options))
+    owner, mv = _write_blob(plan, out)
+    return owner if out is None else mv
+
+
+def encoded_size(k: Any, v: Any, spec: EncodeSpec | None = None, **options: Any) -> int:
+    """Bytes the blob of ``encode(k, v, spec, **options)`` takes (nothing is computed from V's values)."""
+    h = plan_encode(k, v, EncodeSpec.of(spec, options)).header
+    return header_size(h) + h.payload_len
+
+
+# ----------------------------------------------------------------------------
+# Every layer of a chunk
+# ----------------------------------------------------------------------------
+
+
+def encode_layers(
+    ks: Sequence[torch.Tensor | None] | torch.Tensor,
+    vs: Sequence[torch.Tensor] | torch.Tensor,
+    spec: EncodeSpec | None = None,
+    *,
+    layer_ids: Sequence[int] | None = None,
+    **options: Any,
+) -> list[bytearray]:
+    """Encode every layer of a chunk: one blob per layer (stacked ``[L, ...]`` or lists).
+
+    On the Triton backend all layers go through one fused launch and the
+    headers come from one :class:`~kvcodec.format.HeaderPacker` template; the
+    blobs are identical to per-layer :func:`encode` calls.
+    """
+    n = len(vs)
+    if len(ks) != n:
+        raise UnsupportedConfigError(f"{len(ks)} K layers but {n} V layers")
+    ids = list(layer_ids) if layer_ids is not None else list(range(n))
+    if len(ids) != n:
+        raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers")
+    base = EncodeSpec.of(spec, options)
+    if n > 1 and all(k is not None for k in ks):
+        try:
+            plan = plan_encode(ks[0], vs[0], base.replace(layer_id=ids[0]))
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"layer {ids[0]}: {e}") from None
+        if plan.fusable:
+            return _encode_layers_fused(plan, ks, vs, ids, base)  # type: ignore[arg-type]
+    return [encode(ks[i], vs[i], base.replace(layer_id=ids[i])) for i in range(n)]
+
+
+def _same_layers(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
+    for i in range(len(vs)):
+        if vs[i].shape != vs[0].shape or ks[i].shape != ks[0].shape:
+            raise UnsupportedConfigError(
+                f"layer {i} has K {tuple(ks[i].shape)} / V {tuple(vs[i].shape)}; layer 0 has "
+                f"{tuple(ks[0].shape)} / {tuple(vs[0].shape)}"
+            )
+        if ks[i].dtype != ks[0].dtype or vs[i].dtype != vs[0].dtype:
+            raise UnsupportedConfigError(f"layer {i} dtypes differ from layer 0's")
+
+
+def _encode_layers_fused(
+    plan: EncodePlan, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], ids: list[int], spec: EncodeSpec
+) -> list[bytearray]:
+    """All layers in one Triton launch; layer 0's plan validated the arguments and gives the header."""
+    _same_layers(ks, vs)
+    ax = {"head_axis": spec.head_axis, "page_axis": spec.page_axis}
+    k3s = [normalize_layout(x, **ax)[0] for x in ks]
+    v3s = [normalize_layout(x, **ax)[0] for x in vs]
+    h0 = plan.header
+    payloads = torch.empty((len(v3s), h0.payload_len), dtype=torch.uint8, device=plan.v.device)
+    amax = plan.backend.encode_fused_layers(k3s, v3s, plan.groups, payloads)  # type: ignore[attr-defined]
+    bad = ~torch.isfinite(amax.reshape(len(v3s), -1)).all(dim=1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        try:
+            check_finite_amax(amax[i], plan.groups.scope)
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"layer {ids[i]}: {e}") from None
+    host = payloads.cpu()
+    packer = HeaderPacker(h0)
+    blobs = []
+    for j in range(len(v3s)):
+        out = bytearray(packer.size + h0.payload_len)
+        mv = memoryview(out)
+        torch.frombuffer(mv[packer.size :], dtype=torch.uint8).copy_(host[j])
+        packer.pack_into(mv, layer_id=ids[j], chunk_id=h0.chunk_id, payload=mv[packer.size :])
+        blobs.append(out)
+    return blobs

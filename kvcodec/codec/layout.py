@@ -1,0 +1,121 @@
+"""Arguments in the shapes the codec works in: token-major tensors, scopes, identity hashes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CodecMismatchError, UnsupportedConfigError
+from ..format import HASH_KEYS, Hashes, ScaleScope
+
+__all__ = ["Layout", "ScopeLike", "check_hashes", "normalize_layout", "resolve_scope"]
+
+ScopeLike = ScaleScope | int | str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor maps onto token-major ``[tokens, heads, head_dim]``."""
+
+    tokens: int
+    heads: int
+    head_dim: int
+    page_size: int | None
+    """Tokens per page when the input was paged (or pages were named), else None."""
+
+
+_SCOPE_ALIASES = {
+    "per_tensor": ScaleScope.PER_TENSOR,
+    "tensor": ScaleScope.PER_TENSOR,
+    "per_layer_head": ScaleScope.PER_LAYER_HEAD,
+    "layer_head": ScaleScope.PER_LAYER_HEAD,
+    "per_page_head": ScaleScope.PER_PAGE_HEAD,
+    "page_head": ScaleScope.PER_PAGE_HEAD,
+    "external": ScaleScope.EXTERNAL,
+    "none": ScaleScope.NONE,
+    "raw": ScaleScope.NONE,
+}
+
+
+def resolve_scope(scope: ScopeLike) -> ScaleScope:
+    """A :class:`ScaleScope` from an enum, its value, or a name like ``"per_page_head"``."""
+    if isinstance(scope, ScaleScope):
+        return scope
+    if isinstance(scope, str):
+        try:
+            return _SCOPE_ALIASES[scope.lower()]
+        except KeyError:
+            raise UnsupportedConfigError(
+                f"unknown scale scope {scope!r}; expected one of {sorted(_SCOPE_ALIASES)}"
+            ) from None
+    try:
+        return ScaleScope(int(scope))
+    except (ValueError, TypeError):
+        raise UnsupportedConfigError(f"unknown scale scope {scope!r}") from None
+
+
+def _norm_axis(axis: int, ndim: int, name: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise UnsupportedConfigError(f"{name}={axis} out of range for a {ndim}-D tensor")
+    return axis % ndim
+
+
+def normalize_layout(
+    x: torch.Tensor, *, head_axis: int | None = None, page_axis: int | None = None
+) -> tuple[torch.Tensor, Layout]:
+    """View ``x`` as token-major ``[tokens, heads, head_dim]``.
+
+    Accepts ``[tokens, heads, head_dim]``, paged ``[pages, page_size, heads,
+    head_dim]``, or any 3-D/4-D order named by ``head_axis`` (and ``page_axis``
+    for 4-D; in 3-D a ``page_axis`` means one page per index). head_dim is the
+    last axis. No copy is made where a view is possible.
+    """
+    nd = x.dim()
+    if nd not in (3, 4):
+        raise UnsupportedConfigError(
+            f"expected a 3-D [tokens, heads, head_dim] or 4-D [pages, page_size, heads, head_dim] "
+            f"tensor; got shape {tuple(x.shape)}"
+        )
+    h_ax = _norm_axis(-2 if head_axis is None else head_axis, nd, "head_axis")
+    if h_ax == nd - 1:
+        raise UnsupportedConfigError(f"head_axis={head_axis} names the last axis, which is head_dim")
+    p_ax = None if page_axis is None else _norm_axis(page_axis, nd, "page_axis")
+    if p_ax is not None and p_ax in (h_ax, nd - 1):
+        raise UnsupportedConfigError(
+            f"page_axis={page_axis} collides with head_axis={head_axis} or head_dim (last axis)"
+        )
+    rest = [a for a in range(nd - 1) if a != h_ax]
+    if nd == 3:
+        (t_ax,) = rest
+        if p_ax is not None and p_ax != t_ax:
+            raise UnsupportedConfigError(f"page_axis={page_axis} is not the token axis {t_ax}")
+        y = x.permute(t_ax, h_ax, nd - 1)
+        return y, Layout(y.shape[0], y.shape[1], y.shape[2], 1 if p_ax is not None else None)
+    if p_ax is None:
+        p_ax = rest[0]
+    (s_ax,) = [a for a in rest if a != p_ax]
+    y = x.permute(p_ax, s_ax, h_ax, nd - 1)
+    pages, ps, heads, dim = y.shape
+    y = y.reshape(pages * ps, heads, dim)
+    return y, Layout(pages * ps, heads, dim, ps)
+
+
+def check_hashes(got: Hashes, expected: Any, *, strict: bool = False) -> None:
+    """Refuse a blob whose identity hashes differ from ``expected``.
+
+    Empty strings are wildcards on either side, as in LMCache. With
+    ``strict``, a non-empty expected value must also be present in the blob.
+    """
+    exp = Hashes.coerce(expected)
+    for key in HASH_KEYS:
+        ev, gv = getattr(exp, key), getattr(got, key)
+        if not ev:
+            continue
+        if gv and gv != ev:
+            raise CodecMismatchError(f"codec hash mismatch on {key!r}: encoded={gv!r}, expected={ev!r}")
+        if not gv and strict:
+            raise CodecMismatchError(
+                f"codec hash {key!r} missing from the blob (strict): expected={ev!r}, encoded=''"
+            )

@@ -1,0 +1,71 @@
+"""The LMCKV byte format in pure Python: dtype ids, header model and writer, parser, CRC.
+
+Imports neither torch nor kvcodec's C extension (a test proves it), so tools
+that only read headers stay light.
+"""
+
+from __future__ import annotations
+
+from .buffer import as_bytes_view
+from .crc import CRC_BACKEND, crc32
+from .dtypes import DTYPE_TO_ID, ID_TO_DTYPE, DType, as_dtype, dtype_to_id, id_to_dtype
+from .header import (
+    FIXED_HEADER_LEN,
+    HASH_KEYS,
+    MAGIC,
+    MAX_DIM,
+    MAX_ELEMENTS,
+    MAX_HASH_PAIRS,
+    MAX_PAYLOAD_LEN,
+    MAX_SCALE_DIMS,
+    SUPPORTED_VERSIONS,
+    Hashes,
+    Header,
+    HeaderPacker,
+    ScaleScheme,
+    ScaleScope,
+    assemble,
+    check_crc,
+    header_size,
+    pack_header_into,
+    payload_crc,
+    serialize_header,
+)
+from .parser import ParsedBlob, check_consistency, expected_scale_shape, header_fields, parse
+
+__all__ = [
+    "CRC_BACKEND",
+    "DTYPE_TO_ID",
+    "FIXED_HEADER_LEN",
+    "HASH_KEYS",
+    "ID_TO_DTYPE",
+    "MAGIC",
+    "MAX_DIM",
+    "MAX_ELEMENTS",
+    "MAX_HASH_PAIRS",
+    "MAX_PAYLOAD_LEN",
+    "MAX_SCALE_DIMS",
+    "SUPPORTED_VERSIONS",
+    "DType",
+    "Hashes",
+    "Header",
+    "HeaderPacker",
+    "ParsedBlob",
+    "ScaleScheme",
+    "ScaleScope",
+    "as_bytes_view",
+    "as_dtype",
+    "assemble",
+    "check_consistency",
+    "check_crc",
+    "crc32",
+    "dtype_to_id",
+    "expected_scale_shape",
+    "header_fields",
+    "header_size",
+    "id_to_dtype",
+    "pack_header_into",
+    "parse",
+    "payload_crc",
+    "serialize_header",
+]

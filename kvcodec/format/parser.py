@@ -1,0 +1,425 @@
+"""The bounds-checked, zero-copy LMCKV parser.
+
+Validation runs in one pass, in a fixed order, and the first failure raises
+exactly one :class:`~kvcodec.errors.CodecError` subclass:
+
+1. structure: magic, version, enum ids and dtype ids, each field within its
+   named limit, as the fixed header is read;
+2. lengths and bounds: scale dims, hash strings (UTF-8, unique keys), then
+   each payload section against the bytes that remain (never a raw sum);
+3. CRC (unless the caller verified it already): a corrupted blob is reported
+   as such before any consistency complaint its corruption may cause;
+4. consistency: K/V/scale lengths against the layout fields and the scope.
+
+``parse`` returns memoryviews into the caller's buffer; nothing is copied.
+Pure Python: no torch, no extension.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import Any
+
+from ..errors import CorruptEncodedKVError
+from .buffer import as_bytes_view
+from .dtypes import DType, id_to_dtype
+from .header import (
+    _FIXED,
+    _LENS,
+    _U16,
+    _U32,
+    HASH_KEYS,
+    MAGIC,
+    MAX_DIM,
+    MAX_ELEMENTS,
+    MAX_HASH_PAIRS,
+    MAX_PAYLOAD_LEN,
+    MAX_SCALE_DIMS,
+    SUPPORTED_VERSIONS,
+    Hashes,
+    Header,
+    ScaleScheme,
+    ScaleScope,
+    check_crc,
+    payload_crc,
+)
+
+__all__ = ["ParsedBlob", "check_consistency", "expected_scale_shape", "header_fields", "parse"]
+
+
+@dataclass(frozen=True)
+class ParsedBlob:
+    """A parsed blob: its header plus views into the caller's buffer (no copies)."""
+
+    header: Header
+    buffer: memoryview
+    """The whole input buffer, as bytes."""
+    header_len: int
+    crc: int
+    """The CRC stored in the header (verified unless parsing was told not to)."""
+    trailing: int
+    """Bytes after the payload (allowed in v1 unless strict)."""
+    unknown_hashes: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def header_bytes(self) -> memoryview:
+        """The header as stored."""
+        return self.buffer[: self.header_len]
+
+    @property
+    def crc_prefix(self) -> memoryview:
+        """What the CRC covers before the payload: the header up to its CRC field (v2; v1 ignores it)."""
+        return self.buffer[: self.header_len - 4]
+
+    @property
+    def payload(self) -> memoryview:
+        """K ‖ V ‖ scales, a view into the source buffer."""
+        return self.buffer[self.header_len : self.header_len + self.header.payload_len]
+
+    @property
+    def blob(self) -> memoryview:
+        """Header and payload, without trailing bytes."""
+        return self.buffer[: self.header_len + self.header.payload_len]
+
+    @property
+    def k(self) -> memoryview:
+        """K section of the payload."""
+        s = self.header_len
+        return self.buffer[s : s + self.header.k_payload_len]
+
+    @property
+    def v(self) -> memoryview:
+        """V section of the payload."""
+        s = self.header_len + self.header.k_payload_len
+        return self.buffer[s : s + self.header.v_payload_len]
+
+    @property
+    def scales(self) -> memoryview:
+        """Scale section of the payload."""
+        s = self.header_len + self.header.k_payload_len + self.header.v_payload_len
+        return self.buffer[s : s + self.header.scale_payload_len]
+
+
+_SHAPE_STRUCTS = tuple(struct.Struct(f"<{n}q") for n in range(MAX_SCALE_DIMS + 1))
+
+
+class _Reader:
+    """Bounds-checked cursor over a memoryview."""
+
+    __slots__ = ("mv", "n", "off")
+
+    def __init__(self, mv: memoryview) -> None:
+        self.mv = mv
+        self.off = 0
+        self.n = len(mv)
+
+    def need(self, size: int, what: str) -> None:
+        if size > self.n - self.off:
+            raise CorruptEncodedKVError(
+                f"truncated {what}: need {size} bytes at offset {self.off}, "
+                f"{self.n - self.off} remain (buffer is {self.n} bytes)"
+            )
+
+    def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
+        self.need(st.size, what)
+        vals = st.unpack_from(self.mv, self.off)
+        self.off += st.size
+        return vals
+
+    def string(self, what: str, *args: object) -> str:
+        """A u16-length-prefixed UTF-8 string; ``what.format(*args)`` names it in errors only."""
+        mv, off = self.mv, self.off
+        if 2 > self.n - off:
+            self.need(2, what.format(*args) + " length")
+        length = mv[off] | (mv[off + 1] << 8)
+        off += 2
+        self.off = off
+        if length > self.n - off:
+            self.need(length, what.format(*args))
+        self.off = off + length
+        if not length:
+            return ""
+        try:
+            return str(mv[off : off + length], "utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptEncodedKVError(f"{what.format(*args)} at offset {off} is not UTF-8: {e.reason}") from None
+
+
+def _check_layout_int(name: str, value: int, minimum: int) -> None:
+    if value == -1:
+        return
+    if not minimum <= value <= MAX_DIM:
+        raise CorruptEncodedKVError(
+            f"{name}={value} out of range: expected -1 (unset) or {minimum}..{MAX_DIM}"
+        )
+
+
+def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistency: bool = True) -> ParsedBlob:
+    """Parse and validate an LMCKV blob without copying its payload.
+
+    ``buf`` is any C-contiguous buffer (bytes, bytearray, memoryview, mmap,
+    numpy array, ...). ``strict`` refuses trailing bytes after the payload in
+    version 1 (version 2 always refuses them). ``verify_crc=False`` skips the
+    checksum (for callers who verified it already). ``consistency=False``
+    stops after step 3 (a header-level parse, as LMCache's ``deserialize_header``
+    is); decoding such a blob is still checked.
+    """
+    mv = as_bytes_view(buf)
+    r = _Reader(mv)
+    (
+        magic,
+        version,
+        scope_id,
+        k_id,
+        v_id,
+        s_id,
+        reserved,
+        layer_id,
+        chunk_id,
+        chunk_size,
+        page_size,
+        kv_head_count,
+        head_dim,
+        n_scale,
+    ) = r.unpack(_FIXED, "fixed header")
+    if magic != MAGIC:
+        raise CorruptEncodedKVError(f"bad magic: expected {MAGIC!r}, found {bytes(magic)!r}")
+    if version not in SUPPORTED_VERSIONS:
+        raise CorruptEncodedKVError(
+            f"unknown header version {version}; expected one of {SUPPORTED_VERSIONS}"
+        )
+    max_scope = ScaleScope.NONE if version >= 2 else ScaleScope.EXTERNAL
+    if not 0 <= scope_id <= max_scope:
+        raise CorruptEncodedKVError(
+            f"unknown scale_scope id {scope_id} for header version {version}; "
+            f"expected 0..{int(max_scope)}"
+        )
+    scope = ScaleScope(scope_id)
+    k_dtype = id_to_dtype(k_id, "k_dtype")
+    v_dtype = id_to_dtype(v_id, "v_dtype")
+    s_dtype = id_to_dtype(s_id, "scale_dtype")
+    if version == 1:
+        if reserved != 0:
+            raise CorruptEncodedKVError(f"reserved field is {reserved}; expected 0 in version 1")
+        scheme = ScaleScheme.COMPUTED
+    else:
+        if reserved not in (0, 1):
+            raise CorruptEncodedKVError(f"unknown scale scheme {reserved}; expected 0 or 1")
+        scheme = ScaleScheme(reserved)
+    if not 0 <= n_scale <= MAX_SCALE_DIMS:
+        raise CorruptEncodedKVError(
+            f"scale_shape_n={n_scale} out of range: expected 0..{MAX_SCALE_DIMS}"
+        )
+    if layer_id < -1 or chunk_id < -1:
+        raise CorruptEncodedKVError(
+            f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 (unset) or >= 0"
+        )
+    _check_layout_int("chunk_size", chunk_size, 0)
+    _check_layout_int("page_size", page_size, 1)
+    _check_layout_int("kv_head_count", kv_head_count, 1)
+    _check_layout_int("head_dim", head_dim, 1)
+
+    scale_shape = r.unpack(_SHAPE_STRUCTS[n_scale], "scale_shape")
+    for i, d in enumerate(scale_shape):
+        if not 0 <= d <= MAX_DIM:
+            raise CorruptEncodedKVError(f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}")
+
+    k_len, v_len, s_len = r.unpack(_LENS, "payload lengths")
+    for name, n in (("k_payload_len", k_len), ("v_payload_len", v_len), ("scale_payload_len", s_len)):
+        if not 0 <= n <= MAX_PAYLOAD_LEN:
+            raise CorruptEncodedKVError(f"{name}={n} out of range 0..{MAX_PAYLOAD_LEN}")
+
+    (n_pairs,) = r.unpack(_U16, "hash count")
+    if n_pairs > MAX_HASH_PAIRS:
+        raise CorruptEncodedKVError(f"hash count {n_pairs} exceeds the limit of {MAX_HASH_PAIRS}")
+    known: dict[str, str] = {}
+    unknown: list[tuple[str, str]] = []
+    seen: dict[str, int] = {}
+    for i in range(n_pairs):
+        key = r.string("hash key #{}", i)
+        val = r.string("hash value #{} ({!r})", i, key)
+        if key in seen:
+            raise CorruptEncodedKVError(
+                f"duplicate hash key {key!r}: pair #{i} repeats pair #{seen[key]}; expected unique keys"
+            )
+        seen[key] = i
+        if key in HASH_KEYS:
+            known[key] = val
+        else:
+            unknown.append((key, val))
+
+    crc_off = r.off
+    (crc_stored,) = r.unpack(_U32, "payload CRC")
+    header_len = r.off
+
+    # Overflow-safe: compare each length against what remains, never a raw sum.
+    remaining = len(mv) - header_len
+    for name, n in (("K payload", k_len), ("V payload", v_len), ("scale payload", s_len)):
+        if n > remaining:
+            raise CorruptEncodedKVError(
+                f"truncated {name}: header declares {n} bytes, only {remaining} remain "
+                f"(buffer is {len(mv)} bytes, header {header_len})"
+            )
+        remaining -= n
+    payload_len = k_len + v_len + s_len
+    trailing = remaining
+    if trailing and (version >= 2 or strict):
+        raise CorruptEncodedKVError(
+            f"{trailing} trailing bytes after the payload (blob ends at "
+            f"{header_len + payload_len}, buffer is {len(mv)} bytes)"
+        )
+
+    header = Header(
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+        scale_dtype=s_dtype,
+        scale_scope=scope,
+        version=version,
+        scale_scheme=scheme,
+        layer_id=layer_id,
+        chunk_id=chunk_id,
+        chunk_size=chunk_size,
+        page_size=page_size,
+        kv_head_count=kv_head_count,
+        head_dim=head_dim,
+        scale_shape=tuple(scale_shape),
+        k_payload_len=k_len,
+        v_payload_len=v_len,
+        scale_payload_len=s_len,
+        hashes=Hashes(**known),
+    )
+
+    if verify_crc:
+        payload = mv[header_len : header_len + payload_len]
+        check_crc(header, crc_stored, payload_crc(header, mv[:crc_off], (payload,)))
+    if consistency:
+        check_consistency(header)
+    return ParsedBlob(
+        header=header,
+        buffer=mv,
+        header_len=header_len,
+        crc=crc_stored,
+        trailing=trailing,
+        unknown_hashes=tuple(unknown),
+    )
+
+
+def _elements(length: int, dtype: DType, what: str) -> int:
+    if length % dtype.itemsize:
+        raise CorruptEncodedKVError(
+            f"{what} payload of {length} bytes is not a whole number of {dtype} elements"
+        )
+    return length // dtype.itemsize
+
+
+def expected_scale_shape(scope: ScaleScope, tokens: int, heads: int, page_size: int) -> tuple[int, ...] | None:
+    """Scale shape a scope implies for a chunk, or None where it cannot be derived."""
+    if scope == ScaleScope.PER_TENSOR:
+        return ()
+    if scope == ScaleScope.PER_LAYER_HEAD:
+        return (heads,)
+    if scope == ScaleScope.PER_PAGE_HEAD:
+        return (-(-tokens // page_size), heads)
+    return None
+
+
+def check_consistency(h: Header) -> None:
+    """Cross-field checks the reference reader lacks (raises CorruptEncodedKVError)."""
+    k_el = _elements(h.k_payload_len, h.k_dtype, "K")
+    v_el = _elements(h.v_payload_len, h.v_dtype, "V")
+    if k_el and not v_el:
+        raise CorruptEncodedKVError(
+            f"K holds {k_el} elements ({h.k_payload_len} bytes of {h.k_dtype}) but V is empty; "
+            "a blob may omit K, never V"
+        )
+    if k_el and v_el and k_el != v_el:
+        raise CorruptEncodedKVError(
+            f"K holds {k_el} elements ({h.k_payload_len} bytes of {h.k_dtype}) but V holds "
+            f"{v_el} ({h.v_payload_len} bytes of {h.v_dtype}); they must match"
+        )
+    elems = k_el or v_el
+    heads, dim = h.kv_head_count, h.head_dim
+    tokens: int | None = None
+    if heads > 0 and dim > 0:
+        per_tok = heads * dim
+        if per_tok > MAX_ELEMENTS:
+            raise CorruptEncodedKVError(
+                f"kv_head_count*head_dim = {heads}*{dim} exceeds the limit of {MAX_ELEMENTS} elements per token"
+            )
+        if elems % per_tok:
+            raise CorruptEncodedKVError(
+                f"payload holds {elems} elements per tensor, not a multiple of "
+                f"kv_head_count*head_dim = {heads}*{dim}"
+            )
+        if k_el or v_el:
+            tokens = elems // per_tok
+        # A chunk may be partial (the last one of a sequence), never larger.
+        if h.chunk_size >= 0 and tokens is not None and tokens > h.chunk_size:
+            raise CorruptEncodedKVError(
+                f"chunk_size={h.chunk_size} but the payload holds {tokens} tokens "
+                f"of {heads} heads x {dim}"
+            )
+
+    scale_n = math.prod(h.scale_shape)
+    if scale_n > MAX_ELEMENTS:
+        raise CorruptEncodedKVError(f"scale_shape {h.scale_shape} describes more than {MAX_ELEMENTS} scales")
+    expect_s = scale_n * h.scale_dtype.itemsize
+    if h.scale_scope == ScaleScope.EXTERNAL and h.scale_scheme == ScaleScheme.COMPUTED:
+        # External scales live out of band; LMCache still stores them when the
+        # caller attached them, and then they must fill scale_shape exactly.
+        if h.scale_payload_len not in (0, expect_s):
+            raise CorruptEncodedKVError(
+                f"scale_payload_len={h.scale_payload_len} but an external scope stores either "
+                f"no scales (0) or all of scale_shape {h.scale_shape} of {h.scale_dtype} ({expect_s})"
+            )
+        return
+    no_scales = h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT
+    if no_scales:
+        if h.scale_payload_len:
+            raise CorruptEncodedKVError(
+                f"scale_payload_len={h.scale_payload_len} but scope {h.scale_scope.name} / "
+                f"scheme {h.scale_scheme.name} stores no scales; expected 0"
+            )
+        return
+    if h.scale_payload_len != expect_s and not (h.scale_payload_len == 0 and not v_el):
+        raise CorruptEncodedKVError(
+            f"scale_payload_len={h.scale_payload_len} but scale_shape {h.scale_shape} of "
+            f"{h.scale_dtype} needs {expect_s} bytes"
+        )
+    want_dims = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScope.PER_PAGE_HEAD: 2}
+    if len(h.scale_shape) != want_dims[h.scale_scope]:
+        raise CorruptEncodedKVError(
+            f"scale_shape {h.scale_shape} has {len(h.scale_shape)} dims; scope "
+            f"{h.scale_scope.name} needs {want_dims[h.scale_scope]}"
+        )
+    if heads > 0 and h.scale_scope != ScaleScope.PER_TENSOR and h.scale_shape[-1] != heads:
+        raise CorruptEncodedKVError(
+            f"scale_shape {h.scale_shape} does not end in kv_head_count={heads}"
+        )
+    if h.scale_scope == ScaleScope.PER_PAGE_HEAD and tokens is not None and h.page_size > 0:
+        pages = -(-tokens // h.page_size)  # integer ceil: exact at any size
+        if h.scale_shape[0] != pages:
+            raise CorruptEncodedKVError(
+                f"scale_shape {h.scale_shape} has {h.scale_shape[0]} pages; {tokens} tokens "
+                f"at page_size {h.page_size} make {pages}"
+            )
+
+
+def header_fields(h: Header) -> dict[str, Any]:
+    """The header as plain JSON-friendly values (for CLIs and reports)."""
+    out: dict[str, Any] = {}
+    for f in fields(h):
+        val = getattr(h, f.name)
+        if isinstance(val, DType):
+            val = val.name
+        elif isinstance(val, IntEnum):
+            val = val.name
+        elif isinstance(val, Hashes):
+            val = val.as_dict()
+        elif isinstance(val, tuple):
+            val = list(val)
+        out[f.name] = val
+    return out

@@ -1,0 +1,1 @@
+"""Where kvcodec plugs into serving engines: LMCache (``lmcache``) and vLLM (``vllm``)."""
