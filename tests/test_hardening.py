@@ -1,0 +1,228 @@
+"""Nothing a blob, a buffer or an argument can do gets past a CodecError (issue 10, items 1-5).
+
+Each test here failed on the code before it: a giant allocation driven by a
+header field, an overflow found late, a caller buffer silently converting K,
+a plain ValueError/RuntimeError/AssertionError escaping.
+"""
+
+from __future__ import annotations
+
+import mmap
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcodec import CodecError, UnsupportedConfigError, decode, encode, parse
+from kvcodec.errors import CorruptEncodedKVError
+
+from ._helpers import raw_blob
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kv(t: int = 8, h: int = 2, d: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(t * h * d)
+    return torch.randn(t, h, d, generator=g).half(), torch.randn(t, h, d, generator=g).half()
+
+
+# --- 1. memory bounded by the bytes present, never by a declared size ---------------
+
+_BOUNDED = textwrap.dedent(
+    """
+    import resource, sys, torch, kvcodec
+    torch.set_num_threads(1)
+    k = torch.randn(2, 1, 8).half(); v = torch.randn(2, 1, 8).half()
+    # Allow ~256 MiB more address space than now: a pages*page_size allocation of
+    # 2**28 fp32 rows (1 GiB) or more fails with an error, and the test with it.
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
+    for backend in sys.argv[1:]:
+        for ps in (2**28, 2**40):
+            for extra in ({}, {"scale_dtype": torch.float16}, {"nonfinite": "saturate"}):
+                blob = kvcodec.encode(k, v, scope="per_page_head", page_size=ps, backend=backend, **extra)
+                out = kvcodec.decode(blob, out_v_dtype=torch.float16, backend=backend)
+                assert out.v.shape == (2, 1, 8) and torch.equal(out.k, k)
+            vonly = kvcodec.encode(None, v, scope="per_page_head", page_size=ps, backend=backend)
+            kvcodec.decode(vonly, out_v_dtype=torch.float32, backend=backend)
+    print("ok")
+    """
+)
+
+
+def _backends() -> list[str]:
+    from kvcodec.backends import cpu
+
+    return ["torch", "cpu"] if cpu.AVAILABLE else ["torch"]
+
+
+def test_huge_page_size_allocates_nothing_big() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _BOUNDED, *_backends()], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# --- 2. header values that would overflow later are refused at parse time -------------
+
+
+def test_overflowing_dimensions_are_refused_by_parse() -> None:
+    blob = raw_blob(
+        scope=0, kv_head_count=2**32, head_dim=2**32, chunk_size=-1, page_size=-1,
+        scale_shape=(), k=b"", v=b"", s=b"\x00\x00\x80\x3f",
+    )  # fmt: skip
+    with pytest.raises(CorruptEncodedKVError, match="exceeds the limit"):
+        parse(blob)
+
+
+# --- 3. caller buffers --------------------------------------------------------------
+
+
+def test_out_k_of_another_dtype_is_refused_not_converted() -> None:
+    k, v = _kv()
+    blob = encode(k, v, scope="per_tensor")
+    for dt in (torch.int8, torch.bfloat16, torch.float32):
+        with pytest.raises(UnsupportedConfigError, match="copied bit-exact"):
+            decode(blob, out_k=torch.empty(8, 2, 4, dtype=dt))
+
+
+@pytest.mark.parametrize("which", ["out_k", "out_v"])
+def test_expanded_or_grad_outputs_are_refused(which: str) -> None:
+    k, v = _kv()
+    blob = encode(k, v, scope="per_tensor")
+    dt = torch.float16
+    expanded = torch.empty(1, 2, 4, dtype=dt).expand(8, 2, 4)
+    with pytest.raises(UnsupportedConfigError, match="sharing memory"):
+        decode(blob, **{which: expanded})
+    with pytest.raises(UnsupportedConfigError, match="requires grad"):
+        decode(blob, **{which: torch.empty(8, 2, 4, dtype=dt, requires_grad=True)})
+
+
+def test_out_k_overlapping_the_blob_is_refused() -> None:
+    k, v = _kv()
+    blob = encode(k, v, scope="per_tensor")
+    p = parse(blob)
+    k_bytes = memoryview(blob)[p.header_len : p.header_len + p.header.k_payload_len]
+    alias = torch.frombuffer(k_bytes, dtype=torch.float16).view(8, 2, 4)
+    with pytest.raises(UnsupportedConfigError, match="overlaps the blob"):
+        decode(blob, out_k=alias)
+
+
+def test_out_shapes_must_match_heads_and_dim() -> None:
+    k, v = _kv()
+    blob = encode(k, v, scope="per_tensor")
+    with pytest.raises(UnsupportedConfigError, match="shape"):
+        decode(blob, out_k=torch.empty(8, 4, 2, dtype=torch.float16))
+    decode(blob, out_k=torch.empty(4, 2, 2, 4, dtype=torch.float16))  # pages x page_size x H x D is fine
+
+
+# --- 4. buffer-like inputs ------------------------------------------------------------
+
+
+def _released() -> memoryview:
+    mv = memoryview(b"LMCKV")
+    mv.release()
+    return mv
+
+
+def _closed_mmap() -> mmap.mmap:
+    m = mmap.mmap(-1, 4096)
+    m.close()
+    return m
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _released,
+        _closed_mmap,
+        lambda: np.zeros(4, dtype="datetime64[s]"),
+        lambda: torch.nested.nested_tensor([torch.zeros(3), torch.zeros(2)], layout=torch.jagged),
+        lambda: torch.zeros(8, dtype=torch.uint8).to_sparse(),
+        lambda: "not a buffer",
+    ],
+    ids=["released-memoryview", "closed-mmap", "datetime64", "nested-tensor", "sparse-tensor", "str"],
+)
+def test_odd_buffers_are_codec_errors(make) -> None:
+    for fn in (parse, decode):
+        with pytest.raises(CodecError):
+            fn(make())
+
+
+# --- 5. bad arguments -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"shape": (-32, -2, 16)},
+        {"shape": (0.5, 64, 32)},
+        {"shape": "abc"},
+        {"device": "bogus"},
+        {"device": "cuda"} if not torch.cuda.is_available() else {"device": "bogus2"},
+        {"out_v_dtype": torch.int32},
+        {"backend": "nope"},
+    ],
+    ids=str,
+)
+def test_bad_decode_arguments_are_config_errors(kwargs: dict) -> None:
+    k, v = _kv()
+    blob = encode(k, v, scope="per_tensor")
+    with pytest.raises(UnsupportedConfigError):
+        decode(blob, out_v_dtype=kwargs.pop("out_v_dtype", torch.float16), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "make"),
+    [
+        ({"page_size": 2.5, "scope": "per_page_head"}, None),
+        ({"page_size": True, "scope": "per_page_head"}, None),
+        ({"layer_id": -5}, None),
+        ({"bogus_option": 1}, None),
+        ({}, lambda k, v: (k.to("meta"), v.to("meta"))),
+        ({}, lambda k, v: (k, v.to_sparse())),
+        ({}, lambda k, v: (k.numpy(), v)),
+    ],
+    ids=["page_size-float", "page_size-bool", "layer_id", "unknown-option", "meta", "sparse", "numpy-k"],
+)
+def test_bad_encode_arguments_are_config_errors(kwargs: dict, make) -> None:
+    k, v = _kv()
+    if make is not None:
+        k, v = make(k, v)
+    with pytest.raises(UnsupportedConfigError):
+        encode(k, v, **{"scope": "per_tensor", **kwargs})
+
+
+# --- property: header fields at boundary values ---------------------------------------
+
+_EDGES = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**40, 2**48, 2**63 - 1, -(2**63)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scope=st.integers(0, 4),
+    chunk=st.sampled_from(_EDGES),
+    page=st.sampled_from(_EDGES),
+    heads=st.sampled_from(_EDGES),
+    dim=st.sampled_from(_EDGES),
+    shape=st.lists(st.sampled_from(_EDGES), max_size=3),
+    n_el=st.sampled_from([0, 1, 8, 16]),
+    dequant=st.booleans(),
+)
+def test_boundary_headers_only_raise_codec_errors(scope, chunk, page, heads, dim, shape, n_el, dequant) -> None:
+    blob = raw_blob(
+        scope=scope, chunk_size=chunk, page_size=page, kv_head_count=heads, head_dim=dim,
+        scale_shape=shape, k=bytes(2 * n_el), v=bytes(n_el), s=bytes(4 * (len(shape) and 2)),
+    )  # fmt: skip
+    try:
+        out = decode(blob, out_v_dtype=torch.float16 if dequant else None)
+    except CodecError:
+        return
+    assert out.v.numel() == n_el  # what decodes holds exactly the bytes present
