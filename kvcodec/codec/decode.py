@@ -21,6 +21,7 @@ from .. import backends
 from ..errors import UnsupportedConfigError
 from ..format import Header, ParsedBlob, ScaleScheme, ScaleScope, check_consistency, parse
 from ..numerics import FP8_DTYPES
+from .copy import copy_tensor, owned_copy
 from .dtypes import VDTYPES, to_torch
 from .encode import _as_scales, external_scope
 from .layout import check_hashes
@@ -220,8 +221,7 @@ def _tensor(mv: memoryview, dtype: torch.dtype, own: bool) -> torch.Tensor:
     """A tensor over ``mv``: a view, or a copy when ``own`` (a read-only buffer or ``copy=True``)."""
     if not len(mv):
         return torch.empty(0, dtype=dtype)
-    t = torch.frombuffer(mv, dtype=torch.uint8)
-    return (t.clone() if own else t).view(dtype)
+    return torch.frombuffer(owned_copy(mv) if own else mv, dtype=torch.uint8).view(dtype)
 
 
 def _kv_tensors(h: Header, payload: memoryview, req: DecodeRequest) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -265,7 +265,7 @@ def _into(name: str, dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, int
     _fits(name, dst, shape)
     if _overlaps(dst, payload):
         raise UnsupportedConfigError(f"{name} overlaps the blob being decoded; decode into separate memory")
-    dst.copy_(src.view(dst.shape))
+    copy_tensor(dst, src.view(dst.shape))
 
 
 def _groups(h: Header, s_t: torch.Tensor, shape: tuple[int, int, int] | None, n: int) -> tuple[backends.Groups, tuple[int, int, int]]:
@@ -312,7 +312,7 @@ def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: Dec
     if dst is None:
         return target if shape is not None else target.reshape(-1)
     if not in_place:
-        dst.copy_(target.reshape(dst.shape))
+        copy_tensor(dst, target.reshape(dst.shape))
     return dst
 
 

@@ -30,6 +30,7 @@ from ..format import (
     payload_crc,
 )
 from ..numerics import FP8_DTYPES, check_finite_amax, scale_shape
+from .copy import copy_tensor
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
 from .spec import EncodeSpec
@@ -294,13 +295,13 @@ def write_payload(p: EncodePlan, payload: torch.Tensor) -> None:
         return
     k_dst, q_dst, s_dst = _sections(p, payload)
     if k_dst is not None:
-        k_dst.copy_(p.k)
+        copy_tensor(k_dst, p.k)
     scales = p.scales
     if q_dst is None:  # an empty chunk: the scales of nothing
         if scales is None:
             scales = torch.ones(p.header.scale_shape, dtype=to_torch(p.header.scale_dtype), device=p.v.device)
     elif p.fp8_given:
-        q_dst.copy_(p.v)
+        copy_tensor(q_dst, p.v)
     elif scales is None:
         scale_dtype = to_torch(p.header.scale_dtype)
         scales = backends.call(
@@ -309,7 +310,7 @@ def write_payload(p: EncodePlan, payload: torch.Tensor) -> None:
     else:
         backends.call(p.backend, "quantize", p.v, scales, p.groups, out=q_dst)
     if len(s_dst):
-        s_dst.copy_(scales.contiguous().reshape(-1).view(torch.uint8))
+        copy_tensor(s_dst, scales.contiguous().reshape(-1).view(torch.uint8).to(s_dst.device))
 
 
 # ----------------------------------------------------------------------------

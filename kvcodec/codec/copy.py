@@ -1,0 +1,43 @@
+"""Copies of CPU tensors and byte buffers that stay on the calling thread.
+
+torch's CPU copy splits large tensors over its OpenMP team, and GNU OpenMP
+gives every new calling thread a team of its own: a connector's pool of N
+threads would grow the process by N teams. numpy's copy is single-threaded
+and releases the GIL, so a caller's pool scales across chunks instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["copy_bytes", "copy_tensor", "owned_copy"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s memory (any strides), through an integer dtype of the same size."""
+    return t.view(_INT_OF_SIZE[t.element_size()]).numpy()
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-shape, same-itemsize tensors; bit-exact, one thread on CPU."""
+    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.element_size() != src.element_size():
+        dst.copy_(src)
+        return
+    if dst.numel():
+        np.copyto(_np(dst), _np(src), casting="no")
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` for equal-length byte views, GIL released for large buffers."""
+    if len(src):
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def owned_copy(src: memoryview) -> memoryview:
+    """A writable copy of ``src`` (a new bytearray's view)."""
+    out = memoryview(bytearray(len(src)))
+    copy_bytes(out, src)
+    return out
