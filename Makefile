@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install test test-interpret lint demo bench bench-gate bench-lmcache lmcache gpu-check clean
+.PHONY: install test test-interpret lint demo bench bench-gate bench-gate-selftest bench-lmcache lmcache gpu-check clean
 
 install: $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -38,6 +38,18 @@ bench-gate:
 	mkdir -p bench/results
 	$(PYTEST) bench/test_bench_codec.py --benchmark-enable --benchmark-json=bench/results/bench-gate.json -q
 	$(BIN)/python bench/gate.py bench/results/bench-gate.json
+
+# End-to-end check of the gate itself (a benchmark run, not a test: it times things):
+# a baseline from a normal run, then a run with encode made 3x slower must fail it.
+bench-gate-selftest:
+	mkdir -p bench/results
+	$(PYTEST) bench/test_bench_codec.py -k test_encode --benchmark-enable --benchmark-json=bench/results/selftest-base.json -q
+	KVCODEC_BENCH_SLOWDOWN=3 $(PYTEST) bench/test_bench_codec.py -k test_encode --benchmark-enable \
+	  --benchmark-json=bench/results/selftest-slow.json -q
+	$(BIN)/python bench/gate.py bench/results/selftest-base.json --baseline bench/results/selftest-baseline.json --update
+	$(BIN)/python bench/gate.py bench/results/selftest-base.json --baseline bench/results/selftest-baseline.json
+	! $(BIN)/python bench/gate.py bench/results/selftest-slow.json --baseline bench/results/selftest-baseline.json
+	@echo "gate self-test: a 3x slower encode fails the gate, the same run's baseline passes"
 
 # On a GPU machine with python3, torch and triton preinstalled (no venv, no
 # registry): CUDA tests + GPU benchmarks from the source tree.

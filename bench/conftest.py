@@ -1,5 +1,9 @@
 """Benchmark-suite hooks.
 
+Every benchmark is single-threaded per call: torch's intra-op pool is set to
+one thread here, for kvcodec and LMCache alike (kvcodec's own code never
+starts threads; scaling comes from the caller's pool, see test_bench_threads.py).
+
 ``KVCODEC_BENCH_SLOWDOWN=N`` makes ``kvcodec.codec.encode`` do its work N
 times, before the benchmark modules import it: the gate's own test uses it to
 show that a real slowdown fails the gate. It exists only in this suite.
@@ -9,11 +13,16 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+torch.set_num_threads(1)
+
 _N = int(os.environ.get("KVCODEC_BENCH_SLOWDOWN", "1"))
 if _N > 1:
     import kvcodec.codec as _codec
+    import kvcodec.codec.encode as _encode_module
 
-    _real = _codec.encode
+    _real = _encode_module.encode
 
     def _slow_encode(*args, **kwargs):
         for _ in range(_N - 1):

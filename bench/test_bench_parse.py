@@ -1,4 +1,4 @@
-"""Parse throughput of a ~6 MiB LMCKV blob (CRC included), against zlib.crc32 of the same bytes.
+"""Parse throughput of a ~6 MiB LMCKV blob (CRC included), against zlib.crc32 and LMCache's from_bytes.
 
 `make bench` runs these with --benchmark-enable; under the default --benchmark-disable
 they run once each, as plain tests.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.crc import CRC_BACKEND, crc32
+from kvcodec.format.crc import CRC_BACKEND, crc32
 from kvcodec.format import Hashes, Header, ScaleScope, assemble, parse
 
 TOKENS, HEADS, DIM, PAGE = 2048, 8, 128, 16
@@ -62,3 +62,16 @@ def test_bench_zlib_crc32(benchmark, blob: bytearray) -> None:
     p = parse(blob)
     assert zlib.crc32(p.payload) == p.crc
     _record(benchmark, len(blob), "zlib")
+
+
+def test_bench_parse_vs_lmcache(benchmark, blob: bytearray) -> None:
+    """parse + CRC against LMCache 0.5.6's from_bytes of the same bytes (interleaved; target >= 4x)."""
+    lm = pytest.importorskip("lmcache.v1.kv_codec", reason="LMCache 0.5.6 not installed (make lmcache)")
+    from _ratio import interleaved, ratio_info
+
+    ref = bytes(blob)
+    codec = lm.AsymK16V8Codec(scale_scope=lm.ScaleScope.PER_PAGE_HEAD)
+    benchmark(parse, ref)
+    fns = {"kvcodec_parse": lambda: parse(ref), "lmcache": lambda: codec.from_bytes(ref)}
+    benchmark.extra_info.update(ratio_info(interleaved(fns), "lmcache", len(ref)))
+    benchmark.extra_info["target_speedup_vs_lmcache"] = 4.0

@@ -1,7 +1,7 @@
 """Byte-compatibility harness against the real LMCache 0.5.6 (``make lmcache`` installs it).
 
 On random inputs, for every scope LMCache supports, kvcodec's native ``encode``
-and its ``lmcache_compat.AsymK16V8Codec`` must write exactly the bytes
+and its ``integrations.lmcache.compat.AsymK16V8Codec`` must write exactly the bytes
 LMCache's ``AsymK16V8Codec`` writes (same header fields given), and each side
 must read the other's blobs. Skipped when LMCache is not importable.
 """
@@ -14,7 +14,7 @@ import torch
 lm = pytest.importorskip("lmcache.v1.kv_codec", reason="LMCache 0.5.6 not installed (make lmcache)")
 
 from kvcodec.codec import decode, encode  # noqa: E402
-from kvcodec.lmcache_compat import AsymK16V8Codec as KvCompat  # noqa: E402
+from kvcodec.integrations.lmcache.compat import AsymK16V8Codec as KvCompat  # noqa: E402
 
 SCOPES = ["PER_TENSOR", "PER_LAYER_HEAD", "PER_PAGE_HEAD"]
 
@@ -45,7 +45,7 @@ def test_blobs_byte_identical_to_lmcache(scope, dtype, seed):
     got = ours.to_bytes(ours.encode(k, v, hashes=hashes_kw, page_axis=page_axis, **fields))
     assert got == ref
     native = encode(
-        k, v, scope=scope.lower(), hashes=hashes_kw, layer_id=seed, chunk_id=7, chunk_size=pages * ps
+        k, v, scope=scope.lower(), hashes=hashes_kw, layer_id=seed, chunk_id=7, chunk_size=pages * ps, version=1
     )
     assert bytes(native) == ref
     # Each reads the other's blob.
