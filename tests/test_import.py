@@ -1,4 +1,4 @@
-"""Importing kvcodec is cheap: no Triton, no CUDA initialisation."""
+"""Importing kvcodec is cheap: no Triton, no CUDA initialisation; the format layer pulls in no torch."""
 
 from __future__ import annotations
 
@@ -38,3 +38,25 @@ def test_import_pulls_no_triton_and_no_cuda() -> None:
         [sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+LEAN = textwrap.dedent(
+    """
+    import sys
+    import kvcodec.format
+    from kvcodec.format import parse, serialize_header, Header, Hashes
+    blob = b"not a blob"
+    try:
+        parse(blob)
+    except kvcodec.CodecError:
+        pass
+    heavy = sorted(m for m in sys.modules if m in ("torch", "numpy", "triton", "kvcodec._cpu")
+                   or m.startswith(("torch.", "kvcodec.codec", "kvcodec.backends")))
+    print(heavy)
+    """
+)
+
+
+def test_the_format_layer_imports_neither_torch_nor_the_extension() -> None:
+    proc = subprocess.run([sys.executable, "-c", LEAN], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
