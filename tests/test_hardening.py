@@ -8,6 +8,7 @@ a plain ValueError/RuntimeError/AssertionError escaping.
 from __future__ import annotations
 
 import mmap
+import os
 import subprocess
 import sys
 import textwrap
@@ -226,3 +227,25 @@ def test_boundary_headers_only_raise_codec_errors(scope, chunk, page, heads, dim
     except CodecError:
         return
     assert out.v.numel() == n_el  # what decodes holds exactly the bytes present
+
+
+_PROPERTY_UNDER_RLIMIT = textwrap.dedent(
+    """
+    import resource
+    with open("/proc/self/statm") as f:
+        import tests.test_hardening as t  # imports torch, hypothesis: counted before the limit
+        vm = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
+    t.test_boundary_headers_only_raise_codec_errors()
+    print("ok")
+    """
+)
+
+
+def test_boundary_headers_stay_within_a_fixed_memory_bound() -> None:
+    """The property above, run with the address space capped at +256 MiB: a header-driven allocation fails it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROPERTY_UNDER_RLIMIT], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
