@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import kvcodec.lmcache_compat as compat
+import kvcodec.integrations.lmcache.compat as compat
 from kvcodec import errors
 from kvcodec.format import parse
 
@@ -169,3 +169,134 @@ def test_inconsistent_caller_fields_are_a_config_error():
     x = torch.randn(8, 2, 16).half()
     with pytest.raises(errors.UnsupportedConfigError, match="inconsistent blob"):
         codec.encode(x, x, chunk_size=4)
+
+
+# ----------------------------------------------------------------------------
+# LMCache's newer kv_codec expectations (names, header-level parse, phrases)
+# ----------------------------------------------------------------------------
+
+import struct  # noqa: E402
+
+_V_ONLY = dict(k_dtype=torch.bfloat16, v_dtype=torch.float8_e4m3fn, page_size=16, kv_head_count=8, head_dim=128)
+
+
+def _v_only(scheme, payload=b"\x11\x22\x33\x44"):
+    return compat.EncodedKV(**_V_ONLY, scale_scheme=scheme, v_payload_len=len(payload), payload=payload)
+
+
+def test_scale_scheme_names_are_lmcaches():
+    S = compat.ScaleScheme
+    assert S.COMPUTED_PER_TENSOR is S.COMPUTED and S.RAW_UNIT is S.UNIT
+    assert S(0).name == "COMPUTED_PER_TENSOR" and S(1).name == "RAW_UNIT"
+    assert compat.EncodedKV(k_dtype=torch.bfloat16, v_dtype=torch.bfloat16).scale_scheme is S.COMPUTED_PER_TENSOR
+
+
+@pytest.mark.parametrize("scheme,version", [("COMPUTED_PER_TENSOR", 1), ("RAW_UNIT", 2)])
+def test_header_level_parse_accepts_inconsistent_lengths(scheme, version):
+    """4 bytes of V against 8 heads x 128 dims: LMCache's parse takes it; decode refuses it."""
+    enc = _v_only(compat.ScaleScheme[scheme])
+    blob = compat.serialize_header(enc) + bytes(enc.payload)
+    assert struct.unpack_from("<H", blob, 8)[0] == version
+    back = compat.deserialize_header(blob)
+    assert back.scale_scheme is compat.ScaleScheme[scheme] and back.head_dim == 128
+    assert bytes(back.payload) == bytes(enc.payload)
+    with pytest.raises(errors.CorruptEncodedKVError):
+        parse(blob)  # kvcodec's own parser stays strict
+    with pytest.raises(errors.CodecError):
+        compat.AsymK16V8Codec().decode(back)
+
+
+def test_header_level_parse_still_checks_structure_bounds_and_crc():
+    enc = _v_only(compat.ScaleScheme.RAW_UNIT)
+    blob = bytearray(compat.serialize_header(enc) + bytes(enc.payload))
+    flipped = bytearray(blob)
+    flipped[44] ^= 1  # page_size: v2 seals the header
+    with pytest.raises(errors.CorruptEncodedKVError, match="CRC mismatch"):
+        compat.deserialize_header(bytes(flipped))
+    with pytest.raises(errors.CorruptEncodedKVError, match="trailing bytes"):
+        compat.deserialize_header(bytes(blob) + b"xx")
+    neg = bytearray(blob)
+    struct.pack_into("<q", neg, 76, -1)
+    with pytest.raises(errors.CorruptEncodedKVError, match="negative payload length"):
+        compat.deserialize_header(bytes(neg))
+    v1 = _v_only(compat.ScaleScheme.COMPUTED_PER_TENSOR)
+    assert bytes(compat.deserialize_header(compat.serialize_header(v1) + bytes(v1.payload) + b"pad").payload) == bytes(
+        v1.payload
+    )
+
+
+@pytest.mark.parametrize(
+    "offset,fmt,value,phrase",
+    [(12, "<H", 99, "unknown dtype"), (8, "<H", 99, "codec version"), (18, "<H", 1, "reserved/scale_scheme")],
+)
+def test_lmcache_error_phrases(offset, fmt, value, phrase):
+    enc = _v_only(compat.ScaleScheme.COMPUTED_PER_TENSOR)
+    blob = bytearray(compat.serialize_header(enc) + bytes(enc.payload))
+    struct.pack_into(fmt, blob, offset, value)
+    with pytest.raises(errors.CorruptEncodedKVError, match=phrase):
+        compat.deserialize_header(bytes(blob))
+
+
+@pytest.mark.parametrize("lengths", [(-1, 5, 0), (5, -1, 0), (5, 0, -1)])
+def test_serialize_refuses_negative_lengths(lengths):
+    enc = compat.EncodedKV(k_dtype=torch.bfloat16, v_dtype=torch.float8_e4m3fn, payload=b"1234")
+    enc.k_payload_len, enc.v_payload_len, enc.scale_payload_len = lengths
+    with pytest.raises(errors.UnsupportedConfigError, match="non-negative"):
+        compat.serialize_header(enc)
+
+
+def test_unknown_scale_scheme_phrase():
+    enc = _v_only(compat.ScaleScheme.RAW_UNIT)
+    hdr = bytearray(compat.serialize_header(enc))
+    struct.pack_into("<H", hdr, 18, 99)
+    import zlib
+
+    struct.pack_into("<I", hdr, len(hdr) - 4, zlib.crc32(bytes(enc.payload), zlib.crc32(bytes(hdr[:-4]))))
+    with pytest.raises(errors.CorruptEncodedKVError, match="scale_scheme"):
+        compat.deserialize_header(bytes(hdr) + bytes(enc.payload))
+
+
+# ----------------------------------------------------------------------------
+# install() beside a real LMCache, and without one
+# ----------------------------------------------------------------------------
+
+_INSTALL_PROBE = """
+import importlib.util, sys
+real = importlib.util.find_spec("lmcache") is not None
+{hide}
+import kvcodec.integrations.lmcache.compat as compat
+compat.install()
+import lmcache, lmcache.v1, lmcache.v1.kv_codec as kc
+from lmcache.v1.kv_codec.encoded_kv import deserialize_header
+assert kc is compat and deserialize_header is compat.deserialize_header
+print(real, getattr(lmcache, "__file__", None) is not None)
+"""
+
+_HIDE = """
+class _Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name == "lmcache" or name.startswith("lmcache."):
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, _Hide())
+"""
+
+
+def _probe(hide: bool) -> str:
+    import subprocess
+
+    code = _INSTALL_PROBE.format(hide=_HIDE if hide else "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_install_without_lmcache_makes_namespace_packages():
+    _real, is_real = _probe(hide=True)
+    assert is_real == "False"
+
+
+def test_install_never_shadows_a_real_lmcache():
+    real, is_real = _probe(hide=False)
+    if real != "True":
+        pytest.skip("LMCache not installed here (make lmcache): only the fake-package case can be checked")
+    assert is_real == "True"  # the real package, with only lmcache.v1.kv_codec aliased

@@ -105,6 +105,10 @@ class ScaleScheme(IntEnum):
     """Scales computed from V and stored in the payload (per the scope)."""
     UNIT = 1
     """Raw FP8 at unit scale: no scale payload."""
+    COMPUTED_PER_TENSOR = 0
+    """LMCache's name for COMPUTED (an alias)."""
+    RAW_UNIT = 1
+    """LMCache's name for UNIT (an alias)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ dequantizes every scope; the parser refuses malformed blobs LMCache accepts.
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -20,11 +22,25 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import codec as _codec
-from . import format as _fmt
-from . import quant as _quant
-from .errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
-from .format import ScaleScheme, ScaleScope
+from ...backends import reference as _ref
+from ...codec import DecodeRequest, EncodeSpec, check_hashes, decode_parsed, plan_encode
+from ...codec.dtypes import KDTYPES, to_torch
+from ...codec.encode import seal, write_payload
+from ...errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
+from ...format import (
+    FIXED_HEADER_LEN,
+    MAGIC,
+    Hashes,
+    Header,
+    ParsedBlob,
+    ScaleScope,
+    check_consistency,
+    header_size,
+    parse,
+)
+from ...format import assemble as _assemble
+from ...format import serialize_header as _serialize_header
+from ...numerics import FP8_DTYPES, amax_to_scale, fp8_max, scale_shape
 
 __all__ = [
     "CODEC_MAGIC",
@@ -48,9 +64,9 @@ __all__ = [
     "serialize_header",
 ]
 
-CODEC_MAGIC: bytes = _fmt.MAGIC
+CODEC_MAGIC: bytes = MAGIC
 CODEC_MAGIC_LEN: int = len(CODEC_MAGIC)
-_FIXED_HEADER_LEN: int = _fmt.FIXED_HEADER_LEN
+_FIXED_HEADER_LEN: int = FIXED_HEADER_LEN
 _ZERO_SCALE_SENTINEL = 1.0
 
 
@@ -59,6 +75,17 @@ class CodecVersion(IntEnum):
 
     V1 = 1
     V2 = 2
+
+
+class ScaleScheme(IntEnum):
+    """LMCache's names for the header's scale-scheme slot (kvcodec's ``COMPUTED``/``UNIT`` are aliases)."""
+
+    COMPUTED_PER_TENSOR = 0
+    """Scales computed from V and stored (every v1 blob)."""
+    RAW_UNIT = 1
+    """Raw FP8 at unit scale, no scales (needs header version 2)."""
+    COMPUTED = 0
+    UNIT = 1
 
 
 @dataclass
@@ -72,7 +99,9 @@ class CodecHashes:
     attention_backend: str = ""
     kv_layout: str = ""
 
-    _CHECK_ORDER: ClassVar[tuple[str, ...]] = _fmt.HASH_KEYS
+    _CHECK_ORDER: ClassVar[tuple[str, ...]] = (
+        "model_id", "model_revision_hash", "tokenizer_hash", "rope_config_hash", "attention_backend", "kv_layout",
+    )  # fmt: skip
 
 
 @dataclass
@@ -97,8 +126,9 @@ class EncodedKV:
     payload: bytes | memoryview = b""
     header_bytes: bytes | None = None
     version: int = 1
-    scale_scheme: ScaleScheme = ScaleScheme.COMPUTED
-    # (blob kvcodec built or parsed, the payload view it handed out), for a one-copy ``to_bytes``.
+    scale_scheme: ScaleScheme = ScaleScheme.COMPUTED_PER_TENSOR
+    # (blob kvcodec built or parsed, the payload view it handed out, its Header),
+    # so to_bytes copies once and decode reuses the header.
     _blob: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -113,37 +143,96 @@ class EncodedKV:
         return self.k_payload_len + self.v_payload_len + self.scale_payload_len
 
 
-def _to_header(enc: EncodedKV) -> _fmt.Header:
-    return _fmt.Header(
-        k_dtype=enc.k_dtype,
-        v_dtype=enc.v_dtype,
-        scale_dtype=enc.scale_dtype,
-        scale_scope=ScaleScope(enc.scale_scope),
-        version=int(enc.version),
-        scale_scheme=ScaleScheme(enc.scale_scheme),
-        layer_id=enc.layer_id,
-        chunk_id=enc.chunk_id,
-        chunk_size=enc.chunk_size,
-        page_size=enc.page_size,
-        kv_head_count=enc.kv_head_count,
-        head_dim=enc.head_dim,
-        scale_shape=tuple(int(d) for d in enc.scale_shape),
-        k_payload_len=enc.k_payload_len,
-        v_payload_len=enc.v_payload_len,
-        scale_payload_len=enc.scale_payload_len,
-        hashes=_fmt.Hashes.coerce(enc.hashes),
+# ----------------------------------------------------------------------------
+# LMCache's error phrases, kept as substrings of ours
+# ----------------------------------------------------------------------------
+
+_LMCACHE_PHRASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(rx), phrase)
+    for rx, phrase in (
+        (r"unknown \w*dtype id", "unknown dtype index"),
+        (r"unknown header version", "unsupported codec version"),
+        (r"reserved field is", "nonzero reserved/scale_scheme slot"),
+        (r"unknown scale scheme", "unknown scale_scheme"),
+        (r"unknown scale_scope id", "unknown scale_scope index"),
+        (r"payload_len=-\d+ out of range", "negative payload length"),
+        (r"truncated (K|V|scale) payload", "buffer truncated mid-payload"),
+        (r"scale_shape_n=", "implausible scale_shape_n"),
+        (r"CRC mismatch", "payload CRC mismatch"),
     )
+)
 
 
-def _from_parsed(p: _fmt.ParsedBlob) -> EncodedKV:
+def _lmcache_error(e: CodecError) -> CodecError:
+    """``e`` with LMCache's phrase for the same failure in front (same class), for callers matching on it."""
+    msg = str(e)
+    for rx, phrase in _LMCACHE_PHRASES:
+        if rx.search(msg) and phrase not in msg:
+            return type(e)(f"{phrase}: {msg}")
+    return e
+
+
+# ----------------------------------------------------------------------------
+# Header functions
+# ----------------------------------------------------------------------------
+
+
+def _version(enc: EncodedKV) -> int:
+    """LMCache writes RAW_UNIT blobs as version 2 whatever ``enc.version`` says."""
+    return max(int(enc.version), 2) if int(enc.scale_scheme) == ScaleScheme.RAW_UNIT else int(enc.version)
+
+
+def _to_header(enc: EncodedKV) -> Header:
+    try:
+        return Header(
+            k_dtype=enc.k_dtype,
+            v_dtype=enc.v_dtype,
+            scale_dtype=enc.scale_dtype,
+            scale_scope=ScaleScope(enc.scale_scope),
+            version=_version(enc),
+            scale_scheme=int(enc.scale_scheme),
+            layer_id=enc.layer_id,
+            chunk_id=enc.chunk_id,
+            chunk_size=enc.chunk_size,
+            page_size=enc.page_size,
+            kv_head_count=enc.kv_head_count,
+            head_dim=enc.head_dim,
+            scale_shape=tuple(int(d) for d in enc.scale_shape),
+            k_payload_len=enc.k_payload_len,
+            v_payload_len=enc.v_payload_len,
+            scale_payload_len=enc.scale_payload_len,
+            hashes=Hashes.coerce(enc.hashes),
+        )
+    except UnsupportedConfigError as e:
+        if "no LMCKV dtype id" in str(e):
+            raise UnsupportedConfigError(f"unknown dtype: not in protocol DTYPE_TO_INT mapping ({e})") from None
+        raise
+
+
+def _header_of(enc: EncodedKV) -> Header:
+    """The Header kvcodec built or parsed for ``enc`` (reused while untouched), else one from its fields."""
+    if enc._blob is not None:
+        h = enc._blob[2]
+        if (
+            enc.k_payload_len == h.k_payload_len and enc.v_payload_len == h.v_payload_len
+            and enc.scale_payload_len == h.scale_payload_len and enc.layer_id == h.layer_id
+            and enc.chunk_size == h.chunk_size and enc.kv_head_count == h.kv_head_count
+            and enc.head_dim == h.head_dim and enc.page_size == h.page_size
+            and tuple(enc.scale_shape) == h.scale_shape and int(enc.scale_scope) == h.scale_scope
+        ):  # fmt: skip
+            return h
+    return _to_header(enc)
+
+
+def _from_parsed(p: ParsedBlob, hashes: CodecHashes | None = None) -> EncodedKV:
     h = p.header
     payload = p.payload
     return EncodedKV(
-        k_dtype=h.k_dtype,
-        v_dtype=h.v_dtype,
-        scale_dtype=h.scale_dtype,
+        k_dtype=to_torch(h.k_dtype),
+        v_dtype=to_torch(h.v_dtype),
+        scale_dtype=to_torch(h.scale_dtype),
         scale_scope=h.scale_scope,
-        hashes=CodecHashes(**h.hashes.as_dict()),
+        hashes=hashes if hashes is not None else CodecHashes(**h.hashes.as_dict()),
         layer_id=h.layer_id,
         chunk_id=h.chunk_id,
         chunk_size=h.chunk_size,
@@ -157,30 +246,45 @@ def _from_parsed(p: _fmt.ParsedBlob) -> EncodedKV:
         payload=payload,
         header_bytes=bytes(p.header_bytes),
         version=h.version,
-        scale_scheme=h.scale_scheme,
-        _blob=(p.blob, payload),
+        scale_scheme=ScaleScheme(int(h.scale_scheme)),
+        _blob=(p.blob, payload, h),
     )
 
 
 def encoded_kv_header_size(enc: EncodedKV) -> int:
     """Serialized header size of ``enc`` in bytes (payload excluded)."""
-    return _fmt.header_size(_to_header(enc))
+    return header_size(_to_header(enc))
 
 
 def serialize_header(enc: EncodedKV) -> bytes:
     """Header bytes of ``enc`` with the CRC of ``enc.payload`` (lengths must match)."""
+    lens = (enc.k_payload_len, enc.v_payload_len, enc.scale_payload_len)
+    if any(n < 0 for n in lens):
+        raise UnsupportedConfigError(f"payload lengths must be non-negative; got K, V, scales = {lens}")
     if len(enc.payload) != enc.expected_payload_len():
         raise UnsupportedConfigError(
             f"payload length {len(enc.payload)} does not match "
             f"declared K({enc.k_payload_len}) + V({enc.v_payload_len}) "
             f"+ scales({enc.scale_payload_len})"
         )
-    return _fmt.serialize_header(_to_header(enc), [enc.payload])
+    return _serialize_header(_to_header(enc), [enc.payload])
+
+
+def _parse(buf: Any, *, header_level: bool) -> ParsedBlob:
+    """kvcodec's parse with LMCache's phrases; ``header_level`` skips only the K/V/scale consistency step."""
+    try:
+        return parse(buf, consistency=not header_level)
+    except CodecError as e:
+        raise _lmcache_error(e) from None
 
 
 def deserialize_header(buf: Any) -> EncodedKV:
-    """Parse a blob (header + payload) into an EncodedKV whose payload views ``buf``."""
-    return _from_parsed(_fmt.parse(buf))
+    """Parse a blob (header + payload) into an EncodedKV whose payload views ``buf``.
+
+    Header-level, as LMCache's: structure, bounds and the CRC are checked here;
+    whether K, V and scale lengths describe one tensor is checked by decode.
+    """
+    return _from_parsed(_parse(buf, header_level=True))
 
 
 # ----------------------------------------------------------------------------
@@ -189,9 +293,9 @@ def deserialize_header(buf: Any) -> EncodedKV:
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
-    if dtype not in _quant.FP8_DTYPES:
+    if dtype not in FP8_DTYPES:
         raise UnsupportedConfigError(f"compute_v_scales: dtype {dtype} is not an FP8 dtype")
-    return _quant.fp8_max(dtype)
+    return fp8_max(dtype)
 
 
 def _canon(
@@ -247,7 +351,7 @@ def compute_v_scales(
         )
     v3, sc, ps, _, _ = _canon(v.detach(), scope, head_axis, page_axis, "compute_v_scales")
     # Quietly like LMCache: NaN/Inf groups give whatever the formula gives.
-    s = _quant.amax_to_scale(_quant.reduce_groups(_quant.token_head_amax(v3), sc, ps), qmax)
+    s = amax_to_scale(_ref.reduce_groups(_ref.token_head_amax(v3), sc, ps), qmax)
     return s.reshape(()) if sc == ScaleScope.PER_TENSOR else s
 
 
@@ -263,8 +367,8 @@ def quantize_v_fp8(
     """FP8 of ``v`` under ``scales`` (saturating), same shape as ``v``."""
     _fp8_max(fp8_dtype)
     v3, sc, ps, moved, order = _canon(v.detach(), scope, head_axis, page_axis, "quantize_v_fp8")
-    s = scales.reshape(_quant.scale_shape(sc, v3.shape[0], v3.shape[1], ps))
-    return _uncanon(_quant.quantize(v3, s, sc, page_size=ps, fp8_dtype=fp8_dtype), moved, order)
+    s = scales.reshape(scale_shape(sc, v3.shape[0], v3.shape[1], ps))
+    return _uncanon(_ref.quantize(v3, s, sc, page_size=ps, fp8_dtype=fp8_dtype), moved, order)
 
 
 def dequantize_v_fp8(
@@ -278,13 +382,15 @@ def dequantize_v_fp8(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_v_fp8`, in ``out_dtype``."""
     q3, sc, ps, moved, order = _canon(q.detach(), scope, head_axis, page_axis, "dequantize_v_fp8")
-    s = scales.to(q.device).reshape(_quant.scale_shape(sc, q3.shape[0], q3.shape[1], ps))
-    return _uncanon(_quant.dequantize(q3, s, sc, page_size=ps, out_dtype=out_dtype), moved, order)
+    s = scales.to(q.device).reshape(scale_shape(sc, q3.shape[0], q3.shape[1], ps))
+    return _uncanon(_ref.dequantize(q3, s, sc, page_size=ps, out_dtype=out_dtype), moved, order)
 
 
 # ----------------------------------------------------------------------------
 # The codec class
 # ----------------------------------------------------------------------------
+
+_LAYOUT_FIELDS = ("chunk_size", "page_size", "kv_head_count", "head_dim")
 
 
 class AsymK16V8Codec:
@@ -348,41 +454,20 @@ class AsymK16V8Codec:
             raise UnsupportedConfigError("compute_v_scales(PER_PAGE_HEAD) requires page_axis")
         given = {"chunk_size": chunk_size, "page_size": page_size, "kv_head_count": kv_head_count,
                  "head_dim": head_dim}  # fmt: skip
-        if not _token_major(v, head_axis, page_axis if scope == ScaleScope.PER_PAGE_HEAD else None):
+        pp_axis = page_axis if scope == ScaleScope.PER_PAGE_HEAD else None
+        if not _token_major(v, head_axis, pp_axis):
             return self._encode_caller_layout(
                 k, v, scope, hashes, layer_id, chunk_id, given, head_axis, page_axis,
                 precomputed_v_scales, precomputed_v_quant,
             )  # fmt: skip
-        pre: dict[str, Any] = {}
-        if precomputed_v_quant is not None:
-            pre = {
-                "precomputed_v_quant": precomputed_v_quant,
-                "precomputed_v_scales": precomputed_v_scales,
-                # LMCache stores attached scales whatever the scope.
-                "store_scales": True,
-            }
-        blob = _codec.encode(
-            k,
-            v,
-            scope=scope,
-            head_axis=head_axis,
-            page_axis=page_axis if scope == ScaleScope.PER_PAGE_HEAD else None,
-            hashes=hashes,
-            layer_id=layer_id,
-            chunk_id=chunk_id,
-            v_dtype=self.fp8_dtype,
-            scale_dtype=self.scale_dtype,
-            **pre,
-        )
-        p = _fmt.parse(blob, verify_crc=False)
-        h = p.header
-        # Caller-given layout fields win, as in LMCache; unset ones are filled.
-        changes = {name: val for name, val in given.items() if val != -1 and val != getattr(h, name)}
-        if changes:
-            h = h.replace(**changes)
-            _codec._seal(memoryview(blob), h)
-            p = _parse_own(blob)
-        return _from_parsed(p)
+        spec = EncodeSpec(
+            scope=scope, head_axis=head_axis, page_axis=pp_axis, hashes=hashes, layer_id=layer_id,
+            chunk_id=chunk_id, v_dtype=self.fp8_dtype, scale_dtype=self.scale_dtype, version=1,
+            precomputed_v_quant=precomputed_v_quant, precomputed_v_scales=precomputed_v_scales,
+            # LMCache stores attached scales whatever the scope.
+            store_scales=True if precomputed_v_quant is not None else None,
+        )  # fmt: skip
+        return _encode_once(k, v, spec, {n: val for n, val in given.items() if val != -1})
 
     def _encode_caller_layout(
         self,
@@ -411,26 +496,27 @@ class AsymK16V8Codec:
         else:
             scales = compute_v_scales(v, scope, fp8_dtype=self.fp8_dtype, **kw).to(self.scale_dtype)
             q = quantize_v_fp8(v, scales, scope, fp8_dtype=self.fp8_dtype, **kw)
-        if k.dtype not in _codec.KDTYPES:
+        if k.dtype not in KDTYPES:
             raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
         parts = [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy() for t in (k, q, scales)]
-        h = _fmt.Header(
+        h = Header(
             k_dtype=k.dtype, v_dtype=self.fp8_dtype, scale_dtype=self.scale_dtype, scale_scope=scope,
             layer_id=layer_id, chunk_id=chunk_id, scale_shape=tuple(scales.shape),
-            hashes=_fmt.Hashes.coerce(hashes), **given,
+            hashes=Hashes.coerce(hashes), **given,
         )  # fmt: skip
-        return _from_parsed(_parse_own(_fmt.assemble(h, *parts)))
+        return _from_parsed(_parse_own(_assemble(h, *parts)), hashes)
 
     def to_bytes(self, enc: EncodedKV) -> bytes:
         """Header + payload as ``bytes``."""
         if enc.header_bytes is None:
             enc.header_bytes = serialize_header(enc)
         if enc._blob is not None:
-            blob, payload = enc._blob
+            blob, payload, _ = enc._blob
+            hs = len(enc.header_bytes)
             # One copy of the blob as built, unless the caller swapped payload or header.
-            if enc.payload is payload and blob[: len(enc.header_bytes)] == enc.header_bytes:
+            if enc.payload is payload and blob[:hs] == enc.header_bytes:
                 return bytes(blob)
-        return enc.header_bytes + bytes(enc.payload)
+        return bytes(enc.header_bytes) + bytes(enc.payload)
 
     def from_bytes(self, buf: Any, *, expected_hashes: CodecHashes | None = None) -> EncodedKV:
         """Parse a blob; a non-empty hash mismatch raises CodecMismatchError."""
@@ -441,7 +527,7 @@ class AsymK16V8Codec:
 
     @staticmethod
     def _check_hash_match(got: CodecHashes, expected: CodecHashes) -> None:
-        _codec.check_hashes(_fmt.Hashes.coerce(got), expected)
+        check_hashes(Hashes.coerce(got), expected)
 
     def decode(
         self,
@@ -454,26 +540,72 @@ class AsymK16V8Codec:
         """(K, V raw or dequantized, scales); shaped [tokens, heads, head_dim] when the header says."""
         if out_v_dtype is not None and out_v_dtype != enc.v_dtype and not out_v_dtype.is_floating_point:
             raise UnsupportedConfigError(f"decode: out_v_dtype {out_v_dtype} is not floating-point")
-        h = _to_header(enc)
+        h = _header_of(enc)
         payload = memoryview(enc.payload).cast("B")
         if len(payload) < h.payload_len:
             raise CorruptEncodedKVError(
-                f"payload is {len(payload)} bytes; the header declares {h.payload_len}"
+                f"buffer truncated mid-payload: payload is {len(payload)} bytes; the header declares {h.payload_len}"
             )
-        # Without layout fields (LMCache's default) K and V come back flat, as from LMCache.
-        res = _codec.decode_parsed(
-            h,
-            payload,
-            out_v_dtype=None if out_v_dtype == enc.v_dtype else out_v_dtype,
-            device=device or torch.device("cpu"),
+        _check_decodable(h)
+        req = DecodeRequest(
+            device=torch.device(device) if device is not None else torch.device("cpu"),
+            out_v_dtype=None if out_v_dtype in (None, enc.v_dtype) else out_v_dtype,
             copy=True,
         )
+        # Without layout fields (LMCache's default) K and V come back flat, as from LMCache.
+        res = decode_parsed(h, payload, req)
         k = res.k if res.k is not None else torch.empty(0, dtype=enc.k_dtype)
         if out_k_dtype is not None and out_k_dtype != k.dtype:
             k = k.to(out_k_dtype)
-        v = res.v
         scales = res.scales if res.scales is not None else torch.empty(0, dtype=enc.scale_dtype)
-        return k, v, scales
+        return k, res.v, scales
+
+
+def _check_decodable(h: Header) -> None:
+    """The consistency deserialize_header leaves to decode (kvcodec's parser's final step)."""
+    if h.v_dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
+        raise UnsupportedConfigError(f"decode: blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+    try:
+        check_consistency(h)
+    except CorruptEncodedKVError as e:
+        raise _lmcache_error(e) from None
+
+
+def _encode_once(k: torch.Tensor, v: torch.Tensor, spec: EncodeSpec, fields: dict[str, int]) -> EncodedKV:
+    """One encode pass: plan with kvcodec, apply the caller's layout fields to the header, write, seal once."""
+    plan = plan_encode(k, v, spec)
+    if fields:
+        plan.header = plan.header.replace(**fields)
+        _check_fields(plan.header)
+    h = plan.header
+    hs = header_size(h)
+    blob = bytearray(hs + h.payload_len)
+    mv = memoryview(blob)
+    payload = torch.frombuffer(blob, dtype=torch.uint8, offset=hs) if h.payload_len else torch.empty(0, dtype=torch.uint8)
+    if plan.v.device.type == "cpu":
+        write_payload(plan, payload)
+    else:
+        dev = torch.empty(h.payload_len, dtype=torch.uint8, device=plan.v.device)
+        write_payload(plan, dev)
+        payload.copy_(dev)
+    seal(mv, h)
+    pv = mv[hs:]
+    return EncodedKV(
+        k_dtype=k.dtype, v_dtype=spec.v_dtype, scale_dtype=spec.scale_dtype, scale_scope=h.scale_scope,
+        hashes=spec.hashes if isinstance(spec.hashes, CodecHashes) else CodecHashes(**h.hashes.as_dict()),
+        layer_id=h.layer_id, chunk_id=h.chunk_id, chunk_size=h.chunk_size, page_size=h.page_size,
+        kv_head_count=h.kv_head_count, head_dim=h.head_dim, scale_shape=h.scale_shape,
+        k_payload_len=h.k_payload_len, v_payload_len=h.v_payload_len, scale_payload_len=h.scale_payload_len,
+        payload=pv, header_bytes=bytes(mv[:hs]), version=1, _blob=(blob, pv, h),
+    )  # fmt: skip
+
+
+def _check_fields(h: Header) -> None:
+    """Caller layout fields must still describe the tensors (kvcodec's parser would refuse the blob)."""
+    try:
+        check_consistency(h)
+    except CorruptEncodedKVError as e:
+        raise UnsupportedConfigError(f"the layout fields given make an inconsistent blob: {e}") from None
 
 
 def _token_major(v: torch.Tensor, head_axis: int, page_axis: int | None) -> bool:
@@ -484,62 +616,68 @@ def _token_major(v: torch.Tensor, head_axis: int, page_axis: int | None) -> bool
     return page_axis is None or page_axis % nd == 0
 
 
-def _parse_own(blob: Any) -> _fmt.ParsedBlob:
+def _parse_own(blob: Any) -> ParsedBlob:
     """Parse a blob this module just wrote; inconsistent caller fields are the caller's error."""
     try:
-        return _fmt.parse(blob, verify_crc=False)
+        return parse(blob, verify_crc=False)
     except CorruptEncodedKVError as e:
         raise UnsupportedConfigError(f"the layout fields given make an inconsistent blob: {e}") from None
 
 
-def install() -> types.ModuleType:
-    """Register this module as ``lmcache.v1.kv_codec`` (+ submodules) in ``sys.modules``."""
-    me = sys.modules[__name__]
-    errors = types.ModuleType("lmcache.v1.kv_codec.errors")
-    for name in ("CodecError", "CodecMismatchError", "CorruptEncodedKVError", "UnsupportedConfigError"):
-        setattr(errors, name, getattr(me, name))
-    encoded = types.ModuleType("lmcache.v1.kv_codec.encoded_kv")
-    for name in (
-        "CODEC_MAGIC",
-        "CODEC_MAGIC_LEN",
-        "_FIXED_HEADER_LEN",
-        "CodecVersion",
-        "ScaleScope",
-        "ScaleScheme",
-        "CodecHashes",
-        "EncodedKV",
-        "serialize_header",
-        "deserialize_header",
-        "encoded_kv_header_size",
-        "CorruptEncodedKVError",
-        "UnsupportedConfigError",
-    ):
-        setattr(encoded, name, getattr(me, name))
-    asym = types.ModuleType("lmcache.v1.kv_codec.asym_k16_v8")
-    for name in (
-        "AsymK16V8Codec",
-        "compute_v_scales",
-        "quantize_v_fp8",
-        "dequantize_v_fp8",
-        "_ZERO_SCALE_SENTINEL",
-        "CodecHashes",
-        "EncodedKV",
-        "ScaleScope",
-    ):
-        setattr(asym, name, getattr(me, name))
-    for pkg in ("lmcache", "lmcache.v1"):
-        if pkg not in sys.modules:
-            mod = types.ModuleType(pkg)
-            mod.__path__ = []  # a namespace-like package
-            sys.modules[pkg] = mod
-    sys.modules["lmcache.v1.kv_codec"] = me
-    sys.modules["lmcache.v1.kv_codec.errors"] = errors
-    sys.modules["lmcache.v1.kv_codec.encoded_kv"] = encoded
-    sys.modules["lmcache.v1.kv_codec.asym_k16_v8"] = asym
-    sys.modules["lmcache"].v1 = sys.modules["lmcache.v1"]  # type: ignore[attr-defined]
-    sys.modules["lmcache.v1"].kv_codec = me  # type: ignore[attr-defined]
-    me.errors = errors  # type: ignore[attr-defined]
-    me.encoded_kv = encoded  # type: ignore[attr-defined]
-    me.asym_k16_v8 = asym  # type: ignore[attr-defined]
-    return me
+# ----------------------------------------------------------------------------
+# install()
+# ----------------------------------------------------------------------------
 
+_SUBMODULES: dict[str, tuple[str, ...]] = {
+    "errors": ("CodecError", "CodecMismatchError", "CorruptEncodedKVError", "UnsupportedConfigError"),
+    "encoded_kv": (
+        "CODEC_MAGIC", "CODEC_MAGIC_LEN", "_FIXED_HEADER_LEN", "CodecVersion", "ScaleScope", "ScaleScheme",
+        "CodecHashes", "EncodedKV", "serialize_header", "deserialize_header", "encoded_kv_header_size",
+        "CorruptEncodedKVError", "UnsupportedConfigError",
+    ),
+    "asym_k16_v8": (
+        "AsymK16V8Codec", "compute_v_scales", "quantize_v_fp8", "dequantize_v_fp8", "_ZERO_SCALE_SENTINEL",
+        "CodecHashes", "EncodedKV", "ScaleScope", "ScaleScheme",
+    ),
+}  # fmt: skip
+
+
+def _real_lmcache_installed() -> bool:
+    """Whether a real LMCache package can be imported (found on the path, or already imported)."""
+    mod = sys.modules.get("lmcache")
+    if mod is not None:
+        return getattr(mod, "__file__", None) is not None
+    try:
+        return importlib.util.find_spec("lmcache") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def install() -> types.ModuleType:
+    """Register this module as ``lmcache.v1.kv_codec`` (+ its submodules) in ``sys.modules``.
+
+    With a real LMCache installed, its ``lmcache`` and ``lmcache.v1`` packages
+    are imported as they are and only the ``lmcache.v1.kv_codec`` subtree is
+    aliased to this module: nothing of LMCache is shadowed but the codec it
+    asked for. Without LMCache, minimal ``lmcache``/``lmcache.v1`` namespace
+    packages are created to hold it.
+    """
+    me = sys.modules[__name__]
+    if _real_lmcache_installed():
+        import lmcache.v1  # noqa: F401 - the real packages, imported before the alias
+    else:
+        for pkg in ("lmcache", "lmcache.v1"):
+            if pkg not in sys.modules:
+                mod = types.ModuleType(pkg)
+                mod.__path__ = []  # a namespace-like package
+                sys.modules[pkg] = mod
+        sys.modules["lmcache"].v1 = sys.modules["lmcache.v1"]  # type: ignore[attr-defined]
+    for sub, names in _SUBMODULES.items():
+        mod = types.ModuleType(f"lmcache.v1.kv_codec.{sub}")
+        for name in names:
+            setattr(mod, name, getattr(me, name))
+        sys.modules[mod.__name__] = mod
+        setattr(me, sub, mod)
+    sys.modules["lmcache.v1.kv_codec"] = me
+    sys.modules["lmcache.v1"].kv_codec = me  # type: ignore[attr-defined]
+    return me

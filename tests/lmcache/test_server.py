@@ -1,0 +1,93 @@
+"""``kvcodec-lmcache server`` (LMCache's own server, kvcodec serde) on 127.0.0.1, driven by ``lmcache bench server``.
+
+Server A stores through the serde into an fs L2; its blobs are read by LMCache's
+own kv_codec reader. Server B, fresh (empty L1) on the same directory, is driven
+over the same sequences: its loads go through L2 and the kvcodec deserializer,
+and no serde task may fail. Bounded: each process has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvcodec
+
+LAUNCHER = [sys.executable, "-m", "kvcodec.integrations.lmcache.launcher"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server(base: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
+    rpc, http = _port(), _port()
+    adapter = {"type": "fs", "base_path": str(base), "serde": {"type": "kvcodec", "head_dim": 128, "model": "bench"}}
+    proc = subprocess.Popen(
+        [*LAUNCHER, "server", "--host", "127.0.0.1", "--port", str(rpc), "--http-host", "127.0.0.1",
+         "--http-port", str(http), "--l1-size-gb", "0.5", "--eviction-policy", "LRU", "--disable-observability",
+         "--l2-adapter", json.dumps(adapter)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while "Uvicorn running" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc, rpc, http
+
+
+def _bench(rpc: int, http: int) -> str:
+    out = subprocess.run(
+        [*LAUNCHER, "bench", "server", "--mode", "cpu", "--transfer-mode", "lmcache_driven",
+         "--rpc-url", f"tcp://127.0.0.1:{rpc}", "--url", f"http://127.0.0.1:{http}",
+         "--kvcache-shape-spec", "(2,128,16,8,128):bfloat16:4", "--num-tokens", "512", "--end", "3",
+         "--interval", "0.2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_lmcache_server_with_kvcodec_serde(tmp_path):
+    from lmcache.v1.kv_codec import AsymK16V8Codec, CodecHashes
+
+    base = tmp_path / "l2"
+    base.mkdir()
+    proc, rpc, http = _server(base, tmp_path / "a.log")
+    try:
+        assert "Done." in _bench(rpc, http)
+    finally:
+        _stop(proc)
+    files = sorted(base.glob("*.data"))
+    assert files, "no blob reached the fs L2"
+    for f in files:
+        data = f.read_bytes()
+        enc = AsymK16V8Codec().from_bytes(data, expected_hashes=CodecHashes(model_id="bench"))
+        assert (enc.kv_head_count, enc.head_dim) == (8, 128)
+        kvcodec.parse(data, strict=True)
+    proc, rpc, http = _server(base, tmp_path / "b.log")
+    try:
+        assert "Done." in _bench(rpc, http)
+    finally:
+        _stop(proc)
+    log_b = (tmp_path / "b.log").read_text()
+    assert "task" not in log_b or "failed" not in log_b, log_b[-3000:]
