@@ -128,3 +128,32 @@ def test_decode_raw_writable_buffer(benchmark, blob):
         ref = bytes(blob)
         fns["lmcache"] = lambda: c.decode(c.from_bytes(ref))
     _record(benchmark, fns, len(blob), 5.0)
+
+
+def _compat():
+    from kvcodec.integrations.lmcache import compat
+
+    return compat.AsymK16V8Codec(scale_scope=compat.ScaleScope.PER_PAGE_HEAD)
+
+
+def test_compat_encode(benchmark, layer):
+    """The drop-in API (encode + to_bytes) beside kvcodec.encode, same bytes (target: within 10%)."""
+    k, v = layer
+    c = _compat()
+    compat_fn = lambda: c.to_bytes(c.encode(k, v, page_axis=0, **_fields()))  # noqa: E731
+    assert compat_fn() == bytes(encode(k, v, scope="per_page_head", version=1))
+    benchmark(compat_fn)
+    fns = {"compat": compat_fn, "kvcodec": lambda: encode(k, v, scope="per_page_head", version=1)}
+    benchmark.extra_info.update(ratio_info(interleaved(fns), "kvcodec", 4 * ELEMS))
+    benchmark.extra_info["target_speedup_compat_vs_kvcodec_min"] = 0.9
+
+
+def test_compat_decode(benchmark, blob):
+    """from_bytes + decode through the drop-in API beside kvcodec.decode of the same bytes."""
+    ref = bytes(blob)
+    c = _compat()
+    compat_fn = lambda: c.decode(c.from_bytes(ref))  # noqa: E731
+    benchmark(compat_fn)
+    fns = {"compat": compat_fn, "kvcodec": lambda: decode(ref)}
+    benchmark.extra_info.update(ratio_info(interleaved(fns), "kvcodec", len(ref)))
+    benchmark.extra_info["target_speedup_compat_vs_kvcodec_min"] = 0.9
