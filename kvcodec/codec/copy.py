@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "copy_tensor", "owned_copy"]
+__all__ = ["copy_bytes", "copy_tensor", "new_buffer", "owned_copy"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -36,8 +36,15 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
+def new_buffer(n: int) -> bytearray:
+    """A bytearray of ``n`` bytes that the caller fills entirely (not zeroed when the C extension is built)."""
+    from ..backends import cpu
+
+    return cpu.empty_bytearray(n)
+
+
 def owned_copy(src: memoryview) -> memoryview:
     """A writable copy of ``src`` (a new bytearray's view)."""
-    out = memoryview(bytearray(len(src)))
+    out = memoryview(new_buffer(len(src)))
     copy_bytes(out, src)
     return out

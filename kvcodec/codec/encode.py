@@ -30,7 +30,7 @@ from ..format import (
     payload_crc,
 )
 from ..numerics import FP8_DTYPES, check_finite_amax, scale_shape
-from .copy import copy_tensor
+from .copy import copy_tensor, new_buffer
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
 from .spec import EncodeSpec
@@ -339,7 +339,7 @@ def _write_blob(p: EncodePlan, out: Any = None) -> tuple[Any, memoryview]:
     """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view."""
     hs = header_size(p.header)
     size = hs + p.header.payload_len
-    owner = bytearray(size) if out is None else out
+    owner = new_buffer(size) if out is None else out  # every byte is written below
     mv = _out_view(owner, size)
     if p.v.device.type == "cpu":
         payload = torch.frombuffer(mv[hs:], dtype=torch.uint8) if p.header.payload_len else torch.empty(0, dtype=torch.uint8)
@@ -443,7 +443,7 @@ def _encode_layers_fused(
     packer = HeaderPacker(h0)
     blobs = []
     for j in range(len(v3s)):
-        out = bytearray(packer.size + h0.payload_len)
+        out = new_buffer(packer.size + h0.payload_len)
         mv = memoryview(out)
         torch.frombuffer(mv[packer.size :], dtype=torch.uint8).copy_(host[j])
         packer.pack_into(mv, layer_id=ids[j], chunk_id=h0.chunk_id, payload=mv[packer.size :])

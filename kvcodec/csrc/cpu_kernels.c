@@ -1,30 +1,32 @@
 /*
- * kvcodec._cpu: the codec's hot loops for CPU tensors, in C.
+ * kvcodec._cpu: the codec's FP8 row loops for CPU tensors, in C.
  *
- * Same numerics as kvcodec/quant.py (the torch reference), bit for bit:
- *   scale = amax(|V|) / 448           fp32, IEEE division (done by the caller)
+ * Same numerics as kvcodec/backends/reference.py (the torch reference), bit for bit:
+ *   scale = amax(|V|) / 448           fp32, IEEE division; 1.0 for an all-zero group
  *   q     = RNE(clamp(V / scale, +-448)) as float8_e4m3fn
  *   V_hat = float(q) * scale          one fp32 rounding, then RNE to fp16/bf16
  * Why C: torch's fp32 -> e4m3 cast and its FP8 widening are scalar loops on
- * CPU; here each is a few integer operations the compiler vectorises.
+ * CPU; here each is a few integer operations, eight lanes at a time with
+ * AVX2 + F16C when the CPU has them (chosen at run time), portable C otherwise.
  *
- * Every function takes raw addresses and element strides from the Python
- * wrapper (kvcodec/native.py), which validates dtypes, shapes and bounds and
- * keeps the tensors alive. The GIL is released while the loops run, and large
- * inputs are split over two threads.
+ * Every call runs on the calling thread only and releases the GIL around its
+ * loops. Arguments are Python buffers (numpy arrays over torch tensors,
+ * memoryviews): their dimensions, strides, item sizes, alignment and overlaps
+ * are checked here before any loop runs, so no argument can make the loops
+ * read or write outside the memory the buffers export. Every error is raised
+ * as the class given to set_error() (kvcodec's UnsupportedConfigError).
  *
- * Only finite, positive scales reach quantize, and it reports a NaN in V;
- * dequantize reports NaN codes before writing anything. Those rare inputs
- * take the reference instead.
+ * A call returns None when done, or a reason string when the reference must
+ * take it: a layout the loops do not take (odd strides, misalignment, an
+ * output overlapping itself or an input; see take_bufs) or data they cannot
+ * reproduce bit for bit (NaN/Inf in V, NaN codes, unusable scales; torch's own
+ * NaN bits differ with the tensor's size). All of these are found before any
+ * output is written, except NaN met by quantize and dequantize, which stop at
+ * that row: the reference then rewrites the whole output (it never fails on
+ * NaN), so no partial result is ever seen.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <dlfcn.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdlib.h>
-#include <sys/mman.h>
-#include <unistd.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -34,7 +36,7 @@
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KV_NO_CLONES)
 #define KV_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define KV_CLONES
@@ -43,57 +45,14 @@
 enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
 enum { SC_TENSOR = 0, SC_LAYER_HEAD = 1, SC_PAGE_HEAD = 2 };
 
-/* Whether the AVX2 + F16C loops run (set at import from the CPU's features). */
+/* Whether the AVX2 + F16C loops run: set at import from the CPU's features,
+ * changed by simd() in tests. Read once per call. */
 static int kv_simd = 0;
-/* Whether CRC-32 folds with PCLMULQDQ. */
-static int kv_clmul = 0;
-/* Whether empty_bytearray pre-faults its pages (MADV_POPULATE_WRITE). */
-static int kv_populate = 1;
 
-/* The OpenMP runtime torch already loaded, when use_openmp() found it: a fused
- * encode then runs its two halves as a team of that runtime instead of on a
- * thread of its own. Why: after any parallel torch op, torch's OpenMP workers
- * spin for milliseconds waiting for more work; a second thread of ours must
- * share a core with such a spinner (measured 1.6 -> 2.7 ms per 2048-token
- * layer), whereas a team of the same runtime puts the spinner to work. The
- * entry points are libgomp's ABI (GOMP_parallel), which the LLVM and Intel
- * runtimes export too. */
-typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
-typedef int (*omp_int_t)(void);
-typedef struct {
-    gomp_parallel_t parallel;
-    omp_int_t thread_num;
-    omp_int_t num_threads;
-} OmpHooks;
-/* Published whole with one atomic store (use_openmp, the fork handler); each
- * use loads it once, so a concurrent switch never shows half a set. */
-static OmpHooks *kv_omp = NULL;
+/* The exception class every error is raised as (set_error); a module-own one until then. */
+static PyObject *kv_error = NULL;
 
-static OmpHooks *omp_hooks(void) { return __atomic_load_n(&kv_omp, __ATOMIC_ACQUIRE); }
-
-/* Elements below which one thread does the work (thread start costs ~20 us). */
-#define KV_PARALLEL_MIN (1 << 18)
-/* The same for a fused chunk encode: measured no faster on two threads at 256K elements here. */
-#define KV_PARALLEL_MIN_ENCODE (1 << 20)
-
-typedef struct {
-    const char *src;  /* V or q */
-    char *dst;        /* q, out, or per-(token, head) amax */
-    const float *scales;
-    Py_ssize_t t0, t1, H, D;
-    Py_ssize_t st, sh;  /* src strides in elements (D stride is 1) */
-    Py_ssize_t dt, dh;  /* dst strides in elements (D stride is 1) */
-    int dtype, out_dtype, scope;
-    Py_ssize_t page;
-    Py_ssize_t nan_codes; /* dequantize: NaN codes met */
-} Job;
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
+/* ------------------------------------------------------------ bit helpers */
 
 static inline uint32_t f32_bits(float f) {
     uint32_t b;
@@ -107,13 +66,22 @@ static inline float bits_f32(uint32_t b) {
     return f;
 }
 
-/* fp16 -> fp32, exact, in integer operations the compiler vectorises
- * (gcc 12 does not vectorise _Float16 conversions). */
+static inline int finite_f32(float x) { return (f32_bits(x) & 0x7FFFFFFFu) < 0x7F800000u; }
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* fp32 -> bf16, round to nearest even (finite inputs only: NaN never reaches it). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t b = f32_bits(f);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* fp16 -> fp32, exact, in integer operations the compiler vectorises. */
 static inline float f16_to_f32(uint16_t h) {
     uint32_t em = (uint32_t)(h & 0x7FFFu) << 13;
     uint32_t exp = em & 0x0F800000u;
-    uint32_t normal = em + (112u << 23);                 /* rebias 15 -> 127 */
-    uint32_t special = em + (224u << 23);                /* Inf / NaN keep all-ones exponent */
+    uint32_t normal = em + (112u << 23);                            /* rebias 15 -> 127 */
+    uint32_t special = em + (224u << 23);                           /* Inf / NaN keep all-ones exponent */
     float sub = bits_f32(em + (113u << 23)) - bits_f32(113u << 23); /* subnormal: exact */
     uint32_t o = exp == 0x0F800000u ? special : (exp == 0 ? f32_bits(sub) : normal);
     return bits_f32(o | ((uint32_t)(h & 0x8000u) << 16));
@@ -124,98 +92,83 @@ static inline uint16_t f32_to_f16(float x) {
     uint32_t f = f32_bits(x);
     uint32_t sign = (f >> 16) & 0x8000u;
     f &= 0x7FFFFFFFu;
-    uint32_t big = f > 0x7F800000u ? 0x7E00u : 0x7C00u;                 /* >= 65536, Inf, NaN */
+    uint32_t big = f > 0x7F800000u ? 0x7E00u : 0x7C00u;                         /* >= 65536, Inf, NaN */
     uint32_t sub = f32_bits(bits_f32(f) + bits_f32(126u << 23)) - (126u << 23); /* < 2^-14 */
-    uint32_t norm = (f + 0xC8000FFFu + ((f >> 13) & 1u)) >> 13;          /* rebias, RNE */
+    uint32_t norm = (f + 0xC8000FFFu + ((f >> 13) & 1u)) >> 13;                  /* rebias, RNE */
     uint32_t o = f >= 0x47800000u ? big : (f < (113u << 23) ? sub : norm);
     return (uint16_t)(o | sign);
 }
 
 /* ------------------------------------------------------------------ amax */
+/* amax(|x|) of one row as fp32, on raw bits: for non-negative IEEE values the
+ * bit pattern orders like the value, and a NaN (bits above the infinity's)
+ * comes out non-finite, which the caller refuses as the reference does. */
 
-/* Any NaN as torch's reductions give it (0x7FC00000), whatever its payload or sign. */
-static inline float canonical_nan(float x) {
-    return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u ? bits_f32(0x7FC00000u) : x;
-}
-
-KV_CLONES static void amax_rows_f16(const uint16_t *p, Py_ssize_t D, float *out) {
-    uint16_t m = 0;
-    for (Py_ssize_t d = 0; d < D; d++) {
-        uint16_t a = p[d] & 0x7FFF; /* |x| of a non-NaN orders like its bits */
-        m = a > m ? a : m;
-    }
-    *out = canonical_nan(f16_to_f32(m));
-}
-
-KV_CLONES static void amax_rows_bf16(const uint16_t *p, Py_ssize_t D, float *out) {
+KV_CLONES static float amax_row_f16(const void *row, Py_ssize_t D) {
+    const uint16_t *p = (const uint16_t *)row;
     uint16_t m = 0;
     for (Py_ssize_t d = 0; d < D; d++) {
         uint16_t a = p[d] & 0x7FFF;
         m = a > m ? a : m;
     }
-    *out = canonical_nan(bf16_to_f32(m));
+    return f16_to_f32(m);
 }
 
-KV_CLONES static void amax_rows_f32(const uint32_t *p, Py_ssize_t D, float *out) {
+KV_CLONES static float amax_row_bf16(const void *row, Py_ssize_t D) {
+    const uint16_t *p = (const uint16_t *)row;
+    uint16_t m = 0;
+    for (Py_ssize_t d = 0; d < D; d++) {
+        uint16_t a = p[d] & 0x7FFF;
+        m = a > m ? a : m;
+    }
+    return bf16_to_f32(m);
+}
+
+KV_CLONES static float amax_row_f32(const void *row, Py_ssize_t D) {
+    const uint32_t *p = (const uint32_t *)row;
     uint32_t m = 0;
     for (Py_ssize_t d = 0; d < D; d++) {
         uint32_t a = p[d] & 0x7FFFFFFFu;
         m = a > m ? a : m;
     }
-    *out = canonical_nan(bits_f32(m));
-}
-
-/* amax(|x|) over head_dim per (token, head) into a dense fp32 [T, H] array.
- * On raw bits: for non-negative IEEE values the bit pattern orders like the
- * value, and any NaN (bits above the infinity's) comes out as a NaN, which the
- * caller's finiteness check then refuses, as the reference does. */
-static void *amax_job(void *arg) {
-    Job *j = (Job *)arg;
-    float *out = (float *)j->dst;
-    for (Py_ssize_t t = j->t0; t < j->t1; t++) {
-        for (Py_ssize_t h = 0; h < j->H; h++) {
-            Py_ssize_t off = t * j->st + h * j->sh;
-            float *o = out + t * j->H + h;
-            if (j->dtype == DT_F32)
-                amax_rows_f32((const uint32_t *)j->src + off, j->D, o);
-            else if (j->dtype == DT_F16)
-                amax_rows_f16((const uint16_t *)j->src + off, j->D, o);
-            else
-                amax_rows_bf16((const uint16_t *)j->src + off, j->D, o);
-        }
-    }
-    return NULL;
+    return bits_f32(m);
 }
 
 /* -------------------------------------------------------------- quantize */
 
-/* e4m3fn code of a finite fp32 y, rounded to nearest even, saturated at 448. */
+/* e4m3fn code of a non-NaN fp32 y, rounded to nearest even, saturated at 448.
+ * The fp32 adder rounds: |y| (clamped) lies in a binade [2^E, 2^(E+1)), with
+ * E at least -6 (below that, e4m3's subnormal step 2^-9 applies); adding
+ * M = 2^(E+20) leaves |y| + M in M's binade, whose step is |y|'s e4m3 step
+ * 2^(E-3), so the addition rounds |y| exactly as the cast must, and
+ * bits(|y| + M) - bits(M) counts steps above M: 8 to 16 for a normal |y|
+ * (its code within the binade, plus 8), 0 to 8 below 2^-6 (the code itself).
+ * Adding 8 per binade above 2^-6 gives the code. */
+#define E4M3_MIN_EXP (121u << 23) /* 2^-6: the smallest normal e4m3 magnitude */
+#define E4M3_MAX_BITS 0x43E00000u /* 448 */
+
 static inline uint8_t e4m3_code(float y) {
     uint32_t b = f32_bits(y);
-    uint32_t sign = (b >> 24) & 0x80u;
     uint32_t a = b & 0x7FFFFFFFu;
-    a = a > 0x43E00000u ? 0x43E00000u : a; /* clamp |y| to 448 */
-    /* normal range: keep 3 mantissa bits, ties to even */
-    uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
-    uint32_t normal = (r >> 20) - (120u << 3);
-    /* below 2^-6: multiples of 2^-9, rounded by the fp32 adder (|y|*512 < 8 is exact) */
-    float s = bits_f32(a) * 512.0f + 8388608.0f;
-    uint32_t sub = f32_bits(s) - 0x4B000000u;
-    uint32_t code = a < 0x3C800000u ? sub : normal;
-    return (uint8_t)(code | sign);
+    a = a > E4M3_MAX_BITS ? E4M3_MAX_BITS : a;
+    uint32_t e = a & 0x7F800000u;
+    e = e > E4M3_MIN_EXP ? e : E4M3_MIN_EXP;
+    uint32_t m = e + (20u << 23);
+    uint32_t code = f32_bits(bits_f32(a) + bits_f32(m)) - m + ((e - E4M3_MIN_EXP) >> 20);
+    return (uint8_t)(code | ((b >> 24) & 0x80u));
 }
 
-/* Each row returns whether it met a NaN (its code would be wrong: the caller
- * then takes the reference for the whole call). Inf saturates, as in torch. */
-#define QUANT_ROW(name, T, widen)                                                  \
-    KV_CLONES static int name(const T *p, Py_ssize_t D, float scale, uint8_t *q) { \
-        uint32_t nan = 0;                                                          \
-        for (Py_ssize_t d = 0; d < D; d++) {                                       \
-            float y = widen(p[d]) / scale;                                         \
-            nan |= (f32_bits(y) & 0x7FFFFFFFu) > 0x7F800000u;                      \
-            q[d] = e4m3_code(y);                                                   \
-        }                                                                          \
-        return nan != 0;                                                           \
+/* Each row returns whether it met a NaN (its code would not be torch's). Inf saturates, as in torch. */
+#define QUANT_ROW(name, T, widen)                                                         \
+    KV_CLONES static int name(const void *row, Py_ssize_t D, float scale, uint8_t *q) {   \
+        const T *p = (const T *)row;                                                      \
+        uint32_t nan = 0;                                                                 \
+        for (Py_ssize_t d = 0; d < D; d++) {                                              \
+            float y = widen(p[d]) / scale;                                                \
+            nan |= (f32_bits(y) & 0x7FFFFFFFu) > 0x7F800000u;                             \
+            q[d] = e4m3_code(y);                                                          \
+        }                                                                                 \
+        return nan != 0;                                                                  \
     }
 
 static inline float f32_id(float x) { return x; }
@@ -234,294 +187,45 @@ static inline float e4m3_value(uint8_t c) {
     return bits_f32(mag | ((uint32_t)(c & 0x80u) << 24));
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t b = f32_bits(f); /* never NaN here: NaN codes are refused first */
-    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+/* Whether a row holds a NaN code (0x7F or 0xFF). */
+KV_CLONES static int has_nan_code(const uint8_t *q, Py_ssize_t D) {
+    uint8_t any = 0;
+    for (Py_ssize_t d = 0; d < D; d++) any |= (uint8_t)((q[d] & 0x7F) == 0x7F);
+    return any != 0;
 }
 
-KV_CLONES static Py_ssize_t nan_count(const uint8_t *q, Py_ssize_t D) {
-    Py_ssize_t n = 0;
-    for (Py_ssize_t d = 0; d < D; d++) n += (q[d] & 0x7F) == 0x7F;
-    return n;
-}
-
-KV_CLONES static void deq_row_f16(const uint8_t *q, Py_ssize_t D, float s, uint16_t *o) {
+KV_CLONES static void deq_row_f16(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    uint16_t *o = (uint16_t *)out;
     for (Py_ssize_t d = 0; d < D; d++) o[d] = f32_to_f16(e4m3_value(q[d]) * s);
 }
 
-KV_CLONES static void deq_row_bf16(const uint8_t *q, Py_ssize_t D, float s, uint16_t *o) {
+KV_CLONES static void deq_row_bf16(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    uint16_t *o = (uint16_t *)out;
     for (Py_ssize_t d = 0; d < D; d++) o[d] = f32_to_bf16(e4m3_value(q[d]) * s);
 }
 
-KV_CLONES static void deq_row_f32(const uint8_t *q, Py_ssize_t D, float s, float *o) {
+KV_CLONES static void deq_row_f32(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    float *o = (float *)out;
     for (Py_ssize_t d = 0; d < D; d++) o[d] = e4m3_value(q[d]) * s;
 }
 
-/* ------------------------------------------------------------------- CRC-32 */
-/* zlib's CRC-32 (reflected polynomial 0xEDB88320), so blobs can be sealed and
- * checked without the GIL and split over threads. Long buffers fold 64 bytes
- * at a time with carry-less multiplies (PCLMULQDQ); what remains (the folded
- * 16-byte state and a tail under 16 bytes) goes through a byte table. */
-
-#define CRC_POLY 0xEDB88320u
-static uint32_t crc_table[256];
-
-static void crc_table_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t r = i;
-        for (int b = 0; b < 8; b++) r = (r & 1u) ? (r >> 1) ^ CRC_POLY : r >> 1;
-        crc_table[i] = r;
-    }
-}
-
-/* The raw register update (no pre/post inversion). */
-static uint32_t crc_bytes(uint32_t reg, const uint8_t *p, size_t n) {
-    for (size_t i = 0; i < n; i++) reg = crc_table[(reg ^ p[i]) & 0xFFu] ^ (reg >> 8);
-    return reg;
-}
-
-/* Polynomials mod P in the reflected form: bit 31 is x^0, bit 0 is x^31. */
-static uint32_t gf2_mulmod(uint32_t a, uint32_t b) {
-    uint32_t r = 0;
-    for (int i = 0; i < 32; i++) {
-        if (a & (0x80000000u >> i)) r ^= b;
-        b = (b & 1u) ? (b >> 1) ^ CRC_POLY : b >> 1; /* b *= x */
-    }
-    return r;
-}
-
-/* x^(8 n) mod P: the factor that moves a CRC past n more bytes. */
-static uint32_t gf2_shift_bytes(uint64_t n) {
-    uint32_t r = 0x80000000u, base = 0x00800000u; /* 1 and x^8 */
-    for (; n; n >>= 1) {
-        if (n & 1u) r = gf2_mulmod(r, base);
-        base = gf2_mulmod(base, base);
-    }
-    return r;
-}
-
-/* CRC of A then B, from crc(A), crc(B) and len(B) (both zlib-conditioned). */
-static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-    return gf2_mulmod(gf2_shift_bytes(len_b), crc_a) ^ crc_b;
-}
-
-#ifdef KV_HAVE_AVX2
-/* Fold distances as x^k mod P, reflected and shifted for PCLMULQDQ: 4 x 128
- * bits ahead (lo, hi lanes) and 128 bits ahead (lo, hi lanes). */
-#define K_FOLD512_LO 0x154442bd4ull
-#define K_FOLD512_HI 0x1c6e41596ull
-#define K_FOLD128_LO 0x1751997d0ull
-#define K_FOLD128_HI 0x0ccaa009eull
-
-__attribute__((target("pclmul,sse4.1"))) static inline __m128i fold(__m128i acc, __m128i k, __m128i next) {
-    __m128i lo = _mm_clmulepi64_si128(acc, k, 0x00);
-    __m128i hi = _mm_clmulepi64_si128(acc, k, 0x11);
-    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
-}
-
-/* The raw register over n >= 64 bytes. */
-__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_clmul(uint32_t reg, const uint8_t *p, size_t n) {
-    __m128i a0 = _mm_loadu_si128((const __m128i *)p);
-    __m128i a1 = _mm_loadu_si128((const __m128i *)(p + 16));
-    __m128i a2 = _mm_loadu_si128((const __m128i *)(p + 32));
-    __m128i a3 = _mm_loadu_si128((const __m128i *)(p + 48));
-    a0 = _mm_xor_si128(a0, _mm_cvtsi32_si128((int)reg)); /* the register joins the first bytes */
-    p += 64;
-    n -= 64;
-    const __m128i k512 = _mm_set_epi64x((long long)K_FOLD512_HI, (long long)K_FOLD512_LO);
-    for (; n >= 64; p += 64, n -= 64) {
-        a0 = fold(a0, k512, _mm_loadu_si128((const __m128i *)p));
-        a1 = fold(a1, k512, _mm_loadu_si128((const __m128i *)(p + 16)));
-        a2 = fold(a2, k512, _mm_loadu_si128((const __m128i *)(p + 32)));
-        a3 = fold(a3, k512, _mm_loadu_si128((const __m128i *)(p + 48)));
-    }
-    const __m128i k128 = _mm_set_epi64x((long long)K_FOLD128_HI, (long long)K_FOLD128_LO);
-    __m128i a = fold(fold(fold(a0, k128, a1), k128, a2), k128, a3);
-    for (; n >= 16; p += 16, n -= 16) a = fold(a, k128, _mm_loadu_si128((const __m128i *)p));
-    /* The 16 state bytes stand for everything folded so far: finish them and
-     * the tail bytewise from a zero register. */
-    uint8_t state[16];
-    _mm_storeu_si128((__m128i *)state, a);
-    return crc_bytes(crc_bytes(0, state, 16), p, n);
-}
-
-/* The same over 256-bit lanes (VPCLMULQDQ): 128 bytes per step, folded down
- * to one 128-bit state for crc_clmul's tail. Constants as above, for 1024 and
- * 256 bits ahead (x^(d+32) and x^(d-32) mod P). */
-#define K_FOLD1024_LO 0x1e88ef372ull
-#define K_FOLD1024_HI 0x14a7fe880ull
-#define K_FOLD256_LO 0x0f1da05aaull
-#define K_FOLD256_HI 0x15a546366ull
-#define VCLMUL_FN __attribute__((target("vpclmulqdq,avx2,pclmul,sse4.1")))
-
-VCLMUL_FN static inline __m256i fold256(__m256i acc, __m256i k, __m256i next) {
-    __m256i lo = _mm256_clmulepi64_epi128(acc, k, 0x00);
-    __m256i hi = _mm256_clmulepi64_epi128(acc, k, 0x11);
-    return _mm256_xor_si256(_mm256_xor_si256(lo, hi), next);
-}
-
-/* Loads 32 bytes for the CRC and, when copying, stores them to the destination too. */
-#define LOAD_FOLD(off) _mm256_loadu_si256((const __m256i *)(p + (off)))
-#define STORE_COPY(off, x) \
-    if (copy) _mm256_storeu_si256((__m256i *)(dst + (off)), x)
-
-/* `copy` is a constant at each call site, so each caller gets its own loop. */
-VCLMUL_FN static inline uint32_t crc_vclmul_impl(uint32_t reg, const uint8_t *p, size_t n, uint8_t *dst,
-                                                  const int copy) {
-    __m256i a0 = LOAD_FOLD(0), a1 = LOAD_FOLD(32), a2 = LOAD_FOLD(64), a3 = LOAD_FOLD(96);
-    STORE_COPY(0, a0);
-    STORE_COPY(32, a1);
-    STORE_COPY(64, a2);
-    STORE_COPY(96, a3);
-    a0 = _mm256_xor_si256(a0, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)reg)));
-    p += 128;
-    dst += copy ? 128 : 0;
-    n -= 128;
-    const __m256i k1024 = _mm256_set_epi64x((long long)K_FOLD1024_HI, (long long)K_FOLD1024_LO,
-                                            (long long)K_FOLD1024_HI, (long long)K_FOLD1024_LO);
-    for (; n >= 128; p += 128, n -= 128) {
-        __m256i b0 = LOAD_FOLD(0), b1 = LOAD_FOLD(32), b2 = LOAD_FOLD(64), b3 = LOAD_FOLD(96);
-        if (copy) {
-            STORE_COPY(0, b0);
-            STORE_COPY(32, b1);
-            STORE_COPY(64, b2);
-            STORE_COPY(96, b3);
-            dst += 128;
-        }
-        a0 = fold256(a0, k1024, b0);
-        a1 = fold256(a1, k1024, b1);
-        a2 = fold256(a2, k1024, b2);
-        a3 = fold256(a3, k1024, b3);
-    }
-    const __m256i k256 = _mm256_set_epi64x((long long)K_FOLD256_HI, (long long)K_FOLD256_LO,
-                                           (long long)K_FOLD256_HI, (long long)K_FOLD256_LO);
-    __m256i a = fold256(fold256(fold256(a0, k256, a1), k256, a2), k256, a3);
-    const __m128i k128 = _mm_set_epi64x((long long)K_FOLD128_HI, (long long)K_FOLD128_LO);
-    __m128i x = fold(_mm256_castsi256_si128(a), k128, _mm256_extracti128_si256(a, 1));
-    for (; n >= 16; p += 16, n -= 16) {
-        __m128i y = _mm_loadu_si128((const __m128i *)p);
-        if (copy) {
-            _mm_storeu_si128((__m128i *)dst, y);
-            dst += 16;
-        }
-        x = fold(x, k128, y);
-    }
-    if (copy) memcpy(dst, p, n);
-    uint8_t state[16];
-    _mm_storeu_si128((__m128i *)state, x);
-    return crc_bytes(crc_bytes(0, state, 16), p, n);
-}
-
-VCLMUL_FN static uint32_t crc_vclmul(uint32_t reg, const uint8_t *p, size_t n) {
-    return crc_vclmul_impl(reg, p, n, NULL, 0);
-}
-
-VCLMUL_FN static uint32_t crc_vclmul_copy(uint32_t reg, const uint8_t *p, size_t n, uint8_t *dst) {
-    return crc_vclmul_impl(reg, p, n, dst, 1);
-}
-#endif
-
-static uint32_t crc32_update(uint32_t crc, const uint8_t *p, size_t n);
-
-/* memcpy(dst, p, n) and zlib.crc32(p, crc) in one read of p where the CPU allows. */
-static uint32_t crc32_copy(uint32_t crc, const uint8_t *p, size_t n, uint8_t *dst) {
-#ifdef KV_HAVE_AVX2
-    if (kv_clmul > 1 && n >= 256) return ~crc_vclmul_copy(~crc, p, n, dst);
-#endif
-    memcpy(dst, p, n);
-    return crc32_update(crc, p, n);
-}
-
-/* zlib.crc32(data, crc) without the GIL. */
-static uint32_t crc32_update(uint32_t crc, const uint8_t *p, size_t n) {
-    uint32_t reg = ~crc;
-#ifdef KV_HAVE_AVX2
-    if (kv_clmul > 1 && n >= 256) return ~crc_vclmul(reg, p, n);
-    if (kv_clmul && n >= 64) return ~crc_clmul(reg, p, n);
-#endif
-    return ~crc_bytes(reg, p, n);
-}
-
-typedef struct {
-    const uint8_t *p;
-    size_t n;
-    uint8_t *dst; /* NULL: CRC only */
-    uint32_t crc;
-} CrcJob;
-
-static void *crc_job(void *arg) {
-    CrcJob *j = (CrcJob *)arg;
-    j->crc = j->dst ? crc32_copy(0, j->p, j->n, j->dst) : crc32_update(0, j->p, j->n);
-    return NULL;
-}
-
-typedef struct {
-    void *(*fn)(void *);
-    void *arg[2];
-    const OmpHooks *omp;
-} Pair;
-
-/* Members 0 and 1 of a team take one half each; a team of one takes both; the
- * others (the team is torch's default size, so its pool keeps its threads) idle. */
-static void pair_body(void *p) {
-    Pair *pr = (Pair *)p;
-    int id = pr->omp->thread_num(), n = pr->omp->num_threads();
-    if (id == 0) {
-        pr->fn(pr->arg[0]);
-        if (n < 2) pr->fn(pr->arg[1]);
-    } else if (id == 1) {
-        pr->fn(pr->arg[1]);
-    }
-}
-
-/* fn(a) and fn(b) at once: as a team of torch's OpenMP runtime when use_openmp()
- * found it (see there), else with a thread of our own; in turn if neither can be had. */
-static void run_pair(void *(*fn)(void *), void *a, void *b) {
-    const OmpHooks *omp = omp_hooks();
-    if (omp) {
-        Pair pr = {fn, {a, b}, omp};
-        omp->parallel(pair_body, &pr, 0, 0); /* 0: the runtime's default team size */
-        return;
-    }
-    pthread_t tid;
-    if (pthread_create(&tid, NULL, fn, b) != 0) {
-        fn(a);
-        fn(b);
-        return;
-    }
-    fn(a);
-    pthread_join(tid, NULL);
-}
-
-/* CRC (and copy, when dst is given) over two threads for long buffers: halves, then combined. */
-static uint32_t crc32_parallel(uint32_t crc, const uint8_t *p, size_t n, uint8_t *dst, int threads) {
-    if (threads < 2 || n < ((size_t)1 << 20)) return dst ? crc32_copy(crc, p, n, dst) : crc32_update(crc, p, n);
-    size_t half = (n / 2) & ~(size_t)63;
-    CrcJob first = {p, half, dst, 0}, second = {p + half, n - half, dst ? dst + half : NULL, 0};
-    run_pair(crc_job, &first, &second);
-    /* crc_job starts from 0: the caller's crc joins the first half by combination */
-    return crc_combine(crc_combine(crc, first.crc, half), second.crc, n - half);
-}
-
-/* ------------------------------------------------------ AVX2 + F16C paths */
-/* Same arithmetic as the portable loops above, eight lanes at a time, chosen at
- * run time (kv_simd) on CPUs that have AVX2 and F16C; tails use the portable loops. */
+/* ------------------------------------------------------ AVX2 + F16C rows */
+/* Same arithmetic as the portable rows above, eight lanes at a time; tails use the portable rows. */
 #ifdef KV_HAVE_AVX2
 
-AVX2_FN static inline __m256i e4m3_codes8(__m256 y, __m256i *nan) {
+/* e4m3_code, eight lanes at a time. `amax` keeps the largest |y| bits seen,
+ * for the row's NaN check (above the infinity's bits) at its end. */
+AVX2_FN static inline __m256i e4m3_codes8(__m256 y, __m256i *amax) {
     const __m256i b = _mm256_castps_si256(y);
     __m256i a = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
-    *nan = _mm256_or_si256(*nan, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
-    a = _mm256_min_epu32(a, _mm256_set1_epi32(0x43E00000)); /* clamp |y| to 448 */
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFFF)), odd);
-    __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(120 << 3));
-    /* below 2^-6: |y| + 2^14 rounds (RNE) at 2^-9, the subnormal step */
-    const __m256i magic = _mm256_set1_epi32(141 << 23);
-    __m256i sub = _mm256_sub_epi32(
-        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic))), magic);
-    __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a);
-    __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
+    *amax = _mm256_max_epu32(*amax, a);
+    a = _mm256_min_epu32(a, _mm256_set1_epi32((int)E4M3_MAX_BITS));
+    __m256i e = _mm256_max_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7F800000)),
+                                 _mm256_set1_epi32((int)E4M3_MIN_EXP));
+    __m256i m = _mm256_add_epi32(e, _mm256_set1_epi32(20 << 23));
+    __m256i sum = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(m)));
+    __m256i binades = _mm256_srli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32((int)E4M3_MIN_EXP)), 20);
+    __m256i code = _mm256_add_epi32(_mm256_sub_epi32(sum, m), binades);
     return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(b, 24), _mm256_set1_epi32(0x80)));
 }
 
@@ -537,21 +241,23 @@ AVX2_FN static inline void store_codes32(uint8_t *q, __m256i c0, __m256i c1, __m
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 
-#define QUANT_ROW_AVX2(name, T, LOAD, tail)                                            \
-    AVX2_FN static int name(const T *p, Py_ssize_t D, float scale, uint8_t *q) {      \
-        const __m256 vs = _mm256_set1_ps(scale);                                       \
-        __m256i nan = _mm256_setzero_si256();                                          \
-        Py_ssize_t d = 0;                                                              \
-        for (; d + 32 <= D; d += 32) {                                                 \
-            __m256i c0 = e4m3_codes8(_mm256_div_ps(LOAD(p + d), vs), &nan);           \
-            __m256i c1 = e4m3_codes8(_mm256_div_ps(LOAD(p + d + 8), vs), &nan);       \
-            __m256i c2 = e4m3_codes8(_mm256_div_ps(LOAD(p + d + 16), vs), &nan);      \
-            __m256i c3 = e4m3_codes8(_mm256_div_ps(LOAD(p + d + 24), vs), &nan);      \
-            store_codes32(q + d, c0, c1, c2, c3);                                      \
-        }                                                                              \
-        int bad = !_mm256_testz_si256(nan, nan);                                       \
-        if (d < D) bad |= tail(p + d, D - d, scale, q + d);                            \
-        return bad;                                                                    \
+#define QUANT_ROW_AVX2(name, T, LOAD, tail)                                       \
+    AVX2_FN static int name(const void *row, Py_ssize_t D, float scale, uint8_t *q) { \
+        const T *p = (const T *)row;                                              \
+        const __m256 vs = _mm256_set1_ps(scale);                                  \
+        __m256i amax = _mm256_setzero_si256();                                    \
+        Py_ssize_t d = 0;                                                         \
+        for (; d + 32 <= D; d += 32) {                                            \
+            __m256i c0 = e4m3_codes8(_mm256_div_ps(LOAD(p + d), vs), &amax);      \
+            __m256i c1 = e4m3_codes8(_mm256_div_ps(LOAD(p + d + 8), vs), &amax);  \
+            __m256i c2 = e4m3_codes8(_mm256_div_ps(LOAD(p + d + 16), vs), &amax); \
+            __m256i c3 = e4m3_codes8(_mm256_div_ps(LOAD(p + d + 24), vs), &amax); \
+            store_codes32(q + d, c0, c1, c2, c3);                                 \
+        }                                                                         \
+        __m256i nan = _mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7F800000));    \
+        int bad = !_mm256_testz_si256(nan, nan);                                  \
+        if (d < D) bad |= tail(p + d, D - d, scale, q + d);                       \
+        return bad;                                                               \
     }
 
 QUANT_ROW_AVX2(quant_row_f16_avx2, uint16_t, LOAD_F16, quant_row_f16)
@@ -574,7 +280,19 @@ AVX2_FN static inline __m256i bf16_rne8(__m256 x) {
     return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd), 16);
 }
 
-AVX2_FN static void deq_row_f16_avx2(const uint8_t *q, Py_ssize_t D, float s, uint16_t *o) {
+AVX2_FN static int has_nan_code_avx2(const uint8_t *q, Py_ssize_t D) {
+    const __m256i m7f = _mm256_set1_epi8(0x7F);
+    __m256i any = _mm256_setzero_si256();
+    Py_ssize_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256i c = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q + d)), m7f);
+        any = _mm256_or_si256(any, _mm256_cmpeq_epi8(c, m7f));
+    }
+    return !_mm256_testz_si256(any, any) || (d < D && has_nan_code(q + d, D - d));
+}
+
+AVX2_FN static void deq_row_f16_avx2(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    uint16_t *o = (uint16_t *)out;
     const __m256 vs = _mm256_set1_ps(s);
     Py_ssize_t d = 0;
     for (; d + 16 <= D; d += 16) {
@@ -587,7 +305,8 @@ AVX2_FN static void deq_row_f16_avx2(const uint8_t *q, Py_ssize_t D, float s, ui
     if (d < D) deq_row_f16(q + d, D - d, s, o + d);
 }
 
-AVX2_FN static void deq_row_bf16_avx2(const uint8_t *q, Py_ssize_t D, float s, uint16_t *o) {
+AVX2_FN static void deq_row_bf16_avx2(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    uint16_t *o = (uint16_t *)out;
     const __m256 vs = _mm256_set1_ps(s);
     Py_ssize_t d = 0;
     for (; d + 16 <= D; d += 16) {
@@ -599,7 +318,8 @@ AVX2_FN static void deq_row_bf16_avx2(const uint8_t *q, Py_ssize_t D, float s, u
     if (d < D) deq_row_bf16(q + d, D - d, s, o + d);
 }
 
-AVX2_FN static void deq_row_f32_avx2(const uint8_t *q, Py_ssize_t D, float s, float *o) {
+AVX2_FN static void deq_row_f32_avx2(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    float *o = (float *)out;
     const __m256 vs = _mm256_set1_ps(s);
     Py_ssize_t d = 0;
     for (; d + 16 <= D; d += 16) {
@@ -612,97 +332,6 @@ AVX2_FN static void deq_row_f32_avx2(const uint8_t *q, Py_ssize_t D, float s, fl
 }
 #endif
 
-static inline Py_ssize_t scale_index(const Job *j, Py_ssize_t t, Py_ssize_t h) {
-    if (j->scope == SC_TENSOR) return 0;
-    if (j->scope == SC_LAYER_HEAD) return h;
-    return (t / j->page) * j->H + h;
-}
-
-static void *quant_job(void *arg) {
-    Job *j = (Job *)arg;
-    uint8_t *q = (uint8_t *)j->dst;
-    int nan = 0;
-    for (Py_ssize_t t = j->t0; t < j->t1 && !nan; t++) {
-        for (Py_ssize_t h = 0; h < j->H; h++) {
-            Py_ssize_t off = t * j->st + h * j->sh;
-            float s = j->scales[scale_index(j, t, h)];
-            uint8_t *o = q + t * j->dt + h * j->dh;
-#ifdef KV_HAVE_AVX2
-            if (kv_simd) {
-                if (j->dtype == DT_F16)
-                    nan |= quant_row_f16_avx2((const uint16_t *)j->src + off, j->D, s, o);
-                else if (j->dtype == DT_BF16)
-                    nan |= quant_row_bf16_avx2((const uint16_t *)j->src + off, j->D, s, o);
-                else
-                    nan |= quant_row_f32_avx2((const float *)j->src + off, j->D, s, o);
-                continue;
-            }
-#endif
-            if (j->dtype == DT_F16)
-                nan |= quant_row_f16((const uint16_t *)j->src + off, j->D, s, o);
-            else if (j->dtype == DT_BF16)
-                nan |= quant_row_bf16((const uint16_t *)j->src + off, j->D, s, o);
-            else
-                nan |= quant_row_f32((const float *)j->src + off, j->D, s, o);
-        }
-    }
-    j->nan_codes = nan;
-    return NULL;
-}
-
-static void *nan_job(void *arg) {
-    Job *j = (Job *)arg;
-    const uint8_t *q = (const uint8_t *)j->src;
-    Py_ssize_t nans = 0;
-    for (Py_ssize_t t = j->t0; t < j->t1 && !nans; t++)
-        for (Py_ssize_t h = 0; h < j->H; h++) nans += nan_count(q + t * j->st + h * j->sh, j->D);
-    j->nan_codes = nans;
-    return NULL;
-}
-
-static void *deq_job(void *arg) {
-    Job *j = (Job *)arg;
-    const uint8_t *q = (const uint8_t *)j->src;
-    for (Py_ssize_t t = j->t0; t < j->t1; t++) {
-        for (Py_ssize_t h = 0; h < j->H; h++) {
-            const uint8_t *r = q + t * j->st + h * j->sh;
-            float s = j->scales[scale_index(j, t, h)];
-            Py_ssize_t off = t * j->dt + h * j->dh;
-#ifdef KV_HAVE_AVX2
-            if (kv_simd) {
-                if (j->out_dtype == DT_F16)
-                    deq_row_f16_avx2(r, j->D, s, (uint16_t *)j->dst + off);
-                else if (j->out_dtype == DT_BF16)
-                    deq_row_bf16_avx2(r, j->D, s, (uint16_t *)j->dst + off);
-                else
-                    deq_row_f32_avx2(r, j->D, s, (float *)j->dst + off);
-                continue;
-            }
-#endif
-            if (j->out_dtype == DT_F16)
-                deq_row_f16(r, j->D, s, (uint16_t *)j->dst + off);
-            else if (j->out_dtype == DT_BF16)
-                deq_row_bf16(r, j->D, s, (uint16_t *)j->dst + off);
-            else
-                deq_row_f32(r, j->D, s, (float *)j->dst + off);
-        }
-    }
-    return NULL;
-}
-
-/* ---------------------------------------------------------------- driver */
-
-/* 0: bytewise CRC; 1: PCLMULQDQ; 2: VPCLMULQDQ as well. */
-static int cpu_clmul(void) {
-#ifdef KV_HAVE_AVX2
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1"))) return 0;
-    return (__builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx2")) ? 2 : 1;
-#else
-    return 0;
-#endif
-}
-
 static int cpu_has_simd(void) {
 #ifdef KV_HAVE_AVX2
     __builtin_cpu_init();
@@ -712,524 +341,487 @@ static int cpu_has_simd(void) {
 #endif
 }
 
-/* Run fn over tokens [0, T) in one or two pieces; the second on a new thread. */
-static int run_split(void *(*fn)(void *), Job *base, Py_ssize_t T, int threads, Py_ssize_t *nan_codes) {
-    Job jobs[2];
-    jobs[0] = *base;
-    jobs[0].t0 = 0;
-    jobs[0].t1 = T;
-    jobs[0].nan_codes = 0;
-    int n = (threads > 1 && T >= 2 && T * base->H * base->D >= KV_PARALLEL_MIN) ? 2 : 1;
-    if (n == 2) {
-        jobs[1] = jobs[0];
-        jobs[0].t1 = jobs[1].t0 = T / 2;
-        run_pair(fn, &jobs[0], &jobs[1]); /* the same two-thread mechanism as the CRC's */
-    } else {
-        fn(&jobs[0]);
-    }
-    if (nan_codes) *nan_codes = jobs[0].nan_codes + (n == 2 ? jobs[1].nan_codes : 0);
-    return n;
+/* ------------------------------------------------------- row dispatch */
+
+typedef float (*amax_fn)(const void *, Py_ssize_t);
+typedef int (*quant_fn)(const void *, Py_ssize_t, float, uint8_t *);
+typedef void (*deq_fn)(const uint8_t *, Py_ssize_t, float, void *);
+typedef int (*nan_fn)(const uint8_t *, Py_ssize_t);
+
+static amax_fn pick_amax(int dt) {
+    return dt == DT_F16 ? amax_row_f16 : dt == DT_BF16 ? amax_row_bf16 : amax_row_f32;
 }
 
-/* Scales a scope needs over T tokens x H heads. */
-static Py_ssize_t scales_needed(Py_ssize_t T, Py_ssize_t H, int scope, Py_ssize_t page) {
+static quant_fn pick_quant(int dt, int simd) {
+#ifdef KV_HAVE_AVX2
+    if (simd) return dt == DT_F16 ? quant_row_f16_avx2 : dt == DT_BF16 ? quant_row_bf16_avx2 : quant_row_f32_avx2;
+#endif
+    (void)simd;
+    return dt == DT_F16 ? quant_row_f16 : dt == DT_BF16 ? quant_row_bf16 : quant_row_f32;
+}
+
+static deq_fn pick_deq(int dt, int simd) {
+#ifdef KV_HAVE_AVX2
+    if (simd) return dt == DT_F16 ? deq_row_f16_avx2 : dt == DT_BF16 ? deq_row_bf16_avx2 : deq_row_f32_avx2;
+#endif
+    (void)simd;
+    return dt == DT_F16 ? deq_row_f16 : dt == DT_BF16 ? deq_row_bf16 : deq_row_f32;
+}
+
+static nan_fn pick_nan(int simd) {
+#ifdef KV_HAVE_AVX2
+    if (simd) return has_nan_code_avx2;
+#endif
+    (void)simd;
+    return has_nan_code;
+}
+
+/* --------------------------------------------------- checked buffers */
+/* Two kinds of refusal. Arguments that cannot be meant (a 2-d buffer, the wrong
+ * item size or number of scales, shapes that differ, an unknown code) raise
+ * kv_error. Layouts the loops do not take (negative or odd strides, head_dim
+ * not contiguous, misaligned elements, an output whose elements share memory
+ * or that overlaps an input) return a reason, so that the caller runs the
+ * reference. Either way nothing has been read or written yet. */
+
+/* A [T, H, D] array from a buffer: byte strides, the last one the item size. */
+typedef struct {
+    Py_buffer view;
+    int held;
+    char *base;
+    Py_ssize_t T, H, D;
+    Py_ssize_t st, sh; /* strides in bytes */
+    char *lo, *hi;     /* the bytes the elements span; lo == hi when empty */
+} Arr;
+
+static const int DT_SIZE[] = {2, 2, 4};
+
+static int fail(const char *fn, const char *what) {
+    PyErr_Format(kv_error, "kvcodec._cpu.%s: %s", fn, what);
+    return -1;
+}
+
+/* Re-raise the pending error (a TypeError from argument parsing, a BufferError...) as kv_error. */
+static void rethrow(const char *fn) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *msg = value ? PyObject_Str(value) : NULL;
+    if (msg) {
+        PyErr_Format(kv_error, "kvcodec._cpu.%s: %U", fn, msg);
+        Py_DECREF(msg);
+    } else {
+        PyErr_Clear();
+        PyErr_Format(kv_error, "kvcodec._cpu.%s: bad argument", fn);
+    }
+    if (value) {
+        PyObject *t2, *v2, *tb2;
+        PyErr_Fetch(&t2, &v2, &tb2);
+        PyErr_NormalizeException(&t2, &v2, &tb2);
+        PyException_SetCause(v2, value); /* steals value */
+        PyErr_Restore(t2, v2, tb2);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+}
+
+/* Bytes spanned by the elements (non-negative strides): 1 + sum((n_i - 1) * stride_i)
+ * item sizes; 0 when empty, -1 on overflow. */
+static Py_ssize_t span_of(const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize) {
+    Py_ssize_t span = itemsize;
+    for (int i = 0; i < 3; i++) {
+        if (shape[i] == 0) return 0;
+        Py_ssize_t step;
+        if (__builtin_mul_overflow(shape[i] - 1, strides[i], &step) || __builtin_add_overflow(span, step, &span))
+            return -1;
+    }
+    return span;
+}
+
+/* Whether no two elements share a byte: the dimensions of extent > 1, by
+ * increasing stride, each step past the whole of the previous one. */
+static int no_self_overlap(const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize) {
+    Py_ssize_t n[3], s[3];
+    int k = 0;
+    for (int i = 0; i < 3; i++)
+        if (shape[i] > 1) {
+            int j = k++;
+            while (j > 0 && s[j - 1] > strides[i]) {
+                n[j] = n[j - 1];
+                s[j] = s[j - 1];
+                j--;
+            }
+            n[j] = shape[i];
+            s[j] = strides[i];
+        }
+    Py_ssize_t need = itemsize;
+    for (int i = 0; i < k; i++) {
+        if (s[i] < need) return 0;
+        if (__builtin_mul_overflow(s[i], n[i], &need)) return 1; /* nothing further can be closer */
+    }
+    return 1;
+}
+
+/* Take a [T, H, D] buffer of `itemsize`-byte elements into `a`. -1: error raised;
+ * 0: taken, with *why set when the loops cannot take its layout. */
+static int get_arr(PyObject *obj, Py_ssize_t itemsize, int writable, const char *fn, const char *name, Arr *a,
+                   const char **why) {
+    if (PyObject_GetBuffer(obj, &a->view, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
+        rethrow(fn);
+        return -1;
+    }
+    a->held = 1;
+    Py_buffer *v = &a->view;
+    char msg[120];
+    if (v->ndim != 3 || !v->shape || !v->strides) {
+        snprintf(msg, sizeof msg, "%s must be a 3-d [tokens, heads, head_dim] buffer", name);
+        return fail(fn, msg);
+    }
+    if (v->itemsize != itemsize) {
+        snprintf(msg, sizeof msg, "%s has %zd-byte elements; expected %zd", name, v->itemsize, itemsize);
+        return fail(fn, msg);
+    }
+    a->base = a->lo = a->hi = (char *)v->buf;
+    a->T = v->shape[0];
+    a->H = v->shape[1];
+    a->D = v->shape[2];
+    a->st = v->strides[0];
+    a->sh = v->strides[1];
+    const char *w = NULL;
+    for (int i = 0; i < 3; i++)
+        if (v->strides[i] < 0 || v->strides[i] % itemsize) w = "a buffer has a negative stride or one not a multiple of its item size";
+    if (!w) {
+        Py_ssize_t span = span_of(v->shape, v->strides, itemsize);
+        if (span < 0 || (uintptr_t)v->buf > UINTPTR_MAX - (uintptr_t)span) {
+            snprintf(msg, sizeof msg, "%s: extents times strides overflow", name);
+            return fail(fn, msg);
+        }
+        a->hi = a->lo + span;
+        if (a->D > 1 && v->strides[2] != itemsize)
+            w = "a buffer's head_dim is not contiguous";
+        else if ((uintptr_t)v->buf % (uintptr_t)itemsize)
+            w = "a buffer is not aligned to its elements";
+        else if (writable && !no_self_overlap(v->shape, v->strides, itemsize))
+            w = "an output has elements sharing memory";
+    }
+    if (!*why) *why = w;
+    return 0;
+}
+
+/* Take a C-contiguous buffer of exactly n fp32 values into `a` (-1: error raised). */
+static int get_scales(PyObject *obj, Py_ssize_t n, int writable, const char *fn, Arr *a, const char **why) {
+    if (PyObject_GetBuffer(obj, &a->view, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) <
+        0) {
+        rethrow(fn);
+        return -1;
+    }
+    a->held = 1;
+    Py_ssize_t want;
+    if (__builtin_mul_overflow(n, (Py_ssize_t)4, &want) || a->view.len != want) {
+        char msg[120];
+        snprintf(msg, sizeof msg, "scales hold %zd bytes; the scope needs %zd fp32 values", a->view.len, n);
+        return fail(fn, msg);
+    }
+    a->base = a->lo = (char *)a->view.buf;
+    a->hi = a->lo + want;
+    if (!*why && (uintptr_t)a->view.buf % 4) *why = "scales are not aligned to 4 bytes";
+    return 0;
+}
+
+static int overlaps(const Arr *a, const Arr *b) { return a->lo < b->hi && b->lo < a->hi; }
+
+/* Scale groups of a scope over T tokens x H heads (page >= 1), without overflow (-1 if it would). */
+static Py_ssize_t groups_of(Py_ssize_t T, Py_ssize_t H, int scope, Py_ssize_t page) {
     if (scope == SC_TENSOR) return 1;
     if (scope == SC_LAYER_HEAD) return H;
-    return ((T + page - 1) / page) * H;
+    Py_ssize_t pages = T / page + (T % page != 0), n;
+    return __builtin_mul_overflow(pages, H, &n) ? -1 : n;
 }
 
-static int check_scales(Py_ssize_t T, Py_ssize_t H, int scope, Py_ssize_t page, Py_ssize_t n) {
-    if (n < scales_needed(T, H, scope, page)) {
-        PyErr_SetString(PyExc_ValueError, "fewer scales than the scope needs");
-        return -1;
-    }
-    return 0;
+static inline Py_ssize_t group_of(int scope, Py_ssize_t page, Py_ssize_t H, Py_ssize_t t, Py_ssize_t h) {
+    if (scope == SC_TENSOR) return 0;
+    if (scope == SC_LAYER_HEAD) return h;
+    return (t / page) * H + h;
 }
 
-static int check_common(Py_ssize_t T, Py_ssize_t H, Py_ssize_t D, int dtype, int scope, Py_ssize_t page) {
-    if (T < 0 || H < 0 || D < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative extent");
-        return -1;
-    }
-    if (dtype < DT_F16 || dtype > DT_F32) {
-        PyErr_SetString(PyExc_ValueError, "bad dtype code");
-        return -1;
-    }
-    if (scope < SC_TENSOR || scope > SC_PAGE_HEAD || (scope == SC_PAGE_HEAD && page < 1)) {
-        PyErr_SetString(PyExc_ValueError, "bad scope or page size");
-        return -1;
-    }
-    return 0;
+static int check_dtype(const char *fn, int dtype) {
+    return dtype < DT_F16 || dtype > DT_F32 ? fail(fn, "dtype code must be 0 (fp16), 1 (bf16) or 2 (fp32)") : 0;
 }
 
-/* token_head_amax(v, T, H, D, st, sh, dtype, out, threads) */
-static PyObject *py_token_head_amax(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t v, T, H, D, st, sh, out;
-    int dtype, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnini", &v, &T, &H, &D, &st, &sh, &dtype, &out, &threads)) return NULL;
-    if (check_common(T, H, D, dtype, SC_TENSOR, 1)) return NULL;
-    Job j = {.src = (const char *)v, .dst = (char *)out, .H = H, .D = D, .st = st, .sh = sh, .dtype = dtype};
-    Py_BEGIN_ALLOW_THREADS run_split(amax_job, &j, T, threads, NULL);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+static int check_scope(const char *fn, int scope, Py_ssize_t page) {
+    if (scope < SC_TENSOR || scope > SC_PAGE_HEAD)
+        return fail(fn, "scope code must be 0 (per_tensor), 1 (per_layer_head) or 2 (per_page_head)");
+    return page < 1 ? fail(fn, "page size must be >= 1") : 0;
 }
 
-/* quantize(v, T, H, D, st, sh, dtype, scales, n_scales, scope, page, q, qt, qh, threads) -> met a NaN */
-static PyObject *py_quantize(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t v, T, H, D, st, sh, scales, n_scales, page, q, qt, qh, nans = 0;
-    int dtype, scope, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnninninnnni", &v, &T, &H, &D, &st, &sh, &dtype, &scales, &n_scales, &scope,
-                          &page, &q, &qt, &qh, &threads))
-        return NULL;
-    if (check_common(T, H, D, dtype, scope, page) || check_scales(T, H, scope, page, n_scales)) return NULL;
-    Job j = {.src = (const char *)v, .dst = (char *)q, .scales = (const float *)scales, .H = H, .D = D,
-             .st = st, .sh = sh, .dt = qt, .dh = qh, .dtype = dtype, .scope = scope, .page = page};
-    Py_BEGIN_ALLOW_THREADS run_split(quant_job, &j, T, threads, &nans);
-    Py_END_ALLOW_THREADS return PyBool_FromLong(nans != 0);
+/* Parse with PyArg_VaParse, re-raising a parse error as kv_error. */
+static int parse(PyObject *args, const char *fn, const char *fmt, ...) {
+    va_list va;
+    va_start(va, fmt);
+    int ok = PyArg_VaParse(args, fmt, va);
+    va_end(va);
+    if (!ok) rethrow(fn);
+    return ok ? 0 : -1;
 }
 
-/* dequantize(q, T, H, D, qt, qh, scales, n_scales, scope, page, out, ot, oh, out_dtype, threads) -> NaN codes met */
-static PyObject *py_dequantize(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t q, T, H, D, qt, qh, scales, n_scales, page, out, ot, oh, nans = 0;
-    int scope, out_dtype, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnnninnnnii", &q, &T, &H, &D, &qt, &qh, &scales, &n_scales, &scope, &page,
-                          &out, &ot, &oh, &out_dtype, &threads))
-        return NULL;
-    if (check_common(T, H, D, out_dtype, scope, page) || check_scales(T, H, scope, page, n_scales)) return NULL;
-    Job j = {.src = (const char *)q, .dst = (char *)out, .scales = (const float *)scales, .H = H, .D = D,
-             .st = qt, .sh = qh, .dt = ot, .dh = oh, .out_dtype = out_dtype, .scope = scope, .page = page};
-    /* NaN codes first, so nothing is written when the reference must take over. */
-    Py_BEGIN_ALLOW_THREADS run_split(nan_job, &j, T, threads, &nans);
-    if (!nans) run_split(deq_job, &j, T, threads, NULL);
-    Py_END_ALLOW_THREADS return PyLong_FromSsize_t(nans);
-}
-
-/* ------------------------------------------------------- fused chunk encode */
-
-/* One row's amax(|x|) as fp32 (see amax_job). */
-static float row_amax(int dtype, const char *base, Py_ssize_t off, Py_ssize_t D) {
-    float m;
-    if (dtype == DT_F32)
-        amax_rows_f32((const uint32_t *)base + off, D, &m);
-    else if (dtype == DT_F16)
-        amax_rows_f16((const uint16_t *)base + off, D, &m);
-    else
-        amax_rows_bf16((const uint16_t *)base + off, D, &m);
-    return m;
-}
-
-/* One row's codes with the fastest loop this CPU has; returns whether it met a NaN. */
-static int quant_row(int dtype, const char *base, Py_ssize_t off, Py_ssize_t D, float s, uint8_t *o) {
-#ifdef KV_HAVE_AVX2
-    if (kv_simd) {
-        if (dtype == DT_F16) return quant_row_f16_avx2((const uint16_t *)base + off, D, s, o);
-        if (dtype == DT_BF16) return quant_row_bf16_avx2((const uint16_t *)base + off, D, s, o);
-        return quant_row_f32_avx2((const float *)base + off, D, s, o);
-    }
-#endif
-    if (dtype == DT_F16) return quant_row_f16((const uint16_t *)base + off, D, s, o);
-    if (dtype == DT_BF16) return quant_row_bf16((const uint16_t *)base + off, D, s, o);
-    return quant_row_f32((const float *)base + off, D, s, o);
-}
-
-static inline int finite_f32(float x) { return (f32_bits(x) & 0x7FFFFFFFu) < 0x7F800000u; }
-
-/* The scale of a group from its absmax: amax / 448 (IEEE division), 1.0 for zero. */
-static inline float scale_of(float amax) { return amax > 0.0f ? amax / 448.0f : 1.0f; }
-
-/* One chunk's payload in one call: K copied and CRC'd on the calling thread,
- * V's scales and codes (each block CRC'd while still in cache) taken block by
- * block from a shared counter by both threads, then the block CRCs combined in
- * order and the scales appended. Blocks are pages (per_page_head) or 16-token
- * runs (the wider scopes, whose scales the worker computes first). */
+/* One call's buffers: the input rows, the output rows (same shape) and the scales. */
 typedef struct {
-    const char *v;
-    Py_ssize_t vst, vsh;
-    int vdt;
-    Py_ssize_t T, H, D;
-    int scope;
-    Py_ssize_t page;
-    uint8_t *q;     /* dense [T, H, D] */
-    float *scales;  /* dense fp32, one per group */
-    const char *k;
-    Py_ssize_t kst, ksh, kes;
-    char *kdst;     /* dense [T, H, D] */
-    Py_ssize_t bt, nblocks;
-    uint32_t *block_crc;
-    Py_ssize_t next;   /* atomic: the next block to take */
-    int ready;         /* atomic: 0 scales pending, 1 ready, -1 failed (wider scopes) */
-    int stop;          /* atomic: set on failure */
-    Py_ssize_t bad;    /* -1 fine; else a reason for the caller to take the reference */
-} Enc;
+    Arr in, out, s;
+    Py_ssize_t ng;   /* scale groups */
+    const char *why; /* set: the loops decline this layout */
+} Bufs;
 
-static void enc_fail(Enc *e, Py_ssize_t why) {
-    __atomic_store_n(&e->bad, why, __ATOMIC_RELAXED);
-    __atomic_store_n(&e->stop, 1, __ATOMIC_RELEASE);
+static void release_bufs(Bufs *b) {
+    if (b->in.held) PyBuffer_Release(&b->in.view);
+    if (b->out.held) PyBuffer_Release(&b->out.view);
+    if (b->s.held) PyBuffer_Release(&b->s.view);
 }
 
-/* Block b: (per_page_head) its groups' absmax and scales, then codes; its CRC. */
-static void enc_block(Enc *e, Py_ssize_t b) {
-    const Py_ssize_t H = e->H, D = e->D;
-    Py_ssize_t t0 = b * e->bt, t1 = t0 + e->bt < e->T ? t0 + e->bt : e->T;
-    int nan = 0;
-    for (Py_ssize_t h = 0; h < H; h++) {
-        float s;
-        if (e->scope == SC_PAGE_HEAD) {
-            float m = 0.0f;
-            for (Py_ssize_t t = t0; t < t1; t++) {
-                float r = row_amax(e->vdt, e->v, t * e->vst + h * e->vsh, D);
-                m = (f32_bits(r) > f32_bits(m)) ? r : m; /* on bits: a NaN wins, as in torch */
-            }
-            if (!finite_f32(m)) {
-                enc_fail(e, b * H + h);
-                return;
-            }
-            s = scale_of(m);
-            if (s == 0.0f) { /* fp32 V with a subnormal absmax */
-                enc_fail(e, -3);
-                return;
-            }
-            e->scales[b * H + h] = s;
-        } else {
-            s = e->scales[e->scope == SC_TENSOR ? 0 : h];
-        }
-        for (Py_ssize_t t = t0; t < t1; t++)
-            nan |= quant_row(e->vdt, e->v, t * e->vst + h * e->vsh, D, s, e->q + (t * H + h) * D);
+/* Take and check a call's three buffers (scales written when `scales_out`). -1: error raised
+ * (buffers released); 0: taken, b->why set when the loops decline the layout. */
+static int take_bufs(const char *fn, PyObject *in, Py_ssize_t in_size, PyObject *out, Py_ssize_t out_size,
+                     PyObject *scales, int scales_out, int scope, Py_ssize_t page, Bufs *b) {
+    memset(b, 0, sizeof(*b));
+    if (get_arr(in, in_size, 0, fn, "the input", &b->in, &b->why) < 0 ||
+        get_arr(out, out_size, 1, fn, "the output", &b->out, &b->why) < 0)
+        goto error;
+    if (b->in.T != b->out.T || b->in.H != b->out.H || b->in.D != b->out.D) {
+        fail(fn, "the output's shape differs from the input's");
+        goto error;
     }
-    if (nan) { /* cannot happen with a finite absmax; a guard */
-        enc_fail(e, -4);
-        return;
+    b->ng = groups_of(b->in.T, b->in.H, scope, page);
+    if (b->ng < 0) {
+        fail(fn, "too many scale groups");
+        goto error;
     }
-    e->block_crc[b] = crc32_update(0, e->q + t0 * H * D, (size_t)((t1 - t0) * H * D));
+    if (get_scales(scales, b->ng, scales_out, fn, &b->s, &b->why) < 0) goto error;
+    if (!b->why && (overlaps(&b->out, &b->in) || overlaps(&b->out, &b->s) || (scales_out && overlaps(&b->s, &b->in))))
+        b->why = "an output overlaps an input or another output";
+    return 0;
+error:
+    release_bufs(b);
+    return -1;
 }
 
-static void enc_take_blocks(Enc *e) {
-    for (;;) {
-        if (__atomic_load_n(&e->stop, __ATOMIC_ACQUIRE)) return;
-        Py_ssize_t b = __atomic_fetch_add(&e->next, 1, __ATOMIC_RELAXED);
-        if (b >= e->nblocks) return;
-        enc_block(e, b);
-    }
+/* None when the loops ran, else the reason they did not (see take_bufs and the loops). */
+static PyObject *result(Bufs *b, const char *why) {
+    release_bufs(b);
+    return why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
 }
 
-/* The wider scopes' scales: absmax over all tokens per group (per_tensor: one). */
-static void enc_wide_scales(Enc *e) {
-    Py_ssize_t groups = e->scope == SC_TENSOR ? 1 : e->H;
-    for (Py_ssize_t g = 0; g < groups; g++) e->scales[g] = 0.0f;
-    for (Py_ssize_t t = 0; t < e->T; t++)
-        for (Py_ssize_t h = 0; h < e->H; h++) {
-            float r = row_amax(e->vdt, e->v, t * e->vst + h * e->vsh, e->D);
-            float *g = e->scales + (e->scope == SC_TENSOR ? 0 : h);
-            *g = (f32_bits(r) > f32_bits(*g)) ? r : *g;
-        }
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        if (!finite_f32(e->scales[g])) {
-            enc_fail(e, g);
-            __atomic_store_n(&e->ready, -1, __ATOMIC_RELEASE);
-            return;
-        }
-        e->scales[g] = scale_of(e->scales[g]);
-        if (e->scales[g] == 0.0f) {
-            enc_fail(e, -3);
-            __atomic_store_n(&e->ready, -1, __ATOMIC_RELEASE);
-            return;
-        }
-    }
-    __atomic_store_n(&e->ready, 1, __ATOMIC_RELEASE);
-}
+/* ------------------------------------------------------------- encode_v */
 
-static void *enc_worker(void *arg) {
-    Enc *e = (Enc *)arg;
-    if (e->scope != SC_PAGE_HEAD) enc_wide_scales(e);
-    enc_take_blocks(e);
+/* The scale a group's absmax gives (amax / 448, IEEE; 1.0 for zero), as stored
+ * in `sdt` and widened back, which quantization then uses (as LMCache does).
+ * Returns a reason when the reference must take the call. */
+static const char *group_scale(float amax, int sdt, float *out) {
+    float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    if (s == 0.0f) return "a group's scale underflows to zero (fp32 V with a subnormal absmax)";
+    if (sdt == DT_F16) s = f16_to_f32(f32_to_f16(s));
+    if (sdt == DT_BF16) s = bf16_to_f32(f32_to_bf16(s));
+    if (!(finite_f32(s) && s > 0.0f)) return "a scale does not fit the stored scale dtype";
+    *out = s;
     return NULL;
 }
 
-/* K's rows into their dense place, CRC'd every ~64 KiB while in cache. */
-static uint32_t enc_copy_k(Enc *e, uint32_t crc) {
-    const Py_ssize_t H = e->H, D = e->D, row = D * e->kes;
-    Py_ssize_t per = (65536 / (H * row > 0 ? H * row : 1));
-    per = per > 0 ? per : 1;
-    for (Py_ssize_t t0 = 0; t0 < e->T; t0 += per) {
-        Py_ssize_t t1 = t0 + per < e->T ? t0 + per : e->T;
-        for (Py_ssize_t t = t0; t < t1; t++)
-            for (Py_ssize_t h = 0; h < H; h++)
-                memcpy(e->kdst + (t * H + h) * row, e->k + (t * e->kst + h * e->ksh) * e->kes, (size_t)row);
-        crc = crc32_update(crc, (const uint8_t *)e->kdst + t0 * H * row, (size_t)((t1 - t0) * H * row));
+/* Pass 1: every group's absmax, then its scale, into `scales`. Nothing else is written. */
+static const char *encode_scales(const Arr *v, int vdt, int scope, Py_ssize_t page, int sdt, float *scales,
+                                 Py_ssize_t ng) {
+    amax_fn amax = pick_amax(vdt);
+    memset(scales, 0, (size_t)ng * sizeof(float));
+    for (Py_ssize_t t = 0; t < v->T; t++)
+        for (Py_ssize_t h = 0; h < v->H; h++) {
+            float m = amax(v->base + t * v->st + h * v->sh, v->D);
+            if (!finite_f32(m)) return "V holds NaN or Inf (the reference names the group)";
+            float *g = scales + group_of(scope, page, v->H, t, h);
+            *g = f32_bits(m) > f32_bits(*g) ? m : *g;
+        }
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        const char *why = group_scale(scales[g], sdt, scales + g);
+        if (why) return why;
     }
-    return crc;
+    return NULL;
 }
 
-/* The calling thread's share once K is done: wait for the wider scopes' scales,
- * then take V blocks beside the worker. */
-static void enc_caller_blocks(Enc *e) {
-    if (e->scope != SC_PAGE_HEAD)
-        while (__atomic_load_n(&e->ready, __ATOMIC_ACQUIRE) == 0) sched_yield();
-    enc_take_blocks(e);
+/* The codes of every row, each with its group's scale; returns whether a row met a NaN. */
+static int quantize_rows(const Arr *v, const Arr *q, int vdt, int scope, Py_ssize_t page, const float *sc, int simd) {
+    quant_fn quant = pick_quant(vdt, simd);
+    for (Py_ssize_t t = 0; t < v->T; t++)
+        for (Py_ssize_t h = 0; h < v->H; h++)
+            if (quant(v->base + t * v->st + h * v->sh, v->D, sc[group_of(scope, page, v->H, t, h)],
+                      (uint8_t *)q->base + t * q->st + h * q->sh))
+                return 1;
+    return 0;
 }
 
-typedef struct {
-    Enc *e;
-    uint32_t crc; /* in: the CRC so far; out: continued over K */
-    int size;     /* threads that worked (1 or 2) */
-    const OmpHooks *omp;
-} EncTeam;
-
-/* One OpenMP team member: thread 0 plays the caller, thread 1 the worker; a team
- * of one (torch set to one thread, say) does both, in order; others idle. */
-static void enc_team_body(void *arg) {
-    EncTeam *t = (EncTeam *)arg;
-    int id = t->omp->thread_num(), n = t->omp->num_threads();
-    if (id == 0) {
-        t->size = n < 2 ? 1 : 2;
-        t->crc = enc_copy_k(t->e, t->crc);
-        if (n < 2)
-            enc_worker(t->e);
-        else
-            enc_caller_blocks(t->e);
-    } else if (id == 1) {
-        enc_worker(t->e);
-    }
-}
-
-/* encode_chunk(v, vst, vsh, vdtype, T, H, D, scope, page, q, scales32,
- *              k, kst, ksh, k_itemsize, kdst, sdst, crc, threads) -> (status, crc, threads used)
- * Fills K (dense) at kdst, V's codes at q, the fp32 scales at scales32 and, as
- * bytes, at sdst; `crc` is the CRC so far (of the v2 header prefix, or 0) and the
- * result continues it over K, V and the scales. status -1: done; anything else:
- * the reference must redo V (a NaN/Inf group index, or -2..-4). */
-static PyObject *py_encode_chunk(PyObject *self, PyObject *args) {
+/* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales) -> None, or why the reference must take it.
+ * V's group scales (fp32 values of the stored scale dtype) into `scales`, then
+ * its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds
+ * NaN/Inf or a scale is unusable. (One fused pass, page by page, measured no faster.) */
+static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     (void)self;
-    Py_ssize_t v, vst, vsh, T, H, D, page, q, scales, k, kst, ksh, kes, kdst, sdst;
-    int vdt, scope, threads;
-    unsigned int crc_in;
-    if (!PyArg_ParseTuple(args, "nnninnninnnnnnnnnIi", &v, &vst, &vsh, &vdt, &T, &H, &D, &scope, &page, &q,
-                          &scales, &k, &kst, &ksh, &kes, &kdst, &sdst, &crc_in, &threads))
+    static const char *fn = "encode_v";
+    PyObject *vo, *qo, *so;
+    int vdt, scope, sdt;
+    Py_ssize_t page;
+    Bufs b;
+    if (parse(args, fn, "OiiniOO", &vo, &vdt, &scope, &page, &sdt, &qo, &so) || check_dtype(fn, vdt) ||
+        check_dtype(fn, sdt) || check_scope(fn, scope, page) ||
+        take_bufs(fn, vo, DT_SIZE[vdt], qo, 1, so, 1, scope, page, &b))
         return NULL;
-    if (check_common(T, H, D, vdt, scope, page)) return NULL;
-    if (kes != 2 && kes != 4) {
-        PyErr_SetString(PyExc_ValueError, "K itemsize must be 2 or 4");
-        return NULL;
-    }
-    Enc e = {.v = (const char *)v, .vst = vst, .vsh = vsh, .vdt = vdt, .T = T, .H = H, .D = D, .scope = scope,
-             .page = page, .q = (uint8_t *)q, .scales = (float *)scales, .k = (const char *)k, .kst = kst,
-             .ksh = ksh, .kes = kes, .kdst = (char *)kdst, .bad = -1};
-    e.bt = scope == SC_PAGE_HEAD ? page : 16;
-    e.nblocks = (T + e.bt - 1) / e.bt;
-    e.block_crc = (uint32_t *)malloc((size_t)(e.nblocks > 0 ? e.nblocks : 1) * sizeof(uint32_t));
-    if (!e.block_crc) return PyErr_NoMemory();
-    uint32_t crc = crc_in;
-    Py_ssize_t groups = scope == SC_TENSOR ? 1 : scope == SC_LAYER_HEAD ? H : e.nblocks * H;
-    int two = 0;
+    if (b.why) return result(&b, b.why);
+    const char *why;
+    int simd = kv_simd;
     Py_BEGIN_ALLOW_THREADS
-    int want_two = threads > 1 && T * H * D >= KV_PARALLEL_MIN_ENCODE;
-    const OmpHooks *omp = omp_hooks();
-    if (want_two && omp) {
-        EncTeam team = {.e = &e, .crc = crc, .omp = omp};
-        omp->parallel(enc_team_body, &team, 0, 0); /* 0: the runtime's default team size */
-        crc = team.crc;
-        two = team.size;
-    } else {
-        pthread_t tid;
-        two = want_two && pthread_create(&tid, NULL, enc_worker, &e) == 0 ? 2 : 1;
-        crc = enc_copy_k(&e, crc);
-        if (two == 1) {
-            enc_worker(&e);
-        } else {
-            enc_caller_blocks(&e);
-            pthread_join(tid, NULL);
-        }
-    }
-    if (e.bad == -1) {
-        /* the blocks' CRCs in order: crc(A B) = crc(A) * x^(8 len B) + crc(B) mod P */
-        Py_ssize_t full = e.bt * H * D, last = (T - (e.nblocks - 1) * e.bt) * H * D;
-        uint32_t shift_full = gf2_shift_bytes((uint64_t)full);
-        for (Py_ssize_t b = 0; b < e.nblocks; b++) {
-            uint32_t sh = b == e.nblocks - 1 && last != full ? gf2_shift_bytes((uint64_t)last) : shift_full;
-            crc = gf2_mulmod(sh, crc) ^ e.block_crc[b];
-        }
-        memcpy((void *)sdst, e.scales, (size_t)groups * sizeof(float));
-        crc = crc32_update(crc, (const uint8_t *)sdst, (size_t)groups * sizeof(float));
-    }
+    why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng);
+    if (!why) (void)quantize_rows(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, simd); /* no NaN left */
     Py_END_ALLOW_THREADS
-    free(e.block_crc);
-    return Py_BuildValue("(nIi)", e.bad, crc, two);
+    return result(&b, why);
 }
 
-#if defined(__linux__)
-/* Whether every page of [p, p + len) is resident (memory malloc recycled): then
- * populating would only cost time (~0.15 us a page even when nothing is missing). */
-static int all_resident(void *p, size_t len) {
-    long pg = sysconf(_SC_PAGESIZE);
-    size_t pages = (len + (size_t)pg - 1) / (size_t)pg;
-    unsigned char *vec = (unsigned char *)malloc(pages);
-    if (!vec) return 0;
-    int all = mincore(p, len, vec) == 0;
-    for (size_t i = 0; all && i < pages; i++) all = vec[i] & 1;
-    free(vec);
-    return all;
-}
-#endif
+/* ------------------------------------------------------------- quantize */
 
-/* empty_bytearray(n): a bytearray whose bytes are not zeroed (the caller writes
- * them all), its pages faulted in up front when they are not resident yet. */
+/* Whether n scales are all finite (and, if `positive`, > 0). */
+static int scales_ok(const float *s, Py_ssize_t n, int positive) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!finite_f32(s[i]) || (positive && !(s[i] > 0.0f))) return 0;
+    return 1;
+}
+
+/* quantize(v, v_dtype, scales, scope, page, q) -> None, or why the reference must take it.
+ * Scales not finite and positive: nothing written. NaN in V: stops at that row
+ * (the reference then rewrites all of q). */
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char *fn = "quantize";
+    PyObject *vo, *so, *qo;
+    int vdt, scope;
+    Py_ssize_t page;
+    Bufs b;
+    if (parse(args, fn, "OiOinO", &vo, &vdt, &so, &scope, &page, &qo) || check_dtype(fn, vdt) ||
+        check_scope(fn, scope, page) || take_bufs(fn, vo, DT_SIZE[vdt], qo, 1, so, 0, scope, page, &b))
+        return NULL;
+    if (b.why) return result(&b, b.why);
+    const char *why = NULL;
+    int simd = kv_simd;
+    Py_BEGIN_ALLOW_THREADS
+    if (!scales_ok((const float *)b.s.base, b.ng, 1))
+        why = "scales must be finite and positive";
+    else if (quantize_rows(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, simd))
+        why = "V holds NaN";
+    Py_END_ALLOW_THREADS
+    return result(&b, why);
+}
+
+/* ----------------------------------------------------------- dequantize */
+
+/* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
+static int dequantize_rows(const Arr *q, const Arr *o, int odt, int scope, Py_ssize_t page, const float *sc,
+                           int simd) {
+    deq_fn deq = pick_deq(odt, simd);
+    nan_fn has_nan = pick_nan(simd);
+    for (Py_ssize_t t = 0; t < q->T; t++)
+        for (Py_ssize_t h = 0; h < q->H; h++) {
+            const uint8_t *row = (const uint8_t *)q->base + t * q->st + h * q->sh;
+            if (has_nan(row, q->D)) return 1;
+            deq(row, q->D, sc[group_of(scope, page, q->H, t, h)], o->base + t * o->st + h * o->sh);
+        }
+    return 0;
+}
+
+/* dequantize(q, scales, scope, page, out, out_dtype) -> None, or why the reference must take it.
+ * Non-finite scales: nothing written. NaN codes: stops before that row (the
+ * reference then rewrites all of out). */
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char *fn = "dequantize";
+    PyObject *qo, *so, *oo;
+    int scope, odt;
+    Py_ssize_t page;
+    Bufs b;
+    if (parse(args, fn, "OOinOi", &qo, &so, &scope, &page, &oo, &odt) || check_dtype(fn, odt) ||
+        check_scope(fn, scope, page) || take_bufs(fn, qo, 1, oo, DT_SIZE[odt], so, 0, scope, page, &b))
+        return NULL;
+    if (b.why) return result(&b, b.why);
+    const char *why = NULL;
+    int simd = kv_simd;
+    Py_BEGIN_ALLOW_THREADS
+    if (!scales_ok((const float *)b.s.base, b.ng, 0))
+        why = "scales must be finite";
+    else if (dequantize_rows(&b.in, &b.out, odt, scope, page, (const float *)b.s.base, simd))
+        why = "q holds NaN codes";
+    Py_END_ALLOW_THREADS
+    return result(&b, why);
+}
+
+/* ---------------------------------------------------------------- misc */
+
+/* empty_bytearray(n): a bytearray of n bytes, not zeroed (the caller writes them all). */
 static PyObject *py_empty_bytearray(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+    if (parse(args, "empty_bytearray", "n", &n)) return NULL;
     if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative size");
+        fail("empty_bytearray", "negative size");
         return NULL;
     }
-    PyObject *b = PyByteArray_FromStringAndSize(NULL, n);
-    if (!b) return NULL;
-#if defined(__linux__)
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-    /* Fault the pages in with one call (Linux >= 5.14) rather than one trap per 4 KiB
-     * page as the payload is written: several times cheaper on a VM. Advice only. */
-    if (n >= (Py_ssize_t)(1 << 20) && kv_populate) {
-        const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
-        uintptr_t lo = ((uintptr_t)PyByteArray_AS_STRING(b) + pg - 1) & ~(pg - 1);
-        uintptr_t hi = ((uintptr_t)PyByteArray_AS_STRING(b) + (uintptr_t)n) & ~(pg - 1);
-        /* the new object is not shared yet: no need to hold the GIL */
-        Py_BEGIN_ALLOW_THREADS
-        if (hi > lo && !all_resident((void *)lo, hi - lo))
-            (void)madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
-        Py_END_ALLOW_THREADS
-    }
-#endif
-    return b;
+    return PyByteArray_FromStringAndSize(NULL, n);
 }
 
-/* crc32(buffer, crc=0, threads=1) -> zlib.crc32(buffer, crc), without the GIL. */
-static PyObject *py_crc32(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer view;
-    unsigned int crc = 0;
-    int threads = 1;
-    if (!PyArg_ParseTuple(args, "y*|Ii", &view, &crc, &threads)) return NULL;
-    uint32_t out;
-    Py_BEGIN_ALLOW_THREADS out = crc32_parallel(crc, (const uint8_t *)view.buf, (size_t)view.len, NULL, threads);
-    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLong(out);
-}
-
-/* copy_crc(dst, src, crc=0, threads=1) -> zlib.crc32(src, crc), with src copied
- * into dst (same length) in the same pass, without the GIL. */
-static PyObject *py_copy_crc(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer dst, src;
-    unsigned int crc = 0;
-    int threads = 1;
-    if (!PyArg_ParseTuple(args, "w*y*|Ii", &dst, &src, &crc, &threads)) return NULL;
-    if (dst.len != src.len) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        PyErr_SetString(PyExc_ValueError, "copy_crc: dst and src differ in length");
-        return NULL;
-    }
-    uint32_t out;
-    const char *a = (const char *)src.buf, *b = (const char *)dst.buf;
-    int overlap = src.len > 0 && a < b + dst.len && b < a + src.len;
-    Py_BEGIN_ALLOW_THREADS
-    if (overlap) { /* CRC what src holds before the copy changes it */
-        out = crc32_parallel(crc, (const uint8_t *)src.buf, (size_t)src.len, NULL, threads);
-        memmove(dst.buf, src.buf, (size_t)src.len);
-    } else {
-        out = crc32_parallel(crc, (const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)dst.buf, threads);
-    }
-    Py_END_ALLOW_THREADS PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return PyLong_FromUnsignedLong(out);
-}
-
-/* crc32_combine(crc_a, crc_b, len_b) -> CRC of A followed by B. */
-static PyObject *py_crc32_combine(PyObject *self, PyObject *args) {
-    (void)self;
-    unsigned int a, b;
-    unsigned long long n;
-    if (!PyArg_ParseTuple(args, "IIK", &a, &b, &n)) return NULL;
-    return PyLong_FromUnsignedLong(crc_combine(a, b, n));
-}
-
-/* A forked child has the runtime's state but not its threads: GNU libgomp then
- * waits forever for them. Children use threads of their own instead. */
-static void kv_after_fork_child(void) { __atomic_store_n(&kv_omp, NULL, __ATOMIC_RELEASE); }
-
-/* use_openmp(path) -> bool: take GOMP_parallel from the OpenMP runtime at `path`
- * if (and only if) it is already loaded in this process; "" turns it off. */
-static PyObject *py_use_openmp(PyObject *self, PyObject *args) {
-    (void)self;
-    const char *path;
-    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
-    if (!path[0]) {
-        __atomic_store_n(&kv_omp, NULL, __ATOMIC_RELEASE);
-        Py_RETURN_FALSE;
-    }
-    void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD); /* never loads a second runtime */
-    OmpHooks found = {NULL, NULL, NULL};
-    if (h) {
-        found.parallel = (gomp_parallel_t)dlsym(h, "GOMP_parallel");
-        found.thread_num = (omp_int_t)dlsym(h, "omp_get_thread_num");
-        found.num_threads = (omp_int_t)dlsym(h, "omp_get_num_threads");
-    } /* the handle stays open: the runtime is loaded anyway */
-    static int atfork_done = 0;
-    if (!found.parallel || !found.thread_num || !found.num_threads ||
-        (!atfork_done && pthread_atfork(NULL, NULL, kv_after_fork_child) != 0)) {
-        __atomic_store_n(&kv_omp, NULL, __ATOMIC_RELEASE);
-        Py_RETURN_FALSE;
-    }
-    atfork_done = 1;
-    /* One allocation per successful call, never freed: a thread may still hold the old one. */
-    OmpHooks *pub = (OmpHooks *)malloc(sizeof(OmpHooks));
-    if (!pub) return PyErr_NoMemory();
-    *pub = found;
-    __atomic_store_n(&kv_omp, pub, __ATOMIC_RELEASE);
-    Py_RETURN_TRUE;
-}
-
-/* simd(level) -> (previous AVX2 flag, previous CRC level). Level 0: portable
- * loops and bytewise CRC; 1: AVX2 loops and 128-bit PCLMULQDQ; 2: all this CPU
- * has (the default); -1 only reads. For tests of every path. */
+/* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows where
+ * the CPU has them (the default); -1 only reads. For tests of every path. */
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     int level;
-    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
-    PyObject *prev = Py_BuildValue("(ii)", kv_simd, kv_clmul);
-    if (level >= 0) {
-        kv_simd = level > 0 && cpu_has_simd();
-        int c = cpu_clmul();
-        kv_clmul = level < c ? level : c;
+    if (parse(args, "simd", "i", &level)) return NULL;
+    int prev = kv_simd;
+    if (level >= 0) kv_simd = level > 0 && cpu_has_simd();
+    return PyLong_FromLong(prev);
+}
+
+/* set_error(cls): raise every later error as `cls` (an Exception subclass). */
+static PyObject *py_set_error(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *cls;
+    if (parse(args, "set_error", "O", &cls)) return NULL;
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception)) {
+        fail("set_error", "expected an Exception subclass");
+        return NULL;
     }
-    return prev;
+    Py_INCREF(cls);
+    Py_SETREF(kv_error, cls);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"encode_chunk", py_encode_chunk, METH_VARARGS, "K, V's codes, scales and the CRC of one chunk (two threads)."},
-    {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "An uninitialised bytearray (huge pages advised)."},
-    {"use_openmp", py_use_openmp, METH_VARARGS, "use_openmp(path): run fused encodes on that (loaded) OpenMP runtime."},
-    {"crc32", py_crc32, METH_VARARGS, "crc32(buffer, crc=0, threads=1): zlib's CRC-32, GIL released."},
-    {"copy_crc", py_copy_crc, METH_VARARGS, "copy_crc(dst, src, crc=0, threads=1): copy and CRC in one pass."},
-    {"crc32_combine", py_crc32_combine, METH_VARARGS, "crc32_combine(a, b, len_b): CRC of A then B."},
-    {"simd", py_simd, METH_VARARGS, "simd(level) -> previous (avx2, crc): 0 portable, 1 AVX2 + PCLMUL, 2 all, -1 read."},
-    {"token_head_amax", py_token_head_amax, METH_VARARGS, "amax(|V|) per (token, head) into fp32 [T, H]."},
-    {"quantize", py_quantize, METH_VARARGS, "V / scale to e4m3fn codes (finite V, positive scales)."},
-    {"dequantize", py_dequantize, METH_VARARGS, "e4m3fn codes times scale to fp16/bf16/fp32; returns NaN codes met."},
+    {"encode_v", py_encode_v, METH_VARARGS,
+     "encode_v(v, v_dtype, scope, page, scale_dtype, q, scales) -> None or reason: V's scales and e4m3 codes."},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(v, v_dtype, scales, scope, page, q) -> None or reason: e4m3 codes of V / scale."},
+    {"dequantize", py_dequantize, METH_VARARGS,
+     "dequantize(q, scales, scope, page, out, out_dtype) -> None or reason: float(q) * scale."},
+    {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
+    {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, -1 read only."},
+    {"set_error", py_set_error, METH_VARARGS, "set_error(cls): the exception class of every error."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvcodec._cpu",
-                                    "The codec's CPU loops in C (see kvcodec.native).", -1, methods};
+                                    "The codec's FP8 row loops in C (see kvcodec.backends.cpu).", -1, methods};
 
 PyMODINIT_FUNC PyInit__cpu(void) {
     kv_simd = cpu_has_simd();
-    crc_table_init();
-#ifdef KV_HAVE_AVX2
-    kv_clmul = cpu_clmul();
-#endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (!kv_error) kv_error = PyErr_NewException("kvcodec._cpu.KernelError", NULL, NULL);
+    if (!kv_error || PyModule_AddObjectRef(m, "KernelError", kv_error) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "FP16", DT_F16) < 0 || PyModule_AddIntConstant(m, "BF16", DT_BF16) < 0 ||
+        PyModule_AddIntConstant(m, "FP32", DT_F32) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

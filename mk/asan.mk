@@ -1,0 +1,23 @@
+# `make test-asan`: the C loops' tests (tests/test_cpu_backend.py, its buffer fuzz
+# included) against kvcodec._cpu built with AddressSanitizer + UBSan. Not in CI
+# (a minute or two; needs gcc's libasan). The sanitized module is built into a
+# copy of the package under build-asan/, so the installed one is left alone;
+# python is not sanitized itself, hence libasan preloaded and leaks off.
+ASAN_DIR := build-asan
+ASAN_CC ?= gcc
+ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -std=gnu11 -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -shared -fPIC
+ASAN_ENV = LD_PRELOAD=$$($(ASAN_CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=.
+
+.PHONY: test-asan
+test-asan:
+	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
+	cp -r kvcodec tests $(ASAN_DIR)/
+	rm -f $(ASAN_DIR)/kvcodec/_cpu*.so
+	$(ASAN_CC) $(ASAN_FLAGS) $$($(BIN)/python -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])') \
+	  kvcodec/csrc/cpu_kernels.c \
+	  -o $(ASAN_DIR)/kvcodec/_cpu$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -c \
+	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(ASAN_DIR)" in m.__file__ else "not the sanitized build: " + m.__file__)'
+	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/test_cpu_backend.py
