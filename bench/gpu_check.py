@@ -23,8 +23,12 @@ It runs, in this order, within about 6 minutes:
    * host CPU time per 32-layer chunk: the launch plus packing 32 headers
      with ``kvcodec.format.HeaderPacker`` (target < 100 us).
 
+4. a ``kvcodec tune`` pass over the llama-3-8b shapes (every config checked
+   against the reference, then timed); winners in
+   ``bench/results/tuning.json``.
+
 Writes ``bench/results/gpu-check.json`` and prints a table. Without a GPU
-it prints why and exits 0 without touching the results file.
+it says why and exits 2 without touching the results files.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gpu-check.json"
+TUNING = ROOT / "bench" / "results" / "tuning.json"
 TARGETS = {"encode": 0.85, "decode": 0.85, "gather": 0.70}
 HOST_TARGET_US = 100.0
 TEST_FILES = ("tests/test_cuda.py", "tests/test_triton_quant.py", "tests/test_triton_paged.py")
@@ -179,14 +184,61 @@ def format_table(rows: Sequence[Row], copy_gbps: dict[str, float]) -> str:
 # ----------------------------------------------------------------------------
 
 
+def fp8_paths(device: str) -> list[str]:
+    """FP8 conversion paths the GPU runs: the integer emulation, and the hardware converters on sm_89+."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return ["emulated"]
+    return ["emulated", "hardware"] if torch.cuda.get_device_capability() >= (8, 9) else ["emulated"]
+
+
+def fp8_exhaustive(device: str, fp8: Any, path: str) -> bool:
+    """Every fp32 bit pattern through the kernels' fp32 -> FP8 conversion vs torch's clamp + cast on ``device``.
+
+    NaN must give 0x7F with the input's sign (the reference's rule); all else byte-equal.
+    """
+    import torch
+    from kvcodec.kernels import quant_triton as QT
+
+    prev = os.environ.get("KVCODEC_HW_FP8")
+    os.environ["KVCODEC_HW_FP8"] = "1" if path == "hardware" else "0"
+    try:
+        if QT._hw_fp8(torch.device(device)) != (path == "hardware"):
+            raise RuntimeError(f"the {path} FP8 path was not selected")
+        qmax = float(torch.finfo(fp8).max)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        step = 1 << 28
+        for start in range(-(2**31), 2**31, step):
+            bits = torch.arange(start, start + step, dtype=torch.int64, device=device).to(torch.int32)
+            x = bits.view(torch.float32)
+            got = QT.quantize_1d(x, one, fp8_dtype=fp8).view(torch.uint8)
+            nan = torch.isnan(x)
+            ref = x.clamp(-qmax, qmax).to(fp8).view(torch.uint8)
+            if bool(((got != ref) & ~nan).any()):
+                i = int(((got != ref) & ~nan).nonzero()[0])
+                raise AssertionError(f"input bits {int(bits[i]) & 0xFFFFFFFF:#010x}: {int(got[i]):#04x} vs torch {int(ref[i]):#04x}")
+            want_nan = (0x7F | ((bits >> 24) & 0x80)).to(torch.uint8)
+            if not torch.equal(got[nan], want_nan[nan]):
+                raise AssertionError("NaN inputs do not give 0x7F | sign")
+        return True
+    finally:
+        if prev is None:
+            os.environ.pop("KVCODEC_HW_FP8", None)
+        else:
+            os.environ["KVCODEC_HW_FP8"] = prev
+
+
 def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
     """Kernel outputs vs the torch reference on ``device``; one dict per check."""
     import torch
     from kvcodec.kernels import paged_triton as PT
     from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import reference
 
     from kvcodec import paged as P
-    from kvcodec import quant as Q
+
+    Q = reference()
     from kvcodec.format import ScaleScope
 
     out: list[dict[str, Any]] = []
@@ -256,6 +308,10 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
 
     if not quick:
         check("cast: all fp16/bf16 patterns, e4m3fn/e5m2, 4 scales", cast_all)
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for hw in fp8_paths(device):
+                check(f"fp8 conversion, all 2^32 fp32 patterns, {str(fp8).removeprefix('torch.')}, {hw}",
+                      lambda f=fp8, h=hw: fp8_exhaustive(device, f, h))  # fmt: skip
     for scope, ps in scopes:
         for strategy in ("single", "two_stage"):
             check(f"encode+decode {scope.name.lower()} ps={ps} {strategy}",
@@ -342,7 +398,7 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
         if over_budget(f"chunk {label}"):
             continue
         nb = QT.payload_nbytes(ks[0], vs[0], scope, ps)
-        pays = torch.empty((L, nb), dtype=torch.uint8, device=device)
+        pays = QT.empty_payloads(L, nb, device)  # rows 16-byte aligned, as the codec should allocate them
         moved = in_bytes + pays.numel()  # read K+V, write payloads
         measure(f"encode {L}x{T} {label}", "encode",
                 lambda s=scope, p=ps, st=strat, pl=pays: QT.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl, strategy=st),  # type: ignore[misc]
@@ -419,13 +475,40 @@ def autotuned_headline(device: str, sizes: Sizes, timer: Timer) -> list[Row]:
     c_ms = _copy_ms(timer, in_bytes, device)
     rows = []
     for label, scope, ps in (("per_page_head", ScaleScope.PER_PAGE_HEAD, PS), ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None)):
-        pays = torch.empty((L, QT.payload_nbytes(ks[0], vs[0], scope, ps)), dtype=torch.uint8, device=device)
+        pays = QT.empty_payloads(L, QT.payload_nbytes(ks[0], vs[0], scope, ps), device)
         moved = in_bytes + pays.numel()
         ms = timer.ms(lambda s=scope, p=ps, pl=pays: QT.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl))  # type: ignore[misc]
         rows.append(Row(f"encode {L}x{T} {label} autotuned", "encode", ms, c_ms, moved, TARGETS["encode"]))
         ms = timer.ms(lambda s=scope, p=ps, pl=pays: QT.decode_fused_layers(pl, ko, vo, s, page_size=p))  # type: ignore[misc]
         rows.append(Row(f"decode {L}x{T} {label} autotuned", "decode", ms, c_ms, moved, TARGETS["decode"]))
     return rows
+
+
+def tune_pass(device: str, out: Path, reps: int = 20) -> dict[str, Any]:
+    """``kvcodec tune`` on the llama-3-8b shapes: winners written to ``out``; a summary (never raises)."""
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        import triton
+        from kvcodec.kernels import _configs
+
+        from kvcodec.tools import tune as T
+
+        results = T.tune(T.PRESETS["llama-3-8b"], device, reps=reps)
+        print(T.format_results(results, dry_run=False), flush=True)
+        table = _configs.TuningTable.load(out)
+        gpu = torch.cuda.get_device_name()
+        for r in results:
+            if r.best_us is not None:
+                bt, nw = r.best.split("x/")
+                table.put(gpu, triton.__version__, r.kernel, r.key, _configs.TileConfig(int(bt), int(nw.rstrip("w"))),
+                          us=round(r.best_us, 2), default_us=round(r.default_us or 0.0, 2))  # fmt: skip
+        table.save(out)
+        return {"ok": not any(r.failed for r in results), "file": str(out), "s": round(time.perf_counter() - t0, 1),
+                "results": [asdict(r) for r in results]}  # fmt: skip
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000], "s": round(time.perf_counter() - t0, 1)}
 
 
 def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
@@ -440,7 +523,7 @@ def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
     vs = torch.zeros_like(ks)
     scope = ScaleScope.PER_PAGE_HEAD
     nb = QT.payload_nbytes(ks[0], vs[0], scope, PS)
-    pays = torch.empty((L, nb), dtype=torch.uint8, device=device)
+    pays = QT.empty_payloads(L, nb, device)
     n_el = T * H * D
     template = Header(
         k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, scale_scope=scope,
@@ -612,6 +695,8 @@ def summarize(
         "bench": [{**asdict(r), "ok": r.ok} for r in rows],
         "host": host,
         "skipped": extra.get("skipped", []),
+        "tune": extra.get("tune"),
+        "tune_ok": (extra.get("tune") or {"ok": True})["ok"],
         "errors": extra.get("errors", []),
         "bench_ok": bench_ok and not extra.get("errors"),
         "ok": all(c["ok"] for c in checks) and tests_ok and bench_ok and not extra.get("errors"),
@@ -630,6 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="autotune every benchmark (slow: one compile per config and shape)")
     ap.add_argument("--device", default="cuda", help="device (cpu only as a smoke run under TRITON_INTERPRET=1)")
     ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run of the harness)")
+    ap.add_argument("--skip-tune", action="store_true", help="skip the kvcodec tune pass")
+    ap.add_argument("--tuning-out", type=Path, default=TUNING, help="tuning file the tune pass writes")
     ap.add_argument("--pytest-child", metavar="SUMMARY", help=argparse.SUPPRESS)
     ap.add_argument("files", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -638,9 +725,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ok, why = gpu_status() if args.device != "cpu" else (True, "cpu (smoke run)")
     if not ok:
-        print(f"gpu_check: {why}; nothing to check here. Run it on a machine with an NVIDIA GPU:")
-        print("    PYTHONPATH=. python3 bench/gpu_check.py")
-        return 0
+        print(f"gpu_check: cannot run: {why}. Nothing was checked. Run it on a machine with an NVIDIA GPU:",
+              file=sys.stderr)  # fmt: skip
+        print("    PYTHONPATH=. python3 bench/gpu_check.py", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     ensure_kernels_importable()
     import torch
@@ -678,6 +766,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             QT.AUTOTUNE = False
         else:
             extra["skipped"].append("autotuned headline rows (time budget)")
+    if not args.skip_tune and device != "cpu":
+        remaining = args.budget - (time.perf_counter() - t0)
+        if remaining > 90:
+            extra["tune"] = tune_pass(device, args.tuning_out)
+        else:
+            extra["skipped"].append("kvcodec tune pass (time budget)")
     print(format_table(rows, copy_bw))
     for err in extra["errors"]:
         print(f"  ERROR {err}")
@@ -690,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {args.out} (overall ok: {summary['ok']}, {summary['elapsed_s']} s)")
-    return 0 if summary["checks_ok"] and summary["tests_ok"] else 1
+    return 0 if summary["checks_ok"] and summary["tests_ok"] and summary["tune_ok"] else 1
 
 
 if __name__ == "__main__":

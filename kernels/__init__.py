@@ -5,9 +5,11 @@ is only loaded when the Triton backend is asked for:
 
 * :mod:`kvcodec.kernels.quant_triton`: scales, FP8 quantize/dequantize and
   the fused chunk encode/decode (one or all layers per launch), bit-exact
-  with :mod:`kvcodec.quant`.
+  with the torch backend (:mod:`kvcodec.backends.reference`).
 * :mod:`kvcodec.kernels.paged_triton`: vLLM paged-cache gather/scatter and
   the fused paged encode/decode, bit-exact with :mod:`kvcodec.paged`.
+* ``_launch`` (launch targets, the recorder the kernel audit uses),
+  ``_configs`` (config space, heuristic, tuning file), ``_tl`` (device helpers).
 
 Kernels run on CUDA tensors, or on CPU tensors in Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set before they are first imported.
@@ -16,10 +18,24 @@ Kernels run on CUDA tensors, or on CPU tensors in Triton's interpreter when
 from __future__ import annotations
 
 import importlib.util
+import types
+from typing import Any
 
-__all__ = ["triton_installed"]
+__all__ = ["reference", "triton_installed"]
 
 
 def triton_installed() -> bool:
     """True when Triton can be imported (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def reference() -> Any:
+    """The torch reference the kernels equal bit for bit (``compute_scales``, ``quantize``, ``fp8_max``...).
+
+    One place that knows where the core package keeps it, for the kernel
+    tests, ``bench/gpu_check.py`` and ``kvcodec tune``.
+    """
+    from .. import numerics
+    from ..backends import reference as ref
+
+    return types.SimpleNamespace(**{**vars(numerics), **vars(ref)})

@@ -2,9 +2,11 @@
 
 Every float conversion whose rounding matters is done with integer ops on the
 fp32 bit pattern, so results are identical on the interpreter, NVIDIA and
-AMD: Triton's own fp32→fp8 cast drops the rounding carry in the interpreter
-and may double-round through fp16 on NVIDIA, and the interpreter truncates
-fp32→bf16.
+AMD: Triton's own fp32→fp8 cast drops the rounding carry in the interpreter,
+and before sm_89 NVIDIA has no fp32→fp8 converter (Triton goes through fp16,
+rounding toward zero, for e5m2), and the interpreter truncates fp32→bf16. On
+sm_89+ :func:`f32_to_fp8` / :func:`fp8_to_f32` use the hardware converters
+instead (selected by a constexpr; see their docstrings).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import triton.language as tl
 __all__ = [
     "abs_bits",
     "bf16_bits_rne",
+    "f32_to_fp8",
     "f32_to_fp8_byte",
     "fp8_byte_to_f32",
+    "fp8_to_f32",
     "layer_off",
     "load_elems",
     "row_off",
@@ -85,6 +89,60 @@ def fp8_byte_to_f32(q, MANT: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def f32_to_fp8(
+    y,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    SAT: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """fp32 → FP8 byte like :func:`f32_to_fp8_byte`; ``HW`` uses the sm_89+ converter.
+
+    The hardware path converts ``|y|`` with ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``
+    (PTX ISA: round to nearest even straight from fp32, one rounding; finite
+    results beyond ±MAX_NORM and ±Inf become ±MAX_NORM) and ORs the sign back,
+    which equals torch's ``clamp(y, -max, max).to(fp8)`` because both the
+    rounding and the clamp are symmetric in the sign. NaN is set to 0x7F | sign
+    explicitly, so the result never depends on the converter's NaN encoding.
+    The kernel audit checks that the PTX holds that single ``cvt`` and no
+    fp16 intermediate; tests/test_cuda.py checks all inputs on a GPU.
+    """
+    if HW:
+        b = y.to(tl.int32, bitcast=True)
+        a = b & 0x7FFFFFFF
+        sign = ((b >> 24) & 0x80).to(tl.uint8)
+        ay = a.to(tl.float32, bitcast=True)
+        if MANT == 3:
+            r = ay.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            r = ay.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        r = tl.where(a > 0x7F800000, 0x7F, r).to(tl.uint8)
+        out = r | sign
+    else:
+        out = f32_to_fp8_byte(y, MANT, BIAS, MAX_BITS, SAT)
+    return out
+
+
+@triton.jit
+def fp8_to_f32(q, MANT: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    """FP8 byte → fp32 like :func:`fp8_byte_to_f32`; ``HW`` uses ``cvt.rn.f16x2.{e4m3,e5m2}x2``.
+
+    Every FP8 value is exact in fp16 and fp32, so the hardware path is exact
+    (NaN bytes give a NaN, whose payload the caller's multiply canonicalises).
+    """
+    if HW:
+        u = q.to(tl.uint8, bitcast=True)
+        if MANT == 3:
+            r = u.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            r = u.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        r = fp8_byte_to_f32(q, MANT, BIAS)
+    return r
+
+
+@triton.jit
 def bf16_bits_rne(x):
     """fp32 → bf16 bit pattern (int16), round to nearest even; NaN → quiet NaN."""
     b = x.to(tl.int32, bitcast=True)
@@ -104,9 +162,16 @@ def abs_bits(v, FINITE_ONLY: tl.constexpr):
 
 @triton.jit
 def layer_off(layer, off_ptr, stride, TABLE: tl.constexpr):
-    """int64 element offset of a layer: from a device table, or ``layer * stride``."""
-    if TABLE:
+    """int64 element offset of a layer: from a device table, or ``layer * stride``.
+
+    ``TABLE``: 0 for ``layer * stride``; n >= 1 for a table whose entries the
+    host checked to be multiples of n elements (n > 1 lets Triton prove the
+    16-byte alignment that 128-bit accesses need).
+    """
+    if TABLE > 0:
         r = tl.load(off_ptr + layer).to(tl.int64)
+        if TABLE > 1:
+            r = tl.multiple_of(r, TABLE)
     else:
         r = layer.to(tl.int64) * stride
     return r

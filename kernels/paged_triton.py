@@ -27,6 +27,7 @@ from ..paged import BlockIds, Layout, _check_src, _check_tokens, _fp8_view, bloc
 from ._tl import layer_off, row_off
 from .quant_triton import (
     K_ELEM_VIEW,
+    KERNELS,
     V_DTYPES,
     Strategy,
     _check_device,
@@ -39,11 +40,10 @@ from .quant_triton import (
     _payload_bytes,
     _payload_layers,
     _pow2,
-    _prune_tiles,
     _Rows,
     _same_layout,
     _tab,
-    _tile_configs,
+    _tuned,
 )
 
 __all__ = [
@@ -83,11 +83,8 @@ def _copy_rows_kernel(
     tl.store(d_base + drow[:, None] + h * d_sh + d64[None, :] * d_sd, x, mask=m2)
 
 
-_copy_rows_tuned = triton.autotune(
-    configs=_tile_configs(256),
-    key=["D", "SRC_PAGED", "DST_PAGED"],
-    prune_configs_by={"early_config_prune": _prune_tiles},
-)(_copy_rows_kernel)
+_copy_rows_tuned = _tuned(_copy_rows_kernel, "_copy_rows_kernel")
+KERNELS["_copy_rows_kernel"] = (_copy_rows_kernel, _copy_rows_tuned)
 
 
 def _cache_rows(caches: Sequence[torch.Tensor], view: torch.dtype | None) -> _Rows:
@@ -113,7 +110,7 @@ def _copy(src: _Rows, dst: _Rows, *, src_paged: bool, dst_paged: bool, tbl: torc
         "T": tokens, "BS": block_size, **src.kw("s"), **dst.kw("d"),
         "D": dim, "SRC_PAGED": src_paged, "DST_PAGED": dst_paged, "S_TAB": s_has, "D_TAB": d_has,
     }  # fmt: skip
-    _launch_tiles(_copy_rows_kernel, _copy_rows_tuned, tokens, _pow2(dim), heads, src.layers.count, **kw)
+    _launch_tiles("_copy_rows_kernel", tokens, _pow2(dim), heads, src.layers.count, **kw)
 
 
 def gather_chunk(

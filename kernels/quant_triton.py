@@ -14,9 +14,13 @@ scale → cast); per_tensor (and per_layer_head otherwise) a two-stage
 reduction (atomic absmax, then scale + cast). The group absmax is returned
 so the caller can refuse NaN/Inf groups without a device sync here.
 
-``KVCODEC_AUTOTUNE=0`` (or :data:`AUTOTUNE` = False) replaces autotuning by
-a heuristic launch config; autotuning is off by default under the
-interpreter (``TRITON_INTERPRET=1``).
+Launch configs come from the tuning file ``kvcodec tune`` writes (for this
+GPU, Triton version, kernel and shape), else from a heuristic; launchers
+autotune only when asked (``KVCODEC_AUTOTUNE=1`` or :data:`AUTOTUNE` = True),
+never by default in a serving process. On sm_89+ the FP8 conversions use the
+hardware converters (bit-exact, see :mod:`kvcodec.kernels._tl`); the integer
+emulation serves sm_80 and the interpreter. Every CUDA launch pins
+``enable_fp_fusion=False``.
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ import triton.language as tl
 
 from ..errors import UnsupportedConfigError
 from ..format import ScaleScope
-from ..quant import FP8_DTYPES, fp8_max, scale_shape
+from ..numerics import FP8_DTYPES, fp8_max, scale_shape
+from . import _configs
+from ._configs import TileConfig, pow2
+from ._launch import INTERPRET, current_target, is_recording, launch
 from ._tl import (
     abs_bits,
     bf16_bits_rne,
-    f32_to_fp8_byte,
-    fp8_byte_to_f32,
+    f32_to_fp8,
+    fp8_to_f32,
     layer_off,
     load_elems,
     row_off,
@@ -56,6 +63,7 @@ __all__ = [
     "decode_fused",
     "decode_fused_layers",
     "dequantize",
+    "empty_payloads",
     "encode_fused",
     "encode_fused_layers",
     "group_amax",
@@ -65,11 +73,8 @@ __all__ = [
     "scales_from_amax",
 ]
 
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-"""True when the kernels were built for Triton's CPU interpreter."""
-
 AUTOTUNE: bool | None = None
-"""Autotune launch configs: None reads ``KVCODEC_AUTOTUNE`` (default: on, off in the interpreter)."""
+"""Autotune launch configs: None reads ``KVCODEC_AUTOTUNE`` (default off: tuning file or heuristic)."""
 
 STAGE1_TOKENS: int | None = None
 """Tokens per stage-1 (absmax) program of two-stage reductions; None picks by GPU size."""
@@ -80,7 +85,8 @@ Strategy = Literal["auto", "single", "two_stage"]
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 K_ELEM_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
-_SM_COUNT: dict[int, int] = {}
+PAYLOAD_ALIGN = 16
+"""Bytes a stacked payload row is padded to (:func:`empty_payloads`): 128-bit accesses in every layer."""
 
 
 # ----------------------------------------------------------------------------
@@ -94,7 +100,7 @@ def _autotune_enabled() -> bool:
     env = os.environ.get("KVCODEC_AUTOTUNE")
     if env is not None and env.strip() != "":
         return env.strip().lower() not in ("0", "false", "no", "off")
-    return not INTERPRET
+    return False
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ def _check_device(*ts: torch.Tensor) -> torch.device:
     for t in ts[1:]:
         if t.device != dev:
             raise UnsupportedConfigError(f"tensors on different devices: {dev} and {t.device}")
-    if dev.type == "cpu" and not INTERPRET:
+    if dev.type == "cpu" and not INTERPRET and not is_recording():
         raise UnsupportedConfigError(
             "Triton kernels need GPU tensors; for CPU tensors set TRITON_INTERPRET=1 "
             "before kvcodec.kernels is imported"
@@ -150,29 +156,21 @@ def _check_tensor3(name: str, x: torch.Tensor, dtypes: Sequence[torch.dtype] | N
 
 
 def _sm_count(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 1
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    n = _SM_COUNT.get(idx)
-    if n is None:
-        n = torch.cuda.get_device_properties(idx).multi_processor_count
-        _SM_COUNT[idx] = n
-    return n
+    return current_target(dev).sm_count
 
 
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+def _interp(dev: torch.device) -> bool:
+    """True when launches on ``dev`` are planned for the interpreter."""
+    return current_target(dev).interpret
 
 
-def _run(kernel: Any, grid: Any, kw: dict[str, Any]) -> None:
-    """Launch; under the interpreter silence numpy's float warnings (NaN/Inf arithmetic)."""
-    if INTERPRET:
-        import numpy as np
+def _hw_fp8(dev: torch.device) -> bool:
+    """Use the hardware FP8 converters (sm_89+; ``KVCODEC_HW_FP8=0`` turns them off)."""
+    return current_target(dev).hw_fp8
 
-        with np.errstate(all="ignore"):
-            kernel[grid](**kw)
-    else:
-        kernel[grid](**kw)
+
+_pow2 = pow2
+_run = launch
 
 
 _DUMMY: dict[torch.device, torch.Tensor] = {}
@@ -209,6 +207,8 @@ class _Layers:
     count: int
     offsets: tuple[int, ...] = ()
     """Host copy of the table's element offsets (no device sync to inspect them)."""
+    mult: int = 1
+    """Every table offset is a multiple of this many elements (16 bytes' worth when possible)."""
 
 
 def _stacked(x: torch.Tensor, view: torch.dtype | None = None) -> _Layers:
@@ -234,7 +234,9 @@ def _listed(xs: Sequence[torch.Tensor], view: torch.dtype | None = None) -> _Lay
     if all(o == i * step for i, o in enumerate(offs)):
         return _Layers(base, step, None, len(offs))
     table = torch.tensor(offs, dtype=torch.int64).to(base.device, non_blocking=True)
-    return _Layers(base, 0, table, len(offs), tuple(offs))
+    vec = max(1, PAYLOAD_ALIGN // es)
+    mult = vec if all(o % vec == 0 for o in offs) else 1
+    return _Layers(base, 0, table, len(offs), tuple(offs), mult)
 
 
 def _same_layout(xs: Sequence[torch.Tensor], what: str) -> None:
@@ -253,25 +255,24 @@ def payload_nbytes(k: torch.Tensor, v: torch.Tensor, scope: ScaleScope, page_siz
     return k.numel() * k.element_size() + v.numel() + 4 * _n_scales(scope, t, h, page_size)
 
 
+def empty_payloads(layers: int, nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """Uninitialised stacked payloads ``[layers, nbytes]`` whose rows start 16 bytes apart.
+
+    The rows of a plain ``torch.empty((layers, nbytes))`` are only as aligned
+    as ``nbytes`` (per_tensor payloads end in 4 scale bytes), which forces
+    byte-wide accesses in every layer after the first; padding each row to
+    :data:`PAYLOAD_ALIGN` bytes keeps the fused kernels' 128-bit accesses.
+    """
+    stride = -(-max(int(nbytes), 1) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    return torch.empty((int(layers), stride), dtype=torch.uint8, device=device)[:, : int(nbytes)]
+
+
 def scales_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """``amax / fp8_max`` in fp32 (IEEE division), 1.0 where ``amax`` is 0 (or NaN)."""
     qmax = fp8_max(fp8_dtype)
     amax = amax.to(torch.float32)
     scale = torch.div(amax, torch.tensor(qmax, dtype=torch.float32, device=amax.device))
     return torch.where(amax > 0, scale, torch.ones_like(scale))
-
-
-def _cfg(block_t: int, block_d: int, tile_cap: int) -> tuple[int, int]:
-    """Heuristic BLOCK_T (power of 2, tile <= tile_cap elements) and num_warps."""
-    bt = max(1, min(block_t, tile_cap // block_d))
-    bt = 1 << (bt.bit_length() - 1)
-    tile = bt * block_d
-    nw = 1 if INTERPRET else (2 if tile <= 1024 else 4 if tile <= 4096 else 8)
-    return bt, nw
-
-
-def _tile_cap() -> int:
-    return 16384 if INTERPRET else 4096
 
 
 # ----------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def _encode_groups_kernel(
     D: tl.constexpr, KB: tl.constexpr, V_BF16: tl.constexpr,
     MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
     PAGED: tl.constexpr, K_TAB: tl.constexpr, V_TAB: tl.constexpr, P_TAB: tl.constexpr,
-    K_ALIGNED: tl.constexpr, ONE_TILE: tl.constexpr,
+    K_ALIGNED: tl.constexpr, ONE_TILE: tl.constexpr, HW_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One program per scale group (GT tokens x one head x one layer): absmax → scale → FP8.
@@ -325,7 +326,7 @@ def _encode_groups_kernel(
             store_elems(p_base, pidx, kv, m2, KB, K_ALIGNED)
         amax = tl.max(tl.max(abs_bits(v, False), axis=1), axis=0).to(tl.float32, bitcast=True)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
-        q = f32_to_fp8_byte(tl.math.div_rn(v, scale), MANT, BIAS, MAX_BITS, SAT)
+        q = f32_to_fp8(tl.math.div_rn(v, scale), MANT, BIAS, MAX_BITS, SAT, HW_FP8)
         tl.store(q_base + pidx, q, mask=m2)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.int32)
@@ -349,7 +350,7 @@ def _encode_groups_kernel(
             m2 = tm[:, None] & dm[None, :]
             vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
             v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
-            q = f32_to_fp8_byte(tl.math.div_rn(v, scale), MANT, BIAS, MAX_BITS, SAT)
+            q = f32_to_fp8(tl.math.div_rn(v, scale), MANT, BIAS, MAX_BITS, SAT, HW_FP8)
             pidx = (t.to(tl.int64)[:, None] * H + h) * D + d64[None, :]
             tl.store(q_base + pidx, q, mask=m2)
     gi = g * H + h
@@ -380,6 +381,11 @@ def _amax_tiles_kernel(
     h = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2)
     v_base = v_ptr + layer_off(layer, v_ltab, v_sl, V_TAB)
+    k_base = k_ptr
+    p_base = pay_ptr
+    if KB > 0:
+        k_base = k_ptr + layer_off(layer, k_ltab, k_sl, K_TAB)
+        p_base = pay_ptr + layer_off(layer, p_ltab, p_sl, P_TAB)
     t0 = i * TT
     t1 = tl.minimum(t0 + TT, T)
     d = tl.arange(0, BLOCK_D)
@@ -394,8 +400,6 @@ def _amax_tiles_kernel(
         v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
         acc = tl.maximum(acc, abs_bits(v, FINITE_ONLY))
         if KB > 0:
-            k_base = k_ptr + layer_off(layer, k_ltab, k_sl, K_TAB)
-            p_base = pay_ptr + layer_off(layer, p_ltab, p_sl, P_TAB)
             pidx = (t.to(tl.int64)[:, None] * H + h) * D + d64[None, :]
             krow = row_off(t, tm, tbl_ptr, k_st, k_sb, BS, PAGED)
             kv = tl.load(k_base + krow[:, None] + h * k_sh + d64[None, :] * k_sd, mask=m2, other=0)
@@ -418,7 +422,7 @@ def _quant_tiles_kernel(
     D: tl.constexpr, V_BF16: tl.constexpr,
     MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
     FROM_AMAX: tl.constexpr, WRITE_SCALES: tl.constexpr, SHARED_HEADS: tl.constexpr,
-    PAGED: tl.constexpr, V_TAB: tl.constexpr, O_TAB: tl.constexpr,
+    PAGED: tl.constexpr, V_TAB: tl.constexpr, O_TAB: tl.constexpr, HW_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """FP8 bytes of ``V / scale`` for BLOCK_T tokens x one head.
@@ -448,7 +452,7 @@ def _quant_tiles_kernel(
         sc = tl.load(s_base + sidx, mask=tm, other=1.0)
     vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
     v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
-    q = f32_to_fp8_byte(tl.math.div_rn(v, sc[:, None]), MANT, BIAS, MAX_BITS, SAT)
+    q = f32_to_fp8(tl.math.div_rn(v, sc[:, None]), MANT, BIAS, MAX_BITS, SAT, HW_FP8)
     t64 = t.to(tl.int64)
     tl.store(o_base + t64[:, None] * o_st + h * o_sh + d64[None, :] * o_sd, q, mask=m2)
     if WRITE_SCALES:
@@ -473,6 +477,7 @@ def _dequant_tiles_kernel(
     D: tl.constexpr, KB: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     OUT_KIND: tl.constexpr, SCALE_BYTES: tl.constexpr, K_ALIGNED: tl.constexpr,
     PAGED: tl.constexpr, Q_TAB: tl.constexpr, VO_TAB: tl.constexpr, KO_TAB: tl.constexpr,
+    HW_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """``float(q) * scale`` cast to the output dtype for BLOCK_T tokens x one head.
@@ -506,7 +511,7 @@ def _dequant_tiles_kernel(
     else:
         sc = tl.load(s_ptr + layer.to(tl.int64) * s_sl + sidx, mask=tm, other=1.0)
     qb = tl.load(q_base + t64[:, None] * q_st + h * q_sh + d64[None, :] * q_sd, mask=m2, other=0)
-    x = fp8_byte_to_f32(qb, MANT, BIAS) * sc[:, None]
+    x = fp8_to_f32(qb, MANT, BIAS, HW_FP8) * sc[:, None]
     vrow = row_off(t, tm, tbl_ptr, vo_st, vo_sb, BS, PAGED)
     vo = vo_base + vrow[:, None] + h * vo_sh + d64[None, :] * vo_sd
     if OUT_KIND == 0:
@@ -527,14 +532,14 @@ def _dequant_tiles_kernel(
 def _quant_1d_kernel(
     x_ptr, s_ptr, o_ptr, N,
     V_BF16: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HW_FP8: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """FP8 bytes of ``x / scale`` over a flat contiguous tensor (one fp32 scale)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     x = to_f32(tl.load(x_ptr + i, mask=m, other=0), V_BF16)
     s = tl.load(s_ptr)
-    tl.store(o_ptr + i, f32_to_fp8_byte(tl.math.div_rn(x, s), MANT, BIAS, MAX_BITS, SAT), mask=m)
+    tl.store(o_ptr + i, f32_to_fp8(tl.math.div_rn(x, s), MANT, BIAS, MAX_BITS, SAT, HW_FP8), mask=m)
 
 
 # ----------------------------------------------------------------------------
@@ -542,65 +547,92 @@ def _quant_1d_kernel(
 # ----------------------------------------------------------------------------
 
 
-def _tile_configs(max_bt: int) -> list[triton.Config]:
-    """Token-tile configs to autotune over (kept small: each one is a compile)."""
-    out = []
-    for bt in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        if bt > max_bt:
-            continue
-        for nw in (4, 8):
-            out.append(triton.Config({"BLOCK_T": bt}, num_warps=nw, num_stages=2))
-    return out
+def _tile_configs(max_bt: int = 256) -> list[triton.Config]:
+    """Every (BLOCK_T, num_warps) the autotuner may see; :func:`_prune_tiles` keeps the worthwhile ones."""
+    return [
+        triton.Config({"BLOCK_T": bt}, num_warps=nw)
+        for bt in _configs.BLOCK_TS
+        if bt <= max_bt
+        for nw in _configs.WARPS
+    ]
 
 
-def _prune_tiles(configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any) -> list[triton.Config]:
-    """Keep tiles of 2K..16K elements (BLOCK_T x BLOCK_D); the smallest tile if none fits."""
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D", 128))
-    keep = [c for c in configs if 2048 <= c.kwargs["BLOCK_T"] * bd <= 16384]
+def _rows_of(args: dict[str, Any]) -> int:
+    """Token rows one program covers: TT (stage-1 absmax), GT (one group), else all T."""
+    for name in ("TT", "GT", "T"):
+        if name in args:
+            return int(args[name])
+    return 1
+
+
+def _prune_tiles(
+    configs: list[triton.Config], named_args: dict[str, Any], kernel: str = "", **kwargs: Any
+) -> list[triton.Config]:
+    """Keep :func:`kvcodec.kernels._configs.config_space` (no mostly-masked or spilling tiles)."""
+    args = {**named_args, **kwargs}
+    bd = int(args.get("BLOCK_D", 128))
+    allowed = set(_configs.config_space(_rows_of(args), bd, kernel))
+    keep = [c for c in configs if TileConfig(c.kwargs["BLOCK_T"], c.num_warps) in allowed]
     if keep:
         return keep
-    best = min(configs, key=lambda c: abs(c.kwargs["BLOCK_T"] * bd - 4096))
-    return [c for c in configs if c.kwargs["BLOCK_T"] == best.kwargs["BLOCK_T"]]
+    h = _configs.heuristic(_rows_of(args), bd)
+    return [triton.Config({"BLOCK_T": h.block_t}, num_warps=h.num_warps)]
 
 
 def _one_tile(args: dict[str, Any]) -> bool:
     return args["GT"] <= args["BLOCK_T"]
 
 
+def _tuned(fn: Any, name: str) -> Any:
+    """``fn`` autotuned over :func:`_tile_configs`, pruned to ``name``'s config space."""
+    prune = functools.partial(_prune_tiles, kernel=name)
+    key = list(_configs.KEY_FIELDS[name])
+    return triton.autotune(configs=_tile_configs(), key=key, prune_configs_by={"early_config_prune": prune})(fn)
+
+
 _encode_groups_heur = triton.heuristics({"ONE_TILE": _one_tile})(_encode_groups_kernel)
-_encode_groups_tuned = triton.autotune(
-    configs=_tile_configs(256),
-    key=["D", "GT", "KB", "PAGED"],
-    prune_configs_by={"early_config_prune": _prune_tiles},
-)(_encode_groups_heur)
-_amax_tiles_tuned = triton.autotune(
-    configs=_tile_configs(256),
-    key=["D", "TT", "KB", "PAGED"],
-    prune_configs_by={"early_config_prune": _prune_tiles},
-)(_amax_tiles_kernel)
-_quant_tiles_tuned = triton.autotune(
-    configs=_tile_configs(256),
-    key=["D", "PS", "PAGED", "FROM_AMAX"],
-    prune_configs_by={"early_config_prune": _prune_tiles},
-)(_quant_tiles_kernel)
-_dequant_tiles_tuned = triton.autotune(
-    configs=_tile_configs(256),
-    key=["D", "PS", "KB", "OUT_KIND", "PAGED"],
-    prune_configs_by={"early_config_prune": _prune_tiles},
-)(_dequant_tiles_kernel)
+_encode_groups_tuned = _tuned(_encode_groups_heur, "_encode_groups_kernel")
+_amax_tiles_tuned = _tuned(_amax_tiles_kernel, "_amax_tiles_kernel")
+_quant_tiles_tuned = _tuned(_quant_tiles_kernel, "_quant_tiles_kernel")
+_dequant_tiles_tuned = _tuned(_dequant_tiles_kernel, "_dequant_tiles_kernel")
+
+KERNELS: dict[str, tuple[Any, Any]] = {
+    "_encode_groups_kernel": (_encode_groups_heur, _encode_groups_tuned),
+    "_amax_tiles_kernel": (_amax_tiles_kernel, _amax_tiles_tuned),
+    "_quant_tiles_kernel": (_quant_tiles_kernel, _quant_tiles_tuned),
+    "_dequant_tiles_kernel": (_dequant_tiles_kernel, _dequant_tiles_tuned),
+}
+"""Tile kernels by name: (launched with a fixed config, autotuned). paged_triton adds its copy kernel."""
 
 
-def _launch_tiles(
-    raw: Any, tuned: Any, ntok: int, block_d: int, heads: int, layers: int, /, **kw: Any
-) -> None:
-    """Launch a (token-tile, head, layer) kernel; autotuned or with the heuristic tile."""
+def _kw_device(kw: dict[str, Any]) -> torch.device:
+    return next(v.device for v in kw.values() if isinstance(v, torch.Tensor))
+
+
+def pick_config(name: str, kw: dict[str, Any], rows: int, block_d: int, dev: torch.device) -> TileConfig:
+    """The launch config: the tuning file's winner for this GPU and shape, else the heuristic."""
+    tgt = current_target(dev)
+    cfg = _configs.overridden(name)
+    if cfg is None and not tgt.interpret and tgt.name:
+        cfg = _configs.tuned_config(tgt.name, name, _configs.shape_key(name, kw, rows), block_d)
+    return cfg or _configs.heuristic(rows, block_d, tgt.interpret)
+
+
+def _launch_cfg(name: str, rows: int, block_d: int, grid: Any, kw: dict[str, Any]) -> None:
+    """Launch kernel ``name`` with ``grid(BLOCK_T)``: autotuned if asked, else :func:`pick_config`'s config."""
+    raw, tuned = KERNELS[name]
+    kw["BLOCK_D"] = block_d
     if _autotune_enabled():
-        kw["BLOCK_D"] = block_d
-        _run(tuned, lambda m: (triton.cdiv(ntok, m["BLOCK_T"]), heads, layers), kw)
-    else:
-        bt, nw = _cfg(_pow2(ntok), block_d, _tile_cap())
-        kw.update(BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
-        _run(raw, (triton.cdiv(ntok, bt), heads, layers), kw)
+        _run(tuned, lambda m: grid(m["BLOCK_T"]), kw)
+        return
+    cfg = pick_config(name, kw, rows, block_d, _kw_device(kw))
+    kw.update(BLOCK_T=cfg.block_t, num_warps=cfg.num_warps)
+    _run(raw, grid(cfg.block_t), kw)
+
+
+def _launch_tiles(name: str, ntok: int, block_d: int, heads: int, layers: int, /, **kw: Any) -> None:
+    """Launch a (token-tile, head, layer) kernel over ``ntok`` rows."""
+    _launch_cfg(name, ntok, block_d, lambda bt: (triton.cdiv(ntok, bt), heads, layers), kw)
 
 
 # ----------------------------------------------------------------------------
@@ -633,8 +665,9 @@ def _dense_rows(layers: _Layers, strides: Sequence[int] | None = None) -> _Rows:
     return _Rows(layers, st[0], st[1], st[2])
 
 
-def _tab(lay: _Layers) -> tuple[torch.Tensor | None, bool]:
-    return lay.table, lay.table is not None
+def _tab(lay: _Layers) -> tuple[torch.Tensor | None, int]:
+    """(offset table, its TABLE constexpr): 0 without a table, else the offsets' common multiple."""
+    return lay.table, (0 if lay.table is None else lay.mult)
 
 
 def _view_for(dt: torch.dtype, kind: str) -> torch.dtype | None:
@@ -723,7 +756,7 @@ def _encode_core(
     single = per_page
     if scope == ScaleScope.PER_LAYER_HEAD:
         if strategy == "auto":
-            single = INTERPRET or (layers * heads >= 2 * _sm_count(dev) and tokens <= 1024)
+            single = _interp(dev) or (layers * heads >= 2 * _sm_count(dev) and tokens <= 1024)
         else:
             single = strategy == "single"
     elif per_page and strategy == "two_stage":
@@ -734,14 +767,8 @@ def _encode_core(
     if single:
         amax = torch.empty((layers, n_gt, heads), dtype=torch.float32, device=dev)
         common.update(amax_ptr=amax, GT=gt, n_gt=n_gt, qmax=fp.qmax, MANT=fp.mant, BIAS=fp.bias,
-                      MAX_BITS=fp.max_bits, SAT=fp.sat)  # fmt: skip
-        if _autotune_enabled():
-            common["BLOCK_D"] = block_d
-            _run(_encode_groups_tuned, (n_gt, heads, layers), common)
-        else:
-            bt, nw = _cfg(min(_pow2(gt), 256), block_d, _tile_cap())
-            common.update(BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
-            _run(_encode_groups_heur, (n_gt, heads, layers), common)
+                      MAX_BITS=fp.max_bits, SAT=fp.sat, HW_FP8=_hw_fp8(dev))  # fmt: skip
+        _launch_cfg("_encode_groups_kernel", min(gt, 256), block_d, lambda bt: (n_gt, heads, layers), common)
         return amax.view(layers, *shape)
 
     # Two stages: atomic absmax per group (with the K copy), then scale + cast.
@@ -760,9 +787,9 @@ def _encode_core(
         **v.kw("v"), "o_st": heads * dim, "o_sh": dim, "o_sd": 1, "o_sl": pay.stride,
         "qmax": fp.qmax, "D": dim, "V_BF16": v_bf16, "MANT": fp.mant, "BIAS": fp.bias,
         "MAX_BITS": fp.max_bits, "SAT": fp.sat, "FROM_AMAX": True, "WRITE_SCALES": True,
-        "SHARED_HEADS": per_tensor, "PAGED": paged, "V_TAB": v_has, "O_TAB": p_has,
+        "SHARED_HEADS": per_tensor, "PAGED": paged, "V_TAB": v_has, "O_TAB": p_has, "HW_FP8": _hw_fp8(dev),
     }  # fmt: skip
-    _launch_tiles(_quant_tiles_kernel, _quant_tiles_tuned, tokens, block_d, heads, layers, **kw2)
+    _launch_tiles("_quant_tiles_kernel", tokens, block_d, heads, layers, **kw2)
     return abits.view(torch.float32).view(layers, *shape)
 
 
@@ -770,7 +797,7 @@ def _stage1_tokens(tokens: int, heads: int, layers: int, dev: torch.device) -> i
     """Tokens per stage-1 program: about 4 programs per SM, each a multiple of 16 tokens."""
     if STAGE1_TOKENS:
         return max(1, min(int(STAGE1_TOKENS), tokens))
-    if INTERPRET:
+    if _interp(dev):
         return tokens
     want = 4 * _sm_count(dev)
     per = max(16, -(-tokens * heads * layers // want))
@@ -780,13 +807,7 @@ def _stage1_tokens(tokens: int, heads: int, layers: int, dev: torch.device) -> i
 def _launch_amax_tiles(kw: dict[str, Any], tokens: int, tt: int, block_d: int, heads: int, layers: int) -> None:
     """Launch the stage-1 absmax kernel over TT-token tiles."""
     grid = (triton.cdiv(tokens, tt), heads, layers)
-    if _autotune_enabled():
-        kw["BLOCK_D"] = block_d
-        _run(_amax_tiles_tuned, grid, kw)
-    else:
-        bt, nw = _cfg(_pow2(tt), block_d, _tile_cap())
-        kw.update(BLOCK_T=bt, BLOCK_D=block_d, num_warps=nw)
-        _run(_amax_tiles_kernel, grid, kw)
+    _launch_cfg("_amax_tiles_kernel", tt, block_d, lambda bt: grid, kw)
 
 
 # ----------------------------------------------------------------------------
@@ -832,7 +853,7 @@ def group_amax(
         **rows.kw("k"), **rows.kw("v"), "p_sl": 0,
         "D": d, "KB": 0, "V_BF16": v.dtype == torch.bfloat16, "PER_TENSOR": per_tensor,
         "FINITE_ONLY": bool(finite_only),
-        "PAGED": False, "K_TAB": False, "V_TAB": False, "P_TAB": False, "K_ALIGNED": False,
+        "PAGED": False, "K_TAB": 0, "V_TAB": 0, "P_TAB": 0, "K_ALIGNED": False,
     }  # fmt: skip
     _launch_amax_tiles(kw, t, tt, block_d, h, 1)
     return abits.view(torch.float32).view(shape)
@@ -934,9 +955,9 @@ def quantize(
         "o_st": os_[0], "o_sh": os_[1], "o_sd": os_[2], "o_sl": 0,
         "qmax": fp.qmax, "D": d, "V_BF16": v.dtype == torch.bfloat16, "MANT": fp.mant, "BIAS": fp.bias,
         "MAX_BITS": fp.max_bits, "SAT": fp.sat, "FROM_AMAX": False, "WRITE_SCALES": False,
-        "SHARED_HEADS": False, "PAGED": False, "V_TAB": False, "O_TAB": False,
+        "SHARED_HEADS": False, "PAGED": False, "V_TAB": 0, "O_TAB": 0, "HW_FP8": _hw_fp8(dev),
     }  # fmt: skip
-    _launch_tiles(_quant_tiles_kernel, _quant_tiles_tuned, t, _pow2(d), h, 1, **kw)
+    _launch_tiles("_quant_tiles_kernel", t, _pow2(d), h, 1, **kw)
     return out
 
 
@@ -998,9 +1019,9 @@ def dequantize(
         "ko_st": 0, "ko_sh": 0, "ko_sd": 0, "ko_sb": 0, "ko_sl": 0,
         "D": d, "KB": 0, "MANT": fp.mant, "BIAS": fp.bias, "OUT_KIND": kind,
         "SCALE_BYTES": False, "K_ALIGNED": False, "PAGED": False,
-        "Q_TAB": False, "VO_TAB": False, "KO_TAB": False,
+        "Q_TAB": 0, "VO_TAB": 0, "KO_TAB": 0, "HW_FP8": _hw_fp8(dev),
     }  # fmt: skip
-    _launch_tiles(_dequant_tiles_kernel, _dequant_tiles_tuned, t, _pow2(d), h, 1, **kw)
+    _launch_tiles("_dequant_tiles_kernel", t, _pow2(d), h, 1, **kw)
     return out
 
 
@@ -1027,10 +1048,10 @@ def quantize_1d(
     n = x.numel()
     if n == 0:
         return out
-    blk = block or (_pow2(min(n, 1 << 17)) if INTERPRET else 1024)
+    blk = block or (_pow2(min(n, 1 << 17)) if _interp(dev) else 1024)
     kw = {"x_ptr": _bits16(x), "s_ptr": s, "o_ptr": out.view(torch.uint8), "N": n,
           "V_BF16": x.dtype == torch.bfloat16, "MANT": fp.mant, "BIAS": fp.bias,
-          "MAX_BITS": fp.max_bits, "SAT": fp.sat, "BLOCK": blk}  # fmt: skip
+          "MAX_BITS": fp.max_bits, "SAT": fp.sat, "HW_FP8": _hw_fp8(dev), "BLOCK": blk}  # fmt: skip
     _run(_quant_1d_kernel, (triton.cdiv(n, blk),), kw)
     return out
 
@@ -1191,9 +1212,9 @@ def _decode_core(
         **vo.kw("vo"), **ko.kw("ko"),
         "D": dim, "KB": kb, "MANT": fp.mant, "BIAS": fp.bias,
         "OUT_KIND": out_kind, "SCALE_BYTES": True, "K_ALIGNED": k_aligned, "PAGED": paged,
-        "Q_TAB": q_has, "VO_TAB": vo_has, "KO_TAB": ko_has,
+        "Q_TAB": q_has, "VO_TAB": vo_has, "KO_TAB": ko_has, "HW_FP8": _hw_fp8(dev),
     }  # fmt: skip
-    _launch_tiles(_dequant_tiles_kernel, _dequant_tiles_tuned, tokens, _pow2(dim), heads, pay.count, **kw)
+    _launch_tiles("_dequant_tiles_kernel", tokens, _pow2(dim), heads, pay.count, **kw)
 
 
 def decode_fused(

@@ -1,9 +1,10 @@
 """GPU-only checks of the Triton kernels: equality with the torch reference on CUDA.
 
 Covers what the interpreter tier cannot: the compiled kernels' rounding on
-the device (exhaustive cast, IEEE division with denormals), autotuned
-configs, realistic sizes, and int64 offsets past 2^31 elements. Skipped
-without a CUDA GPU. (tests/test_triton_*.py also run on CUDA when one is present.)
+the device (exhaustive cast, IEEE division with denormals), the hardware FP8
+converters of sm_89+ against torch for every fp32 pattern and every FP8
+byte, autotuned configs, realistic sizes, and int64 offsets past 2^31
+elements. Skipped without a CUDA GPU. (tests/test_triton_*.py also run on CUDA when one is present.)
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ pytest.importorskip("triton")
 
 from kvcodec.kernels import paged_triton as PT
 from kvcodec.kernels import quant_triton as QT
+from kvcodec.kernels import reference
 
 from kvcodec import paged as P
-from kvcodec import quant as Q
 from kvcodec.format import ScaleScope
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
+Q = reference()
 E4 = torch.float8_e4m3fn
 E5 = torch.float8_e5m2
 PTS = ScaleScope.PER_TENSOR
@@ -234,3 +236,59 @@ def test_offsets_past_2_31_elements() -> None:
     assert torch.equal(pay.cpu(), ref_payload(src_k.cpu(), src_v.cpu(), PH, 16))
     del big
     torch.cuda.empty_cache()
+
+
+def _fp8_paths() -> list[str]:
+    """The conversion paths this GPU can run: the integer emulation, and the hardware one on sm_89+."""
+    major, minor = torch.cuda.get_device_capability()
+    return ["emulated", "hardware"] if (major, minor) >= (8, 9) else ["emulated"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", _fp8_paths())
+@pytest.mark.parametrize("fp8", [E4, E5], ids=["e4m3fn", "e5m2"])
+def test_fp8_conversion_every_fp32_pattern(fp8: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All 2^32 fp32 bit patterns through the kernels' fp32 -> FP8 conversion (scale 1: the division is exact).
+
+    Finite values and ±Inf must equal torch's ``clamp(x, -max, max).to(fp8)`` on
+    this GPU byte for byte; NaN must give 0x7F with the input's sign (the
+    reference's rule). Run for the integer emulation and, on sm_89+, for the
+    hardware ``cvt.rn.satfinite`` path (the PTX semantics the kernels rely on).
+    """
+    monkeypatch.setenv("KVCODEC_HW_FP8", "1" if path == "hardware" else "0")
+    assert QT._hw_fp8(torch.device(DEV)) == (path == "hardware")
+    qmax = Q.fp8_max(fp8)
+    one = torch.ones((), dtype=torch.float32, device=DEV)
+    step = 1 << 28
+    for start in range(-(2**31), 2**31, step):
+        bits = torch.arange(start, start + step, dtype=torch.int64, device=DEV).to(torch.int32)
+        x = bits.view(torch.float32)
+        got = QT.quantize_1d(x, one, fp8_dtype=fp8).view(torch.uint8)
+        nan = torch.isnan(x)
+        ref = x.clamp(-qmax, qmax).to(fp8).view(torch.uint8)
+        bad = (got != ref) & ~nan
+        assert not bool(bad.any()), f"{int(bad.sum())} differ from {start:#x}; first input bits {int(bits[bad][0]):#x}"
+        want_nan = (0x7F | ((bits >> 24) & 0x80)).to(torch.uint8)
+        assert torch.equal(got[nan], want_nan[nan])
+        del bits, x, got, ref, nan, bad, want_nan
+
+
+@pytest.mark.parametrize("path", _fp8_paths())
+@pytest.mark.parametrize("fp8", [E4, E5], ids=["e4m3fn", "e5m2"])
+def test_fp8_decode_every_byte(fp8: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All 256 FP8 bytes x assorted scales dequantized (hardware path on sm_89+) equal torch, for every output dtype."""
+    monkeypatch.setenv("KVCODEC_HW_FP8", "1" if path == "hardware" else "0")
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).view(256, 1, 1).repeat(1, 2, 16)
+    num = ~torch.isnan(q.float())  # NaN payloads may differ; Inf and every number must not
+    for s in (1.0, 0.5, 3.0, 1.0 / 3.0, 2.0**-20, 2.0**-133, 7.25e4):
+        st = torch.tensor(s, dtype=torch.float32)
+        for od in (torch.float16, torch.bfloat16, torch.float32):
+            got = QT.dequantize(q.to(DEV), st.to(DEV), PTS, out_dtype=od)
+            ref = Q.dequantize(q.to(DEV), st.to(DEV), PTS, out_dtype=od)
+            assert torch.equal(u8(got[num]), u8(ref[num])), (s, od)
+            assert bool(torch.isnan(got[~num].float()).all())
+
+
+def test_hardware_fp8_selected_on_sm89() -> None:
+    major, minor = torch.cuda.get_device_capability()
+    assert QT._hw_fp8(torch.device(DEV)) == ((major, minor) >= (8, 9))

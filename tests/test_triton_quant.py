@@ -20,12 +20,13 @@ os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
 pytest.importorskip("triton")
 
 from kvcodec.kernels import quant_triton as QT  # noqa: E402
+from kvcodec.kernels import reference  # noqa: E402
 
-from kvcodec import quant as Q  # noqa: E402
 from kvcodec.errors import UnsupportedConfigError  # noqa: E402
 from kvcodec.format import ScaleScope  # noqa: E402
 
 DEVICE = "cuda" if _CUDA else "cpu"
+Q = reference()
 pytestmark = [pytest.mark.cuda if _CUDA else pytest.mark.interpreter]
 if not _CUDA and not QT.INTERPRET:
     pytest.skip(
@@ -394,6 +395,57 @@ def test_layers_one_launch(form: str, scope: ScaleScope, ps: int | None) -> None
         assert_bytes_equal(vo[i], ref)
 
 
+def _as_planned_for_cuda(fn: object) -> object:
+    """Run ``fn``'s launches as planned for an sm_80-class CUDA GPU (132 SMs), executed here.
+
+    Under the interpreter this covers the branches CUDA takes (two-stage
+    reductions over several stage-1 tiles, CUDA tile sizes and warps, aligned
+    K, aligned offset tables) instead of the interpreter's own planning.
+    """
+    from kvcodec.kernels import _launch
+
+    with _launch.recording(_launch.Target(False, 132, (8, 0), "planned sm_80")) as launches:
+        out = fn()  # type: ignore[operator]
+    for ln in launches:
+        _launch.launch(ln.kernel, ln.grid, ln.kwargs)
+    return out, launches
+
+
+@pytest.mark.skipif(_CUDA, reason="replays CUDA planning in the interpreter")
+@pytest.mark.parametrize("form", ["lists", "stacked"])
+@pytest.mark.parametrize("scope,ps", [(PT, None), (LH, None), (PH, 16)], ids=["per_tensor", "per_layer_head", "per_page_head"])
+def test_cuda_planning_replayed(form: str, scope: ScaleScope, ps: int | None) -> None:
+    n_layers, t, h, d = 3, 40, 2, 64
+    ks_st = rand_v((n_layers, t, h, d), torch.float16, seed=30)
+    vs_st = rand_v((n_layers, t, h, d), torch.float16, seed=31)
+    nbytes = QT.payload_nbytes(ks_st[0], vs_st[0], scope, ps)
+    pays_st = QT.empty_payloads(n_layers, nbytes, DEVICE)
+    if form == "lists":  # uneven 16-byte aligned allocations: an aligned offset table
+        buf = torch.zeros(n_layers * (t * h * d + 64) * 2, dtype=torch.float16)
+        ks = [buf[i * (t * h * d + 8 * (i + 1)) :][: t * h * d].view(t, h, d) for i in range(n_layers)]
+        for i in range(n_layers):
+            ks[i].copy_(ks_st[i])
+        kv_in: tuple[object, object] = (ks, [vs_st[i].clone() for i in range(n_layers)])
+    else:
+        kv_in = (ks_st, vs_st)
+    _, launches = _as_planned_for_cuda(lambda: QT.encode_fused_layers(*kv_in, scope, page_size=ps, payloads=pays_st))  # type: ignore[arg-type]
+    kw = launches[0].kwargs
+    assert kw["K_ALIGNED"] and kw["num_warps"] > 1
+    if form == "lists":
+        assert kw["K_TAB"] == 8
+    if scope != PH:
+        assert len(launches) == 2 and kw["TT"] == 16 < t  # two stages, several stage-1 tiles per group
+    for i in range(n_layers):
+        assert_bytes_equal(pays_st[i], ref_payload(ks_st[i], vs_st[i], scope, ps))
+    ko, vo = torch.zeros_like(ks_st), torch.zeros_like(vs_st)
+    _as_planned_for_cuda(lambda: QT.decode_fused_layers(pays_st, ko, vo, scope, page_size=ps))
+    for i in range(n_layers):
+        s = Q.compute_scales(vs_st[i], scope, page_size=ps)
+        ref = Q.dequantize(Q.quantize(vs_st[i], s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=torch.float16)
+        assert torch.equal(ko[i], ks_st[i])
+        assert_bytes_equal(vo[i], ref)
+
+
 def test_empty_chunk() -> None:
     k = torch.empty((0, 2, 48), dtype=torch.float16, device=DEVICE)
     pay = torch.empty(QT.payload_nbytes(k, k, PT), dtype=torch.uint8, device=DEVICE)
@@ -434,24 +486,35 @@ def test_validation_errors() -> None:
         QT.compute_scales(v, PT, nonfinite="ignore")  # type: ignore[arg-type]
 
 
-def test_autotune_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_autotune_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(QT, "AUTOTUNE", None)
     monkeypatch.setenv("KVCODEC_AUTOTUNE", "0")
     assert not QT._autotune_enabled()
     monkeypatch.setenv("KVCODEC_AUTOTUNE", "1")
     assert QT._autotune_enabled()
     monkeypatch.delenv("KVCODEC_AUTOTUNE")
-    assert QT._autotune_enabled() == (not QT.INTERPRET)
-    monkeypatch.setattr(QT, "AUTOTUNE", False)
-    assert not QT._autotune_enabled()
-    configs = QT._tile_configs(256)
-    assert configs and all(c.kwargs["BLOCK_T"] <= 256 for c in configs)
-    for bd in (1, 16, 64, 128, 256, 1 << 16):
-        kept = QT._prune_tiles(configs, {}, BLOCK_D=bd)
-        assert kept and len(kept) <= 8
-        assert all(c.kwargs["BLOCK_T"] * bd <= 16384 for c in kept) or len({c.kwargs["BLOCK_T"] for c in kept}) == 1
-    bt, nw = QT._cfg(1024, 128, 4096)
-    assert bt * 128 <= 4096 and nw >= 1
+    assert not QT._autotune_enabled()  # never by default (first-call latency in a server)
+    monkeypatch.setattr(QT, "AUTOTUNE", True)
+    assert QT._autotune_enabled()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 256, 4096])
+@pytest.mark.parametrize("bd", [16, 64, 128, 256])
+def test_config_space_has_no_masked_or_spilling_tiles(rows: int, bd: int) -> None:
+    from kvcodec.kernels import _configs as C
+
+    configs = QT._tile_configs()
+    for args in ({"T": rows}, {"GT": rows, "T": 4 * rows}, {"TT": rows, "GT": 8 * rows, "T": 8 * rows}):
+        kept = QT._prune_tiles(configs, args, kernel="_encode_groups_kernel", BLOCK_D=bd)
+        assert kept
+        for c in kept:
+            bt = c.kwargs["BLOCK_T"]
+            assert bt <= C.pow2(rows), (args, bt)
+            assert bt * bd <= C.MAX_PER_THREAD * 32 * c.num_warps
+            assert bt * bd >= C.MIN_PER_THREAD * 32 * c.num_warps or C.TileConfig(bt, c.num_warps) == C.heuristic(rows, bd)
+    h = C.heuristic(rows, bd)
+    assert h in C.config_space(rows, bd)
+    assert h.block_t <= C.pow2(rows) and h.per_thread(bd) <= C.MAX_PER_THREAD
 
 
 def test_kernels_package_does_not_import_triton() -> None:

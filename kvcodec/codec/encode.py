@@ -430,7 +430,9 @@ def _encode_layers_fused(
     k3s = [normalize_layout(x, **ax)[0] for x in ks]
     v3s = [normalize_layout(x, **ax)[0] for x in vs]
     h0 = plan.header
-    payloads = torch.empty((len(v3s), h0.payload_len), dtype=torch.uint8, device=plan.v.device)
+    from ..kernels.quant_triton import empty_payloads
+
+    payloads = empty_payloads(len(v3s), h0.payload_len, plan.v.device)  # rows 16-byte aligned
     amax = plan.backend.encode_fused_layers(k3s, v3s, plan.groups, payloads)  # type: ignore[attr-defined]
     bad = ~torch.isfinite(amax.reshape(len(v3s), -1)).all(dim=1)
     if bool(bad.any()):

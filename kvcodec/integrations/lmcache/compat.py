@@ -1,7 +1,7 @@
 """Drop-in surface of LMCache's ``lmcache.v1.kv_codec`` (0.5.6), backed by kvcodec.
 
 Names, signatures, defaults and error types follow LMCache so connector code
-runs unchanged; the work is done by :mod:`kvcodec.format`, :mod:`kvcodec.quant`
+runs unchanged; the work is done by :mod:`kvcodec.format`, :mod:`kvcodec.backends`
 and :mod:`kvcodec.codec`. Differences are deliberate fixes: decode restores
 ``[tokens, heads, head_dim]`` shapes when the header carries the layout and
 dequantizes every scope; the parser refuses malformed blobs LMCache accepts.
