@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.format.crc import CRC_BACKEND, crc32
 from kvcodec.format import Hashes, Header, ScaleScope, assemble, parse
+from kvcodec.format.crc import CRC_BACKEND, crc32
 
 TOKENS, HEADS, DIM, PAGE = 2048, 8, 128, 16
 
