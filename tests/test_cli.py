@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec import cli
-from kvcodec.cli import main
-from kvcodec.codec import decode, encode
-from kvcodec.format import HASH_KEYS, parse
+from kvcodec import CodecError, decode, encode
+from kvcodec.format import MAX_DIM, Header, ScaleScope, assemble, parse
+from kvcodec.tools import cli, cmd_inspect, cmd_verify
+from kvcodec.tools.cli import main
+from kvcodec.tools.progress import Progress, progress_enabled
 
 VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +33,14 @@ def _kv(tokens: int = 32, heads: int = 4, dim: int = 16, dtype: torch.dtype = to
 
 def _blob(tmp_path: Path, name: str = "a.blob", *, seed: int = 0, **kw) -> Path:
     k, v = _kv(seed=seed)
-    opts = {"scope": "per_page_head", "page_size": 8, "hashes": HASHES, "layer_id": 5, "chunk_id": 2}
+    opts = {
+        "scope": "per_page_head",
+        "page_size": 8,
+        "hashes": HASHES,
+        "layer_id": 5,
+        "chunk_id": 2,
+        "version": 1,
+    }
     opts.update(kw)
     p = tmp_path / name
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -52,10 +60,6 @@ def _one_error_line(err: str) -> str:
     assert lines[0].startswith("kvcodec: error: "), err
     assert "Traceback" not in err
     return lines[0]
-
-
-def test_hash_keys_match_format() -> None:
-    assert cli.HASH_KEYS == HASH_KEYS
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -287,7 +291,7 @@ def test_encode_decode_safetensors_bf16(tmp_path: Path, capsys: pytest.CaptureFi
     ])  # fmt: skip
     assert rc == 0
     h = parse(blob.read_bytes()).header
-    assert h.version == 2 and h.k_dtype == torch.bfloat16 and h.scale_shape == (4,)
+    assert h.version == 2 and str(h.k_dtype) == "bfloat16" and h.scale_shape == (4,)
 
     out = tmp_path / "out.safetensors"
     assert main(["decode", str(blob), "--out", str(out)]) == 0
@@ -378,10 +382,10 @@ def test_garbage_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         (tmp_path / name).write_bytes(b"garbage garbage garbage")
         assert main(["encode", "--k", str(tmp_path / name), "--v", str(tmp_path / name), "--out", "x"]) == 1
         assert name in _one_error_line(capsys.readouterr().err)
-    # A valid .npy whose dtype the codec refuses for K.
+    # A valid .npy whose dtype the codec refuses for K and V.
     np.save(tmp_path / "f.npy", np.zeros((4, 2, 8), np.int16))
     assert main(["encode", "--k", str(tmp_path / "f.npy"), "--v", str(tmp_path / "f.npy"), "--out", "x"]) == 1
-    assert "K dtype" in _one_error_line(capsys.readouterr().err)
+    assert "dtype" in _one_error_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(
@@ -426,7 +430,7 @@ def test_unexpected_exception_is_one_line(
     def boom(_args: object) -> int:
         raise RuntimeError("kaboom\nsecond line")
 
-    monkeypatch.setattr(cli, "cmd_inspect", boom)
+    monkeypatch.setattr(cmd_inspect, "run", boom)
     monkeypatch.delenv("KVCODEC_DEBUG", raising=False)
     p = _blob(tmp_path)
     assert main(["inspect", str(p)]) == 1
@@ -449,10 +453,10 @@ def test_progress_enabled() -> None:
         def isatty(self) -> bool:
             return True
 
-    assert cli.progress_enabled(None, Tty()) is True  # type: ignore[arg-type]
-    assert cli.progress_enabled(False, Tty()) is False  # type: ignore[arg-type]
-    assert cli.progress_enabled(True) is True
-    with cli.Progress(3, "x", enabled=False) as bar:
+    assert progress_enabled(None, Tty()) is True  # type: ignore[arg-type]
+    assert progress_enabled(False, Tty()) is False  # type: ignore[arg-type]
+    assert progress_enabled(True) is True
+    with Progress(3, "x", enabled=False) as bar:
         assert not bar.active
         bar.update()
 
@@ -509,8 +513,296 @@ def test_output_that_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "dd.npz: is a directory" in _one_error_line(capsys.readouterr().err)
 
 
-def test_kvcodec_debug_zero_means_off(tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvcodec_debug_zero_means_off(
+    tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVCODEC_DEBUG", "0")
     (tmp_path / "e.blob").write_bytes(b"")
     assert main(["decode", str(tmp_path / "e.blob"), "--out", str(tmp_path / "e.npz")]) == 1
     _one_error_line(capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120, check=True
+    )
+
+
+def test_demo_does_not_import_the_cli() -> None:
+    """The demo and the CLI no longer import each other (progress bars live in tools.progress)."""
+    r = _run_python("import sys, kvcodec.tools.demo; print('kvcodec.tools.cli' in sys.modules)")
+    assert r.stdout.strip() == "False"
+
+
+def test_help_imports_no_torch() -> None:
+    code = (
+        "import sys; import kvcodec.tools.cli as c; c.TUNE_MODULE = 'kvcodec.tools._absent_tune'; "
+        "rc = c.main(['--help']); print(rc, 'torch' in sys.modules)"
+    )
+    assert _run_python(code).stdout.strip().splitlines()[-1] == "0 False"
+
+
+def test_every_command_module_registers_one_subcommand() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for module in cli.COMMANDS:
+        name = module.__name__.rsplit(".cmd_", 1)[1]
+        assert sub.choices[name].get_default("func") is module.run, name
+
+
+def test_tune_missing_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "TUNE_MODULE", "kvcodec.tools._absent_tune")
+    assert main(["--help"]) == 0
+    assert "tune" in capsys.readouterr().out
+    assert main(["tune", "--anything"]) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert "tune is not available" in line and "_absent_tune" in line
+
+
+def test_tune_module_is_wired_when_present(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.machinery
+    import types
+
+    name = "kvcodec.tools._fake_tune"
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+    def add_parser(sub: object) -> None:
+        p = sub.add_parser("tune", help="tune kernels")  # type: ignore[attr-defined]
+        p.add_argument("--shape", default="x")
+
+    def run(args: object) -> int:
+        print(f"tuned {args.shape}")  # type: ignore[attr-defined]
+        return 0
+
+    mod.add_parser, mod.run = add_parser, run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(cli, "TUNE_MODULE", name)
+    assert main(["tune", "--shape", "s1"]) == 0
+    assert capsys.readouterr().out.strip() == "tuned s1"
+
+
+# ----------------------------------------------------------------------------- sealed by default
+
+
+def test_encode_writes_version_2_by_default_and_1_on_request(tmp_path: Path) -> None:
+    k, v = _kv()
+    np.save(tmp_path / "k.npy", k.numpy())
+    np.save(tmp_path / "v.npy", v.numpy())
+    base = ["encode", "--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy"), "--page-size", "8"]
+    assert main([*base, "--out", str(tmp_path / "d.blob")]) == 0
+    assert parse((tmp_path / "d.blob").read_bytes()).header.version == 2
+    assert main([*base, "--out", str(tmp_path / "one.blob"), "--version", "1"]) == 0
+    assert parse((tmp_path / "one.blob").read_bytes()).header.version == 1
+
+
+# ----------------------------------------------------------------------------- inspect escapes blob strings
+
+HOSTILE = "evil\x1b[2J\x1b]0;pwned\x07\nline2\u202eabc\\"
+
+
+def test_inspect_escapes_hash_strings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = _blob(tmp_path, hashes={"model_id": HOSTILE, "kv_layout": "NHD\r\t", "tokenizer_hash": "tök"})
+    assert main(["inspect", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\r\t\u202e")
+    row = next(line for line in out.splitlines() if "hash model_id" in line)
+    assert row.endswith("evil\\x1b[2J\\x1b]0;pwned\\x07\\nline2\\u202eabc\\\\")
+    assert "line2" not in out.replace(row, "")  # the stored newline did not start a new line
+    assert "NHD\\r\\t" in out and "tök" in out  # printable UTF-8 stays readable
+
+    assert main(["inspect", "--json", str(p)]) == 0
+    raw = capsys.readouterr().out
+    assert raw.isascii() and not any(c in raw for c in "\x1b\x07\r\t")
+    info = json.loads(raw)
+    assert info["hashes"]["model_id"] == HOSTILE and info["hashes"]["tokenizer_hash"] == "tök"
+
+
+def test_errors_and_verify_lines_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = _blob(tmp_path, hashes={"model_id": "m"})
+    assert main(["verify", "--expect-model-id", "x\x1b[31m", str(p)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "model_id" in out
+    weird = tmp_path / "we\x1bird\nname.blob"
+    weird.write_bytes(b"garbage")
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "we\\x1bird\\nname.blob" in out
+    assert main(["decode", str(weird), "--out", str(tmp_path / "o.npz")]) == 1
+    assert "\x1b" not in _one_error_line(capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- verify == decode
+
+
+def _crafted(tmp_path: Path, name: str, h: Header, k: bytes = b"", v: bytes = b"", s: bytes = b"") -> Path:
+    h = h.replace(k_payload_len=len(k), v_payload_len=len(v), scale_payload_len=len(s))
+    p = tmp_path / f"{name}.blob"
+    p.write_bytes(bytes(assemble(h, k, v, s)))
+    return p
+
+
+def _crafted_blobs(tmp_path: Path) -> dict[str, Path]:
+    f32 = np.float32
+    base = Header(k_dtype="float16", v_dtype="float8_e4m3fn", scale_scope=ScaleScope.PER_TENSOR, version=2)
+    one = f32(1).tobytes()
+    return {
+        # kv_head_count * head_dim overflows: passed parse and verify, then decode raised RuntimeError.
+        "overflow_v1": _crafted(
+            tmp_path, "overflow_v1", base.replace(version=1, kv_head_count=2**32, head_dim=2**32), s=one
+        ),
+        "overflow_v2": _crafted(
+            tmp_path, "overflow_v2", base.replace(kv_head_count=2**32, head_dim=2**32), s=one
+        ),
+        # An empty per_tensor blob without its scale.
+        "empty_per_tensor": _crafted(tmp_path, "empty_per_tensor", base.replace(kv_head_count=2, head_dim=8)),
+        # A NaN scale, and a page size far beyond the 2 tokens held.
+        "nan_scale": _crafted(
+            tmp_path,
+            "nan_scale",
+            base.replace(kv_head_count=1, head_dim=8),
+            bytes(32),
+            bytes(16),
+            f32("nan").tobytes(),
+        ),
+        "huge_page": _crafted(
+            tmp_path,
+            "huge_page",
+            base.replace(
+                scale_scope=ScaleScope.PER_PAGE_HEAD,
+                kv_head_count=1,
+                head_dim=8,
+                page_size=2**28,
+                scale_shape=(1, 1),
+            ),
+            bytes(32),
+            bytes(16),
+            one,
+        ),
+        "good": _blob(tmp_path, "good.blob", version=2),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["overflow_v1", "overflow_v2", "empty_per_tensor", "nan_scale", "huge_page", "good"]
+)
+def test_a_blob_that_verifies_decodes(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    p = _crafted_blobs(tmp_path)[name]
+    verified = main(["verify", str(p)]) == 0
+    raw = main(["decode", str(p), "--out", str(tmp_path / "raw.npz")])
+    deq = main(["decode", str(p), "--out", str(tmp_path / "deq.npz"), "--dequant", "fp32"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "unexpected" not in err, err
+    assert verified == (raw == 0 and deq == 0), (verified, raw, deq, err)
+    if name.startswith("overflow"):
+        assert not verified
+    if name in ("good", "huge_page", "nan_scale"):
+        assert verified
+
+
+def test_empty_per_tensor_blob_is_not_called_external(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = _crafted_blobs(tmp_path)["empty_per_tensor"]
+    assert main(["inspect", "--json", str(p)]) == 0
+    assert json.loads(capsys.readouterr().out)["scale_scope"] == "PER_TENSOR"
+    rc = main(["decode", str(p), "--out", str(tmp_path / "o.npz"), "--dequant", "fp16"])
+    err = capsys.readouterr().err
+    assert "external" not in err.lower(), err
+    if rc == 0:
+        assert np.load(tmp_path / "o.npz")["v"].shape == (0, 2, 8)
+
+
+def test_verify_keeps_external_blobs_without_scales(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only the caller has an external blob's scales: verify decodes its V raw."""
+    _, v = _kv()
+    p = tmp_path / "ext.blob"
+    p.write_bytes(encode(None, v, scope="external", scales=torch.full((4,), 0.01)))
+    assert parse(p.read_bytes()).header.scale_payload_len == 0
+    assert main(["verify", str(p)]) == 0
+    assert "1 ok" in capsys.readouterr().out
+
+
+def test_verify_blob_raises_what_decode_raises(tmp_path: Path) -> None:
+    bad = _crafted_blobs(tmp_path)["overflow_v2"].read_bytes()
+    with pytest.raises(CodecError) as from_verify:
+        cmd_verify.verify_blob(bad)
+    with pytest.raises(CodecError) as from_decode:
+        decode(bad, out_v_dtype=torch.float32)
+    assert type(from_verify.value) is type(from_decode.value)
+
+
+def test_decode_dequant_memory_follows_the_payload_not_the_page_size(tmp_path: Path) -> None:
+    """A 2-token blob declaring page_size 2**28: dequantizing it must not allocate per declared row."""
+    p = _crafted_blobs(tmp_path)["huge_page"]
+    code = (
+        "import resource, sys; from kvcodec.tools.cli import main; "
+        f"rc = main(['decode', {str(p)!r}, '--out', {str(tmp_path / 'o.npz')!r}, '--dequant', 'fp32']); "
+        "print(rc, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    rc, peak_kib = _run_python(code).stdout.split()[-2:]
+    assert rc == "0"
+    assert int(peak_kib) < 1536 * 1024  # torch alone is ~300 MiB; 2**28 rows of fp32 would be 8 GiB
+
+
+# ----------------------------------------------------------------------------- argument validation
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "infinity"])
+def test_demo_refuses_non_finite_sqnr_floor(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    assert main(["demo", "--layers", "1", "--tokens", "16", f"--min-sqnr-db={value}"]) == 2
+    cap = capsys.readouterr()
+    assert "finite" in _one_error_line(cap.err) and cap.out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["encode", "--k", "k.npy", "--v", "v.npy", "--out", "x", "--page-size", str(MAX_DIM + 1)],
+        ["quality", "--page-size", str(2**62)],
+        ["demo", "--page-size", str(2**62)],
+        ["quality", "--tokens", str(2**40)],
+        ["quality", "--heads", "4096", "--head-dim", "4096", "--tokens", "4096"],
+        ["encode", "--k", "k.npy", "--v", "v.npy", "--out", "x", "--version", "3"],
+        ["demo", "--version", "0"],
+    ],
+)
+def test_size_arguments_are_checked_before_any_work(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    _one_error_line(cap.err)
+    assert cap.out == ""
+
+
+def test_quality_huge_page_size_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    """A page far larger than the tokens is one partial page: no padding to the declared size."""
+    assert (
+        main(
+            [
+                "quality",
+                "--tokens",
+                "32",
+                "--heads",
+                "2",
+                "--head-dim",
+                "16",
+                "--page-size",
+                str(2**40),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["scope"] for r in rows} == {"per_tensor", "per_layer_head", "per_page_head"}

@@ -9,10 +9,19 @@ from typing import Any
 import pytest
 import torch
 
-from kvcodec import demo
-from kvcodec.cli import main
-from kvcodec.demo import MODEL_HASHES, SyntheticKVCache, _sample_pairs, format_demo, run_demo
+from kvcodec import UnsupportedConfigError
+from kvcodec.format import parse
 from kvcodec.store import DirectoryStore
+from kvcodec.tools import demo
+from kvcodec.tools.cli import main
+from kvcodec.tools.demo import (
+    MODEL_HASHES,
+    DemoConfig,
+    SyntheticKVCache,
+    _sample_pairs,
+    format_demo,
+    run_demo,
+)
 
 SMALL: dict[str, Any] = {"layers": 4, "tokens": 512, "chunk_tokens": 128, "progress": False}
 
@@ -21,7 +30,9 @@ def test_synthetic_cache_is_deterministic_and_structured() -> None:
     c = SyntheticKVCache(layers=4, tokens=300, chunk_tokens=128, heads=8, head_dim=128, seed=1)
     assert c.chunks == 3 and c.chunk_len(2) == 44
     k1, v1 = c.chunk(2, 1)
-    k2, v2 = SyntheticKVCache(layers=4, tokens=300, chunk_tokens=128, heads=8, head_dim=128, seed=1).chunk(2, 1)
+    k2, v2 = SyntheticKVCache(layers=4, tokens=300, chunk_tokens=128, heads=8, head_dim=128, seed=1).chunk(
+        2, 1
+    )
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert k1.shape == (128, 8, 128) and k1.dtype == torch.float16
     assert not torch.equal(c.chunk(2, 0)[0], k1)
@@ -82,7 +93,11 @@ def test_run_demo_store_kept_and_verifiable(tmp_path: Path, capsys: pytest.Captu
     assert r["passed"], r["failures"]
     assert r["blobs"] == 12 and r["store"] == str(root)
     st = DirectoryStore(root)
-    assert st.keys() == sorted(DirectoryStore.make_key(MODEL_HASHES, la, c) for la in range(4) for c in range(3))
+    assert st.keys() == sorted(
+        DirectoryStore.make_key(MODEL_HASHES, la, c) for la in range(4) for c in range(3)
+    )
+    assert {parse(st.get(k)).header.version for k in st.keys()} == {2}  # sealed by default
+    assert r["version"] == 2 and "header v2" in format_demo(r)
     assert main(["verify", "--expect-model-id", MODEL_HASHES.model_id, "--strict-hashes", str(root)]) == 0
     assert capsys.readouterr().out.strip() == "verified 12 blobs: 12 ok, 0 bad"
     assert main(["verify", "--expect-model-id", "meta-llama/Meta-Llama-3-70B", str(root)]) == 1
@@ -128,3 +143,60 @@ def test_demo_cli_table_and_failure_exit(capsys: pytest.CaptureFixture[str]) -> 
     assert main([*base, "--min-sqnr-db", "99"]) == 1
     cap = capsys.readouterr()
     assert "FAIL" in cap.out and cap.err.startswith("kvcodec: error: demo: V SQNR")
+
+
+def test_demo_config_and_keywords_agree() -> None:
+    cfg = DemoConfig(layers=1, tokens=128, chunk_tokens=128, progress=False, version=1)
+    r = run_demo(cfg, sample=1)
+    assert r["passed"] and r["version"] == 1 and len(r["sampled"]) == 1
+    assert r["shape"]["layers"] == 1 and r["blobs"] == 1
+
+
+def test_demo_writes_version_1_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "s"
+    argv = [
+        "demo",
+        "--layers",
+        "1",
+        "--tokens",
+        "128",
+        "--store",
+        str(root),
+        "--version",
+        "1",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    assert "header v1" in capsys.readouterr().out
+    st = DirectoryStore(root)
+    assert [parse(st.get(k)).header.version for k in st.keys()] == [1]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"min_sqnr_db": float("nan")},
+        {"min_sqnr_db": float("inf")},
+        {"min_sqnr_db": -float("inf")},
+        {"min_sqnr_db": "20"},
+        {"layers": 0},
+        {"tokens": 2.5},
+        {"dtype": "fp8"},
+        {"scope": "external"},
+        {"version": 3},
+        {"page_size": 2**62},
+        {"chunk_tokens": 2**20, "tokens": 2**20, "heads": 64, "head_dim": 256},
+        {"no_such_option": 1},
+    ],
+)
+def test_demo_refuses_bad_settings_before_any_work(tmp_path: Path, bad: dict[str, Any]) -> None:
+    root = tmp_path / "never"
+    with pytest.raises(UnsupportedConfigError):
+        run_demo(**{**SMALL, **bad}, store=root)
+    assert not root.exists()
+
+
+def test_nan_floor_no_longer_passes_everything() -> None:
+    """A NaN floor made ``sqnr < floor`` always False, so every run passed; now it is refused."""
+    with pytest.raises(UnsupportedConfigError, match="finite"):
+        DemoConfig(min_sqnr_db=float("nan")).validate()

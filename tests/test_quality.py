@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcodec.quality import DISTRIBUTIONS, attention_error, make_v, quality_report, sqnr_db, v_metrics
+from kvcodec.tools.quality import DISTRIBUTIONS, attention_error, make_v, quality_report, sqnr_db, v_metrics
 
 
 @pytest.fixture(scope="module")

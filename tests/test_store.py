@@ -259,19 +259,40 @@ CRASH_CHUNK = 256 << 10
 
 
 def _crash_writer(root: str, key: str, seed: int, crash_at: int) -> None:
-    """Child: put a big blob and ``os._exit`` at the ``crash_at``-th write step."""
+    """Child: put a big blob and ``os._exit`` right after its ``crash_at``-th I/O step (0: before any write).
+
+    Steps are each ``os.write`` (cut short to CRASH_CHUNK bytes, as POSIX allows, so one put
+    takes many), the file's ``fsync``, the ``os.replace`` and the folder's ``fsync``: the store
+    needs no hook of its own for this.
+    """
     st = DirectoryStore(root, fsync=True)
-    st._WRITE_CHUNK = CRASH_CHUNK
+    blob = make_blob(CRASH_BLOB, seed)
+    real_write, real_fsync, real_replace = os.write, os.fsync, os.replace
     steps = 0
 
-    def hook(stage: str) -> None:
+    def step() -> None:
         nonlocal steps
         steps += 1
         if steps == crash_at:
             os._exit(0)
 
-    st._crash_hook = hook
-    st.put(key, make_blob(CRASH_BLOB, seed))
+    def short_write(fd: int, data: object) -> int:
+        if crash_at == 0:
+            os._exit(0)
+        n = real_write(fd, memoryview(data)[:CRASH_CHUNK])  # type: ignore[arg-type]
+        step()
+        return n
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        step()
+
+    def replace(src: str, dst: str) -> None:
+        real_replace(src, dst)
+        step()
+
+    os.write, os.fsync, os.replace = short_write, fsync, replace  # this child only; it never returns
+    st.put(key, blob)
     os._exit(0)
 
 
@@ -288,12 +309,12 @@ def test_crash_mid_write_never_leaves_partial_files(tmp_path: Path) -> None:
         b = make_blob(CRASH_BLOB, 2000 + i)
         st.put(f"over-{i}", b)
         expected[f"over-{i}"] = digest(b)
-    # Steps of one put: open, one per written piece, fsync, replace, done.
+    # I/O steps of one put: one per written piece, fsync, replace, fsync of the folder.
     pieces = -(-len(make_blob(CRASH_BLOB, 0)) // CRASH_CHUNK)
-    stages = ["open"] + ["write"] * pieces + ["fsync", "replace", "done"]
+    stages = ["write"] * pieces + ["fsync", "replace", "fsync_dir"]
     rnd = random.Random(1234)
-    crash_points = [1, 2, pieces + 1, pieces + 2, pieces + 3, pieces + 4, len(stages) + 1]
-    crash_points += [rnd.randint(1, len(stages) + 1) for _ in range(13)]
+    crash_points = [0, 1, 2, pieces, pieces + 1, pieces + 2, pieces + 3, len(stages) + 1]
+    crash_points += [rnd.randint(0, len(stages) + 1) for _ in range(12)]
     keys = ["over-0", "over-1", "new-0", "new-1", "new-2"]
     renamed = 0
     for it, crash_at in enumerate(crash_points):
@@ -304,7 +325,7 @@ def test_crash_mid_write_never_leaves_partial_files(tmp_path: Path) -> None:
         p.join(30)
         assert p.exitcode == 0
         # Crashing before the rename keeps the old content; at or after it, the new one is complete.
-        if crash_at > len(stages) or stages[crash_at - 1] in ("replace", "done"):
+        if crash_at > len(stages) or (crash_at >= 1 and stages[crash_at - 1] in ("replace", "fsync_dir")):
             expected[key] = digest(make_blob(CRASH_BLOB, seed))
             renamed += 1
             assert temps(root) == []
@@ -663,3 +684,136 @@ def test_fifo_under_a_key_name_does_not_hang(tmp_path):
     os.mkfifo(tmp_path / "pipe")
     with pytest.raises(KeyError):
         s.get("pipe")
+
+
+# --------------------------------------------------------------------------- symlinks and special files
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A valid blob outside the store root, with an old mtime, that no store call may serve or touch."""
+    f = tmp_path / "outside.blob"
+    f.write_bytes(make_blob(2048, 9))
+    os.utime(f, ns=(1_000_000_000, 1_000_000_000))
+    return f
+
+
+def _untouched(f: Path, data: bytes) -> None:
+    assert f.read_bytes() == data
+    assert os.stat(f).st_mtime_ns == 1_000_000_000
+
+
+def test_symlink_under_a_key_is_a_miss_never_followed(tmp_path: Path, outside: Path) -> None:
+    root = tmp_path / "store"
+    st = DirectoryStore(root)
+    data = outside.read_bytes()
+    os.symlink(outside, root / "link")
+    with pytest.raises(KeyError):
+        st.get("link")
+    assert not st.contains("link") and "link" not in st
+    assert st.keys() == [] and len(st) == 0 and st.total_bytes == 0
+    _untouched(outside, data)
+    assert os.path.islink(root / "link")  # left alone, not quarantined through the link
+    assert os.listdir(st.quarantine_dir) == []
+
+
+def test_symlink_to_a_file_inside_the_root_is_not_served(tmp_path: Path) -> None:
+    st = DirectoryStore(tmp_path)
+    b = make_blob(2048, 1)
+    st.put("real", b)
+    os.symlink(tmp_path / "real", tmp_path / "alias")
+    with pytest.raises(KeyError):
+        st.get("alias")
+    assert st.keys() == ["real"] and not st.contains("alias") and bytes(st.get("real")) == b
+
+
+@pytest.mark.parametrize("kind", ["loop", "self", "dangling", "to_dir", "to_fifo"])
+def test_odd_symlinks_are_misses_not_oserrors(tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "store"
+    st = DirectoryStore(root)
+    if kind == "loop":
+        os.symlink(root / "b", root / "a")
+        os.symlink(root / "a", root / "b")
+    elif kind == "self":
+        os.symlink(root / "a", root / "a")
+    elif kind == "dangling":
+        os.symlink(tmp_path / "nowhere", root / "a")
+    elif kind == "to_dir":
+        (tmp_path / "d").mkdir()
+        os.symlink(tmp_path / "d", root / "a")
+    else:
+        os.mkfifo(tmp_path / "fifo")
+        os.symlink(tmp_path / "fifo", root / "a")
+    with pytest.raises(KeyError):
+        st.get("a")
+    assert st.contains("a") is False
+    assert "a" not in st.keys()
+    st.refresh()
+    assert DirectoryStore(root).keys() == st.keys()
+
+
+def test_put_and_delete_replace_the_link_not_its_target(tmp_path: Path, outside: Path) -> None:
+    root = tmp_path / "store"
+    st = DirectoryStore(root)
+    data = outside.read_bytes()
+    os.symlink(outside, root / "k")
+    new = make_blob(1024, 2)
+    st.put("k", new)
+    assert not os.path.islink(root / "k") and bytes(st.get("k")) == new
+    _untouched(outside, data)
+    os.unlink(root / "k")
+    os.symlink(outside, root / "k")
+    assert st.delete("k") is True  # removes the stray link itself
+    assert not os.path.lexists(root / "k")
+    _untouched(outside, data)
+
+
+def test_eviction_never_follows_a_symlink(tmp_path: Path, outside: Path) -> None:
+    root = tmp_path / "store"
+    size = len(make_blob(4096, 0))
+    st = DirectoryStore(root, max_bytes=2 * size, rescan_interval_s=3600)
+    st.put("a", make_blob(4096, 1))
+    st.put("b", make_blob(4096, 2))
+    data = outside.read_bytes()
+    os.unlink(root / "a")  # between scans, "a" becomes a link to a file outside
+    os.symlink(outside, root / "a")
+    st.put("c", make_blob(4096, 3))  # needs room: the stale entry is dropped, the link not followed
+    _untouched(outside, data)
+    assert os.path.islink(root / "a")
+    assert "c" in st.keys()
+
+
+def test_temp_named_symlink_is_not_followed_by_the_scan(tmp_path: Path, outside: Path) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    data = outside.read_bytes()
+    link = root / ".tmp.999999999.1.ffff"  # looks like a dead writer's temp file
+    os.symlink(outside, link)
+    os.mkfifo(root / ".tmp.999999999.1.eeee")
+    DirectoryStore(root, stale_temp_s=0).refresh()  # must neither hang on the FIFO nor touch the target
+    _untouched(outside, data)
+
+
+@pytest.mark.parametrize("make", ["released", "closed_mmap", "datetime64", "object"])
+def test_put_refuses_odd_buffers_with_a_codec_error(tmp_path: Path, make: str) -> None:
+    st = DirectoryStore(tmp_path)
+    if make == "released":
+        buf: object = memoryview(make_blob(256, 1))
+        buf.release()  # type: ignore[attr-defined]
+    elif make == "closed_mmap":
+        buf = mmap.mmap(-1, 4096)
+        buf.close()  # type: ignore[attr-defined]
+    elif make == "datetime64":
+        buf = np.zeros(8, dtype="datetime64[s]")
+    else:
+        buf = object()
+    with pytest.raises(UnsupportedConfigError):
+        st.put("k", buf)
+    assert st.keys() == []
+
+
+def test_store_module_has_no_test_hooks() -> None:
+    import kvcodec.store as store_mod
+
+    st_src = Path(store_mod.__file__).read_text()
+    assert "_crash_hook" not in st_src and "tests shrink" not in st_src

@@ -1,4 +1,4 @@
-"""Triton paged-cache kernels vs the torch reference (kvcodec.paged + kvcodec.quant), byte for byte.
+"""Triton paged-cache kernels vs the torch reference (kvcodec.paged + kvcodec.backends.reference), byte for byte.
 
 Interpreter on CPU (TRITON_INTERPRET=1 set before Triton is imported), CUDA when present.
 """
@@ -21,7 +21,7 @@ from kvcodec.kernels import paged_triton as PT  # noqa: E402
 from kvcodec.kernels import quant_triton as QT  # noqa: E402
 
 from kvcodec import paged as P  # noqa: E402
-from kvcodec import quant as Q  # noqa: E402
+from kvcodec.backends import reference as Q  # noqa: E402
 from kvcodec.errors import UnsupportedConfigError  # noqa: E402
 from kvcodec.format import ScaleScope  # noqa: E402
 

@@ -210,8 +210,11 @@ def _plan_scales(
     return scales.reshape(want), group_scope
 
 
-def _make_header(spec: EncodeSpec, plan: dict[str, Any]) -> Header:
-    sc, version, k3, v3, ps, scales = (plan[n] for n in ("sc", "version", "k3", "v3", "ps", "scales"))
+def _make_header(
+    spec: EncodeSpec, sc: ScaleScope, version: int, k3: torch.Tensor | None, v3: torch.Tensor,
+    ps: int | None, scales: torch.Tensor | None,
+) -> Header:
+    """The header of the planned blob (lengths from the tensors, layout fields checked against them)."""
     tokens, heads, dim = v3.shape
     computed = sc in _COMPUTED
     store = spec.store_scales
@@ -258,8 +261,7 @@ def plan_encode(k: Any, v: Any, spec: EncodeSpec) -> EncodePlan:
     sc, version = _check_options(spec)
     k3, v3, fp8_given, ps = _token_major(k, v, spec)
     scales, group_scope = _plan_scales(spec, sc, v3, fp8_given, ps)
-    parts = {"sc": sc, "version": version, "k3": k3, "v3": v3, "ps": ps, "scales": scales}
-    header = _make_header(spec, parts)
+    header = _make_header(spec, sc, version, k3, v3, ps, scales)
     return EncodePlan(
         header=header,
         k=k3,

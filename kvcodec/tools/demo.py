@@ -19,18 +19,29 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from .cli import Progress, progress_enabled
-from .codec import decode, encode
-from .errors import CodecError, CodecMismatchError
-from .format import Hashes, parse
+from ..codec import decode, encode
+from ..errors import CodecError, CodecMismatchError, UnsupportedConfigError
+from ..format import MAX_DIM, Hashes, parse
+from ..store import DirectoryStore
+from .progress import Progress, progress_enabled
 from .quality import attention_error, v_metrics
-from .store import DirectoryStore
 
-__all__ = ["MODEL_HASHES", "SyntheticKVCache", "format_demo", "run_demo"]
+__all__ = [
+    "MAX_CHUNK_ELEMENTS",
+    "MODEL_HASHES",
+    "SCOPES",
+    "DemoConfig",
+    "SyntheticKVCache",
+    "format_demo",
+    "run_demo",
+]
 
 _ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "max_position_embeddings": 8192}
 
@@ -50,6 +61,8 @@ MODEL_HASHES = Hashes(
 """Identity hashes the demo writes and expects back (synthetic but well-formed)."""
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SCOPES = ("per_page_head", "per_tensor", "per_layer_head", "raw")
+"""The scopes the demo can run (external needs scales it has no source for)."""
 
 
 class SyntheticKVCache:
@@ -123,211 +136,340 @@ def _sample_pairs(layers: int, chunks: int, n: int) -> set[tuple[int, int]]:
     return {divmod(i, chunks) for i in idx}
 
 
-def run_demo(
-    *,
-    layers: int = 32,
-    tokens: int = 2048,
-    chunk_tokens: int = 256,
-    heads: int = 8,
-    head_dim: int = 128,
-    page_size: int = 16,
-    scope: str = "per_page_head",
-    dtype: str = "fp16",
-    store: str | os.PathLike[str] | None = None,
-    keep: bool = False,
-    seed: int = 0,
-    sample: int = 8,
-    fsync: bool = False,
-    threads: int | None = 1,
-    min_sqnr_db: float = 20.0,
-    progress: bool | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DemoConfig:
+    """What :func:`run_demo` runs: the cache's shape, how it is encoded and stored, the pass bar."""
+
+    layers: int = 32
+    tokens: int = 2048
+    chunk_tokens: int = 256
+    heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    scope: str = "per_page_head"
+    dtype: str = "fp16"
+    """K/V dtype of the cache: "fp16" or "bf16"."""
+    store: str | os.PathLike[str] | None = None
+    """Store folder; None uses a temp folder, removed at the end unless ``keep``."""
+    keep: bool = False
+    seed: int = 0
+    sample: int = 8
+    """Blobs to measure attention error on."""
+    fsync: bool = False
+    threads: int | None = 1
+    """torch CPU threads for the run (1: the per-chunk work is small, more threads only contend)."""
+    min_sqnr_db: float = 20.0
+    """The run fails if V's SQNR over all blobs is below this (a finite number)."""
+    progress: bool | None = None
+    version: int = 2
+    """Header version of the blobs: 2 (sealed) by default, 1 for LMCache-readable ones."""
+
+    def validate(self) -> None:
+        """Raise :class:`UnsupportedConfigError` for a setting the demo cannot run."""
+        if self.scope not in SCOPES:
+            raise UnsupportedConfigError(f"scope must be one of {list(SCOPES)}; got {self.scope!r}")
+        if self.dtype not in _DTYPES:
+            raise UnsupportedConfigError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+        for name in ("layers", "tokens", "chunk_tokens", "heads", "head_dim", "page_size"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise UnsupportedConfigError(f"{name} must be an integer >= 1; got {val!r}")
+        if self.page_size > MAX_DIM:
+            raise UnsupportedConfigError(f"page_size {self.page_size} is above the format's limit {MAX_DIM}")
+        chunk = min(self.chunk_tokens, self.tokens) * self.heads * self.head_dim
+        if chunk > MAX_CHUNK_ELEMENTS:
+            raise UnsupportedConfigError(
+                f"one chunk of {chunk:,} K (or V) elements is too large (at most {MAX_CHUNK_ELEMENTS:,})"
+            )
+        if isinstance(self.min_sqnr_db, bool) or not isinstance(self.min_sqnr_db, (int, float)):
+            raise UnsupportedConfigError(f"min_sqnr_db must be a number; got {self.min_sqnr_db!r}")
+        if not math.isfinite(self.min_sqnr_db):
+            raise UnsupportedConfigError(f"min_sqnr_db must be finite; got {self.min_sqnr_db!r}")
+        if self.version not in (1, 2):
+            raise UnsupportedConfigError(f"version must be 1 or 2; got {self.version!r}")
+
+    def cache(self) -> SyntheticKVCache:
+        """The synthetic cache this config describes."""
+        return SyntheticKVCache(
+            layers=self.layers, tokens=self.tokens, chunk_tokens=self.chunk_tokens, heads=self.heads,
+            head_dim=self.head_dim, dtype=_DTYPES[self.dtype], seed=self.seed,
+        )  # fmt: skip
+
+
+MAX_CHUNK_ELEMENTS = 1 << 26
+"""Most K (or V) elements in one generated chunk (the demo holds about six such tensors at once)."""
+
+
+@dataclass
+class _Tally:
+    """What the write and read passes measure."""
+
+    raw_bytes: int = 0
+    blob_bytes: int = 0
+    k_bytes: int = 0
+    v_bytes: int = 0
+    s_bytes: int = 0
+    t_enc: float = 0.0
+    t_dec: float = 0.0
+    t_put: float = 0.0
+    t_get: float = 0.0
+    sig: float = 0.0
+    noise: float = 0.0
+    min_sqnr: float = math.inf
+    k_ok: int = 0
+    gate_ok: bool = False
+    sampled: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    keys: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ write pass
+
+
+def _put_chunk(
+    cfg: DemoConfig, cache: SyntheticKVCache, st: DirectoryStore, t: _Tally, layer: int, c: int
+) -> None:
+    """Generate, encode and store one (layer, chunk)."""
+    k, v = cache.chunk(layer, c)
+    t0 = time.perf_counter()
+    blob = encode(
+        k, v, scope=cfg.scope, page_size=cfg.page_size, hashes=MODEL_HASHES, layer_id=layer, chunk_id=c,
+        chunk_size=cfg.chunk_tokens, version=cfg.version,
+    )  # fmt: skip
+    t1 = time.perf_counter()
+    key = DirectoryStore.make_key(MODEL_HASHES, layer, c)
+    st.put(key, blob)
+    t.t_put += time.perf_counter() - t1
+    t.t_enc += t1 - t0
+    t.keys[layer, c] = key
+    kb, vb = k.numel() * k.element_size(), v.numel() * v.element_size()
+    t.raw_bytes += kb + vb
+    t.blob_bytes += len(blob)
+    t.k_bytes += kb
+    t.v_bytes += v.numel()
+    t.s_bytes += parse(blob, verify_crc=False).header.scale_payload_len
+
+
+def _write_pass(
+    cfg: DemoConfig, cache: SyntheticKVCache, st: DirectoryStore, t: _Tally, bar: Progress
+) -> None:
+    for layer in range(cfg.layers):
+        for c in range(cache.chunks):
+            _put_chunk(cfg, cache, st, t, layer, c)
+            bar.update()
+
+
+# ------------------------------------------------------------------------------ read pass
+
+
+def _k_exact(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    return (
+        got is not None
+        and got.shape == want.shape
+        and got.dtype == want.dtype
+        and torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+    )
+
+
+def _measure_v(t: _Tally, v: torch.Tensor, v_hat: torch.Tensor) -> None:
+    """Add V's signal and error energy to the tally; track the worst blob."""
+    ref = v.float()
+    err = v_hat.float().sub_(ref)
+    s_ = float(torch.dot(ref.view(-1), ref.view(-1)))
+    n_ = float(torch.dot(err.view(-1), err.view(-1)))
+    t.sig += s_
+    t.noise += n_
+    if s_ > 0:
+        t.min_sqnr = min(t.min_sqnr, math.inf if n_ == 0 else 10 * math.log10(s_ / n_))
+
+
+def _sample(t: _Tally, layer: int, c: int, v: torch.Tensor, v_hat: torch.Tensor) -> None:
+    sq, mx, med = v_metrics(v, v_hat)
+    t.sampled.append({
+        "layer": layer, "chunk": c, "sqnr_db": sq, "max_rel_err": mx, "median_rel_err": med,
+        "attn_rel_err": attention_error(v, v_hat),
+    })  # fmt: skip
+
+
+def _check_chunk(
+    cache: SyntheticKVCache, st: DirectoryStore, t: _Tally, layer: int, c: int, sample: bool
+) -> None:
+    """Read one (layer, chunk) back through the hash gate and compare it with the regenerated tensors."""
+    key = t.keys[layer, c]
+    try:
+        t0 = time.perf_counter()
+        view = st.get(key)
+        t1 = time.perf_counter()
+        d = decode(view, out_v_dtype=cache.dtype, expected_hashes=MODEL_HASHES, strict_hashes=True)
+        t2 = time.perf_counter()
+    except (CodecError, KeyError) as e:
+        t.failures.append(f"layer {layer} chunk {c} ({key}): {type(e).__name__}: {e}")
+        return
+    t.t_get += t1 - t0
+    t.t_dec += t2 - t1
+    k, v = cache.chunk(layer, c)
+    if (d.header.layer_id, d.header.chunk_id) != (layer, c):
+        t.failures.append(
+            f"{key}: header says layer {d.header.layer_id} chunk {d.header.chunk_id}, "
+            f"expected layer {layer} chunk {c}"
+        )
+    if _k_exact(d.k, k):
+        t.k_ok += 1
+    else:
+        t.failures.append(f"layer {layer} chunk {c}: K is not bit-exact after the round trip")
+    _measure_v(t, v, d.v)
+    if sample:
+        _sample(t, layer, c, v, d.v)
+
+
+def _read_pass(
+    cfg: DemoConfig, cache: SyntheticKVCache, st: DirectoryStore, t: _Tally, bar: Progress
+) -> None:
+    samples = _sample_pairs(cfg.layers, cache.chunks, cfg.sample)
+    for layer in range(cfg.layers):
+        for c in range(cache.chunks):
+            _check_chunk(cache, st, t, layer, c, (layer, c) in samples)
+            bar.update()
+
+
+def _check_gate(st: DirectoryStore, t: _Tally) -> None:
+    """The hash gate must refuse a blob when another model's identity is expected."""
+    if not t.keys:
+        return
+    wrong = Hashes(**{**MODEL_HASHES.as_dict(), "model_id": "meta-llama/Meta-Llama-3-70B"})
+    try:
+        decode(st.get(t.keys[0, 0]), expected_hashes=wrong)
+    except CodecMismatchError:
+        t.gate_ok = True
+    if not t.gate_ok:
+        t.failures.append("hash gate: a blob of another model_id was accepted")
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+@contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@contextmanager
+def _store_root(cfg: DemoConfig) -> Iterator[tuple[str, bool]]:
+    """The store folder and whether it is a temp folder (removed on exit unless ``keep``)."""
+    if cfg.store is not None:
+        yield os.fspath(cfg.store), False
+        return
+    root = tempfile.mkdtemp(prefix="kvcodec-demo-")
+    try:
+        yield root, True
+    finally:
+        if not cfg.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_passes(cfg: DemoConfig, cache: SyntheticKVCache, root: str) -> _Tally:
+    t = _Tally()
+    n_blobs = cfg.layers * cache.chunks
+    with DirectoryStore(root, fsync=cfg.fsync) as st:
+        with Progress(
+            2 * n_blobs, "encode+store", enabled=progress_enabled(cfg.progress), unit="blob"
+        ) as bar:
+            _write_pass(cfg, cache, st, t, bar)
+            bar.set_description("read+verify")
+            _read_pass(cfg, cache, st, t, bar)
+        _check_gate(st, t)
+    return t
+
+
+def run_demo(config: DemoConfig | None = None, **options: Any) -> dict[str, Any]:
     """Encode a synthetic cache into a store, read it back, and report.
 
+    ``options`` are :class:`DemoConfig` fields (applied over ``config``).
     Returns a JSON-friendly dict; ``passed`` is False (with ``failures``) if any
     K differs by a bit, a blob fails to decode or carries wrong ids, the hash
     gate lets a wrong model through, or V's SQNR falls below ``min_sqnr_db``.
-    ``threads`` sets torch's CPU threads for the run (1 by default: the
-    per-chunk work is small, and extra threads only contend on a busy machine).
     """
-    if dtype not in _DTYPES:
-        raise CodecError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
-    for name, val in (
-        ("layers", layers), ("tokens", tokens), ("chunk_tokens", chunk_tokens),
-        ("heads", heads), ("head_dim", head_dim), ("page_size", page_size),
-    ):  # fmt: skip
-        if val < 1:
-            raise CodecError(f"{name} must be >= 1; got {val}")
-    t_wall = time.perf_counter()
-    old_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    tmp_root = None
-    if store is None:
-        tmp_root = tempfile.mkdtemp(prefix="kvcodec-demo-")
-        root = tmp_root
-    else:
-        root = os.fspath(store)
-    cache = SyntheticKVCache(
-        layers=layers, tokens=tokens, chunk_tokens=chunk_tokens, heads=heads, head_dim=head_dim,
-        dtype=_DTYPES[dtype], seed=seed,
-    )  # fmt: skip
-    n_blobs = layers * cache.chunks
-    hashes = MODEL_HASHES
-    failures: list[str] = []
     try:
-        st = DirectoryStore(root, fsync=fsync)
-        raw_bytes = blob_bytes = k_bytes = v_bytes = s_bytes = 0
-        t_enc = t_dec = t_put = t_get = 0.0
-        keys: dict[tuple[int, int], str] = {}
-        bar_on = progress_enabled(progress)
-        with Progress(2 * n_blobs, "encode+store", enabled=bar_on, unit="blob") as bar:
-            # ---- write pass: generate, encode, put --------------------------------
-            for layer in range(layers):
-                for c in range(cache.chunks):
-                    k, v = cache.chunk(layer, c)
-                    t0 = time.perf_counter()
-                    blob = encode(
-                        k, v, scope=scope, page_size=page_size, hashes=hashes,
-                        layer_id=layer, chunk_id=c, chunk_size=chunk_tokens,
-                    )  # fmt: skip
-                    t1 = time.perf_counter()
-                    key = DirectoryStore.make_key(hashes, layer, c)
-                    st.put(key, blob)
-                    t2 = time.perf_counter()
-                    t_enc += t1 - t0
-                    t_put += t2 - t1
-                    keys[layer, c] = key
-                    raw_bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
-                    blob_bytes += len(blob)
-                    k_bytes += k.numel() * k.element_size()
-                    v_bytes += v.numel()
-                    s_bytes += parse(blob, verify_crc=False).header.scale_payload_len
-                    del blob
-                    bar.update()
+        cfg = replace(config or DemoConfig(), **options)
+    except TypeError as e:
+        raise UnsupportedConfigError(f"unknown demo option: {e}") from None
+    cfg.validate()
+    t_wall = time.perf_counter()
+    cache = cfg.cache()
+    with _torch_threads(cfg.threads), _store_root(cfg) as (root, is_temp):
+        t = _run_passes(cfg, cache, root)
+    kept = root if (not is_temp or cfg.keep) else None
+    return _report(cfg, cache, t, kept, time.perf_counter() - t_wall)
 
-            # ---- read pass: get, decode (hash-gated), check -----------------------
-            bar.set_description("read+verify")
-            samples = _sample_pairs(layers, cache.chunks, sample)
-            sig = noise = 0.0
-            min_sqnr = math.inf
-            k_ok = 0
-            sampled: list[dict[str, Any]] = []
-            for layer in range(layers):
-                for c in range(cache.chunks):
-                    key = keys[layer, c]
-                    try:
-                        t0 = time.perf_counter()
-                        view = st.get(key)
-                        t1 = time.perf_counter()
-                        d = decode(view, out_v_dtype=cache.dtype, expected_hashes=hashes, strict_hashes=True)
-                        t2 = time.perf_counter()
-                    except (CodecError, KeyError) as e:
-                        failures.append(f"layer {layer} chunk {c} ({key}): {type(e).__name__}: {e}")
-                        bar.update()
-                        continue
-                    t_get += t1 - t0
-                    t_dec += t2 - t1
-                    k, v = cache.chunk(layer, c)
-                    if (d.header.layer_id, d.header.chunk_id) != (layer, c):
-                        failures.append(
-                            f"{key}: header says layer {d.header.layer_id} chunk {d.header.chunk_id}, "
-                            f"expected layer {layer} chunk {c}"
-                        )
-                    if (
-                        d.k is not None
-                        and d.k.shape == k.shape
-                        and d.k.dtype == k.dtype
-                        and torch.equal(d.k.contiguous().view(torch.uint8), k.view(torch.uint8))
-                    ):
-                        k_ok += 1
-                    else:
-                        failures.append(f"layer {layer} chunk {c}: K is not bit-exact after the round trip")
-                    ref = v.float()
-                    err = d.v.float().sub_(ref)
-                    s_ = float(torch.dot(ref.view(-1), ref.view(-1)))
-                    n_ = float(torch.dot(err.view(-1), err.view(-1)))
-                    sig += s_
-                    noise += n_
-                    if s_ > 0:
-                        min_sqnr = min(min_sqnr, math.inf if n_ == 0 else 10 * math.log10(s_ / n_))
-                    if (layer, c) in samples:
-                        sq, mx, med = v_metrics(v, d.v)
-                        sampled.append({
-                            "layer": layer, "chunk": c, "sqnr_db": sq, "max_rel_err": mx,
-                            "median_rel_err": med, "attn_rel_err": attention_error(v, d.v),
-                        })  # fmt: skip
-                    del d, view
-                    bar.update()
 
-        # ---- the hash gate must refuse another model's blob ---------------------
-        gate_ok = False
-        if keys:
-            wrong = Hashes(**{**hashes.as_dict(), "model_id": "meta-llama/Meta-Llama-3-70B"})
-            try:
-                decode(st.get(keys[0, 0]), expected_hashes=wrong)
-            except CodecMismatchError:
-                gate_ok = True
-            if not gate_ok:
-                failures.append("hash gate: a blob of another model_id was accepted")
-        st.close()
-    finally:
-        torch.set_num_threads(old_threads)
-        if tmp_root is not None and not keep:
-            shutil.rmtree(tmp_root, ignore_errors=True)
+def _final_checks(cfg: DemoConfig, t: _Tally, n_blobs: int, sqnr: float) -> None:
+    if sqnr < cfg.min_sqnr_db:
+        t.failures.append(f"V SQNR {sqnr:.2f} dB is below the floor of {cfg.min_sqnr_db} dB")
+    if t.k_ok != n_blobs and not any("bit-exact" in f for f in t.failures):
+        t.failures.append(f"only {t.k_ok} of {n_blobs} blobs gave K back bit for bit")
 
-    sqnr = math.inf if noise == 0 else 10 * math.log10(sig / noise) if sig > 0 else 0.0
-    if sqnr < min_sqnr_db:
-        failures.append(f"V SQNR {sqnr:.2f} dB is below the floor of {min_sqnr_db} dB")
-    if k_ok != n_blobs and not any("bit-exact" in f for f in failures):
-        failures.append(f"only {k_ok} of {n_blobs} blobs gave K back bit for bit")
-    hdr_bytes = blob_bytes - k_bytes - v_bytes - s_bytes
-    wall = time.perf_counter() - t_wall
 
-    def gbps(n: int, s: float) -> float | None:
-        return n / s / 1e9 if s > 0 else None
+def _gbps(n: int, s: float) -> float | None:
+    return n / s / 1e9 if s > 0 else None
 
-    rel_max = max((s["max_rel_err"] for s in sampled), default=None)
-    rel_med = statistics.median(s["median_rel_err"] for s in sampled) if sampled else None
-    attn = [s["attn_rel_err"] for s in sampled]
+
+def _report(
+    cfg: DemoConfig, cache: SyntheticKVCache, t: _Tally, store: str | None, wall: float
+) -> dict[str, Any]:
+    n_blobs = cfg.layers * cache.chunks
+    sqnr = math.inf if t.noise == 0 else 10 * math.log10(t.sig / t.noise) if t.sig > 0 else 0.0
+    _final_checks(cfg, t, n_blobs, sqnr)
+    attn = [s["attn_rel_err"] for s in t.sampled]
     return {
-        "model": hashes.model_id,
+        "model": MODEL_HASHES.model_id,
         "shape": {
-            "layers": layers,
-            "tokens": tokens,
-            "chunk_tokens": chunk_tokens,
+            "layers": cfg.layers,
+            "tokens": cfg.tokens,
+            "chunk_tokens": cfg.chunk_tokens,
             "chunks": cache.chunks,
-            "kv_heads": heads,
-            "head_dim": head_dim,
-            "page_size": page_size,
+            "kv_heads": cfg.heads,
+            "head_dim": cfg.head_dim,
+            "page_size": cfg.page_size,
         },
-        "scope": scope,
-        "dtype": dtype,
-        "threads": torch.get_num_threads() if threads is None else threads,
-        "store": root if (tmp_root is None or keep) else None,
+        "scope": cfg.scope,
+        "dtype": cfg.dtype,
+        "version": cfg.version,
+        "threads": torch.get_num_threads() if cfg.threads is None else cfg.threads,
+        "store": store,
         "blobs": n_blobs,
-        "bytes_before": raw_bytes,
-        "bytes_after": blob_bytes,
-        "ratio": blob_bytes / raw_bytes if raw_bytes else None,
-        "bytes_breakdown": {"k": k_bytes, "v": v_bytes, "scales": s_bytes, "headers": hdr_bytes},
-        "k_exact": k_ok,
-        "hash_gate_ok": gate_ok,
+        "bytes_before": t.raw_bytes,
+        "bytes_after": t.blob_bytes,
+        "ratio": t.blob_bytes / t.raw_bytes if t.raw_bytes else None,
+        "bytes_breakdown": {
+            "k": t.k_bytes,
+            "v": t.v_bytes,
+            "scales": t.s_bytes,
+            "headers": t.blob_bytes - t.k_bytes - t.v_bytes - t.s_bytes,
+        },
+        "k_exact": t.k_ok,
+        "hash_gate_ok": t.gate_ok,
         "v_sqnr_db": sqnr,
-        "v_min_blob_sqnr_db": min_sqnr,
-        "v_max_rel_err": rel_max,
-        "v_median_rel_err": rel_med,
+        "v_min_blob_sqnr_db": t.min_sqnr,
+        "v_max_rel_err": max((s["max_rel_err"] for s in t.sampled), default=None),
+        "v_median_rel_err": statistics.median(s["median_rel_err"] for s in t.sampled) if t.sampled else None,
         "attn_rel_err_mean": statistics.fmean(attn) if attn else None,
         "attn_rel_err_max": max(attn) if attn else None,
-        "sampled": sampled,
-        "encode_s": t_enc,
-        "decode_s": t_dec,
-        "put_s": t_put,
-        "get_s": t_get,
-        "encode_gbps": gbps(raw_bytes, t_enc),
-        "decode_gbps": gbps(blob_bytes, t_dec),
+        "sampled": t.sampled,
+        "encode_s": t.t_enc,
+        "decode_s": t.t_dec,
+        "put_s": t.t_put,
+        "get_s": t.t_get,
+        "encode_gbps": _gbps(t.raw_bytes, t.t_enc),
+        "decode_gbps": _gbps(t.blob_bytes, t.t_dec),
         "wall_s": wall,
-        "passed": not failures,
-        "failures": failures,
+        "passed": not t.failures,
+        "failures": t.failures,
     }
 
 
@@ -378,8 +520,8 @@ def format_demo(r: dict[str, Any]) -> str:
     title = (
         f"kvcodec demo: {r['model']}-shaped KV cache (synthetic), {s['layers']} layers x "
         f"{s['tokens']} tokens x {s['kv_heads']} KV heads x {s['head_dim']} dims, {dt}\n"
-        f"scope {r['scope']}, page_size {s['page_size']}, {s['chunk_tokens']}-token chunks"
-        + (f", store {r['store']}" if r["store"] else "")
+        f"scope {r['scope']}, page_size {s['page_size']}, {s['chunk_tokens']}-token chunks, "
+        f"header v{r.get('version', 1)}" + (f", store {r['store']}" if r["store"] else "")
     )
     lines = [title, "-" * (width + 40)]
     lines += [f"{a:<{width}}  {v}" for a, v in rows]

@@ -12,9 +12,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .codec import decode, encode
+from ..codec import decode, encode
 
-__all__ = ["QualityRow", "attention_error", "format_table", "make_v", "quality_report", "sqnr_db", "v_metrics"]
+__all__ = [
+    "QualityRow",
+    "attention_error",
+    "format_table",
+    "make_v",
+    "quality_report",
+    "sqnr_db",
+    "v_metrics",
+]
 
 DISTRIBUTIONS = ("gaussian", "student_t3", "outlier_channels")
 SCOPES = ("per_tensor", "per_layer_head", "per_page_head")
