@@ -290,9 +290,14 @@ def _groups(h: Header, s_t: torch.Tensor, shape: tuple[int, int, int] | None, n:
 def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: DecodeRequest,
                 shape: tuple[int, int, int] | None, payload: memoryview) -> torch.Tensor:
     """V dequantized into ``req.out_v`` (or a new tensor of ``shape``, flat when unknown)."""
-    if s_t is None:
-        raise UnsupportedConfigError("cannot dequantize an external-scope blob without its scales: pass scales=")
     n = v_t.numel()
+    if s_t is None and n == 0:  # nothing to scale: an empty V of the asked dtype
+        out = torch.empty(shape if shape is not None else (0,), dtype=req.out_v_dtype, device=req.device)
+        return req.out_v if req.out_v is not None else out
+    if s_t is None:
+        if h.scale_scope == ScaleScope.EXTERNAL:
+            raise UnsupportedConfigError("cannot dequantize an external-scope blob without its scales: pass scales=")
+        raise UnsupportedConfigError(f"cannot dequantize: this {h.scale_scope.name.lower()} blob stores no scales")
     groups, dq_shape = _groups(h, s_t, shape, n)
     be = backends.select(req.backend, req.device)
     dst = req.out_v

