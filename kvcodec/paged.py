@@ -345,6 +345,9 @@ def decode_chunk_into(
             f"decoding into an FP8 cache ({kc.dtype}) would requantize K; decode to a 16-bit cache"
         )
     be = _backend_name(backend, kv_cache.device)
+    # The Triton scatter reads K at its element alignment: on CPU (the interpreter) K must not stay a
+    # view at the header's odd offset, so it is copied out (on CUDA it is copied to the device anyway).
+    decode_kwargs.setdefault("copy", be == "triton")
     res = decode(blob, out_v_dtype=kc.dtype, device=kv_cache.device, backend=be, **decode_kwargs)  # type: ignore[arg-type]
     if res.k is None:
         raise UnsupportedConfigError("the blob holds no K; a paged cache needs both K and V")

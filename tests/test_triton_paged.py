@@ -214,3 +214,16 @@ def test_paged_errors() -> None:
     with pytest.raises(UnsupportedConfigError, match="payloads"):
         PT.encode_paged_layers([cache, cache], [0], PTS, layout="flash_nhd", num_tokens=1, block_size=BS,
                                payloads=[good])  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["flash_nhd", "flashinfer"])
+def test_decode_chunk_into_with_triton_equals_torch(layout: str) -> None:
+    """decode_chunk_into(backend="triton") from a blob whose K sits at the header's odd offset."""
+    shape = (2, NB, BS, H, D) if layout == "flash_nhd" else (NB, 2, BS, H, D)
+    cache = torch.randn(shape, device=DEVICE).half()
+    blob = P.encode_chunk(cache, [3, 1, 7], layout=layout, num_tokens=10, block_size=BS, scope="per_page_head")
+    want = torch.zeros_like(cache)
+    got = torch.zeros_like(cache)
+    P.decode_chunk_into(blob, want, [0, 2, 5], layout=layout, block_size=BS, backend="torch")
+    P.decode_chunk_into(bytes(blob), got, [0, 2, 5], layout=layout, block_size=BS, backend="triton")
+    assert want.abs().sum() > 0 and torch.equal(got, want)
