@@ -180,12 +180,13 @@ def layer_off(layer, off_ptr, stride, TABLE: tl.constexpr):
 @triton.jit
 def row_off(t, tmask, tbl_ptr, s_tok, s_blk, BS, PAGED: tl.constexpr):
     """int64 offsets of token rows ``t``: dense ``t * s_tok`` or through a block table."""
-    t64 = t.to(tl.int64)
     if PAGED:
-        blk = tl.load(tbl_ptr + t64 // BS, mask=tmask, other=0).to(tl.int64)
-        r = blk * s_blk + (t64 % BS) * s_tok
+        # Token indices are int32 (chunks are far below 2^31 tokens): 32-bit div/mod by the
+        # runtime block size is a short inline sequence, 64-bit would call a slow subroutine.
+        blk = tl.load(tbl_ptr + t // BS, mask=tmask, other=0).to(tl.int64)
+        r = blk * s_blk + (t % BS).to(tl.int64) * s_tok
     else:
-        r = t64 * s_tok
+        r = t.to(tl.int64) * s_tok
     return r
 
 

@@ -193,6 +193,64 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
 
     out += [Workload("paged scatter flash_nhd", scatter), Workload(f"paged encode {L}L flash_nhd per_page_head", enc_paged),
             Workload(f"paged decode {L}L flash_nhd per_page_head", dec_paged)]  # fmt: skip
+    return out + vllm_workloads()
+
+
+VLLM_LAYOUTS = ("LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
+"""vLLM 0.33's KVCacheLayout physical orders (L layer, B block, N slot, H head, C channel)."""
+
+
+def _vllm_views(layout: str, layers: int, blocks: int, heads: int, bs: int, c: int, dtype: Any) -> list[Any]:
+    """Per-layer ``[B, H, N, C]`` views of one 512-byte aligned allocation in ``layout``'s order (as vLLM makes them)."""
+    import torch
+
+    size = {"L": layers, "B": blocks, "N": bs, "H": heads, "C": c}
+    phys = _listed_views(1, tuple(size[a] for a in layout), dtype)[0]
+    rest = layout.replace("L", "")
+    return [phys.select(layout.index("L"), i).permute([rest.index(a) for a in "BHNC"]) for i in range(layers)]
+
+
+def vllm_workloads() -> list[Workload]:
+    """The vLLM connector's fused gather+encode / decode+scatter over vLLM 0.33 layer views (headline chunk)."""
+    import torch
+
+    from kvcodec.format import ScaleScope
+    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import vllm_triton as VT
+
+    L, T, H, D, PS = (HEADLINE[k] for k in ("layers", "tokens", "heads", "dim", "page_size"))
+    f16, bs, nb = torch.float16, 16, 32
+    ids = [(7 * i + 3) % nb for i in range(T // bs)]
+    PH, LH, PT = ScaleScope.PER_PAGE_HEAD, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_TENSOR
+
+    def pays(scope: ScaleScope, ps: int | None) -> Any:
+        x = torch.empty(T, H, D, dtype=f16)
+        return QT.empty_payloads(L, QT.payload_nbytes(x, x, scope, ps), "cpu")
+
+    def listed() -> list[Any]:  # separately allocated layers: an offset table
+        return [c.view(nb, bs, H, 2 * D).permute(0, 2, 1, 3) for c in _listed_views(L, (nb * bs * H * 2 * D,), f16)]
+
+    def enc(layout: str, scope: ScaleScope, ps: int | None, sep: bool = False) -> Callable[[], None]:
+        def run() -> None:
+            views = listed() if sep else _vllm_views(layout, L, nb, H, bs, 2 * D, f16)
+            VT.gather_encode_layers(views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps,
+                                    payloads=pays(scope, ps))  # fmt: skip
+
+        return run
+
+    def dec(layout: str, scope: ScaleScope, ps: int | None) -> Callable[[], None]:
+        def run() -> None:
+            views = _vllm_views(layout, L, nb, H, bs, 2 * D, f16)
+            VT.decode_scatter_layers(pays(scope, ps), views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps)
+
+        return run
+
+    out = [Workload(f"vllm encode {L}L {lay} per_page_head", enc(lay, PH, PS)) for lay in VLLM_LAYOUTS]
+    out += [Workload(f"vllm encode {L}L listed per_page_head", enc("LBNHC", PH, PS, sep=True)),
+            Workload(f"vllm encode {L}L LBNHC per_layer_head", enc("LBNHC", LH, None)),
+            Workload(f"vllm encode {L}L LBNHC per_tensor", enc("LBNHC", PT, None))]  # fmt: skip
+    out += [Workload(f"vllm decode {L}L {lay} per_page_head", dec(lay, PH, PS)) for lay in ("LBNHC", "LHBNC")]
+    out.append(Workload(f"vllm decode {L}L LBNHC per_tensor", dec("LBNHC", PT, None)))
     return out
 
 
