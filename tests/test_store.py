@@ -790,8 +790,20 @@ def test_temp_named_symlink_is_not_followed_by_the_scan(tmp_path: Path, outside:
     link = root / ".tmp.999999999.1.ffff"  # looks like a dead writer's temp file
     os.symlink(outside, link)
     os.mkfifo(root / ".tmp.999999999.1.eeee")
-    DirectoryStore(root, stale_temp_s=0).refresh()  # must neither hang on the FIFO nor touch the target
+    # The scan must neither hang on the FIFO nor touch the link's target; a child keeps a hang from
+    # hanging the suite (the bound is a deadlock guard, not a speed requirement).
+    p = multiprocessing.get_context().Process(target=_scan_store, args=(str(root),))
+    p.start()
+    p.join(120)
+    if p.is_alive():
+        p.kill()
+        pytest.fail("scanning a store with a FIFO named like a temp file hung")
+    assert p.exitcode == 0
     _untouched(outside, data)
+
+
+def _scan_store(root: str) -> None:
+    DirectoryStore(root, stale_temp_s=0).refresh()
 
 
 @pytest.mark.parametrize("make", ["released", "closed_mmap", "datetime64", "object"])

@@ -202,7 +202,6 @@ VLLM_LAYOUTS = ("LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
 
 def _vllm_views(layout: str, layers: int, blocks: int, heads: int, bs: int, c: int, dtype: Any) -> list[Any]:
     """Per-layer ``[B, H, N, C]`` views of one 512-byte aligned allocation in ``layout``'s order (as vLLM makes them)."""
-    import torch
 
     size = {"L": layers, "B": blocks, "N": bs, "H": heads, "C": c}
     phys = _listed_views(1, tuple(size[a] for a in layout), dtype)[0]

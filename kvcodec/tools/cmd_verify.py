@@ -1,0 +1,155 @@
+"""``kvcodec verify``: check blobs, files or whole folders (a store), by decoding them.
+
+A blob verifies only if :func:`kvcodec.decode` accepts it: the check runs the
+decoder itself (parse, CRC, hashes, then K and V, V dequantized unless the blob
+is external-scope without stored scales, whose scales only the caller has),
+so a blob that verifies decodes. Memory per blob is bounded by its own V bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import stat
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .common import EXIT_FAILURE, EXIT_OK, PROG, add_expect_args, escape_text, expected_hashes, join
+from .files import read_regular, require_files
+from .progress import Progress, progress_enabled
+
+__all__ = ["add_parser", "collect", "run", "verify_blob"]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``verify``."""
+    s = sub.add_parser(
+        "verify",
+        help="check blobs (magic, lengths, CRC, consistency, hashes) by decoding them",
+        description="Check blobs by decoding them (a blob that verifies decodes); folders are walked "
+        "recursively, skipping hidden entries (.quarantine).",
+    )
+    s.add_argument("paths", nargs="+", metavar="FILE|DIR")
+    s.add_argument("--strict", action="store_true", help="refuse trailing bytes after a v1 payload")
+    s.add_argument(
+        "--glob", default="*", metavar="PATTERN", help="in folders, check only files matching (e.g. '*.blob')"
+    )
+    s.add_argument("-v", "--verbose", action="store_true", help="also list good blobs")
+    s.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr for folders (default: only when stderr is a terminal)",
+    )
+    add_expect_args(s)
+    return s
+
+
+# ----------------------------------------------------------------------------- finding files
+
+
+def _is_regular(p: Path) -> bool:
+    """Only regular files are blobs: a FIFO or device in a tree must not hang a walk."""
+    try:
+        return stat.S_ISREG(os.stat(p).st_mode)
+    except OSError:
+        return True  # let the read report why it cannot be read
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+def _walk(root: Path, pattern: str = "*") -> Iterator[Path]:
+    """Files under ``root`` whose name matches ``pattern``, sorted, skipping hidden files and
+    folders (e.g. ``.quarantine`` and a store's temp files)."""
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if not name.startswith(".") and fnmatch.fnmatchcase(name, pattern) and _is_regular(p):
+                yield p
+
+
+def collect(paths: Sequence[Path], pattern: str = "*") -> tuple[list[Path], bool]:
+    """Files to verify (each once), and whether any directory was given."""
+    files: list[Path] = []
+    seen: set[str] = set()
+    any_dir = False
+    for p in paths:
+        found: Iterable[Path] = (p,)
+        if p.is_dir():
+            any_dir = True
+            found = _walk(p, pattern)
+        for f in found:
+            real = os.path.realpath(f)
+            if real not in seen:  # a file named twice (or inside a named folder) is checked once
+                seen.add(real)
+                files.append(f)
+    return files, any_dir
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def verify_blob(
+    data: Any, *, strict: bool = False, expected: dict[str, str] | None = None, strict_hashes: bool = False
+) -> None:
+    """Raise the CodecError that decoding ``data`` raises, if any (V dequantized when possible)."""
+    import torch
+
+    from ..codec import decode
+    from ..format import ScaleScope, parse
+
+    parsed = parse(data, verify_crc=True, strict=strict)
+    h = parsed.header
+    scales_missing = h.scale_scope == ScaleScope.EXTERNAL and h.scale_payload_len == 0
+    decode(
+        parsed,
+        out_v_dtype=None if scales_missing else torch.float32,
+        expected_hashes=expected,
+        strict_hashes=strict_hashes,
+    )
+
+
+def _verify_one(path: Path, args: argparse.Namespace) -> str | None:
+    """None if ``path`` holds a good blob, else why not."""
+    from ..errors import CodecError
+
+    try:
+        data = read_regular(path)
+    except OSError as e:
+        return e.strerror or str(e)
+    try:
+        verify_blob(
+            data, strict=args.strict, expected=expected_hashes(args), strict_hashes=args.strict_hashes
+        )
+    except CodecError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check every blob; print bad ones and a summary; exit 1 if any is bad."""
+    paths = [Path(p) for p in args.paths]
+    require_files(paths, allow_dirs=True)
+    files, any_dir = collect(paths, args.glob)
+    ok = bad = 0
+    with Progress(len(files), "verify", enabled=any_dir and progress_enabled(args.progress)) as bar:
+        for f in files:
+            err = _verify_one(f, args)
+            if err is None:
+                ok += 1
+                if args.verbose:
+                    bar.write(f"{escape_text(f)}: ok")
+            else:
+                bad += 1
+                bar.write(f"{escape_text(f)}: {escape_text(err)}")
+            bar.update()
+    if not files:
+        print(f"{PROG}: warning: no blobs found under {escape_text(join(paths))}", file=sys.stderr)
+    print(f"verified {ok + bad} blobs: {ok} ok, {bad} bad")
+    return EXIT_FAILURE if bad else EXIT_OK

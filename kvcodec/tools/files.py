@@ -1,0 +1,194 @@
+"""Files for the CLI: reading blobs safely, loading and saving tensors, atomic writes.
+
+Every failure becomes a :class:`~kvcodec.tools.common.CLIError` naming the
+file, so a command never prints a traceback for a bad path.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from .common import EXIT_USAGE, CLIError, dtype_name
+
+__all__ = [
+    "load_safetensors",
+    "load_tensor",
+    "read_file",
+    "read_regular",
+    "require_files",
+    "save_tensors",
+    "write_atomic",
+]
+
+
+def read_regular(path: Path) -> bytes:
+    """A regular file's bytes; anything else (FIFO, device, socket) raises OSError, never blocks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path) -> bytes:
+    """The file's bytes; a directory, a missing or a non-regular file raises CLIError."""
+    if path.is_dir():
+        raise CLIError(f"{path}: is a directory")
+    try:
+        return read_regular(path)
+    except FileNotFoundError:
+        raise CLIError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CLIError(f"{path}: {e.strerror or e}") from None
+
+
+def require_files(paths: Iterable[Path], *, allow_dirs: bool = False) -> None:
+    """Refuse missing inputs (and directories unless allowed) before any work."""
+    for p in paths:
+        if not p.exists():
+            raise CLIError(f"{p}: no such file or directory")
+        if p.is_dir() and not allow_dirs:
+            raise CLIError(f"{p}: is a directory")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through a temp file in its folder, renamed into place when complete."""
+    if not path.name or path.is_dir():
+        raise CLIError(f"{path}: is a directory, not an output file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise CLIError(f"{path}: folder {parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# ----------------------------------------------------------------------------- loading tensors
+
+
+def _load_npy(path: Path) -> Any:
+    import numpy as np
+    import torch
+
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise CLIError(f"{path}: no such file") from None
+        raise CLIError(f"{path}: not a valid .npy file ({e})") from None
+    if not isinstance(arr, np.ndarray):
+        raise CLIError(f"{path}: holds several arrays (.npz); give a .npy file or a .safetensors file")
+    if arr.dtype.byteorder not in ("=", "|") and arr.dtype.byteorder != sys.byteorder[0]:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    try:
+        return torch.from_numpy(arr)
+    except TypeError as e:
+        raise CLIError(f"{path}: dtype {arr.dtype} is not supported: {e}") from None
+
+
+def load_safetensors(path: Path, names: Sequence[str], *, optional: Sequence[str] = ()) -> dict[str, Any]:
+    """The tensors ``names`` (required) and ``optional`` (if present) of a .safetensors file."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CLIError(
+            "reading .safetensors needs the 'safetensors' package (pip install safetensors)"
+        ) from None
+    out: dict[str, Any] = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            have = list(f.keys())
+            for name in names:
+                if name not in have:
+                    raise CLIError(
+                        f"{path}: no tensor named {name!r} (it holds: {', '.join(have) or 'none'})"
+                    )
+                out[name] = f.get_tensor(name)
+            for name in optional:
+                if name in have:
+                    out[name] = f.get_tensor(name)
+    except CLIError:
+        raise
+    except FileNotFoundError:
+        raise CLIError(f"{path}: no such file") from None
+    except Exception as e:  # safetensors raises its own error types for malformed files
+        raise CLIError(f"{path}: not a readable .safetensors file: {e}") from None
+    return out
+
+
+def load_tensor(path: Path, name: str) -> Any:
+    """One tensor from a ``.npy`` file or the tensor ``name`` of a ``.safetensors`` file."""
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        return _load_npy(path)
+    if suffix == ".safetensors":
+        return load_safetensors(path, [name])[name]
+    raise CLIError(f"{path}: expected a .npy or .safetensors file", EXIT_USAGE)
+
+
+# ----------------------------------------------------------------------------- saving tensors
+
+
+def _save_npz(path: Path, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    arrays: dict[str, Any] = {}
+    stored_as: dict[str, str] = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        dtype = t.dtype
+        if dtype.is_floating_point and dtype.itemsize == 1:
+            t = t.view(torch.uint8)  # FP8: numpy has no such dtype; keep the raw bytes
+        elif dtype == torch.bfloat16:
+            t = t.view(torch.uint16)  # bf16: likewise, raw bits
+        arrays[name] = t.numpy()
+        stored_as[name] = f"{dtype_name(dtype)} as {arrays[name].dtype}"
+    arrays["meta"] = np.array(json.dumps({**meta, "npz_dtypes": stored_as}))
+    write_atomic(path, lambda f: np.savez(f, **arrays))
+
+
+def _save_safetensors(path: Path, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise CLIError(
+            "writing .safetensors needs the 'safetensors' package (pip install safetensors)"
+        ) from None
+    flat = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
+    data = save(flat, metadata={"kvcodec": json.dumps(meta)})
+    write_atomic(path, lambda f: f.write(data))
+
+
+def save_tensors(path: Path, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write ``tensors`` and ``meta`` to ``.npz`` or ``.safetensors`` (by ``path``'s suffix)."""
+    if path.suffix.lower() == ".npz":
+        _save_npz(path, tensors, meta)
+    else:
+        _save_safetensors(path, tensors, meta)
