@@ -8,6 +8,10 @@ is only loaded when the Triton backend is asked for:
   with the torch backend (:mod:`kvcodec.backends.reference`).
 * :mod:`kvcodec.kernels.paged_triton`: vLLM paged-cache gather/scatter and
   the fused paged encode/decode, bit-exact with :mod:`kvcodec.paged`.
+* :mod:`kvcodec.kernels.vllm_triton`: fused gather+encode and decode+scatter
+  over vLLM 0.33's per-layer views (any ``KVCacheLayout``, all layers of a
+  chunk in one launch), and ``ChunkEncoder`` (one launch, asynchronous copy
+  into a caller's pinned buffer, headers from one ``HeaderPacker``).
 * ``_launch`` (launch targets, the recorder the kernel audit uses),
   ``_configs`` (config space, heuristic, tuning file), ``_tl`` (device helpers).
 
