@@ -26,6 +26,7 @@ __all__ = [
     "ScaleScope",
     "amax_to_scale",
     "check_finite_amax",
+    "check_scales",
     "fp8_max",
     "group_name",
     "narrow_scales",
@@ -88,21 +89,33 @@ def check_finite_amax(amax: torch.Tensor, scope: ScaleScope) -> None:
         )
 
 
-def narrow_scales(scales: torch.Tensor, scale_dtype: torch.dtype, scope: ScaleScope) -> torch.Tensor:
-    """``scales`` cast to the stored dtype; refuses a group whose scale the cast ruins.
+def check_scales(scales: torch.Tensor, scope: ScaleScope, what: str = "scale") -> None:
+    """Refuse any scale that is not finite and positive: it would decode to NaN, Inf or flipped signs."""
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
+        value = float(scales[idx] if idx else scales)
+        raise UnsupportedConfigError(
+            f"{what} {value:.3g} of {group_name(scope, idx)} is not a finite positive number; "
+            "V would decode to NaN or Inf"
+        )
 
-    fp16 scales overflow above 65504 and flush to zero below 6e-8: LMCache
-    writes such blobs, and they decode to Inf/NaN. kvcodec refuses them.
+
+def narrow_scales(scales: torch.Tensor, scale_dtype: torch.dtype, scope: ScaleScope) -> torch.Tensor:
+    """``scales`` cast to the stored dtype; refuses a group whose scale the cast (or fp32 itself) ruins.
+
+    fp16 scales overflow above 65504 and flush to zero below 6e-8, and an fp32
+    scale underflows to zero for amax below ~6e-43: LMCache writes such blobs,
+    and they decode to Inf/NaN. kvcodec refuses them, naming the group.
     """
     out = scales.to(scale_dtype)
-    if scale_dtype == torch.float32:
-        return out
     bad = ~(torch.isfinite(out) & (out > 0)) & torch.isfinite(scales)
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
         raise UnsupportedConfigError(
             f"scale {float(scales[idx] if idx else scales):.3g} of {group_name(scope, idx)} does not fit "
-            f"{scale_dtype} (it becomes {float(out[idx] if idx else out)}); use scale_dtype=torch.float32"
+            f"{scale_dtype} (it becomes {float(out[idx] if idx else out)})"
+            + ("; use scale_dtype=torch.float32" if scale_dtype != torch.float32 else "; V is too small to scale")
         )
     return out
 

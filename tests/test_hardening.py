@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+import kvcodec
 from kvcodec import CodecError, UnsupportedConfigError, decode, encode, parse
 from kvcodec.errors import CorruptEncodedKVError
 
@@ -204,29 +205,48 @@ def test_bad_encode_arguments_are_config_errors(kwargs: dict, make) -> None:
 # --- property: header fields at boundary values ---------------------------------------
 
 _EDGES = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**40, 2**48, 2**63 - 1, -(2**63)]
+_DIMS = st.sampled_from([1, 2, 4, 8, *_EDGES])  # real sizes too, so that many cases get past the parser
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     scope=st.integers(0, 4),
-    chunk=st.sampled_from(_EDGES),
-    page=st.sampled_from(_EDGES),
-    heads=st.sampled_from(_EDGES),
-    dim=st.sampled_from(_EDGES),
-    shape=st.lists(st.sampled_from(_EDGES), max_size=3),
+    chunk=_DIMS,
+    page=_DIMS,
+    heads=_DIMS,
+    dim=_DIMS,
+    shape=st.lists(_DIMS, max_size=3),
     n_el=st.sampled_from([0, 1, 8, 16]),
     dequant=st.booleans(),
 )
 def test_boundary_headers_only_raise_codec_errors(scope, chunk, page, heads, dim, shape, n_el, dequant) -> None:
+    n_scales = 1
+    for d in shape:
+        n_scales *= d
+    s = bytes(4 * n_scales) if 0 <= n_scales <= 64 else bytes(8)  # a scale payload that can match
     blob = raw_blob(
         scope=scope, chunk_size=chunk, page_size=page, kv_head_count=heads, head_dim=dim,
-        scale_shape=shape, k=bytes(2 * n_el), v=bytes(n_el), s=bytes(4 * (len(shape) and 2)),
+        scale_shape=shape, k=bytes(2 * n_el), v=bytes(n_el), s=s,
     )  # fmt: skip
     try:
         out = decode(blob, out_v_dtype=torch.float16 if dequant else None)
     except CodecError:
+        event("refused")
         return
+    event("decoded, dequantized" if dequant and n_el else "decoded")
     assert out.v.numel() == n_el  # what decodes holds exactly the bytes present
+
+
+@pytest.mark.parametrize("page", [2, 2**28, 2**40])
+@pytest.mark.parametrize("chunk", [-1, 4, 2**40])
+def test_boundary_fields_that_decode_hold_only_the_bytes_present(page: int, chunk: int) -> None:
+    """Cases of the property above that must get past the parser and dequantize."""
+    blob = raw_blob(
+        scope=2, chunk_size=chunk, page_size=page, kv_head_count=2, head_dim=2, scale_shape=(1, 2),
+        k=bytes(16), v=bytes(8), s=torch.tensor([1.0, 2.0]).numpy().tobytes(),
+    )  # fmt: skip
+    out = decode(blob, out_v_dtype=torch.float16)
+    assert out.v.shape == (2, 2, 2) and out.k.shape == (2, 2, 2)
 
 
 _PROPERTY_UNDER_RLIMIT = textwrap.dedent(
@@ -249,3 +269,98 @@ def test_boundary_headers_stay_within_a_fixed_memory_bound() -> None:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# --- review findings: silently wrong data and escapes, each pinned ----------------------
+
+
+def test_out_k_and_out_v_sharing_memory_is_refused() -> None:
+    k, v = _kv()
+    blob = encode(k, v, scope="per_tensor")
+    both = torch.empty(8, 2, 4, dtype=torch.float16)
+    with pytest.raises(UnsupportedConfigError, match="share memory"):
+        decode(blob, out_k=both, out_v=both)
+    cache = torch.empty(2, 8, 2, 4, dtype=torch.float16)  # interleaved halves of one buffer are fine
+    decode(blob, out_k=cache[0], out_v=cache[1])
+
+
+def test_shape_contradicting_the_header_is_refused() -> None:
+    k, v = _kv(8, 2, 8)
+    blob = encode(k, v, scope="per_layer_head")
+    with pytest.raises(UnsupportedConfigError, match="contradicts"):
+        decode(blob, out_v_dtype=torch.float32, shape=(8, 2 * 2, 4))
+    assert decode(blob, shape=(8, 2, 8)).v.shape == (8, 2, 8)
+
+
+def test_tiny_fp32_v_is_refused_not_decoded_as_nan() -> None:
+    v = torch.tensor([1e-43, 0.0, -1e-44, 0.0]).view(4, 1, 1)
+    for backend in _backends():
+        with pytest.raises(UnsupportedConfigError, match="too small to scale"):
+            encode(v.clone(), v, scope="per_tensor", backend=backend)
+
+
+@pytest.mark.parametrize(("scale", "sdt"), [(0.0, torch.float32), (-1.0, torch.float32), (float("nan"), torch.float32), (1e6, torch.float16)])
+def test_unusable_external_scales_are_refused(scale: float, sdt: torch.dtype) -> None:
+    k, v = _kv(4, 1, 4)
+    with pytest.raises(UnsupportedConfigError, match=r"finite positive|does not fit"):
+        encode(k, v, scope="external", scales=torch.tensor(scale), scale_dtype=sdt)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda k, v: encode(k, v, scope="per_tensor", version=1.0),
+        lambda k, v: encode(k, v, scope="per_tensor", head_axis="1"),
+        lambda k, v: encode(k, v, scope="per_tensor", head_axis=1.0),
+        lambda k, v: encode(k, v, scope="per_tensor", backend=5),
+        lambda k, v: decode(encode(k, v, scope="per_tensor"), backend=3),
+        lambda k, v: decode(encode(k, v, scope="per_tensor"), out_v_dtype=torch.float16, shape=(0, 2**62, 2**62)),
+        lambda k, v: decode(encode(k, v, scope="per_tensor"), shape=(0, 2**70, 1)),
+        lambda k, v: kvcodec.backend_info("bogus"),
+    ],
+    ids=["version-float", "head_axis-str", "head_axis-float", "backend-int", "decode-backend-int",
+         "shape-overflow", "shape-huge", "backend_info-bogus"],
+)  # fmt: skip
+def test_argument_escapes_are_config_errors(call) -> None:
+    k, v = _kv()
+    with pytest.raises(UnsupportedConfigError):
+        call(k, v)
+
+
+def test_encode_layers_takes_any_iterables() -> None:
+    k, v = _kv()
+    got = kvcodec.encode_layers((x for x in [k, k]), (x for x in [v, v]), scope="per_tensor")
+    assert got == [encode(k, v, scope="per_tensor", layer_id=i) for i in range(2)]
+
+
+def test_format_writer_escapes_are_config_errors() -> None:
+    from kvcodec.format import Header, HeaderPacker, header_size, serialize_header
+
+    base = {"k_dtype": "float16", "v_dtype": "float8_e4m3fn", "scale_scope": 0}
+    for bad in ({"version": 1.0}, {"scale_shape": None}):
+        with pytest.raises(UnsupportedConfigError):
+            serialize_header(Header(**base, **bad), crc=0)
+    assert header_size(Header(**base, hashes={"model_id": "m"})) > 0
+    packer = HeaderPacker(Header(**base))
+    for buf, ids in ((bytearray(8), (0, 0)), (bytes(4096), (0, 0)), (bytearray(4096), (None, 0))):
+        with pytest.raises(UnsupportedConfigError):
+            packer.pack_into(buf, layer_id=ids[0], chunk_id=ids[1], crc=0)
+
+
+def test_flat_blobs_decode_into_flat_outputs() -> None:
+    from kvcodec.format import Header, assemble
+
+    h = Header(k_dtype="float16", v_dtype="float8_e4m3fn", scale_scope=0, scale_shape=())
+    blob = assemble(h, bytes(16), bytes(8), torch.tensor([1.0]).numpy().tobytes())
+    out = decode(blob)
+    assert out.v.shape == (8,)
+    decode(blob, out_k=torch.empty(8, dtype=torch.float16), out_v=torch.empty(8, dtype=torch.float32))
+
+
+def test_empty_chunks_are_not_counted_as_fallbacks() -> None:
+    from kvcodec import backends
+
+    blob = encode(torch.empty(0, 2, 4).half(), torch.empty(0, 2, 4).half(), scope="per_tensor")
+    before = sum(f["count"] for f in backends.backend_info()["fallbacks"])
+    decode(blob, out_v_dtype=torch.float16)
+    assert sum(f["count"] for f in backends.backend_info()["fallbacks"]) == before

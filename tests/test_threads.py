@@ -24,6 +24,12 @@ _POOL = textwrap.dedent(
         blob = kvcodec.encode(kv[0], kv[1], scope="per_page_head", page_size=16)
         kvcodec.decode(bytes(blob))
         kvcodec.decode(bytes(blob), out_v_dtype=torch.float16)
+        # Calls the C loops decline run the torch reference: it must stay on this thread too.
+        kvcodec.encode(kv[0], kv[1], scope="per_layer_head", nonfinite="saturate")
+        e5 = kvcodec.encode(kv[0], kv[1], scope="per_tensor", v_dtype=torch.float8_e5m2, allow_e5m2=True)
+        kvcodec.decode(e5, out_v_dtype=torch.float32)
+        paged = kv[1].view(16, 16, 8, 128).transpose(0, 1)  # pages and slots swapped: not viewable as tokens
+        kvcodec.encode(paged, paged, page_axis=1)
         return len(blob)
     work(chunks[0])  # imports, first-call setup
     before = tasks()

@@ -69,7 +69,10 @@ def _reason(name: str, device: torch.device) -> str | None:
 
 
 def _resolve_name(backend: str | None, device: torch.device) -> str:
-    b = (backend or os.environ.get("KVCODEC_BACKEND") or "auto").lower()
+    b = backend or os.environ.get("KVCODEC_BACKEND") or "auto"
+    if not isinstance(b, str):
+        raise UnsupportedConfigError(f"backend must be a name; got {type(b).__name__} {b!r}")
+    b = b.lower()
     b = _ALIASES.get(b, b)
     if b not in BACKEND_NAMES:
         raise UnsupportedConfigError(f"unknown backend {b!r}; expected one of {BACKEND_NAMES}")
@@ -83,15 +86,19 @@ def _resolve_name(backend: str | None, device: torch.device) -> str:
     return b
 
 
+def _device(device: torch.device | str) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise UnsupportedConfigError(f"bad device {device!r}: {e}") from None
+
+
 def select(backend: str | None, device: torch.device | str) -> Backend:
     """The backend for ``device``: ``None`` reads ``KVCODEC_BACKEND`` (default ``"auto"``).
 
     An explicit backend that cannot run on ``device`` raises :class:`UnsupportedConfigError`.
     """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise UnsupportedConfigError(f"bad device {device!r}: {e}") from None
+    dev = _device(device)
     name = _resolve_name(backend, dev)
     if name == "cpu":
         return _cpu().BACKEND
@@ -114,7 +121,7 @@ def call(backend: Backend, op: str, *args: Any, **kwargs: Any) -> Any:
 
 def backend_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """What ``auto`` picks on ``device``, which backends could run there and why not, and fallbacks so far."""
-    dev = torch.device(device)
+    dev = _device(device)
     reasons = {n: _reason(n, dev) for n in BACKEND_NAMES[1:]}
     with _lock:
         falls = [{"backend": b, "op": o, "reason": r, "count": c} for (b, o, r), c in _fallbacks.items()]

@@ -45,15 +45,16 @@ __all__ = [
 ]
 
 BLOCK_ELEMENTS = 1 << 19
-"""fp32 scratch elements per block (2 MiB): bounds an encode's extra memory."""
+"""fp32 scratch elements per block on GPUs (2 MiB): bounds an encode's extra memory."""
+CPU_BLOCK_ELEMENTS = 1 << 14
+"""Elements per block on CPU: under torch's parallel grain (32768), so every op stays on the
+calling thread (torch would otherwise run it on an OpenMP team per calling thread)."""
 
 
-def _block_tokens(heads: int, dim: int, page_size: int | None) -> int:
+def _block_tokens(heads: int, dim: int, device: torch.device) -> int:
     per_tok = max(1, heads * dim)
-    b = max(1, BLOCK_ELEMENTS // per_tok)
-    if page_size and page_size > 0:
-        b = max(page_size, b - b % page_size)
-    return b
+    block = CPU_BLOCK_ELEMENTS if device.type == "cpu" else BLOCK_ELEMENTS
+    return max(1, block // per_tok)
 
 
 def token_head_amax(v: torch.Tensor, *, finite_only: bool = False) -> torch.Tensor:
@@ -69,7 +70,7 @@ def token_head_amax(v: torch.Tensor, *, finite_only: bool = False) -> torch.Tens
         return out
     if d == 0:
         return out.zero_()
-    bt = _block_tokens(h, d, None)
+    bt = _block_tokens(h, d, v.device)
     scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=v.device)
     for t0 in range(0, t, bt):
         t1 = min(t, t0 + bt)
@@ -147,7 +148,7 @@ def quantize(
     if v.numel() == 0:
         return out
     ts = token_scales(scales, scope, t, h, page_size)
-    bt = _block_tokens(h, d, None)
+    bt = _block_tokens(h, d, v.device)
     scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=v.device)
     for t0 in range(0, t, bt):
         t1 = min(t, t0 + bt)
@@ -220,15 +221,15 @@ def dequantize(
     if q.numel() == 0:
         return out
     ts = token_scales(scales.to(q.device), scope, t, h, page_size)
-    bt = _block_tokens(h, d, None)
+    bt = _block_tokens(h, d, q.device)
     scratch = torch.empty((min(bt, t), h, d), dtype=torch.float32, device=q.device)
     # On CPU, widen q/256 by bit operations and multiply by 256*scale: the
     # product is the same real number as q*scale, so its single rounding is
     # too (256*scale is exact unless it overflows, which is checked).
     fast = q.device.type == "cpu" and q.dtype == torch.float8_e4m3fn
     if fast:
-        ts256 = ts * 256.0
-        fast = bool(torch.isfinite(ts256).all()) or not bool(torch.isfinite(ts).all())
+        s32 = scales.to(torch.float32)
+        fast = bool(torch.isfinite(s32 * 256.0).all()) or not bool(torch.isfinite(s32).all())
         iscratch = torch.empty(scratch.shape, dtype=torch.int16)
         probe = torch.empty(scratch.shape, dtype=torch.uint8)
     for t0 in range(0, t, bt):
@@ -239,7 +240,7 @@ def dequantize(
             # kernels (fp16 x fp32 -> fp16) are many times slower on CPU.
             h16, nan_mask = _fp8_widen_div256(q[t0:t1], iscratch[: t1 - t0], probe[: t1 - t0])
             buf.copy_(h16)
-            buf.mul_(ts256[t0:t1])
+            buf.mul_(ts[t0:t1] * 256.0)
             if nan_mask is not None:
                 buf.masked_fill_(nan_mask, float("nan"))
         elif q.device.type == "cpu":

@@ -19,11 +19,20 @@ import torch
 
 from .. import backends
 from ..errors import UnsupportedConfigError
-from ..format import Header, ParsedBlob, ScaleScheme, ScaleScope, check_consistency, parse
+from ..format import (
+    MAX_DIM,
+    MAX_ELEMENTS,
+    Header,
+    ParsedBlob,
+    ScaleScheme,
+    ScaleScope,
+    check_consistency,
+    parse,
+)
 from ..numerics import FP8_DTYPES
 from .copy import copy_tensor, owned_copy
 from .dtypes import VDTYPES, to_torch
-from .encode import _as_scales, external_scope
+from .encode import COMPUTED_SCOPES, as_scales, external_scope
 from .layout import check_hashes
 
 __all__ = ["DecodeRequest", "DecodedKV", "decode", "decode_parsed"]
@@ -33,8 +42,6 @@ __all__ = ["DecodeRequest", "DecodedKV", "decode", "decode_parsed"]
 warnings.filterwarnings(
     "ignore", message="The given buffer is not writable", category=UserWarning, module=r"kvcodec(\.|$)"
 )
-
-_COMPUTED = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
 
 
 class DecodedKV(NamedTuple):
@@ -76,8 +83,12 @@ def _check_shape(shape: Any) -> tuple[int, int, int] | None:
         dims = tuple(shape)
     except TypeError:
         raise UnsupportedConfigError(f"shape must be (tokens, heads, head_dim); got {shape!r}") from None
-    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
-        raise UnsupportedConfigError(f"shape must be three non-negative ints (tokens, heads, head_dim); got {shape!r}")
+    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DIM for d in dims):
+        raise UnsupportedConfigError(
+            f"shape must be three ints in 0..{MAX_DIM} (tokens, heads, head_dim); got {shape!r}"
+        )
+    if dims[1] * dims[2] > MAX_ELEMENTS:
+        raise UnsupportedConfigError(f"shape {dims}: heads x head_dim exceeds {MAX_ELEMENTS} elements per token")
     return dims  # type: ignore[return-value]
 
 
@@ -98,12 +109,23 @@ def _check_out(name: str, t: Any, dtype: torch.dtype | None) -> torch.Tensor | N
     return t
 
 
-def _fits(name: str, t: torch.Tensor, shape: tuple[int, int, int]) -> None:
-    """``t`` is ``[tokens, heads, head_dim]``, or ``[..., heads, head_dim]`` whose leading dims hold the tokens."""
+def _fits(name: str, t: torch.Tensor, shape: tuple[int, int, int] | None, n: int) -> None:
+    """``t`` is ``[tokens, heads, head_dim]``, or ``[..., heads, head_dim]`` whose leading dims hold the
+    tokens; any shape of ``n`` elements when the blob has no layout (decode returns those flat)."""
+    if shape is None:
+        if t.numel() != n:
+            raise UnsupportedConfigError(f"{name} has {t.numel()} elements; the blob holds {n}")
+        return
     if t.dim() < 2 or tuple(t.shape[-2:]) != shape[1:] or math.prod(t.shape[:-2]) != shape[0]:
         raise UnsupportedConfigError(
             f"{name} has shape {tuple(t.shape)}; the blob's is {shape} (leading dims may split the tokens)"
         )
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses ``t`` can touch."""
+    lo = t.data_ptr()
+    return lo, lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _overlaps(t: torch.Tensor, src: memoryview) -> bool:
@@ -111,9 +133,29 @@ def _overlaps(t: torch.Tensor, src: memoryview) -> bool:
     if t.device.type != "cpu" or not len(src) or not t.numel():
         return False
     base = torch.frombuffer(src, dtype=torch.uint8).data_ptr()
-    lo = t.data_ptr()
-    hi = lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    lo, hi = _span(t)
     return lo < base + len(src) and base < hi
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its byte span exactly (then span overlap is memory overlap)."""
+    lo, hi = _span(t)
+    return hi - lo == t.numel() * t.element_size()
+
+
+def _check_disjoint(out_k: torch.Tensor | None, out_v: torch.Tensor | None) -> None:
+    """K and V outputs may not share memory (V would overwrite K).
+
+    Exact for dense outputs and for the same view given twice; two strided views whose
+    spans interleave (K and V halves of one cache) are told apart only by their elements,
+    which are not enumerated here, as torch's own copy checks do not either.
+    """
+    if out_k is None or out_v is None or out_k.device != out_v.device or not out_k.numel() or not out_v.numel():
+        return
+    (k0, k1), (v0, v1) = _span(out_k), _span(out_v)
+    same_view = k0 == v0 and out_k.stride() == out_v.stride()
+    if same_view or (k0 < v1 and v0 < k1 and _dense(out_k) and _dense(out_v)):
+        raise UnsupportedConfigError("out_k and out_v share memory; give each its own")
 
 
 @dataclass
@@ -141,6 +183,7 @@ def _request(h: Header, **kw: Any) -> DecodeRequest:
         raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
     out_k = _check_out("out_k", kw["out_k"], to_torch(h.k_dtype))
     out_v = _check_out("out_v", kw["out_v"], None)
+    _check_disjoint(out_k, out_v)
     out_v_dtype = kw["out_v_dtype"]
     if out_v is not None:
         if out_v_dtype is None:
@@ -151,8 +194,11 @@ def _request(h: Header, **kw: Any) -> DecodeRequest:
         raise UnsupportedConfigError(
             f"V decodes to raw {h.v_dtype} or to float16, bfloat16 or float32; got {out_v_dtype}"
         )
+    device = _device(kw["device"], out_k, out_v)
+    if kw["backend"] is not None:
+        backends.select(kw["backend"], device)  # an explicit backend that cannot run is refused, raw V or not
     return DecodeRequest(
-        device=_device(kw["device"], out_k, out_v),
+        device=device,
         out_v_dtype=None if out_v_dtype == v_dtype else out_v_dtype,
         out_k=out_k,
         out_v=out_v,
@@ -209,6 +255,10 @@ def _shape(h: Header, n: int, given: tuple[int, int, int] | None) -> tuple[int, 
     if given is not None:
         if math.prod(given) != n:
             raise UnsupportedConfigError(f"shape {given} does not hold the blob's {n} elements as (T, H, D)")
+        if h.kv_head_count > 0 and h.head_dim > 0 and given[1:] != (h.kv_head_count, h.head_dim):
+            raise UnsupportedConfigError(
+                f"shape {given} contradicts the blob's kv_head_count={h.kv_head_count}, head_dim={h.head_dim}"
+            )
         return given
     if h.kv_head_count > 0 and h.head_dim > 0:
         return (n // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim)
@@ -250,19 +300,21 @@ def _scale_tensor(h: Header, payload: memoryview, req: DecodeRequest) -> torch.T
         off = h.k_payload_len + h.v_payload_len
         s_t = _tensor(payload[off : off + h.scale_payload_len], s_dt, True).reshape(h.scale_shape).to(dev)
         if req.scales is not None:
-            given = _as_scales(req.scales, dev, s_dt)
+            given = as_scales(req.scales, dev, s_dt)
             if given.numel() != s_t.numel() or not torch.equal(given.reshape(s_t.shape), s_t):
                 raise UnsupportedConfigError("scales= given, but the blob stores its own, different scales")
         return s_t
-    if h.scale_scope in _COMPUTED and math.prod(h.scale_shape) == 0:
+    if h.scale_scope in COMPUTED_SCOPES and math.prod(h.scale_shape) == 0:
         return torch.empty(h.scale_shape, dtype=s_dt, device=dev)
     if h.scale_scope == ScaleScope.EXTERNAL and req.scales is not None:
-        return _as_scales(req.scales, dev, s_dt)  # quantized with them cast to the blob's scale dtype
+        return as_scales(req.scales, dev, s_dt)  # quantized with them cast to the blob's scale dtype
     return None
 
 
-def _into(name: str, dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, int, int], payload: memoryview) -> None:
-    _fits(name, dst, shape)
+def _into(
+    name: str, dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, int, int] | None, payload: memoryview
+) -> None:
+    _fits(name, dst, shape, src.numel())
     if _overlaps(dst, payload):
         raise UnsupportedConfigError(f"{name} overlaps the blob being decoded; decode into separate memory")
     copy_tensor(dst, src.view(dst.shape))
@@ -303,7 +355,7 @@ def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: Dec
     dst = req.out_v
     target = None
     if dst is not None:
-        _fits("out_v", dst, dq_shape if shape is not None else (n, 1, 1))
+        _fits("out_v", dst, shape, n)
         if _overlaps(dst, payload):
             raise UnsupportedConfigError("out_v overlaps the blob being decoded; decode into separate memory")
         try:
@@ -313,7 +365,8 @@ def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: Dec
     in_place = target is not None
     if target is None:
         target = torch.empty(dq_shape, dtype=req.out_v_dtype, device=req.device)
-    backends.call(be, "dequantize", v_t.reshape(dq_shape), s_t, groups, out=target)
+    if n:  # an empty V needs no backend (and is no fallback)
+        backends.call(be, "dequantize", v_t.reshape(dq_shape), s_t, groups, out=target)
     if dst is None:
         return target if shape is not None else target.reshape(-1)
     if not in_place:
@@ -335,17 +388,16 @@ def decode_parsed(h: Header, payload: memoryview, req: DecodeRequest) -> Decoded
     if shape is not None:
         k_t = k_t.view(shape) if k_t is not None else None
         v_t = v_t.view(shape)
-    flat = (n, 1, 1) if shape is None else shape
     if req.out_k is not None:
         if k_t is None:
             raise UnsupportedConfigError("out_k given but the blob holds no K")
-        _into("out_k", req.out_k, k_t, flat, payload)
+        _into("out_k", req.out_k, k_t, shape, payload)
         k_t = req.out_k
     if not req.raw_v:
         return DecodedKV(k_t, _dequantize(h, v_t, s_t, req, shape, payload), s_t, h)
     if req.out_v is not None:
         if req.out_v.dtype != v_t.dtype:
             raise UnsupportedConfigError(f"out_v is {req.out_v.dtype}; raw V is {v_t.dtype}")
-        _into("out_v", req.out_v, v_t, flat, payload)
+        _into("out_v", req.out_v, v_t, shape, payload)
         v_t = req.out_v
     return DecodedKV(k_t, v_t, s_t, h)

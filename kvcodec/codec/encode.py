@@ -29,15 +29,27 @@ from ..format import (
     pack_header_into,
     payload_crc,
 )
-from ..numerics import FP8_DTYPES, check_finite_amax, scale_shape
+from ..numerics import FP8_DTYPES, check_finite_amax, check_scales, scale_shape
 from .copy import copy_tensor, new_buffer
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
 from .spec import EncodeSpec
 
-__all__ = ["EncodePlan", "encode", "encode_layers", "encoded_size", "plan_encode", "seal", "write_payload"]
+__all__ = [
+    "COMPUTED_SCOPES",
+    "EncodePlan",
+    "as_scales",
+    "encode",
+    "encode_layers",
+    "encoded_size",
+    "external_scope",
+    "plan_encode",
+    "seal",
+    "write_payload",
+]
 
-_COMPUTED = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+COMPUTED_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+"""Scopes whose scales are computed from V and stored in the blob."""
 
 
 @dataclass
@@ -107,9 +119,9 @@ def _check_options(spec: EncodeSpec) -> tuple[ScaleScope, int]:
     if spec.nonfinite not in ("error", "saturate"):
         raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {spec.nonfinite!r}")
     version = spec.version
-    if sc == ScaleScope.NONE:
-        version = max(version, 2) if isinstance(version, int) else version
-    if version not in (1, 2) or isinstance(version, bool):
+    if sc == ScaleScope.NONE and type(version) is int:
+        version = max(version, 2)
+    if type(version) is not int or version not in (1, 2):
         raise UnsupportedConfigError(f"header version must be 1 or 2; got {version!r}")
     for name in ("layer_id", "chunk_id", "chunk_size", "kv_head_count", "head_dim"):
         _check_int(name, getattr(spec, name), -1)
@@ -152,7 +164,7 @@ def _token_major(
     return k3, v3, q is not None, ps
 
 
-def _as_scales(scales: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def as_scales(scales: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Caller scales (tensor, float, numpy) as a tensor of the blob's scale dtype."""
     if isinstance(scales, torch.Tensor):
         _check_tensor("scales", scales)
@@ -197,8 +209,9 @@ def _plan_scales(
         return None, sc
     if not fp8_given and sc != ScaleScope.EXTERNAL:
         raise UnsupportedConfigError("scales= is for scope external; use precomputed_v_scales")
-    scales = _as_scales(given, dev, spec.scale_dtype)
+    scales = as_scales(given, dev, spec.scale_dtype)
     group_scope = external_scope(scales, heads) if sc == ScaleScope.EXTERNAL else sc
+    check_scales(scales, group_scope, "given scale")
     if group_scope == ScaleScope.PER_PAGE_HEAD and ps is None:
         raise UnsupportedConfigError("(pages, heads) scales need page_size")
     want = scale_shape(group_scope, v3.shape[0], heads, ps)
@@ -216,7 +229,7 @@ def _make_header(
 ) -> Header:
     """The header of the planned blob (lengths from the tensors, layout fields checked against them)."""
     tokens, heads, dim = v3.shape
-    computed = sc in _COMPUTED
+    computed = sc in COMPUTED_SCOPES
     store = spec.store_scales
     if store is None or sc == ScaleScope.NONE:
         store = computed
@@ -395,10 +408,12 @@ def encode_layers(
     headers come from one :class:`~kvcodec.format.HeaderPacker` template; the
     blobs are identical to per-layer :func:`encode` calls.
     """
+    ks = ks if isinstance(ks, torch.Tensor) else list(ks)
+    vs = vs if isinstance(vs, torch.Tensor) else list(vs)
     n = len(vs)
     if len(ks) != n:
         raise UnsupportedConfigError(f"{len(ks)} K layers but {n} V layers")
-    ids = list(layer_ids) if layer_ids is not None else list(range(n))
+    ids = [int(_check_int("layer_ids[]", i, -1)) for i in layer_ids] if layer_ids is not None else list(range(n))
     if len(ids) != n:
         raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers")
     base = EncodeSpec.of(spec, options)

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import CodecMismatchError, UnsupportedConfigError
 from ..format import HASH_KEYS, Hashes, ScaleScope
+from .copy import copy_tensor
 
 __all__ = ["Layout", "ScopeLike", "check_hashes", "normalize_layout", "resolve_scope"]
 
@@ -57,6 +58,8 @@ def resolve_scope(scope: ScopeLike) -> ScaleScope:
 
 
 def _norm_axis(axis: int, ndim: int, name: str) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise UnsupportedConfigError(f"{name} must be an int; got {type(axis).__name__} {axis!r}")
     if not -ndim <= axis < ndim:
         raise UnsupportedConfigError(f"{name}={axis} out of range for a {ndim}-D tensor")
     return axis % ndim
@@ -98,8 +101,18 @@ def normalize_layout(
     (s_ax,) = [a for a in rest if a != p_ax]
     y = x.permute(p_ax, s_ax, h_ax, nd - 1)
     pages, ps, heads, dim = y.shape
-    y = y.reshape(pages * ps, heads, dim)
-    return y, Layout(pages * ps, heads, dim, ps)
+    return _merge_pages(y), Layout(pages * ps, heads, dim, ps)
+
+
+def _merge_pages(y: torch.Tensor) -> torch.Tensor:
+    """``[pages, page_size, H, D]`` as ``[tokens, H, D]``: a view, or one single-threaded copy."""
+    pages, ps, heads, dim = y.shape
+    try:
+        return y.view(pages * ps, heads, dim)
+    except RuntimeError:  # pages and slots not evenly strided: copy (numpy, on this thread)
+        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        copy_tensor(out, y)
+        return out.view(pages * ps, heads, dim)
 
 
 def check_hashes(got: Hashes, expected: Any, *, strict: bool = False) -> None:

@@ -178,6 +178,8 @@ class Header:
             value = getattr(self, name)
             if not isinstance(value, DType):
                 object.__setattr__(self, name, as_dtype(value))
+        if not isinstance(self.hashes, Hashes):  # a mapping or an object with the six fields
+            object.__setattr__(self, "hashes", Hashes.coerce(self.hashes))
 
     @property
     def payload_len(self) -> int:
@@ -253,7 +255,7 @@ def _as_int(name: str, value: Any) -> int:
 
 def _check_writable_header(h: Header) -> None:
     """Refuse (UnsupportedConfigError) any field the parser would refuse or struct cannot pack."""
-    if h.version not in SUPPORTED_VERSIONS:
+    if _as_int("version", h.version) not in SUPPORTED_VERSIONS:
         raise UnsupportedConfigError(f"header version {h.version} unsupported; expected 1 or 2")
     try:
         scope = ScaleScope(h.scale_scope)
@@ -286,6 +288,8 @@ def _check_writable_header(h: Header) -> None:
             raise UnsupportedConfigError(
                 f"{name}={v} out of range: expected -1 (unset) or {minimum}..{MAX_DIM}"
             )
+    if not isinstance(h.scale_shape, (tuple, list)):
+        raise UnsupportedConfigError(f"scale_shape is a {type(h.scale_shape).__name__}; expected a tuple of ints")
     if len(h.scale_shape) > MAX_SCALE_DIMS:
         raise UnsupportedConfigError(
             f"scale_shape has {len(h.scale_shape)} dims; at most {MAX_SCALE_DIMS}"
@@ -327,9 +331,15 @@ class HeaderPacker:
         The CRC is ``crc`` if given, else computed from ``payload`` (with the
         header prefix too in version 2). Ids are checked as the parser would.
         """
+        layer_id, chunk_id = _as_int("layer_id", layer_id), _as_int("chunk_id", chunk_id)
         if layer_id < -1 or chunk_id < -1:
             raise UnsupportedConfigError(f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 or >= 0")
-        mv = buf if type(buf) is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+        mv = buf if type(buf) is memoryview and buf.format == "B" and not buf.readonly else as_bytes_view(buf)
+        if mv.readonly or len(mv) < self.size:
+            raise UnsupportedConfigError(
+                f"cannot write a {self.size}-byte header into {type(buf).__name__} "
+                f"({'read-only' if mv.readonly else f'{len(mv)} bytes'})"
+            )
         mv[: self.size] = self._template
         try:
             self._IDS.pack_into(mv, 20, layer_id, chunk_id)
