@@ -1,10 +1,14 @@
 """The one interface every backend implements, and how a backend declines a request.
 
 A backend turns V (token-major ``[tokens, heads, head_dim]``) into scales and
-FP8 codes and back. It never parses, never checksums and never starts threads.
+FP8 codes and back. It never parses, never checksums and never starts threads
+(on CPU the reference keeps each torch op under torch's parallel grain).
 A backend that cannot serve a particular call (a dtype, an alignment, NaN in
-the data...) raises :class:`Declined` *before writing any output*; the
-dispatcher in :mod:`kvcodec.backends` then runs the reference and records why.
+the data...) raises :class:`Declined`; the dispatcher in :mod:`kvcodec.backends`
+then runs the reference on the same arguments and records why. A backend may
+have written part of ``out`` before declining (the C loops stop at a row
+holding NaN); the reference then writes all of it, and ``encode_v`` declines
+before writing any code.
 """
 
 from __future__ import annotations

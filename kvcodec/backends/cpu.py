@@ -11,9 +11,9 @@ declines (:class:`~.base.Declined`) what the loops do not handle as a tensor
 (device, dtype, scope, page size, lazy views: :func:`_refusal`); the C side
 checks every buffer's shape, strides, alignment and overlaps and declines a
 layout it does not take, or data it cannot reproduce bit for bit (NaN, unusable
-scales), each before writing any output; the dispatcher then runs the
-reference. The
-extension is optional (built at install when a C compiler is present):
+scales); the dispatcher then runs the reference over the whole output.
+``encode_v`` declines before writing any code; ``quantize``/``dequantize`` may
+have written the rows before one holding NaN. The extension is optional (built at install when a C compiler is present):
 :data:`AVAILABLE` says whether it is and :data:`REASON` why not.
 """
 
