@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from .errors import UnsupportedConfigError
-from .format import ScaleScope
+from .format import ScaleScope, expected_scale_shape
 
 __all__ = [
     "FP8_DTYPES",
@@ -51,15 +51,12 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def scale_shape(scope: ScaleScope, tokens: int, heads: int, page_size: int | None) -> tuple[int, ...]:
     """Shape of the scale tensor a scope gives for a ``[tokens, heads, *]`` chunk."""
-    if scope == ScaleScope.PER_TENSOR:
-        return ()
-    if scope == ScaleScope.PER_LAYER_HEAD:
-        return (heads,)
-    if scope == ScaleScope.PER_PAGE_HEAD:
-        if type(page_size) is not int or page_size < 1:
-            raise UnsupportedConfigError(f"per_page_head needs an int page_size >= 1; got {page_size!r}")
-        return (-(-tokens // page_size), heads)
-    raise UnsupportedConfigError(f"scope {ScaleScope(scope).name} has no computed scales")
+    if scope == ScaleScope.PER_PAGE_HEAD and (type(page_size) is not int or page_size < 1):
+        raise UnsupportedConfigError(f"per_page_head needs an int page_size >= 1; got {page_size!r}")
+    shape = expected_scale_shape(scope, tokens, heads, page_size or 1)
+    if shape is None:
+        raise UnsupportedConfigError(f"scope {ScaleScope(scope).name} has no computed scales")
+    return shape
 
 
 def amax_to_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:

@@ -300,3 +300,181 @@ def test_install_never_shadows_a_real_lmcache():
     if real != "True":
         pytest.skip("LMCache not installed here (make lmcache): only the fake-package case can be checked")
     assert is_real == "True"  # the real package, with only lmcache.v1.kv_codec aliased
+
+
+# ----------------------------------------------------------------------------
+# Review B6: a header never describes groups other than those V was quantized in
+# ----------------------------------------------------------------------------
+
+_PPH = compat.ScaleScope.PER_PAGE_HEAD
+_PLH = compat.ScaleScope.PER_LAYER_HEAD
+
+
+def _graded(*shape: int, axis: int = 0) -> torch.Tensor:
+    """fp16 values whose magnitude grows along ``axis``, so each page/head gets a different scale."""
+    g = torch.Generator().manual_seed(11)
+    ramp = torch.linspace(0.1, 10, shape[axis]).view([-1 if d == axis else 1 for d in range(len(shape))])
+    return (torch.randn(*shape, generator=g) * ramp).half()
+
+
+def _kvcodec_v(blob: bytes) -> torch.Tensor:
+    import kvcodec
+
+    return kvcodec.decode(blob, out_v_dtype=torch.float32).v
+
+
+def test_per_page_head_page_size_must_be_the_pages_v_was_quantized_in():
+    codec = compat.AsymK16V8Codec(scale_scope=_PPH)
+    v = _graded(4, 16, 2, 8)  # [pages, page_size, heads, dim]
+    for wrong in (17, 15, 8, 32):
+        with pytest.raises(errors.UnsupportedConfigError, match="page_size"):
+            codec.encode(v, v, page_axis=0, page_size=wrong)
+    enc = codec.encode(v, v, page_axis=0, page_size=16)
+    assert enc.page_size == 16
+    got = _kvcodec_v(codec.to_bytes(enc))
+    assert (got - v.reshape(64, 2, 8).float()).abs().max() <= 10 / 448 * 16  # within one e4m3 step of the largest group
+
+
+def test_page_size_stays_as_given_where_no_decoder_groups_by_it():
+    """PER_TENSOR / PER_LAYER_HEAD never regroup by page_size: LMCache's header, as given."""
+    v = _graded(4, 16, 2, 8)
+    for scope in (compat.ScaleScope.PER_TENSOR, _PLH):
+        enc = compat.AsymK16V8Codec(scale_scope=scope).encode(v, v, page_size=17)
+        assert enc.page_size == 17
+
+
+def test_caller_layout_refuses_layout_fields_that_misgroup_v():
+    """Bytes kept in the caller's [H, T, D] layout: kv_head_count=H, head_dim=D would make
+    kvcodec's decoder read them as [T, H, D] and dequantize under the wrong heads."""
+    v = _graded(4, 32, 8)  # [heads, tokens, dim]
+    codec = compat.AsymK16V8Codec(scale_scope=_PLH)
+    with pytest.raises(errors.UnsupportedConfigError, match="caller's layout"):
+        codec.encode(v, v, head_axis=0, kv_head_count=4, head_dim=8, chunk_size=32)
+    # The fields that do describe these bytes ([1 token, 4 heads, 32*8 dims]) are accepted and decode right.
+    enc = codec.encode(v, v, head_axis=0, kv_head_count=4, head_dim=256)
+    want = compat.dequantize_v_fp8(*codec.decode(enc)[1:], _PLH, out_dtype=torch.float32, head_axis=-2)
+    assert torch.equal(_kvcodec_v(codec.to_bytes(enc)), want.reshape(1, 4, 256))
+    ok = compat.dequantize_v_fp8(*codec.decode(enc)[1:], _PLH, out_dtype=torch.float32)
+    assert (ok.reshape(4, 32, 8) - v.float()).abs().max() <= 10 / 448 * 16
+
+
+def test_caller_layout_per_page_head_fields_checked():
+    codec = compat.AsymK16V8Codec(scale_scope=_PPH)
+    v = _graded(4, 2, 16, 8)  # [pages, heads, slots, dim]: head before the slots
+    with pytest.raises(errors.UnsupportedConfigError, match="caller's layout"):
+        codec.encode(v, v, page_axis=0, head_axis=1, page_size=16, kv_head_count=2, head_dim=8, chunk_size=64)
+    # [pages, slots, heads, d1, d2]: token-major bytes with head_dim = d1*d2, so page_size must be the slots.
+    v5 = _graded(3, 4, 2, 2, 8)
+    with pytest.raises(errors.UnsupportedConfigError, match="page_size"):
+        codec.encode(v5, v5, page_axis=0, head_axis=2, page_size=5, kv_head_count=2, head_dim=16, chunk_size=15)
+    enc = codec.encode(v5, v5, page_axis=0, head_axis=2, page_size=4, kv_head_count=2, head_dim=16, chunk_size=12)
+    s = codec.decode(enc)[2]
+    want = compat.dequantize_v_fp8(codec.decode(enc)[1].reshape(v5.shape), s, _PPH, out_dtype=torch.float32,
+                                   head_axis=2, page_axis=0)  # fmt: skip
+    assert torch.equal(_kvcodec_v(codec.to_bytes(enc)), want.reshape(12, 2, 16))
+    # Without head fields kvcodec's decoder cannot regroup, so LMCache's header stays as given.
+    assert codec.encode(v, v, page_axis=0, head_axis=1, page_size=16).page_size == 16
+
+
+# ----------------------------------------------------------------------------
+# Review B9: only CodecError subclasses escape
+# ----------------------------------------------------------------------------
+
+
+def _escapes():
+    k = torch.randn(4, 16, 2, 8, dtype=torch.float16)
+    c = compat.AsymK16V8Codec(scale_scope=_PPH)
+    enc = c.encode(k, k, page_axis=0)
+    S = compat.ScaleScope
+    return {
+        "decode(device='bogus')": lambda: c.decode(enc, device="bogus"),
+        "decode(out_v_dtype='float16')": lambda: c.decode(enc, out_v_dtype="float16"),
+        "decode(out_k_dtype='float16')": lambda: c.decode(enc, out_k_dtype="float16"),
+        "decode(not an EncodedKV)": lambda: c.decode(b"LMCKV"),
+        "AsymK16V8Codec(scale_scope=9)": lambda: compat.AsymK16V8Codec(scale_scope=9).encode(k, k),
+        "AsymK16V8Codec(scale_scope='x')": lambda: compat.AsymK16V8Codec(scale_scope="x"),
+        "AsymK16V8Codec(scale_dtype='float32')": lambda: compat.AsymK16V8Codec(scale_dtype="float32"),
+        "encode(list, list)": lambda: c.encode([1], [1]),
+        "encode(head_axis=9)": lambda: compat.AsymK16V8Codec().encode(k, k, head_axis=9),
+        "encode(head_axis='1')": lambda: compat.AsymK16V8Codec(scale_scope=_PLH).encode(k, k, head_axis="1"),
+        "quantize_v_fp8(scales=[1.0])": lambda: compat.quantize_v_fp8(k, [1.0], S.PER_TENSOR),
+        "quantize_v_fp8(3 scales, 2 heads)": lambda: compat.quantize_v_fp8(k, torch.ones(3), S.PER_LAYER_HEAD),
+        "quantize_v_fp8(page_axis=head_axis)": lambda: compat.quantize_v_fp8(
+            k, torch.ones(2, 2), S.PER_PAGE_HEAD, page_axis=2
+        ),
+        "quantize_v_fp8(list)": lambda: compat.quantize_v_fp8([1.0], torch.ones(()), S.PER_TENSOR),
+        "quantize_v_fp8(0-d V)": lambda: compat.quantize_v_fp8(torch.tensor(1.0), torch.ones(2), S.PER_LAYER_HEAD),
+        "dequantize_v_fp8(out_dtype='float16')": lambda: compat.dequantize_v_fp8(
+            k.to(torch.float8_e4m3fn), torch.ones(()), S.PER_TENSOR, out_dtype="float16"
+        ),
+        "compute_v_scales(list)": lambda: compat.compute_v_scales([1.0], S.PER_TENSOR),
+        "compute_v_scales(scope=None)": lambda: compat.compute_v_scales(k, None),
+    }
+
+
+@pytest.mark.parametrize("name", list(_escapes()))
+def test_only_codec_errors_escape(name):
+    with pytest.raises(errors.CodecError):
+        _escapes()[name]()
+
+
+def test_codec_validates_its_config_at_construction():
+    with pytest.raises(errors.UnsupportedConfigError, match="scale_scope"):
+        compat.AsymK16V8Codec(scale_scope=9)
+    with pytest.raises(errors.UnsupportedConfigError, match="scale_scope"):
+        compat.AsymK16V8Codec(scale_scope=compat.ScaleScope.NONE)  # not one of LMCache's scopes
+    with pytest.raises(errors.UnsupportedConfigError, match="scale_dtype"):
+        compat.AsymK16V8Codec(scale_dtype=torch.bfloat16)
+    assert compat.AsymK16V8Codec(scale_scope=2).scale_scope == compat.ScaleScope.PER_PAGE_HEAD
+
+
+# ----------------------------------------------------------------------------
+# Review D6: the primitives and the caller-layout encode go through the dispatcher
+# ----------------------------------------------------------------------------
+
+
+def _caller_layout_encode():
+    v = _graded(4, 32, 8)
+    return compat.AsymK16V8Codec(scale_scope=_PLH).encode(v, v, head_axis=0)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: compat.quantize_v_fp8(_graded(8, 2, 4), torch.ones(2), _PLH),
+        lambda: compat.dequantize_v_fp8(_graded(8, 2, 4).to(torch.float8_e4m3fn), torch.ones(2), _PLH),
+        _caller_layout_encode,
+    ],
+    ids=["quantize", "dequantize", "caller-layout encode"],
+)
+def test_primitives_honour_the_backend_choice(call, monkeypatch):
+    """KVCODEC_BACKEND is read by kvcodec.backends.select: a bad name shows the dispatcher is asked."""
+    monkeypatch.setenv("KVCODEC_BACKEND", "no-such-backend")
+    with pytest.raises(errors.UnsupportedConfigError, match="unknown backend"):
+        call()
+    monkeypatch.setenv("KVCODEC_BACKEND", "torch")
+    ref = call()
+    monkeypatch.delenv("KVCODEC_BACKEND")
+    got = call()
+    if isinstance(got, torch.Tensor):
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got, ref.view(torch.uint8)
+                           if ref.element_size() == 1 else ref)  # fmt: skip
+    else:
+        assert compat.AsymK16V8Codec().to_bytes(got) == compat.AsymK16V8Codec().to_bytes(ref)
+
+
+def test_declined_primitive_falls_back_in_the_dispatcher():
+    from kvcodec import backends
+    from kvcodec.backends import cpu
+
+    if not cpu.AVAILABLE:
+        pytest.skip(f"the C loops are not built: {cpu.REASON}")
+
+    def count() -> int:
+        return sum(f["count"] for f in backends.backend_info()["fallbacks"] if f["op"] == "quantize")
+
+    before = count()
+    v = _graded(8, 2, 4)
+    q = compat.quantize_v_fp8(v, torch.ones(2), _PLH, fp8_dtype=torch.float8_e5m2)  # e5m2: no C loops
+    assert count() == before + 1
+    assert torch.equal(q.view(torch.uint8), v.float().clamp(-57344, 57344).to(torch.float8_e5m2).view(torch.uint8))

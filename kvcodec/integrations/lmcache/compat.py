@@ -4,7 +4,22 @@ Names, signatures, defaults and error types follow LMCache so connector code
 runs unchanged; the work is done by :mod:`kvcodec.format`, :mod:`kvcodec.backends`
 and :mod:`kvcodec.codec`. Differences are deliberate fixes: decode restores
 ``[tokens, heads, head_dim]`` shapes when the header carries the layout and
-dequantizes every scope; the parser refuses malformed blobs LMCache accepts.
+dequantizes every scope; the parser refuses malformed blobs LMCache accepts;
+V is quantized by kvcodec's backends (the C loops on CPU, Triton on CUDA),
+chosen and fallen back from in :mod:`kvcodec.backends` only.
+
+Errors: everything this module raises on purpose is a :class:`CodecError`
+subclass under LMCache's names. Where LMCache lets a plain exception escape
+(``AttributeError`` for a list in place of a tensor, ``RuntimeError`` for a bad
+``device`` or a scale count that does not fit, ``ValueError`` for an unknown
+scope number), this module raises :class:`UnsupportedConfigError` instead, and
+it checks the codec's scope and scale dtype when the codec is built, not at its
+first encode. One deliberate difference in what is accepted: a header is never
+written whose layout fields would make kvcodec's decoder dequantize V under
+groups other than those V was quantized in (a PER_PAGE_HEAD ``page_size`` other
+than the page axis's length; ``kv_head_count``/``head_dim`` that do not describe
+a caller layout's bytes), so those encodes raise UnsupportedConfigError. NaN or
+Inf in V is refused in every layout, as kvcodec's own encode does.
 
 ``install()`` registers this module as ``lmcache.v1.kv_codec`` (and its
 ``encoded_kv``, ``errors`` and ``asym_k16_v8`` submodules) in ``sys.modules``.
@@ -13,6 +28,7 @@ dequantizes every scope; the parser refuses malformed blobs LMCache accepts.
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import sys
 import types
@@ -22,9 +38,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from ... import backends
 from ...backends import reference as _ref
 from ...codec import DecodeRequest, EncodeSpec, check_hashes, decode_parsed, plan_encode
-from ...codec.dtypes import KDTYPES, to_torch
+from ...codec.dtypes import KDTYPES, SCALE_DTYPES, to_torch
 from ...codec.encode import seal, write_payload
 from ...errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
 from ...format import (
@@ -298,34 +315,74 @@ def _fp8_max(dtype: torch.dtype) -> float:
     return fp8_max(dtype)
 
 
+def _tensor(x: Any, what: str) -> torch.Tensor:
+    """``x`` itself when it is a tensor (LMCache would fail on it with an AttributeError)."""
+    if not isinstance(x, torch.Tensor):
+        raise UnsupportedConfigError(f"{what} must be a torch.Tensor; got {type(x).__name__}")
+    return x
+
+
+def _dtype(x: Any, what: str) -> torch.dtype:
+    if not isinstance(x, torch.dtype):
+        raise UnsupportedConfigError(f"{what} must be a torch.dtype; got {x!r}")
+    return x
+
+
+def _device(device: Any) -> torch.device:
+    """LMCache's ``device or cpu``, a bad device named as a config error."""
+    try:
+        return torch.device(device) if device is not None else torch.device("cpu")
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise UnsupportedConfigError(f"decode: bad device {device!r}: {e}") from None
+
+
+_LMCACHE_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD, ScaleScope.EXTERNAL)
+
+
+def _lm_scope(scope: Any, what: str = "scope") -> ScaleScope:
+    """One of LMCache's four scopes (an enum member or its value)."""
+    if isinstance(scope, bool) or not isinstance(scope, int) or scope not in {int(s) for s in _LMCACHE_SCOPES}:
+        raise UnsupportedConfigError(f"unsupported {what}: {scope!r}; expected one of {[s.name for s in _LMCACHE_SCOPES]}")
+    return ScaleScope(scope)
+
+
+def _axis(axis: Any, nd: int, what: str) -> int:
+    """``axis`` of an ``nd``-D tensor as a non-negative index."""
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -nd <= axis < nd:
+        raise UnsupportedConfigError(f"{what}={axis!r} is not an axis of a {nd}-D tensor")
+    return axis % nd
+
+
 def _canon(
-    x: torch.Tensor, scope: Any, head_axis: int, page_axis: int | None, who: str
+    x: Any, scope: Any, head_axis: Any, page_axis: Any, who: str
 ) -> tuple[torch.Tensor, ScaleScope, int | None, tuple[int, ...], list[int]]:
     """View ``x`` as kvcodec's [tokens, heads, dim] such that LMCache's groups map onto ours.
 
     Returns the 3-D tensor, the scope, the page size to use (one page per
     index of LMCache's page axis), the moved shape and the permutation to undo.
     """
-    try:
-        scope = ScaleScope(scope)
-    except ValueError:
-        raise UnsupportedConfigError(f"unsupported scope: {scope}") from None
+    x = _tensor(x, f"{who}: the tensor").detach()
+    scope = _lm_scope(scope)
     nd = x.dim()
     if scope == ScaleScope.PER_TENSOR:
         return x.reshape(1, 1, -1), scope, None, tuple(x.shape), list(range(nd))
-    head = head_axis % nd
+    if scope == ScaleScope.EXTERNAL:
+        raise UnsupportedConfigError(f"{who}: unsupported scope: {scope}")
+    if nd == 0:
+        raise UnsupportedConfigError(f"{who}({scope.name}) needs a tensor with a head axis; got a 0-D one")
+    head = _axis(head_axis, nd, "head_axis")
     if scope == ScaleScope.PER_LAYER_HEAD:
         order = [head] + [d for d in range(nd) if d != head]
         y = x.permute(order)
         return y.reshape(1, x.shape[head], -1), scope, None, tuple(y.shape), order
-    if scope == ScaleScope.PER_PAGE_HEAD:
-        if page_axis is None:
-            raise UnsupportedConfigError(f"{who}(PER_PAGE_HEAD) requires page_axis")
-        page = page_axis % nd
-        order = [page, head] + [d for d in range(nd) if d not in (page, head)]
-        y = x.permute(order)
-        return y.reshape(x.shape[page], x.shape[head], -1), scope, 1, tuple(y.shape), order
-    raise UnsupportedConfigError(f"unsupported scope: {scope}")
+    if page_axis is None:
+        raise UnsupportedConfigError(f"{who}(PER_PAGE_HEAD) requires page_axis")
+    page = _axis(page_axis, nd, "page_axis")
+    if page == head:
+        raise UnsupportedConfigError(f"{who}(PER_PAGE_HEAD): page_axis and head_axis are the same axis ({page})")
+    order = [page, head] + [d for d in range(nd) if d not in (page, head)]
+    y = x.permute(order)
+    return y.reshape(x.shape[page], x.shape[head], -1), scope, 1, tuple(y.shape), order
 
 
 def _uncanon(y3: torch.Tensor, moved: tuple[int, ...], order: list[int]) -> torch.Tensor:
@@ -333,6 +390,25 @@ def _uncanon(y3: torch.Tensor, moved: tuple[int, ...], order: list[int]) -> torc
     for i, d in enumerate(order):
         inv[d] = i
     return y3.reshape(moved).permute(inv).contiguous()
+
+
+def _scales_for(scales: Any, x3: torch.Tensor, scope: ScaleScope, page_size: int | None, who: str) -> torch.Tensor:
+    """The caller's scales shaped as kvcodec's for the canonical ``x3``, on its device."""
+    s = _tensor(scales, f"{who}: scales")
+    shape = scale_shape(scope, x3.shape[0], x3.shape[1], page_size)
+    if s.numel() != math.prod(shape):
+        raise UnsupportedConfigError(
+            f"{who}: {s.numel()} scales given; {scope.name} over this tensor has {math.prod(shape)} {shape}"
+        )
+    return s.detach().to(x3.device).reshape(shape)
+
+
+def _dispatch(op: str, x3: torch.Tensor, scales: torch.Tensor, groups: backends.Groups, out_dtype: torch.dtype) -> torch.Tensor:
+    """``op`` (quantize / dequantize) by the backend kvcodec picks for ``x3``'s device."""
+    out = torch.empty(x3.shape, dtype=out_dtype, device=x3.device)
+    if x3.numel() == 0:
+        return out
+    return backends.call(backends.select(None, x3.device), op, x3, scales, groups, out=out)
 
 
 def compute_v_scales(
@@ -349,8 +425,9 @@ def compute_v_scales(
         raise UnsupportedConfigError(
             "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them."
         )
-    v3, sc, ps, _, _ = _canon(v.detach(), scope, head_axis, page_axis, "compute_v_scales")
-    # Quietly like LMCache: NaN/Inf groups give whatever the formula gives.
+    v3, sc, ps, _, _ = _canon(v, scope, head_axis, page_axis, "compute_v_scales")
+    # Quietly like LMCache: NaN/Inf groups give whatever the formula gives. Torch
+    # reductions only (no backend computes scales without also quantizing).
     s = amax_to_scale(_ref.reduce_groups(_ref.token_head_amax(v3), sc, ps), qmax)
     return s.reshape(()) if sc == ScaleScope.PER_TENSOR else s
 
@@ -366,9 +443,9 @@ def quantize_v_fp8(
 ) -> torch.Tensor:
     """FP8 of ``v`` under ``scales`` (saturating), same shape as ``v``."""
     _fp8_max(fp8_dtype)
-    v3, sc, ps, moved, order = _canon(v.detach(), scope, head_axis, page_axis, "quantize_v_fp8")
-    s = scales.reshape(scale_shape(sc, v3.shape[0], v3.shape[1], ps))
-    return _uncanon(_ref.quantize(v3, s, sc, page_size=ps, fp8_dtype=fp8_dtype), moved, order)
+    v3, sc, ps, moved, order = _canon(v, scope, head_axis, page_axis, "quantize_v_fp8")
+    s = _scales_for(scales, v3, sc, ps, "quantize_v_fp8")
+    return _uncanon(_dispatch("quantize", v3, s, backends.Groups(sc, ps, fp8_dtype), fp8_dtype), moved, order)
 
 
 def dequantize_v_fp8(
@@ -381,9 +458,12 @@ def dequantize_v_fp8(
     page_axis: int | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_v_fp8`, in ``out_dtype``."""
-    q3, sc, ps, moved, order = _canon(q.detach(), scope, head_axis, page_axis, "dequantize_v_fp8")
-    s = scales.to(q.device).reshape(scale_shape(sc, q3.shape[0], q3.shape[1], ps))
-    return _uncanon(_ref.dequantize(q3, s, sc, page_size=ps, out_dtype=out_dtype), moved, order)
+    out_dtype = _dtype(out_dtype, "dequantize_v_fp8: out_dtype")
+    q3, sc, ps, moved, order = _canon(q, scope, head_axis, page_axis, "dequantize_v_fp8")
+    if q3.dtype not in FP8_DTYPES:
+        raise UnsupportedConfigError(f"dequantize_v_fp8: codes must be an FP8 dtype; got {q3.dtype}")
+    s = _scales_for(scales, q3, sc, ps, "dequantize_v_fp8")
+    return _uncanon(_dispatch("dequantize", q3, s, backends.Groups(sc, ps, q3.dtype), out_dtype), moved, order)
 
 
 # ----------------------------------------------------------------------------
@@ -417,9 +497,13 @@ class AsymK16V8Codec:
             raise UnsupportedConfigError(
                 "float8_e5m2 is reserved-but-not-implemented in v1; use float8_e4m3fn"
             )
+        if scale_dtype not in SCALE_DTYPES:
+            raise UnsupportedConfigError(
+                f"AsymK16V8Codec: scale_dtype must be one of {[str(d) for d in SCALE_DTYPES]}; got {scale_dtype!r}"
+            )
         self.fp8_dtype = fp8_dtype
         self.scale_dtype = scale_dtype
-        self.scale_scope = scale_scope
+        self.scale_scope = _lm_scope(scale_scope, "AsymK16V8Codec scale_scope")
 
     def encode(
         self,
@@ -439,11 +523,12 @@ class AsymK16V8Codec:
         precomputed_v_quant: torch.Tensor | None = None,
     ) -> EncodedKV:
         """Encode (K, V) into an EncodedKV; unset layout fields are filled from the tensors."""
+        k, v = _tensor(k, "encode: K"), _tensor(v, "encode: V")
         if k.shape != v.shape:
             raise UnsupportedConfigError(
                 f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(v.shape)}"
             )
-        scope = ScaleScope(self.scale_scope)
+        scope = _lm_scope(self.scale_scope, "AsymK16V8Codec scale_scope")
         if precomputed_v_quant is not None and precomputed_v_scales is None:
             raise UnsupportedConfigError("encode: precomputed_v_quant requires precomputed_v_scales")
         if precomputed_v_quant is None and scope == ScaleScope.EXTERNAL:
@@ -486,16 +571,15 @@ class AsymK16V8Codec:
         """LMCache's own semantics for layouts that are not token-major: bytes in the caller's
         layout (``.contiguous()``), layout fields only as given, so a caller's reshape to its
         shape restores the data exactly as with LMCache."""
-        kw = {"head_axis": head_axis, "page_axis": page_axis}
         if pre_quant is not None:
-            if pre_quant.dtype != self.fp8_dtype:
+            if _tensor(pre_quant, "encode: precomputed_v_quant").dtype != self.fp8_dtype:
                 raise UnsupportedConfigError(
                     f"encode: precomputed_v_quant dtype {pre_quant.dtype} != codec {self.fp8_dtype}"
                 )
-            q, scales = pre_quant, torch.as_tensor(pre_scales).to(self.scale_dtype)
+            q, scales = pre_quant, _tensor(pre_scales, "encode: precomputed_v_scales").to(self.scale_dtype)
         else:
-            scales = compute_v_scales(v, scope, fp8_dtype=self.fp8_dtype, **kw).to(self.scale_dtype)
-            q = quantize_v_fp8(v, scales, scope, fp8_dtype=self.fp8_dtype, **kw)
+            _check_caller_fields(v, scope, head_axis, page_axis, given)
+            q, scales = self._quantize_caller_layout(v, scope, head_axis, page_axis)
         if k.dtype not in KDTYPES:
             raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
         parts = [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy() for t in (k, q, scales)]
@@ -506,8 +590,23 @@ class AsymK16V8Codec:
         )  # fmt: skip
         return _from_parsed(_parse_own(_assemble(h, *parts)), hashes)
 
+    def _quantize_caller_layout(
+        self, v: torch.Tensor, scope: ScaleScope, head_axis: int, page_axis: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 codes of ``v`` in its own layout and their scales, by one backend ``encode_v`` call."""
+        v3, sc, ps, moved, order = _canon(v, scope, head_axis, page_axis, "encode")
+        q3 = torch.empty(v3.shape, dtype=self.fp8_dtype, device=v3.device)
+        if v3.numel() == 0:
+            scales = compute_v_scales(v, scope, fp8_dtype=self.fp8_dtype, head_axis=head_axis, page_axis=page_axis)
+            return _uncanon(q3, moved, order), scales.to(self.scale_dtype)
+        groups = backends.Groups(sc, ps, self.fp8_dtype)
+        be = backends.select(None, v3.device)
+        scales = backends.call(be, "encode_v", v3, groups, scale_dtype=self.scale_dtype, nonfinite="error", out=q3)
+        return _uncanon(q3, moved, order), scales.reshape(()) if sc == ScaleScope.PER_TENSOR else scales
+
     def to_bytes(self, enc: EncodedKV) -> bytes:
         """Header + payload as ``bytes``."""
+        _check_enc(enc)
         if enc.header_bytes is None:
             enc.header_bytes = serialize_header(enc)
         if enc._blob is not None:
@@ -538,6 +637,11 @@ class AsymK16V8Codec:
         device: torch.device | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(K, V raw or dequantized, scales); shaped [tokens, heads, head_dim] when the header says."""
+        _check_enc(enc)
+        for name, dt in (("out_k_dtype", out_k_dtype), ("out_v_dtype", out_v_dtype)):
+            if dt is not None:
+                _dtype(dt, f"decode: {name}")
+        dev = _device(device)
         if out_v_dtype is not None and out_v_dtype != enc.v_dtype and not out_v_dtype.is_floating_point:
             raise UnsupportedConfigError(f"decode: out_v_dtype {out_v_dtype} is not floating-point")
         h = _header_of(enc)
@@ -548,7 +652,7 @@ class AsymK16V8Codec:
             )
         _check_decodable(h)
         req = DecodeRequest(
-            device=torch.device(device) if device is not None else torch.device("cpu"),
+            device=dev,
             out_v_dtype=None if out_v_dtype in (None, enc.v_dtype) else out_v_dtype,
             copy=True,
         )
@@ -574,6 +678,12 @@ def _check_decodable(h: Header) -> None:
 def _encode_once(k: torch.Tensor, v: torch.Tensor, spec: EncodeSpec, fields: dict[str, int]) -> EncodedKV:
     """One encode pass: plan with kvcodec, apply the caller's layout fields to the header, write, seal once."""
     plan = plan_encode(k, v, spec)
+    given_ps = fields.get("page_size", plan.groups.page_size)
+    if plan.header.scale_scope == ScaleScope.PER_PAGE_HEAD and given_ps != plan.groups.page_size:
+        raise UnsupportedConfigError(
+            f"encode: page_size={given_ps} but V's pages (page_axis) hold {plan.groups.page_size} tokens, "
+            "and PER_PAGE_HEAD scales are read by that page size"
+        )
     if fields:
         plan.header = plan.header.replace(**fields)
         _check_fields(plan.header)
@@ -606,6 +716,56 @@ def _check_fields(h: Header) -> None:
         check_consistency(h)
     except CorruptEncodedKVError as e:
         raise UnsupportedConfigError(f"the layout fields given make an inconsistent blob: {e}") from None
+
+
+def _check_enc(enc: Any) -> None:
+    if not isinstance(enc, EncodedKV):
+        raise UnsupportedConfigError(f"expected an EncodedKV; got {type(enc).__name__}")
+
+
+def _caller_reading(
+    v: torch.Tensor, scope: ScaleScope, head: int, page: int | None
+) -> dict[str, int] | None:
+    """The layout fields under which kvcodec's decoder, reading ``v``'s contiguous bytes as
+    token-major ``[tokens, heads, head_dim]``, finds V's scale groups (None: no such fields).
+
+    Axes before the head axis are tokens, axes after it head_dim; per page-head,
+    the page axis must lead and the axes between it and the head are the page's tokens.
+    """
+    shape = tuple(v.shape)
+    fields = {"kv_head_count": shape[head], "head_dim": math.prod(shape[head + 1 :])}
+    if scope == ScaleScope.PER_PAGE_HEAD:
+        if page != 0 or head < page:
+            return None
+        fields["page_size"] = math.prod(shape[1:head])
+    return fields
+
+
+def _check_caller_fields(
+    v: torch.Tensor, scope: ScaleScope, head_axis: int, page_axis: int | None, given: dict[str, int]
+) -> None:
+    """Refuse layout fields that would make kvcodec's decoder regroup a caller-layout V wrongly.
+
+    The decoder dequantizes per-head scopes only when kv_head_count and head_dim
+    are both set; then they (and page_size) must describe the bytes as they lie.
+    """
+    if scope not in (ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
+        return
+    if given.get("kv_head_count", -1) == -1 or given.get("head_dim", -1) == -1:
+        return
+    nd = v.dim()
+    head = _axis(head_axis, nd, "head_axis")
+    page = _axis(page_axis, nd, "page_axis") if scope == ScaleScope.PER_PAGE_HEAD else None
+    want = _caller_reading(v, scope, head, page)
+    bad = None if want is None else {n: x for n, x in want.items() if given.get(n, -1) not in (-1, x)}
+    if want is None or bad:
+        fit = "no layout fields describe it" if want is None else f"the fields that describe it are {want}"
+        raise UnsupportedConfigError(
+            f"encode: V is stored in the caller's layout {tuple(v.shape)} (head_axis={head_axis}, "
+            f"page_axis={page_axis}); kv_head_count/head_dim/page_size {given} would make kvcodec's decoder "
+            f"read it as [tokens, heads, head_dim] under the wrong {scope.name} groups; {fit}. "
+            "Pass V token-major, or leave kv_head_count/head_dim unset"
+        )
 
 
 def _token_major(v: torch.Tensor, head_axis: int, page_axis: int | None) -> bool:
