@@ -157,81 +157,56 @@ def _check_layout_int(name: str, value: int, minimum: int) -> None:
         )
 
 
-def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistency: bool = True) -> ParsedBlob:
-    """Parse and validate an LMCKV blob without copying its payload.
-
-    ``buf`` is any C-contiguous buffer (bytes, bytearray, memoryview, mmap,
-    numpy array, ...). ``strict`` refuses trailing bytes after the payload in
-    version 1 (version 2 always refuses them). ``verify_crc=False`` skips the
-    checksum (for callers who verified it already). ``consistency=False``
-    stops after step 3 (a header-level parse, as LMCache's ``deserialize_header``
-    is); decoding such a blob is still checked.
-    """
-    mv = as_bytes_view(buf)
-    r = _Reader(mv)
-    (
-        magic,
-        version,
-        scope_id,
-        k_id,
-        v_id,
-        s_id,
-        reserved,
-        layer_id,
-        chunk_id,
-        chunk_size,
-        page_size,
-        kv_head_count,
-        head_dim,
-        n_scale,
-    ) = r.unpack(_FIXED, "fixed header")
+def _read_fixed(r: _Reader) -> tuple[dict[str, Any], int]:
+    """Step 1: the fixed fields, each checked against its table or limit; also the scale dim count."""
+    (magic, version, scope_id, k_id, v_id, s_id, reserved, layer_id, chunk_id, chunk_size, page_size,
+     kv_head_count, head_dim, n_scale) = r.unpack(_FIXED, "fixed header")  # fmt: skip
     if magic != MAGIC:
         raise CorruptEncodedKVError(f"bad magic: expected {MAGIC!r}, found {bytes(magic)!r}")
     if version not in SUPPORTED_VERSIONS:
-        raise CorruptEncodedKVError(
-            f"unknown header version {version}; expected one of {SUPPORTED_VERSIONS}"
-        )
+        raise CorruptEncodedKVError(f"unknown header version {version}; expected one of {SUPPORTED_VERSIONS}")
     max_scope = ScaleScope.NONE if version >= 2 else ScaleScope.EXTERNAL
     if not 0 <= scope_id <= max_scope:
         raise CorruptEncodedKVError(
-            f"unknown scale_scope id {scope_id} for header version {version}; "
-            f"expected 0..{int(max_scope)}"
+            f"unknown scale_scope id {scope_id} for header version {version}; expected 0..{int(max_scope)}"
         )
-    scope = ScaleScope(scope_id)
-    k_dtype = id_to_dtype(k_id, "k_dtype")
-    v_dtype = id_to_dtype(v_id, "v_dtype")
-    s_dtype = id_to_dtype(s_id, "scale_dtype")
-    if version == 1:
-        if reserved != 0:
-            raise CorruptEncodedKVError(f"reserved field is {reserved}; expected 0 in version 1")
-        scheme = ScaleScheme.COMPUTED
-    else:
-        if reserved not in (0, 1):
-            raise CorruptEncodedKVError(f"unknown scale scheme {reserved}; expected 0 or 1")
-        scheme = ScaleScheme(reserved)
+    if version == 1 and reserved != 0:
+        raise CorruptEncodedKVError(f"reserved field is {reserved}; expected 0 in version 1")
+    if reserved not in (0, 1):
+        raise CorruptEncodedKVError(f"unknown scale scheme {reserved}; expected 0 or 1")
     if not 0 <= n_scale <= MAX_SCALE_DIMS:
-        raise CorruptEncodedKVError(
-            f"scale_shape_n={n_scale} out of range: expected 0..{MAX_SCALE_DIMS}"
-        )
+        raise CorruptEncodedKVError(f"scale_shape_n={n_scale} out of range: expected 0..{MAX_SCALE_DIMS}")
     if layer_id < -1 or chunk_id < -1:
-        raise CorruptEncodedKVError(
-            f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 (unset) or >= 0"
-        )
+        raise CorruptEncodedKVError(f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 (unset) or >= 0")
     _check_layout_int("chunk_size", chunk_size, 0)
     _check_layout_int("page_size", page_size, 1)
     _check_layout_int("kv_head_count", kv_head_count, 1)
     _check_layout_int("head_dim", head_dim, 1)
+    fields = {
+        "k_dtype": id_to_dtype(k_id, "k_dtype"), "v_dtype": id_to_dtype(v_id, "v_dtype"),
+        "scale_dtype": id_to_dtype(s_id, "scale_dtype"), "scale_scope": ScaleScope(scope_id),
+        "version": version, "scale_scheme": ScaleScheme(reserved), "layer_id": layer_id, "chunk_id": chunk_id,
+        "chunk_size": chunk_size, "page_size": page_size, "kv_head_count": kv_head_count, "head_dim": head_dim,
+    }  # fmt: skip
+    return fields, n_scale
 
+
+def _read_sizes(r: _Reader, n_scale: int) -> dict[str, Any]:
+    """Step 2a: scale dims and section lengths, each within its limit."""
     scale_shape = r.unpack(_SHAPE_STRUCTS[n_scale], "scale_shape")
     for i, d in enumerate(scale_shape):
         if not 0 <= d <= MAX_DIM:
             raise CorruptEncodedKVError(f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}")
-
-    k_len, v_len, s_len = r.unpack(_LENS, "payload lengths")
-    for name, n in (("k_payload_len", k_len), ("v_payload_len", v_len), ("scale_payload_len", s_len)):
+    lens = r.unpack(_LENS, "payload lengths")
+    names = ("k_payload_len", "v_payload_len", "scale_payload_len")
+    for name, n in zip(names, lens):
         if not 0 <= n <= MAX_PAYLOAD_LEN:
             raise CorruptEncodedKVError(f"{name}={n} out of range 0..{MAX_PAYLOAD_LEN}")
+    return {"scale_shape": tuple(scale_shape), **dict(zip(names, lens))}
 
+
+def _read_hashes(r: _Reader) -> tuple[Hashes, tuple[tuple[str, str], ...]]:
+    """Step 2b: the (key, value) pairs: UTF-8, unique keys; the six known ones and any others."""
     (n_pairs,) = r.unpack(_U16, "hash count")
     if n_pairs > MAX_HASH_PAIRS:
         raise CorruptEncodedKVError(f"hash count {n_pairs} exceeds the limit of {MAX_HASH_PAIRS}")
@@ -250,60 +225,54 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
             known[key] = val
         else:
             unknown.append((key, val))
+    return Hashes(**known), tuple(unknown)
 
-    crc_off = r.off
-    (crc_stored,) = r.unpack(_U32, "payload CRC")
-    header_len = r.off
 
-    # Overflow-safe: compare each length against what remains, never a raw sum.
-    remaining = len(mv) - header_len
-    for name, n in (("K payload", k_len), ("V payload", v_len), ("scale payload", s_len)):
+def _trailing(n_buf: int, header_len: int, h: Header, strict: bool) -> int:
+    """Step 2c: each section against the bytes that remain (never a raw sum); the bytes left after."""
+    remaining = n_buf - header_len
+    for name, n in (("K payload", h.k_payload_len), ("V payload", h.v_payload_len), ("scale payload", h.scale_payload_len)):
         if n > remaining:
             raise CorruptEncodedKVError(
                 f"truncated {name}: header declares {n} bytes, only {remaining} remain "
-                f"(buffer is {len(mv)} bytes, header {header_len})"
+                f"(buffer is {n_buf} bytes, header {header_len})"
             )
         remaining -= n
-    payload_len = k_len + v_len + s_len
-    trailing = remaining
-    if trailing and (version >= 2 or strict):
+    if remaining and (h.version >= 2 or strict):
         raise CorruptEncodedKVError(
-            f"{trailing} trailing bytes after the payload (blob ends at "
-            f"{header_len + payload_len}, buffer is {len(mv)} bytes)"
+            f"{remaining} trailing bytes after the payload (blob ends at "
+            f"{header_len + h.payload_len}, buffer is {n_buf} bytes)"
         )
+    return remaining
 
-    header = Header(
-        k_dtype=k_dtype,
-        v_dtype=v_dtype,
-        scale_dtype=s_dtype,
-        scale_scope=scope,
-        version=version,
-        scale_scheme=scheme,
-        layer_id=layer_id,
-        chunk_id=chunk_id,
-        chunk_size=chunk_size,
-        page_size=page_size,
-        kv_head_count=kv_head_count,
-        head_dim=head_dim,
-        scale_shape=tuple(scale_shape),
-        k_payload_len=k_len,
-        v_payload_len=v_len,
-        scale_payload_len=s_len,
-        hashes=Hashes(**known),
-    )
 
+def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistency: bool = True) -> ParsedBlob:
+    """Parse and validate an LMCKV blob without copying its payload.
+
+    ``buf`` is any C-contiguous buffer (bytes, bytearray, memoryview, mmap,
+    numpy array, ...). ``strict`` refuses trailing bytes after the payload in
+    version 1 (version 2 always refuses them). ``verify_crc=False`` skips the
+    checksum (for callers who verified it already). ``consistency=False``
+    stops after step 3 (a header-level parse, as LMCache's ``deserialize_header``
+    is); decoding such a blob is still checked.
+    """
+    mv = as_bytes_view(buf)
+    r = _Reader(mv)
+    fields, n_scale = _read_fixed(r)
+    fields.update(_read_sizes(r, n_scale))
+    hashes, unknown = _read_hashes(r)
+    header = Header(**fields, hashes=hashes)
+    crc_off = r.off
+    (crc_stored,) = r.unpack(_U32, "payload CRC")
+    header_len = r.off
+    trailing = _trailing(len(mv), header_len, header, strict)
     if verify_crc:
-        payload = mv[header_len : header_len + payload_len]
+        payload = mv[header_len : header_len + header.payload_len]
         check_crc(header, crc_stored, payload_crc(header, mv[:crc_off], (payload,)))
     if consistency:
         check_consistency(header)
     return ParsedBlob(
-        header=header,
-        buffer=mv,
-        header_len=header_len,
-        crc=crc_stored,
-        trailing=trailing,
-        unknown_hashes=tuple(unknown),
+        header=header, buffer=mv, header_len=header_len, crc=crc_stored, trailing=trailing, unknown_hashes=unknown
     )
 
 
