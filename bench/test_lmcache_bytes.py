@@ -93,3 +93,36 @@ def test_head_major_layout_byte_identical(scope):
     ref = ref_codec.to_bytes(ref_codec.encode(k, v, head_axis=0, layer_id=2))
     ours = KvCompat(scale_scope=getattr(lm.ScaleScope, scope).value)
     assert ours.to_bytes(ours.encode(k, v, head_axis=0, layer_id=2)) == ref
+
+
+def test_caller_layout_per_page_head_byte_identical():
+    """[pages, heads, slots, dim] (head before the slots, so bytes stay in the caller's layout),
+    an all-zero group included: scales and codes come from kvcodec's backends, bytes from LMCache."""
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(3, 4, 8, 16, generator=g).half()
+    v = (torch.randn(3, 4, 8, 16, generator=g) * torch.rand(1, 4, 1, 1, generator=g) * 40).half()
+    v[1, 2] = 0
+    kw = dict(head_axis=1, page_axis=0, layer_id=1, page_size=8)
+    ref_codec = lm.AsymK16V8Codec(scale_scope=lm.ScaleScope.PER_PAGE_HEAD)
+    ours = KvCompat(scale_scope=2)
+    assert ours.to_bytes(ours.encode(k, v, **kw)) == ref_codec.to_bytes(ref_codec.encode(k, v, **kw))
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_primitives_bit_identical_to_lmcache(scope, out_dtype):
+    """quantize_v_fp8 / dequantize_v_fp8 (now through kvcodec's dispatcher) against LMCache's, in
+    layouts that are not token-major (LMCache's own quantize fails when the head axis precedes the page axis)."""
+    from kvcodec.integrations.lmcache import compat
+
+    g = torch.Generator().manual_seed(8)
+    v = (torch.randn(4, 3, 8, 32, generator=g) * torch.rand(4, 1, 1, 1, generator=g) * 30).to(out_dtype)
+    kw = dict(head_axis=1, page_axis=0) if scope == "PER_PAGE_HEAD" else dict(head_axis=0)
+    s = lm.compute_v_scales(v, lm.ScaleScope[scope], **kw)
+    assert torch.equal(compat.compute_v_scales(v, getattr(lm.ScaleScope, scope).value, **kw), s)
+    q_ref = lm.quantize_v_fp8(v, s, lm.ScaleScope[scope], **kw)
+    q = compat.quantize_v_fp8(v, s, getattr(lm.ScaleScope, scope).value, **kw)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    dq_ref = lm.dequantize_v_fp8(q_ref, s, lm.ScaleScope[scope], out_dtype=out_dtype, **kw)
+    dq = compat.dequantize_v_fp8(q, s, getattr(lm.ScaleScope, scope).value, out_dtype=out_dtype, **kw)
+    assert torch.equal(dq, dq_ref)

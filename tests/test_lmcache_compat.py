@@ -317,6 +317,11 @@ def _graded(*shape: int, axis: int = 0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * ramp).half()
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within e4m3's rounding of each value (3 mantissa bits), plus its subnormal step here."""
+    assert ((got.float() - want.float()).abs() <= want.float().abs() / 16 + 1e-3).all()
+
+
 def _kvcodec_v(blob: bytes) -> torch.Tensor:
     import kvcodec
 
@@ -331,8 +336,7 @@ def test_per_page_head_page_size_must_be_the_pages_v_was_quantized_in():
             codec.encode(v, v, page_axis=0, page_size=wrong)
     enc = codec.encode(v, v, page_axis=0, page_size=16)
     assert enc.page_size == 16
-    got = _kvcodec_v(codec.to_bytes(enc))
-    assert (got - v.reshape(64, 2, 8).float()).abs().max() <= 10 / 448 * 16  # within one e4m3 step of the largest group
+    _close(_kvcodec_v(codec.to_bytes(enc)), v.reshape(64, 2, 8))
 
 
 def test_page_size_stays_as_given_where_no_decoder_groups_by_it():
@@ -355,7 +359,7 @@ def test_caller_layout_refuses_layout_fields_that_misgroup_v():
     want = compat.dequantize_v_fp8(*codec.decode(enc)[1:], _PLH, out_dtype=torch.float32, head_axis=-2)
     assert torch.equal(_kvcodec_v(codec.to_bytes(enc)), want.reshape(1, 4, 256))
     ok = compat.dequantize_v_fp8(*codec.decode(enc)[1:], _PLH, out_dtype=torch.float32)
-    assert (ok.reshape(4, 32, 8) - v.float()).abs().max() <= 10 / 448 * 16
+    _close(ok.reshape(4, 32, 8), v)
 
 
 def test_caller_layout_per_page_head_fields_checked():
@@ -478,3 +482,15 @@ def test_declined_primitive_falls_back_in_the_dispatcher():
     q = compat.quantize_v_fp8(v, torch.ones(2), _PLH, fp8_dtype=torch.float8_e5m2)  # e5m2: no C loops
     assert count() == before + 1
     assert torch.equal(q.view(torch.uint8), v.float().clamp(-57344, 57344).to(torch.float8_e5m2).view(torch.uint8))
+
+
+def test_nan_in_v_is_refused_in_every_layout():
+    """The caller-layout path now quantizes through encode_v, which refuses NaN as the token-major path does."""
+    v = _graded(4, 32, 8)
+    v[2, 5, 1] = float("nan")
+    for kw in ({"head_axis": 0}, {"head_axis": 0, "page_axis": 1}):
+        for scope in (_PLH, _PPH) if "page_axis" in kw else (_PLH, compat.ScaleScope.PER_TENSOR):
+            with pytest.raises(errors.UnsupportedConfigError, match=r"NaN|non-finite|Inf"):
+                compat.AsymK16V8Codec(scale_scope=scope).encode(v, v, **kw)
+    with pytest.raises(errors.UnsupportedConfigError):
+        compat.AsymK16V8Codec(scale_scope=_PLH).encode(v.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())

@@ -80,11 +80,67 @@ def test_layer_ids():
         ({"root": "/x", "chunk_sise": 3}, "unknown kv_connector_extra_config keys"),
         ({"root": "/x", "chunk_size": 0}, "chunk_size"),
         ({"root": "/x", "page_size": True}, "page_size"),
+        # review B10: every key is checked when the connector starts, not per chunk
+        ({"root": 5}, "root"),
+        ({"root": "/x", "scope": "bogus"}, "scope"),
+        ({"root": "/x", "scope": "external"}, "scope"),
+        ({"root": "/x", "scope": "raw"}, "scope"),
+        ({"root": "/x", "scope": 3}, "scope"),
+        ({"root": "/x", "scope": None}, "scope"),
+        ({"root": "/x", "fsync": "no"}, "fsync"),
+        ({"root": "/x", "fsync": 1}, "fsync"),
+        ({"root": "/x", "model_id": 5}, "model_id"),
+        ({"root": "/x", "max_bytes": "10G"}, "max_bytes"),
+        ({"root": "/x", "max_bytes": 1.5}, "max_bytes"),
+        ({"root": "/x", "max_bytes": False}, "max_bytes"),
+        ({"root": "/x", "max_bytes": -1}, "max_bytes"),
+        ({"root": "/x", "chunk_size": 2.0}, "chunk_size"),
+        ({"root": "/x", "page_size": -16}, "page_size"),
+        ({"root": "/x", "Scope": "per_tensor"}, "unknown kv_connector_extra_config keys"),
+        ("root=/x", "kv_connector_extra_config"),
     ],
 )
 def test_config_refusals(extra, match):
     with pytest.raises(UnsupportedConfigError, match=match):
         KvcodecConfig.from_extra(extra)
+
+
+@pytest.mark.parametrize(
+    ("scope", "canonical"),
+    [("per_tensor", "per_tensor"), ("PER_LAYER_HEAD", "per_layer_head"), ("per_page_head", "per_page_head"),
+     (0, "per_tensor"), (2, "per_page_head")],
+)  # fmt: skip
+def test_config_accepts_the_computed_scopes(scope, canonical):
+    cfg = KvcodecConfig.from_extra({"root": "/x", "scope": scope, "fsync": True, "model_id": "m", "max_bytes": 10})
+    assert (cfg.scope, cfg.fsync, cfg.model_id, cfg.max_bytes) == (canonical, True, "m", 10)
+
+
+def test_config_defaults_are_valid():
+    cfg = KvcodecConfig.from_extra({"root": "/x"})
+    assert (cfg.scope, cfg.fsync, cfg.model_id, cfg.max_bytes) == ("per_page_head", False, None, None)
+
+
+def test_keys_module_never_imports_vllm():
+    """keys.py (and the config check) run in any venv: the connector's imports stay in connector.py."""
+    code = "import sys, kvcodec.integrations.vllm.keys\nassert not any(m.startswith('vllm') for m in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_bad_config_fails_when_the_connector_is_built(tmp_path):
+    """The engine fails at start: KvcodecConnector's constructor raises, before any chunk is saved."""
+    pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvcodec.integrations.vllm.connector import KvcodecConnector
+
+    for extra in ({"root": str(tmp_path), "scope": "bogus"}, {"root": str(tmp_path), "fsync": "no"}):
+        ktc = KVTransferConfig(kv_connector="KvcodecConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+        vcfg = SimpleNamespace(kv_transfer_config=ktc)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(UnsupportedConfigError):
+                KvcodecConnector(vcfg, role, _kv_config(_spec()))
 
 
 def _vllm_config(model="m", revision=None, cache_dtype="auto", rope_theta=10000.0):

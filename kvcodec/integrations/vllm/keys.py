@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-from kvcodec import UnsupportedConfigError
+from kvcodec import ScaleScope, UnsupportedConfigError
+from kvcodec.codec import resolve_scope
 
 __all__ = [
     "CacheGeometry",
@@ -36,6 +38,10 @@ _HASH_DOMAIN = b"kvcodec.vllm.prefix.v1\x00"
 # ----------------------------------------------------------------------------
 
 
+_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+"""The scopes a connector can write: scales computed from V (not external, not raw)."""
+
+
 @dataclass(frozen=True)
 class KvcodecConfig:
     """``kv_connector_extra_config``, validated."""
@@ -43,30 +49,64 @@ class KvcodecConfig:
     root: str
     chunk_size: int = 256
     scope: str = "per_page_head"
+    """Scale scope name (``per_tensor``, ``per_layer_head`` or ``per_page_head``; stored lower-case)."""
     page_size: int = 16
     model_id: str | None = None
     max_bytes: int | None = None
     fsync: bool = False
     """KV blobs can always be recomputed, so a machine crash may lose recent ones."""
 
+    def __post_init__(self) -> None:
+        """Check every field, so a bad config stops the engine at start, not every chunk save."""
+        if not isinstance(self.root, (str, os.PathLike)) or not os.fspath(self.root):
+            raise UnsupportedConfigError(
+                f'KvcodecConnector needs kv_connector_extra_config {{"root": "<store dir>"}}; got root={self.root!r}'
+            )
+        for name in ("chunk_size", "page_size"):
+            val = getattr(self, name)
+            if not _is_int(val) or val < 1:
+                raise UnsupportedConfigError(f"{name} must be an int >= 1; got {val!r}")
+        if self.max_bytes is not None and (not _is_int(self.max_bytes) or self.max_bytes < 1):
+            raise UnsupportedConfigError(f"max_bytes must be an int >= 1 or null; got {self.max_bytes!r}")
+        if type(self.fsync) is not bool:
+            raise UnsupportedConfigError(f"fsync must be true or false; got {self.fsync!r}")
+        if self.model_id is not None and not isinstance(self.model_id, str):
+            raise UnsupportedConfigError(f"model_id must be a string or null; got {self.model_id!r}")
+        object.__setattr__(self, "root", os.fspath(self.root))
+        object.__setattr__(self, "scope", _scope_name(self.scope))
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KvcodecConfig:
+        """The config from vLLM's ``kv_connector_extra_config``; unknown keys and bad values are refused."""
+        if extra is not None and not isinstance(extra, dict):
+            raise UnsupportedConfigError(f"kv_connector_extra_config must be a JSON object; got {type(extra).__name__}")
         extra = dict(extra or {})
         unknown = set(extra) - set(cls.__dataclass_fields__)
         if unknown:
             raise UnsupportedConfigError(
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
             )
-        if not extra.get("root"):
+        if "root" not in extra:
             raise UnsupportedConfigError(
                 'KvcodecConnector needs kv_connector_extra_config {"root": "<store dir>"}'
             )
-        cfg = cls(**extra)
-        for name in ("chunk_size", "page_size"):
-            val = getattr(cfg, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise UnsupportedConfigError(f"{name} must be an int >= 1; got {val!r}")
-        return cfg
+        return cls(**extra)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _scope_name(scope: Any) -> str:
+    """The lower-case name of a computed scope given by name or number (JSON has no enums)."""
+    if not isinstance(scope, str) and not _is_int(scope):
+        raise UnsupportedConfigError(f"scope must be a scope name; got {scope!r}")
+    sc = resolve_scope(scope)
+    if sc not in _SCOPES:
+        raise UnsupportedConfigError(
+            f"scope {scope!r} cannot be written by the connector; use one of {[s.name.lower() for s in _SCOPES]}"
+        )
+    return sc.name.lower()
 
 
 @dataclass(frozen=True)

