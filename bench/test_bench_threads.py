@@ -41,13 +41,23 @@ def _enc(kv: tuple[torch.Tensor, torch.Tensor]) -> bytearray:
     return encode(kv[0], kv[1], scope="per_page_head", page_size=PAGE)
 
 
-def test_pool_of_two_scales(benchmark) -> None:
+@pytest.mark.parametrize("buffers", ["fresh", "reused"])
+def test_pool_of_two_scales(benchmark, buffers: str) -> None:
+    """fresh: each blob a new bytearray (page faults included); reused: encode(..., out=) into kept buffers."""
     chunks = [_kv(CHUNK_T, i) for i in range(64)]
+    size = len(_enc(chunks[0]))
+    outs = [bytearray(size) for _ in chunks]
+
+    def one(i: int) -> object:
+        k, v = chunks[i]
+        kw = {"out": outs[i]} if buffers == "reused" else {}
+        return encode(k, v, scope="per_page_head", page_size=PAGE, **kw)
+
     pool = ThreadPoolExecutor(2)
     try:
-        serial = lambda: [_enc(c) for c in chunks]  # noqa: E731
-        pooled = lambda: list(pool.map(_enc, chunks))  # noqa: E731
-        assert pooled() == serial()
+        serial = lambda: [one(i) for i in range(64)]  # noqa: E731
+        pooled = lambda: list(pool.map(one, range(64)))  # noqa: E731
+        assert [bytes(b) for b in pooled()] == [bytes(b) for b in serial()]
         benchmark(pooled)
         med = interleaved({"one_thread": serial, "pool_of_2": pooled}, rounds=15)
     finally:

@@ -498,3 +498,24 @@ def test_k_fp32_accepted_bit_exact():
     k = torch.randn(8, 2, 8)
     res = decode(encode(k, k.half(), scope="per_tensor"))
     assert res.k.dtype == torch.float32 and torch.equal(res.k, k)
+
+
+def test_memoized_plans_give_the_blobs_a_fresh_plan_gives(monkeypatch):
+    """encode() reuses a layout's plan and header template across calls: ids, data and env still count."""
+    import importlib
+
+    encode_module = importlib.import_module("kvcodec.codec.encode")
+    k1, v1 = _kv(20, 2, 16, seed=1)
+    k2, v2 = _kv(20, 2, 16, seed=2)
+    encode_module._PLANS.clear()
+    encode(k1, v1, scope="per_page_head", page_size=8, layer_id=1, chunk_id=3)
+    hit = encode(k2, v2, scope="per_page_head", page_size=8, layer_id=2, chunk_id=4)
+    assert len(encode_module._PLANS) == 1
+    encode_module._PLANS.clear()
+    assert hit == encode(k2, v2, scope="per_page_head", page_size=8, layer_id=2, chunk_id=4)
+    assert parse(hit).header.layer_id == 2 and parse(hit).header.chunk_id == 4
+    monkeypatch.setenv("KVCODEC_BACKEND", "torch")
+    assert hit == encode(k2, v2, scope="per_page_head", page_size=8, layer_id=2, chunk_id=4)
+    assert len(encode_module._PLANS) == 2  # another backend: another plan
+    with pytest.raises(UnsupportedConfigError):
+        encode(k2, v2, scope="per_page_head", page_size=8, layer_id=-7)  # ids still checked on a hit

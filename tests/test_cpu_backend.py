@@ -493,7 +493,29 @@ def test_c_accepts_valid_buffers_of_any_exporter() -> None:
     assert _cpu.quantize(v[:0], 0, np.zeros(0, np.float32), 2, 4, q[:0]) is None
     assert _cpu.dequantize(q, np.full(2, 0.25, np.float32), 1, 1, np.zeros((3, 2, 8), np.float32), 2) is None
     assert len(_cpu.empty_bytearray(3 << 20)) == 3 << 20 and type(_cpu.empty_bytearray(0)) is bytearray
-    assert type(cpu.empty_bytearray(7)) is bytearray and len(cpu.empty_bytearray(7)) == 7
+    from kvcodec.hostmem import new_buffer
+
+    assert type(new_buffer(7)) is bytearray and len(new_buffer(7)) == 7
+
+
+def test_encode_v_copies_k_in_the_same_call_only_when_served() -> None:
+    from kvcodec import _cpu
+    from kvcodec.errors import UnsupportedConfigError
+
+    v = np.ones((4, 2, 8), np.float16).view(np.int16)
+    q = np.zeros((4, 2, 8), np.uint8)
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    assert _cpu.encode_v(v, 0, 0, 1, 2, q, np.zeros(1, np.float32), src, dst) is None
+    assert (dst == src).all()
+    nan = np.full((4, 2, 8), np.float16("nan")).view(np.int16)
+    dst[:] = 0
+    assert _cpu.encode_v(nan, 0, 0, 1, 2, q, np.zeros(1, np.float32), src, dst) is not None  # declined
+    assert not dst.any()  # K untouched: the reference path copies it
+    for bad in ((src, dst[:10]), (src, src), (src, bytes(64))):
+        with pytest.raises(UnsupportedConfigError):
+            _cpu.encode_v(v, 0, 0, 1, 2, q, np.zeros(1, np.float32), *bad)
+    overlapping = (np.zeros(64, np.uint8), q.reshape(-1)[:64])  # the copy would land on the codes
+    assert _cpu.encode_v(v, 0, 0, 1, 2, q, np.zeros(1, np.float32), *overlapping) is not None
 
 
 # --- fuzz: odd tensors through every entry point -------------------------------------------------------

@@ -59,6 +59,21 @@ class Backend(Protocol):
         """
         ...
 
+    def encode_kv(
+        self,
+        k: torch.Tensor,
+        k_out: torch.Tensor,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """K copied bit-exact into ``k_out``, then :meth:`encode_v`: one call, so a backend can do both
+        in one pass (the C loops: one GIL release per chunk)."""
+        ...
+
     def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
         """FP8 codes of ``v / scale`` (RNE, saturating) into ``out``, with the caller's scales."""
         ...

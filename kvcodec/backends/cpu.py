@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedConfigError
+from ..hostmem import copy_tensor
 from ..numerics import NonFinitePolicy, ScaleScope, scale_shape
 from .base import Declined, Groups
 
-__all__ = ["AVAILABLE", "BACKEND", "REASON", "CpuBackend", "empty_bytearray"]
+__all__ = ["AVAILABLE", "BACKEND", "REASON", "CpuBackend"]
 
 try:
     from .. import _cpu  # type: ignore[attr-defined]
@@ -144,6 +145,13 @@ def _scales32(scales: torch.Tensor) -> Any:
     return s.numpy()
 
 
+def _byte_copy(k: torch.Tensor | None, k_out: torch.Tensor | None) -> tuple[Any, Any]:
+    """K's bytes and their destination for C to copy beside V, or (None, None) when not contiguous."""
+    if k is None or k_out is None or not (k.is_contiguous() and k_out.is_contiguous()) or k.numel() == 0:
+        return None, None
+    return _buf(k.reshape(-1)).view(np.uint8), _buf(k_out.reshape(-1)).view(np.uint8)
+
+
 def _declined(why: str | None) -> None:
     """Raise C's reason for handing the call to the reference."""
     if why is not None:
@@ -163,8 +171,11 @@ class CpuBackend:
         scale_dtype: torch.dtype,
         nonfinite: NonFinitePolicy,
         out: torch.Tensor,
+        k: torch.Tensor | None = None,
+        k_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """V's scales (as stored, ``scale_dtype``) and its e4m3 codes into ``out``, in one C call."""
+        """V's scales (as stored, ``scale_dtype``) and its e4m3 codes into ``out``, in one C call
+        (which also copies ``k`` into ``k_out`` when both are contiguous)."""
         if nonfinite != "error":
             raise Declined(f"nonfinite={nonfinite!r} has no C loops")
         if scale_dtype not in _DTYPE:
@@ -174,10 +185,27 @@ class CpuBackend:
             raise Declined(page)
         t, h, _ = v.shape
         s32 = np.empty(scale_shape(groups.scope, t, h, page), np.float32)
+        copy = _byte_copy(k, k_out)
         _declined(_cpu.encode_v(_buf(v), _DTYPE[v.dtype], _SCOPE[groups.scope], page, _DTYPE[scale_dtype],
-                                _buf(out), s32))  # fmt: skip
+                                _buf(out), s32, *copy))  # fmt: skip
+        if copy[0] is None and k is not None:
+            copy_tensor(k_out, k)  # K strided: numpy's copy, still on this thread
         scales = torch.from_numpy(s32)
         return scales if scale_dtype == torch.float32 else scales.to(scale_dtype)
+
+    def encode_kv(
+        self,
+        k: torch.Tensor,
+        k_out: torch.Tensor,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`encode_v`, with K's bytes copied into ``k_out`` in the same C call (one GIL release)."""
+        return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out, k=k, k_out=k_out)
 
     def quantize(
         self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
@@ -204,8 +232,3 @@ class CpuBackend:
 
 BACKEND = CpuBackend()
 """The one instance the dispatcher uses."""
-
-
-def empty_bytearray(n: int) -> bytearray:
-    """A bytearray of ``n`` bytes for the caller to overwrite entirely (not zeroed when the extension is built)."""
-    return _cpu.empty_bytearray(n) if _cpu is not None else bytearray(n)

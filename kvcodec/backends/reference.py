@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedConfigError
+from ..hostmem import copy_tensor
 from ..numerics import (
     ScaleScope,
     amax_to_scale,
@@ -273,6 +274,21 @@ class ReferenceBackend:
         scales = narrow_scales(scales, scale_dtype, g.scope)
         quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
         return scales
+
+    def encode_kv(
+        self,
+        k: torch.Tensor,
+        k_out: torch.Tensor,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """K copied into ``k_out``, then :meth:`encode_v`."""
+        copy_tensor(k_out, k)
+        return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out)
 
     def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
         """FP8 codes of ``v`` with the caller's scales."""

@@ -45,6 +45,21 @@ class TritonBackend:
         qt.quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
         return scales
 
+    def encode_kv(
+        self,
+        k: torch.Tensor,
+        k_out: torch.Tensor,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """K copied into ``k_out``, then :meth:`encode_v`."""
+        k_out.copy_(k)
+        return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out)
+
     def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
         """FP8 codes of ``v`` with the caller's scales."""
         g = groups

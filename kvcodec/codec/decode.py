@@ -29,8 +29,8 @@ from ..format import (
     check_consistency,
     parse,
 )
+from ..hostmem import copy_tensor, owned_copy
 from ..numerics import FP8_DTYPES
-from .copy import copy_tensor, owned_copy
 from .dtypes import VDTYPES, to_torch
 from .encode import COMPUTED_SCOPES, as_scales, external_scope
 from .layout import check_hashes

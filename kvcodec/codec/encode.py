@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,8 @@ from ..format import (
     pack_header_into,
     payload_crc,
 )
+from ..hostmem import copy_tensor, new_buffer
 from ..numerics import FP8_DTYPES, check_finite_amax, check_scales, scale_shape
-from .copy import copy_tensor, new_buffer
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
 from .spec import EncodeSpec
@@ -309,21 +310,22 @@ def write_payload(p: EncodePlan, payload: torch.Tensor) -> None:
         check_finite_amax(amax, p.groups.scope)
         return
     k_dst, q_dst, s_dst = _sections(p, payload)
-    if k_dst is not None:
-        copy_tensor(k_dst, p.k)
     scales = p.scales
-    if q_dst is None:  # an empty chunk: the scales of nothing
-        if scales is None:
-            scales = torch.ones(p.header.scale_shape, dtype=to_torch(p.header.scale_dtype), device=p.v.device)
-    elif p.fp8_given:
-        copy_tensor(q_dst, p.v)
-    elif scales is None:
-        scale_dtype = to_torch(p.header.scale_dtype)
-        scales = backends.call(
-            p.backend, "encode_v", p.v, p.groups, scale_dtype=scale_dtype, nonfinite=p.nonfinite, out=q_dst
-        )
+    encode_kw = {"scale_dtype": to_torch(p.header.scale_dtype), "nonfinite": p.nonfinite, "out": q_dst}
+    if q_dst is not None and scales is None and not p.fp8_given and k_dst is not None:
+        scales = backends.call(p.backend, "encode_kv", p.k, k_dst, p.v, p.groups, **encode_kw)  # one pass
     else:
-        backends.call(p.backend, "quantize", p.v, scales, p.groups, out=q_dst)
+        if k_dst is not None:
+            copy_tensor(k_dst, p.k)
+        if q_dst is None:  # an empty chunk: the scales of nothing
+            if scales is None:
+                scales = torch.ones(p.header.scale_shape, dtype=encode_kw["scale_dtype"], device=p.v.device)
+        elif p.fp8_given:
+            copy_tensor(q_dst, p.v)
+        elif scales is None:
+            scales = backends.call(p.backend, "encode_v", p.v, p.groups, **encode_kw)
+        else:
+            backends.call(p.backend, "quantize", p.v, scales, p.groups, out=q_dst)
     if len(s_dst):
         copy_tensor(s_dst, scales.contiguous().reshape(-1).view(torch.uint8).to(s_dst.device))
 
@@ -350,9 +352,9 @@ def _out_view(out: Any, size: int) -> memoryview:
     return mv[:size]
 
 
-def _write_blob(p: EncodePlan, out: Any = None) -> tuple[Any, memoryview]:
+def _write_blob(p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any = None) -> tuple[Any, memoryview]:
     """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view."""
-    hs = header_size(p.header)
+    hs = packer.size
     size = hs + p.header.payload_len
     owner = new_buffer(size) if out is None else out  # every byte is written below
     mv = _out_view(owner, size)
@@ -363,8 +365,45 @@ def _write_blob(p: EncodePlan, out: Any = None) -> tuple[Any, memoryview]:
         dev_payload = torch.empty(p.header.payload_len, dtype=torch.uint8, device=p.v.device)
         write_payload(p, dev_payload)
         torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
-    seal(mv, p.header)
+    packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, payload=mv[hs:])
     return owner, mv
+
+
+_PLANS: dict[tuple[Any, ...], tuple[EncodePlan, HeaderPacker]] = {}
+_PLANS_MAX = 256
+
+
+def _tensor_key(t: Any) -> tuple[Any, ...] | None:
+    if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _planned(k: Any, v: Any, spec: EncodeSpec) -> tuple[EncodePlan, HeaderPacker]:
+    """The plan and header packer of an encode; memoized on everything but the tensors' values and the
+    ids, since a connector encodes the same layout for every layer of every chunk."""
+    layout = spec.cache_key()
+    kk, vk = (None if k is None else _tensor_key(k)), _tensor_key(v)
+    key = None if layout is None or vk is None or (k is not None and kk is None) else (
+        layout, kk, vk, os.environ.get("KVCODEC_BACKEND"), os.environ.get("TRITON_INTERPRET")
+    )  # fmt: skip
+    hit = _PLANS.get(key) if key is not None else None
+    if hit is None:
+        plan = plan_encode(k, v, spec)
+        packer = HeaderPacker(plan.header)
+        if key is not None:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = (plan, packer)
+        return plan, packer
+    _check_int("layer_id", spec.layer_id, -1)
+    _check_int("chunk_id", spec.chunk_id, -1)
+    tmpl, packer = hit
+    ax = {"head_axis": spec.head_axis, "page_axis": spec.page_axis}
+    k3 = None if k is None else normalize_layout(k.detach(), **ax)[0]
+    plan = EncodePlan(tmpl.header, k3, normalize_layout(v.detach(), **ax)[0], False, None, tmpl.groups,
+                      tmpl.backend, tmpl.nonfinite)  # fmt: skip
+    return plan, packer
 
 
 def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, **options: Any) -> Any:
@@ -378,8 +417,9 @@ def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, *
     writable buffer of at least :func:`encoded_size` bytes) the blob is written
     there instead and a memoryview of its bytes is returned.
     """
-    plan = plan_encode(k, v, EncodeSpec.of(spec, options))
-    owner, mv = _write_blob(plan, out)
+    spec = EncodeSpec.of(spec, options)
+    plan, packer = _planned(k, v, spec)
+    owner, mv = _write_blob(plan, packer, spec, out)
     return owner if out is None else mv
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import CodecMismatchError, UnsupportedConfigError
 from ..format import HASH_KEYS, Hashes, ScaleScope
-from .copy import copy_tensor
+from ..hostmem import copy_tensor
 
 __all__ = ["Layout", "ScopeLike", "check_hashes", "normalize_layout", "resolve_scope"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -53,17 +53,30 @@ class EncodeSpec:
     @classmethod
     def of(cls, spec: EncodeSpec | None, options: dict[str, Any]) -> EncodeSpec:
         """``spec`` with ``options`` applied; unknown option names are refused."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - names)
+        unknown = sorted(set(options) - _NAMES)
         if unknown:
             raise UnsupportedConfigError(f"unknown encode option(s) {unknown}; see kvcodec.EncodeSpec")
-        base = spec if spec is not None else cls()
-        if not isinstance(base, cls):
-            raise UnsupportedConfigError(f"spec is a {type(base).__name__}; expected EncodeSpec")
-        return base.replace(**options) if options else base
+        if spec is None:
+            return cls(**options)
+        if not isinstance(spec, cls):
+            raise UnsupportedConfigError(f"spec is a {type(spec).__name__}; expected EncodeSpec")
+        return spec.replace(**options) if options else spec
+
+    def cache_key(self) -> tuple[Any, ...] | None:
+        """The options that shape a blob's layout (all but the ids), or None when they carry data."""
+        if self.scales is not None or self.precomputed_v_quant is not None or self.precomputed_v_scales is not None:
+            return None
+        key = tuple(getattr(self, n) for n in _LAYOUT_NAMES)
+        try:
+            hash(key)
+        except TypeError:  # e.g. hashes given as a dict
+            return None
+        return key
 
     def replace(self, **changes: Any) -> EncodeSpec:
         """A copy with ``changes`` applied."""
-        from dataclasses import replace
-
         return replace(self, **changes)
+
+
+_NAMES = frozenset(f.name for f in fields(EncodeSpec))
+_LAYOUT_NAMES = tuple(sorted(_NAMES - {"layer_id", "chunk_id", "scales", "precomputed_v_quant", "precomputed_v_scales"}))

@@ -658,24 +658,72 @@ static int quantize_rows(const Arr *v, const Arr *q, int vdt, int scope, Py_ssiz
  * V's group scales (fp32 values of the stored scale dtype) into `scales`, then
  * its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds
  * NaN/Inf or a scale is unusable. (One fused pass, page by page, measured no faster.) */
+/* An optional byte copy that rides along with an encode (K beside V's codes): one GIL
+ * release per chunk instead of two. Both buffers C-contiguous, equal lengths, disjoint. */
+typedef struct {
+    Py_buffer src, dst;
+    int held;
+} Copy;
+
+static void release_copy(Copy *c) {
+    if (c->held) {
+        PyBuffer_Release(&c->src);
+        PyBuffer_Release(&c->dst);
+    }
+}
+
+static int take_copy(const char *fn, PyObject *src, PyObject *dst, Copy *c) {
+    memset(c, 0, sizeof(*c));
+    if (src == Py_None && dst == Py_None) return 0;
+    if (PyObject_GetBuffer(src, &c->src, PyBUF_C_CONTIGUOUS) < 0) return rethrow(fn), -1;
+    if (PyObject_GetBuffer(dst, &c->dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&c->src);
+        return rethrow(fn), -1;
+    }
+    c->held = 1;
+    const char *s0 = c->src.buf, *d0 = c->dst.buf;
+    if (c->src.len != c->dst.len) return fail(fn, "the copy's source and destination differ in length"), release_copy(c), -1;
+    if (s0 < d0 + c->dst.len && d0 < s0 + c->src.len) return fail(fn, "the copy's source and destination overlap"), release_copy(c), -1;
+    return 0;
+}
+
+static int copy_overlaps(const Copy *c, const Arr *a) {
+    if (!c->held || !c->dst.len || !a->held) return 0;
+    const char *d0 = c->dst.buf, *a0 = a->lo;
+    return d0 < a->hi && a0 < d0 + c->dst.len;
+}
+
+/* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales[, copy_src, copy_dst]) -> None, or why the
+ * reference must take it. V's group scales (fp32 values of the stored scale dtype) into `scales`, then
+ * its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds NaN/Inf or a scale is
+ * unusable. (One fused pass, page by page, measured no faster.) The optional copy (K's bytes into the
+ * blob) is made only when the encode is served, in the same GIL release. */
 static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     (void)self;
     static const char *fn = "encode_v";
-    PyObject *vo, *qo, *so;
+    PyObject *vo, *qo, *so, *cs = Py_None, *cd = Py_None;
     int vdt, scope, sdt;
     Py_ssize_t page;
     Bufs b;
-    if (parse(args, fn, "OiiniOO", &vo, &vdt, &scope, &page, &sdt, &qo, &so) || check_dtype(fn, vdt) ||
+    Copy c;
+    if (parse(args, fn, "OiiniOO|OO", &vo, &vdt, &scope, &page, &sdt, &qo, &so, &cs, &cd) || check_dtype(fn, vdt) ||
         check_dtype(fn, sdt) || check_scope(fn, scope, page) ||
         take_bufs(fn, vo, DT_SIZE[vdt], qo, 1, so, 1, scope, page, &b))
         return NULL;
-    if (b.why) return result(&b, b.why);
+    if (take_copy(fn, cs, cd, &c) < 0) return release_bufs(&b), NULL;
+    if (!b.why && (copy_overlaps(&c, &b.in) || copy_overlaps(&c, &b.out) || copy_overlaps(&c, &b.s)))
+        b.why = "the copy's destination overlaps an input or output";
+    if (b.why) return release_copy(&c), result(&b, b.why);
     const char *why;
     int simd = kv_simd;
     Py_BEGIN_ALLOW_THREADS
     why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng);
-    if (!why) (void)quantize_rows(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, simd); /* no NaN left */
+    if (!why) {
+        (void)quantize_rows(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, simd); /* no NaN left */
+        if (c.held && c.src.len) memcpy(c.dst.buf, c.src.buf, (size_t)c.src.len);
+    }
     Py_END_ALLOW_THREADS
+    release_copy(&c);
     return result(&b, why);
 }
 

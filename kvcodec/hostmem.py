@@ -1,4 +1,4 @@
-"""Copies of CPU tensors and byte buffers that stay on the calling thread.
+"""Host memory: copies of CPU tensors and byte buffers that stay on the calling thread, and blob buffers.
 
 torch's CPU copy splits large tensors over its OpenMP team, and GNU OpenMP
 gives every new calling thread a team of its own: a connector's pool of N
@@ -12,6 +12,11 @@ import numpy as np
 import torch
 
 __all__ = ["copy_bytes", "copy_tensor", "new_buffer", "owned_copy"]
+
+try:
+    from ._cpu import empty_bytearray as _empty_bytearray  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - the extension is optional
+    _empty_bytearray = bytearray
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -38,9 +43,7 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
 
 def new_buffer(n: int) -> bytearray:
     """A bytearray of ``n`` bytes that the caller fills entirely (not zeroed when the C extension is built)."""
-    from ..backends import cpu
-
-    return cpu.empty_bytearray(n)
+    return _empty_bytearray(n)
 
 
 def owned_copy(src: memoryview) -> memoryview:
