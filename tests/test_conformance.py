@@ -84,6 +84,19 @@ def test_encode_v_equals_the_oracle(name: str, shape: tuple, scope: str, vdtype:
     assert torch.equal(_q(out), _q(want_q))
 
 
+@pytest.mark.parametrize(("name", "shape", "scope"), [c for c in _cases() if c.values[1] in SMALL])
+def test_encode_kv_copies_k_and_equals_the_oracle(name: str, shape: tuple, scope: str) -> None:
+    be = _backend(name)
+    t, h, d, ps = shape
+    k, v = torch.randn(t, h, d).bfloat16(), _v((t, h, d), torch.float16, seed=5)
+    groups = Groups(ScaleScope[scope.upper()], ps if scope == "per_page_head" else None, E4)
+    k_out, out = torch.zeros_like(k), torch.empty(t, h, d, dtype=E4)
+    scales = be.encode_kv(k, k_out, v, groups, scale_dtype=torch.float32, nonfinite="error", out=out)
+    want_s, want_q = oracle_encode(v, scope, ps, E4, torch.float32)
+    assert torch.equal(k_out.view(torch.int16), k.view(torch.int16))
+    assert torch.equal(scales, want_s) and torch.equal(_q(out), _q(want_q))
+
+
 @pytest.mark.parametrize(("name", "shape", "scope"), _cases())
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dequantize_equals_the_oracle(name: str, shape: tuple, scope: str, out_dtype: torch.dtype) -> None:
