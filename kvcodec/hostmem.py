@@ -8,15 +8,19 @@ and releases the GIL, so a caller's pool scales across chunks instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "copy_tensor", "new_buffer", "owned_copy"]
+__all__ = ["copy_bytes", "copy_tensor", "filled_bytes", "new_buffer", "owned_copy"]
 
 try:
+    from ._cpu import bytes_to_fill as _bytes_to_fill  # type: ignore[attr-defined]
     from ._cpu import empty_bytearray as _empty_bytearray  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - the extension is optional
     _empty_bytearray = bytearray
+    _bytes_to_fill = None
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -44,6 +48,21 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
 def new_buffer(n: int) -> bytearray:
     """A bytearray of ``n`` bytes that the caller fills entirely (not zeroed when the C extension is built)."""
     return _empty_bytearray(n)
+
+
+def filled_bytes(n: int, fill: Callable[[memoryview], None]) -> bytes:
+    """A new ``bytes`` of ``n`` bytes written by ``fill(view)``, with no final copy when the C
+    extension is built (the writable view lives only during ``fill``; do not keep it)."""
+    if _bytes_to_fill is None:
+        buf = bytearray(n)
+        fill(memoryview(buf))
+        return bytes(buf)
+    out, view = _bytes_to_fill(n)
+    try:
+        fill(view)
+    finally:
+        view.release()
+    return out
 
 
 def owned_copy(src: memoryview) -> memoryview:

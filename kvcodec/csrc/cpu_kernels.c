@@ -816,6 +816,28 @@ static PyObject *py_empty_bytearray(PyObject *self, PyObject *args) {
     return PyByteArray_FromStringAndSize(NULL, n);
 }
 
+/* bytes_to_fill(n) -> (bytes, writable memoryview of its n bytes), uninitialised. For a blob built
+ * once and handed out as immutable `bytes` without a final copy. The view does not own the bytes:
+ * the caller keeps the bytes object alive while it writes, and drops the view before the bytes
+ * object is shared or hashed. */
+static PyObject *py_bytes_to_fill(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t n;
+    if (parse(args, "bytes_to_fill", "n", &n)) return NULL;
+    if (n < 0) {
+        fail("bytes_to_fill", "negative size");
+        return NULL;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, n);
+    if (!b) return NULL;
+    PyObject *mv = PyMemoryView_FromMemory(PyBytes_AS_STRING(b), n, PyBUF_WRITE);
+    if (!mv) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", b, mv);
+}
+
 /* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows where
  * the CPU has them (the default); -1 only reads. For tests of every path. */
 static PyObject *py_simd(PyObject *self, PyObject *args) {
@@ -849,6 +871,7 @@ static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(q, scales, scope, page, out, out_dtype) -> None or reason: float(q) * scale."},
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
+    {"bytes_to_fill", py_bytes_to_fill, METH_VARARGS, "bytes_to_fill(n): (bytes, its writable view), uninitialised."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, -1 read only."},
     {"set_error", py_set_error, METH_VARARGS, "set_error(cls): the exception class of every error."},
     {NULL, NULL, 0, NULL},

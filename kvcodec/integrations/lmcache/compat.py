@@ -57,6 +57,7 @@ from ...format import (
 )
 from ...format import assemble as _assemble
 from ...format import serialize_header as _serialize_header
+from ...hostmem import filled_bytes
 from ...numerics import FP8_DTYPES, amax_to_scale, fp8_max, scale_shape
 
 __all__ = [
@@ -618,7 +619,7 @@ class AsymK16V8Codec:
             hs = len(enc.header_bytes)
             # One copy of the blob as built, unless the caller swapped payload or header.
             if enc.payload is payload and blob[:hs] == enc.header_bytes:
-                return bytes(blob)
+                return blob if type(blob) is bytes else bytes(blob)
         return bytes(enc.header_bytes) + bytes(enc.payload)
 
     def from_bytes(self, buf: Any, *, expected_hashes: CodecHashes | None = None) -> EncodedKV:
@@ -693,16 +694,19 @@ def _encode_once(k: torch.Tensor, v: torch.Tensor, spec: EncodeSpec, fields: dic
         _check_fields(plan.header)
     h = plan.header
     hs = header_size(h)
-    blob = bytearray(hs + h.payload_len)
+
+    def fill(mv: memoryview) -> None:
+        payload = torch.frombuffer(mv[hs:], dtype=torch.uint8) if h.payload_len else torch.empty(0, dtype=torch.uint8)
+        if plan.v.device.type == "cpu":
+            write_payload(plan, payload)
+        else:
+            dev = torch.empty(h.payload_len, dtype=torch.uint8, device=plan.v.device)
+            write_payload(plan, dev)
+            payload.copy_(dev)
+        seal(mv, h)
+
+    blob = filled_bytes(hs + h.payload_len, fill)  # LMCache hands out bytes: built as bytes, no final copy
     mv = memoryview(blob)
-    payload = torch.frombuffer(blob, dtype=torch.uint8, offset=hs) if h.payload_len else torch.empty(0, dtype=torch.uint8)
-    if plan.v.device.type == "cpu":
-        write_payload(plan, payload)
-    else:
-        dev = torch.empty(h.payload_len, dtype=torch.uint8, device=plan.v.device)
-        write_payload(plan, dev)
-        payload.copy_(dev)
-    seal(mv, h)
     pv = mv[hs:]
     return EncodedKV(
         k_dtype=k.dtype, v_dtype=spec.v_dtype, scale_dtype=spec.scale_dtype, scale_scope=h.scale_scope,
