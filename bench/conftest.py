@@ -20,9 +20,8 @@ torch.set_num_threads(1)
 _N = int(os.environ.get("KVCODEC_BENCH_SLOWDOWN", "1"))
 if _N > 1:
     import kvcodec.codec as _codec
-    import kvcodec.codec.encode as _encode_module
 
-    _real = _encode_module.encode
+    _real = _codec.encode
 
     def _slow_encode(*args, **kwargs):
         for _ in range(_N - 1):
