@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "copy_tensor", "filled_bytes", "new_buffer", "owned_copy"]
+__all__ = ["copy_bytes", "copy_scale_bytes", "copy_tensor", "filled_bytes", "new_buffer", "owned_copy"]
 
 try:
     from ._cpu import bytes_to_fill as _bytes_to_fill  # type: ignore[attr-defined]
@@ -25,9 +25,22 @@ except ImportError:  # pragma: no cover - the extension is optional
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+_NUMPY_NATIVE = (torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64)
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``'s memory (any strides), through an integer dtype of the same size."""
-    return t.view(_INT_OF_SIZE[t.element_size()]).numpy()
+    """A numpy view of ``t``'s memory (any strides), through an integer dtype of the same size when
+    numpy lacks ``t``'s dtype (a torch ``view``: one more GIL release, so only then)."""
+    return t.numpy() if t.dtype in _NUMPY_NATIVE else t.view(_INT_OF_SIZE[t.element_size()]).numpy()
+
+
+def copy_scale_bytes(dst: torch.Tensor, scales: torch.Tensor) -> None:
+    """The scales' bytes (row-major) into the uint8 tensor ``dst`` of the same size."""
+    if dst.device.type == "cpu" and scales.device.type == "cpu" and scales.dtype in _NUMPY_NATIVE:
+        src = np.ascontiguousarray(scales.numpy()).reshape(-1).view(np.uint8)
+        dst.numpy()[:] = src
+        return
+    dst.copy_(scales.contiguous().reshape(-1).view(torch.uint8).to(dst.device))
 
 
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -36,7 +49,8 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     if dst.numel():
-        np.copyto(_np(dst), _np(src), casting="no")
+        d, s_ = _np(dst), _np(src)
+        np.copyto(d, s_ if s_.dtype == d.dtype else s_.view(d.dtype), casting="no")
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:

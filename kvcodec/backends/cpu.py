@@ -149,7 +149,7 @@ def _byte_copy(k: torch.Tensor | None, k_out: torch.Tensor | None) -> tuple[Any,
     """K's bytes and their destination for C to copy beside V, or (None, None) when not contiguous."""
     if k is None or k_out is None or not (k.is_contiguous() and k_out.is_contiguous()) or k.numel() == 0:
         return None, None
-    return _buf(k.reshape(-1)).view(np.uint8), _buf(k_out.reshape(-1)).view(np.uint8)
+    return _buf(k).reshape(-1).view(np.uint8), _buf(k_out).reshape(-1).view(np.uint8)
 
 
 def _declined(why: str | None) -> None:

@@ -30,7 +30,7 @@ from ..format import (
     pack_header_into,
     payload_crc,
 )
-from ..hostmem import copy_tensor, new_buffer
+from ..hostmem import copy_scale_bytes, copy_tensor, new_buffer
 from ..numerics import FP8_DTYPES, check_finite_amax, check_scales, scale_shape
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
@@ -294,7 +294,11 @@ def plan_encode(k: Any, v: Any, spec: EncodeSpec) -> EncodePlan:
 
 
 def _sections(p: EncodePlan, payload: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """K, V-code and scale-byte views of a payload tensor (uint8, on any device)."""
+    """K, V-code and scale-byte views of a payload tensor (uint8, on any device).
+
+    Few torch ops on purpose: every dispatched op releases the GIL, and in a caller's
+    thread pool each release is a hand-over to the other thread.
+    """
     h = p.header
     k_len, v_len = h.k_payload_len, h.v_payload_len
     shape = tuple(p.v.shape)
@@ -327,7 +331,7 @@ def write_payload(p: EncodePlan, payload: torch.Tensor) -> None:
         else:
             backends.call(p.backend, "quantize", p.v, scales, p.groups, out=q_dst)
     if len(s_dst):
-        copy_tensor(s_dst, scales.contiguous().reshape(-1).view(torch.uint8).to(s_dst.device))
+        copy_scale_bytes(s_dst, scales)
 
 
 # ----------------------------------------------------------------------------
@@ -400,8 +404,8 @@ def _planned(k: Any, v: Any, spec: EncodeSpec) -> tuple[EncodePlan, HeaderPacker
     _check_int("chunk_id", spec.chunk_id, -1)
     tmpl, packer = hit
     ax = {"head_axis": spec.head_axis, "page_axis": spec.page_axis}
-    k3 = None if k is None else normalize_layout(k.detach(), **ax)[0]
-    plan = EncodePlan(tmpl.header, k3, normalize_layout(v.detach(), **ax)[0], False, None, tmpl.groups,
+    k3 = None if k is None else normalize_layout(k, **ax)[0]
+    plan = EncodePlan(tmpl.header, k3, normalize_layout(v, **ax)[0], False, None, tmpl.groups,
                       tmpl.backend, tmpl.nonfinite)  # fmt: skip
     return plan, packer
 

@@ -75,7 +75,11 @@ def normalize_layout(
     for 4-D; in 3-D a ``page_axis`` means one page per index). head_dim is the
     last axis. No copy is made where a view is possible.
     """
+    if x.requires_grad:
+        x = x.detach()
     nd = x.dim()
+    if nd == 3 and head_axis is None and page_axis is None:  # token-major already: no op at all
+        return x, Layout(x.shape[0], x.shape[1], x.shape[2], None)
     if nd not in (3, 4):
         raise UnsupportedConfigError(
             f"expected a 3-D [tokens, heads, head_dim] or 4-D [pages, page_size, heads, head_dim] "
