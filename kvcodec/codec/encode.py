@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import backends
@@ -293,23 +294,47 @@ def plan_encode(k: Any, v: Any, spec: EncodeSpec) -> EncodePlan:
 # ----------------------------------------------------------------------------
 
 
-def _sections(p: EncodePlan, payload: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """K, V-code and scale-byte views of a payload tensor (uint8, on any device).
-
-    Few torch ops on purpose: every dispatched op releases the GIL, and in a caller's
-    thread pool each release is a hand-over to the other thread.
-    """
+def _sections(p: EncodePlan, payload: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """K, V-code and scale-byte views of the payload: a uint8 tensor (any device) or host bytes."""
     h = p.header
     k_len, v_len = h.k_payload_len, h.v_payload_len
     shape = tuple(p.v.shape)
-    k_dst = payload[:k_len].view(to_torch(h.k_dtype)).view(shape) if k_len else None
-    q_dst = payload[k_len : k_len + v_len].view(to_torch(h.v_dtype)).view(shape) if v_len else None
+    k_dt, v_dt = to_torch(h.k_dtype), to_torch(h.v_dtype)
+    if isinstance(payload, memoryview):
+        return _host_sections(payload, k_len, v_len, shape, k_dt, v_dt)
+    k_dst = payload[:k_len].view(k_dt).view(shape) if k_len else None
+    q_dst = payload[k_len : k_len + v_len].view(v_dt).view(shape) if v_len else None
     return k_dst, q_dst, payload[k_len + v_len :]
 
 
-def write_payload(p: EncodePlan, payload: torch.Tensor) -> None:
-    """Fill ``payload`` (uint8, ``header.payload_len`` bytes, on V's device) with K, FP8 V and the scales."""
+_NP_OF = {torch.float16: np.float16, torch.float32: np.float32}
+
+
+def _host_view(mv: memoryview, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``n`` bytes of host memory, made through numpy: numpy's views take no GIL
+    hand-over, and a torch ``view`` is needed only for dtypes numpy lacks (bf16, FP8)."""
+    raw = np.frombuffer(mv, np.uint8, n, offset)
+    if dtype in _NP_OF:
+        return torch.from_numpy(raw.view(_NP_OF[dtype]).reshape(shape))
+    ints = raw.view(np.int16) if dtype.itemsize == 2 else raw
+    return torch.from_numpy(ints.reshape(shape)).view(dtype)
+
+
+def _host_sections(
+    mv: memoryview, k_len: int, v_len: int, shape: tuple[int, ...], k_dt: torch.dtype, v_dt: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    k_dst = _host_view(mv, 0, k_len, k_dt, shape) if k_len else None
+    q_dst = _host_view(mv, k_len, v_len, v_dt, shape) if v_len else None
+    s_len = len(mv) - k_len - v_len
+    return k_dst, q_dst, torch.from_numpy(np.frombuffer(mv, np.uint8, s_len, k_len + v_len))
+
+
+def write_payload(p: EncodePlan, payload: Any) -> None:
+    """Fill ``payload`` (``header.payload_len`` bytes: a uint8 tensor on V's device, or a writable
+    memoryview of host memory for CPU tensors) with K, FP8 V and the scales."""
     if p.fusable:
+        if isinstance(payload, memoryview):
+            payload = torch.frombuffer(payload, dtype=torch.uint8)
         amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)  # type: ignore[attr-defined]
         check_finite_amax(amax, p.groups.scope)
         return
@@ -363,8 +388,7 @@ def _write_blob(p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any 
     owner = new_buffer(size) if out is None else out  # every byte is written below
     mv = _out_view(owner, size)
     if p.v.device.type == "cpu":
-        payload = torch.frombuffer(mv[hs:], dtype=torch.uint8) if p.header.payload_len else torch.empty(0, dtype=torch.uint8)
-        write_payload(p, payload)
+        write_payload(p, mv[hs:])
     else:
         dev_payload = torch.empty(p.header.payload_len, dtype=torch.uint8, device=p.v.device)
         write_payload(p, dev_payload)
