@@ -2,13 +2,14 @@
 
 Server A stores through the serde into an fs L2; its blobs are read by LMCache's
 own kv_codec reader. Server B, fresh (empty L1) on the same directory, is driven
-over the same sequences: its loads go through L2 and the kvcodec deserializer,
-and no serde task may fail. Bounded: each process has a timeout.
+over the same sequences: its lookups hit, LMCache's log shows its prefetches
+served from L2 (through the kvcodec deserializer), and no serde task fails. Bounded: each process has a timeout.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -86,8 +87,17 @@ def test_lmcache_server_with_kvcodec_serde(tmp_path):
         kvcodec.parse(data, strict=True)
     proc, rpc, http = _server(base, tmp_path / "b.log")
     try:
-        assert "Done." in _bench(rpc, http)
+        out_b = _bench(rpc, http)
     finally:
         _stop(proc)
+    assert "Done." in out_b
     log_b = (tmp_path / "b.log").read_text()
     assert "task" not in log_b or "failed" not in log_b, log_b[-3000:]
+    # Server B started with an empty L1: its lookups hit, and its prefetches are served from L2,
+    # i.e. through the kvcodec deserializer (LMCache logs where each prefetched key came from).
+    lookups = re.findall(r"LOOKUP: (\d+)/(\d+) chunks hit", out_b)
+    assert lookups and all(a == b != "0" for a, b in lookups), out_b[-3000:]
+    prefetches = re.findall(r"Prefetch request completed.*?(\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\)", log_b)
+    assert prefetches, log_b[-3000:]
+    assert all(kept == asked for kept, asked, _, _ in prefetches)
+    assert int(prefetches[0][3]) == int(prefetches[0][1]) > 0  # the first (cold) prefetch: every key from L2
