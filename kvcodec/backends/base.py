@@ -18,9 +18,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..numerics import NonFinitePolicy, ScaleScope
+from ..hostmem import copy_tensor
+from ..numerics import NonFinitePolicy, ScaleScope, narrow_scales
 
-__all__ = ["Backend", "Declined", "Groups", "NonFinitePolicy"]
+__all__ = ["Backend", "Declined", "Groups", "NonFinitePolicy", "TwoPass"]
 
 
 class Declined(Exception):
@@ -83,3 +84,33 @@ class Backend(Protocol):
     ) -> torch.Tensor:
         """``float(q) * scale`` rounded once to ``out.dtype`` (fp16, bf16 or fp32), into ``out``."""
         ...
+
+
+class TwoPass:
+    """``encode_v`` and ``encode_kv`` from a backend's scales and quantize steps (two passes over V),
+    for backends whose kernels are separate: the torch reference and the unfused Triton path."""
+
+    def scales(self, v: torch.Tensor, groups: Groups, nonfinite: NonFinitePolicy) -> torch.Tensor:
+        """fp32 scales of ``v`` (NaN/Inf groups refused or skipped per ``nonfinite``)."""
+        raise NotImplementedError
+
+    def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
+        """FP8 codes of ``v`` with the given scales."""
+        raise NotImplementedError
+
+    def encode_v(
+        self, v: torch.Tensor, groups: Groups, *, scale_dtype: torch.dtype, nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scales (as stored) and FP8 codes of ``v``; the codes use the stored scales, as LMCache's do."""
+        scales = narrow_scales(self.scales(v, groups, nonfinite), scale_dtype, groups.scope)
+        self.quantize(v, scales, groups, out=out)
+        return scales
+
+    def encode_kv(
+        self, k: torch.Tensor, k_out: torch.Tensor, v: torch.Tensor, groups: Groups, *, scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy, out: torch.Tensor,
+    ) -> torch.Tensor:
+        """K copied into ``k_out`` (on the calling thread), then :meth:`encode_v`."""
+        copy_tensor(k_out, k)
+        return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out)

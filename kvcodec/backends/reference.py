@@ -20,18 +20,16 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedConfigError
-from ..hostmem import copy_tensor
 from ..numerics import (
     ScaleScope,
     amax_to_scale,
     check_finite_amax,
     fp8_max,
-    narrow_scales,
     output_for,
     scale_shape,
     token_scales,
 )
-from .base import Groups, NonFinitePolicy
+from .base import Groups, NonFinitePolicy, TwoPass
 
 __all__ = [
     "BACKEND",
@@ -254,41 +252,15 @@ def dequantize(
     return out
 
 
-class ReferenceBackend:
+class ReferenceBackend(TwoPass):
     """The :class:`~kvcodec.backends.base.Backend` in torch ops: never declines."""
 
     name = "torch"
 
-    def encode_v(
-        self,
-        v: torch.Tensor,
-        groups: Groups,
-        *,
-        scale_dtype: torch.dtype,
-        nonfinite: NonFinitePolicy,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """Scales (as stored) and FP8 codes of ``v``."""
+    def scales(self, v: torch.Tensor, groups: Groups, nonfinite: NonFinitePolicy) -> torch.Tensor:
+        """fp32 scales of ``v``."""
         g = groups
-        scales = compute_scales(v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite)
-        scales = narrow_scales(scales, scale_dtype, g.scope)
-        quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
-        return scales
-
-    def encode_kv(
-        self,
-        k: torch.Tensor,
-        k_out: torch.Tensor,
-        v: torch.Tensor,
-        groups: Groups,
-        *,
-        scale_dtype: torch.dtype,
-        nonfinite: NonFinitePolicy,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """K copied into ``k_out``, then :meth:`encode_v`."""
-        copy_tensor(k_out, k)
-        return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out)
+        return compute_scales(v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite)
 
     def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
         """FP8 codes of ``v`` with the caller's scales."""

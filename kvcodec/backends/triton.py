@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from ..numerics import narrow_scales
-from .base import Groups, NonFinitePolicy
+from .base import Groups, NonFinitePolicy, TwoPass
 
 __all__ = ["BACKEND", "TritonBackend"]
 
@@ -24,41 +23,15 @@ def _kernels() -> Any:
     return quant_triton
 
 
-class TritonBackend:
+class TritonBackend(TwoPass):
     """Scales, FP8 codes and dequantization as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
 
-    def encode_v(
-        self,
-        v: torch.Tensor,
-        groups: Groups,
-        *,
-        scale_dtype: torch.dtype,
-        nonfinite: NonFinitePolicy,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """Scales (as stored) and FP8 codes of ``v``."""
-        g, qt = groups, _kernels()
-        scales = qt.compute_scales(v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite)
-        scales = narrow_scales(scales, scale_dtype, g.scope)
-        qt.quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
-        return scales
-
-    def encode_kv(
-        self,
-        k: torch.Tensor,
-        k_out: torch.Tensor,
-        v: torch.Tensor,
-        groups: Groups,
-        *,
-        scale_dtype: torch.dtype,
-        nonfinite: NonFinitePolicy,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
-        """K copied into ``k_out``, then :meth:`encode_v`."""
-        k_out.copy_(k)
-        return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out)
+    def scales(self, v: torch.Tensor, groups: Groups, nonfinite: NonFinitePolicy) -> torch.Tensor:
+        """fp32 scales of ``v``."""
+        g = groups
+        return _kernels().compute_scales(v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite)
 
     def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
         """FP8 codes of ``v`` with the caller's scales."""
