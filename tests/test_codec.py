@@ -519,3 +519,15 @@ def test_memoized_plans_give_the_blobs_a_fresh_plan_gives(monkeypatch):
     assert len(encode_module._PLANS) == 2  # another backend: another plan
     with pytest.raises(UnsupportedConfigError):
         encode(k2, v2, scope="per_page_head", page_size=8, layer_id=-7)  # ids still checked on a hit
+
+
+def test_memoized_plans_keep_no_tensor_alive():
+    import gc
+    import weakref
+
+    k, v = _kv(16, 2, 8, seed=3)
+    refs = [weakref.ref(k), weakref.ref(v)]
+    encode(k, v, scope="per_layer_head", layer_id=5)
+    del k, v
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -397,7 +397,8 @@ def _write_blob(p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any 
     return owner, mv
 
 
-_PLANS: dict[tuple[Any, ...], tuple[EncodePlan, HeaderPacker]] = {}
+_PLANS: dict[tuple[Any, ...], tuple[Header, backends.Groups, backends.Backend, str, HeaderPacker]] = {}
+"""Memoized layouts: header, grouping, backend, policy and header template (never the tensors)."""
 _PLANS_MAX = 256
 
 
@@ -422,15 +423,14 @@ def _planned(k: Any, v: Any, spec: EncodeSpec) -> tuple[EncodePlan, HeaderPacker
         if key is not None:
             if len(_PLANS) >= _PLANS_MAX:
                 _PLANS.clear()
-            _PLANS[key] = (plan, packer)
+            _PLANS[key] = (plan.header, plan.groups, plan.backend, plan.nonfinite, packer)
         return plan, packer
     _check_int("layer_id", spec.layer_id, -1)
     _check_int("chunk_id", spec.chunk_id, -1)
-    tmpl, packer = hit
+    header, groups, backend, nonfinite, packer = hit
     ax = {"head_axis": spec.head_axis, "page_axis": spec.page_axis}
     k3 = None if k is None else normalize_layout(k, **ax)[0]
-    plan = EncodePlan(tmpl.header, k3, normalize_layout(v, **ax)[0], False, None, tmpl.groups,
-                      tmpl.backend, tmpl.nonfinite)  # fmt: skip
+    plan = EncodePlan(header, k3, normalize_layout(v, **ax)[0], False, None, groups, backend, nonfinite)
     return plan, packer
 
 
