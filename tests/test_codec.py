@@ -523,8 +523,10 @@ def test_memoized_plans_give_the_blobs_a_fresh_plan_gives(monkeypatch):
 
 def test_memoized_plans_keep_no_tensor_alive():
     import gc
+    import importlib
     import weakref
 
+    importlib.import_module("kvcodec.codec.encode")._PLANS.clear()  # this call plans afresh
     k, v = _kv(16, 2, 8, seed=3)
     refs = [weakref.ref(k), weakref.ref(v)]
     encode(k, v, scope="per_layer_head", layer_id=5)
