@@ -364,3 +364,61 @@ def test_empty_chunks_are_not_counted_as_fallbacks() -> None:
     before = sum(f["count"] for f in backends.backend_info()["fallbacks"])
     decode(blob, out_v_dtype=torch.float16)
     assert sum(f["count"] for f in backends.backend_info()["fallbacks"]) == before
+
+
+# --- second review: the plan cache and the fused K copy -----------------------------------
+
+
+def test_repeated_raw_encodes_stay_unit_scaled() -> None:
+    k, v = _kv(16, 2, 8)
+    first = encode(k, v, scope="raw")
+    for _ in range(2):
+        assert encode(k, v, scope="raw") == first  # a memoized plan may not drop the unit scale
+    assert parse(first).header.scale_payload_len == 0
+
+
+def test_cached_plans_follow_a_changed_identity_object() -> None:
+    class Ids:
+        model_revision_hash = tokenizer_hash = rope_config_hash = attention_backend = kv_layout = ""
+
+        def __init__(self, model: str) -> None:
+            self.model_id = model
+
+    k, v = _kv(16, 2, 8)
+    ids = Ids("model-A")
+    assert parse(encode(k, v, hashes=ids, scope="per_tensor")).header.hashes.model_id == "model-A"
+    ids.model_id = "model-B"
+    assert parse(encode(k, v, hashes=ids, scope="per_tensor")).header.hashes.model_id == "model-B"
+
+
+@pytest.mark.parametrize(("name", "good", "bad"), [("version", 1, 1.0), ("version", 1, True), ("page_size", 1, True), ("chunk_size", 16, 16.0)])
+def test_cached_plans_refuse_what_a_fresh_plan_refuses(name: str, good: object, bad: object) -> None:
+    k, v = _kv(16, 2, 8)
+    encode(k, v, scope="per_page_head" if name == "page_size" else "per_tensor", **{name: good})
+    with pytest.raises(UnsupportedConfigError):
+        encode(k, v, scope="per_page_head" if name == "page_size" else "per_tensor", **{name: bad})
+
+
+def test_k_read_from_where_the_codes_go_is_still_copied_right() -> None:
+    t, h, d = 4, 2, 8
+    k0, v = _kv(t, h, d)
+    n = kvcodec.encoded_size(k0, v, scope="per_tensor")
+    hs = n - (3 * t * h * d + 4)
+    blobs = {}
+    for backend in _backends():
+        buf = bytearray(n + 256)
+        k_in = torch.frombuffer(buf, dtype=torch.uint8)[hs + 2 * t * h * d + 1 :][: 2 * t * h * d]
+        k_in = k_in.view(torch.float16).view(t, h, d)
+        k_in.copy_(k0)  # K lies partly where V's codes will be written
+        encode(k_in, v, scope="per_tensor", backend=backend, out=buf)
+        blobs[backend] = bytes(buf[:n])
+        assert torch.equal(decode(blobs[backend]).k, k0)
+    assert len(set(blobs.values())) == 1
+
+
+def test_lazily_negated_inputs_keep_their_sign() -> None:
+    k, v = _kv(16, 2, 8)
+    for backend in _backends():
+        got = decode(encode(torch._neg_view(k), torch._neg_view(v), scope="per_tensor", backend=backend))
+        want = decode(encode(-k, -v, scope="per_tensor", backend=backend))
+        assert torch.equal(got.k, -k) and torch.equal(got.v.view(torch.uint8), want.v.view(torch.uint8))

@@ -91,12 +91,14 @@ class EncodePlan:
 
 
 def _check_tensor(name: str, x: Any) -> torch.Tensor:
-    """A dense, materialised tensor (not meta, sparse, nested), detached from autograd."""
+    """A dense, materialised tensor (not meta, sparse, nested), detached from autograd, with any lazy
+    negation or conjugation applied (copies read memory as stored, which would lose the sign)."""
     if not isinstance(x, torch.Tensor):
         raise UnsupportedConfigError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if x.is_nested or x.layout != torch.strided or x.device.type == "meta":
         raise UnsupportedConfigError(f"{name} must be a dense strided tensor with data; got {x.layout} on {x.device}")
-    return x.detach()
+    x = x.detach()
+    return x.resolve_neg().resolve_conj() if x.is_neg() or x.is_conj() else x
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int | None:
@@ -403,7 +405,7 @@ _PLANS_MAX = 256
 
 
 def _tensor_key(t: Any) -> tuple[Any, ...] | None:
-    if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided:
+    if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided or t.is_neg() or t.is_conj():
         return None
     return (t.shape, t.stride(), t.dtype, t.device)
 
@@ -420,13 +422,12 @@ def _planned(k: Any, v: Any, spec: EncodeSpec) -> tuple[EncodePlan, HeaderPacker
     if hit is None:
         plan = plan_encode(k, v, spec)
         packer = HeaderPacker(plan.header)
-        if key is not None:
+        if key is not None and plan.scales is None and not plan.fp8_given:  # computed scales only (not raw)
             if len(_PLANS) >= _PLANS_MAX:
                 _PLANS.clear()
             _PLANS[key] = (plan.header, plan.groups, plan.backend, plan.nonfinite, packer)
         return plan, packer
-    _check_int("layer_id", spec.layer_id, -1)
-    _check_int("chunk_id", spec.chunk_id, -1)
+    _check_options(spec)  # cheap, and exact: a hit accepts nothing a fresh plan would refuse
     header, groups, backend, nonfinite, packer = hit
     ax = {"head_axis": spec.head_axis, "page_axis": spec.page_axis}
     k3 = None if k is None else normalize_layout(k, **ax)[0]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedConfigError
+from ..format import Hashes
 from ..numerics import NonFinitePolicy
 from .layout import ScopeLike
 
@@ -66,7 +67,8 @@ class EncodeSpec:
         """The options that shape a blob's layout (all but the ids), or None when they carry data."""
         if self.scales is not None or self.precomputed_v_quant is not None or self.precomputed_v_scales is not None:
             return None
-        key = tuple(getattr(self, n) for n in _LAYOUT_NAMES)
+        key = tuple(Hashes.coerce(self.hashes) if n == "hashes" else getattr(self, n) for n in _LAYOUT_NAMES)
+        key += tuple(type(getattr(self, n)) for n in _INT_NAMES)  # 1.0 and True are not 1 here
         try:
             hash(key)
         except TypeError:  # e.g. hashes given as a dict
@@ -79,4 +81,5 @@ class EncodeSpec:
 
 
 _NAMES = frozenset(f.name for f in fields(EncodeSpec))
+_INT_NAMES = ("page_size", "chunk_size", "kv_head_count", "head_dim", "version", "head_axis", "page_axis")
 _LAYOUT_NAMES = tuple(sorted(_NAMES - {"layer_id", "chunk_id", "scales", "precomputed_v_quant", "precomputed_v_scales"}))

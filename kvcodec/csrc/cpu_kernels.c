@@ -687,10 +687,11 @@ static int take_copy(const char *fn, PyObject *src, PyObject *dst, Copy *c) {
     return 0;
 }
 
-static int copy_overlaps(const Copy *c, const Arr *a) {
-    if (!c->held || !c->dst.len || !a->held) return 0;
-    const char *d0 = c->dst.buf, *a0 = a->lo;
-    return d0 < a->hi && a0 < d0 + c->dst.len;
+/* Whether the copy's `buf` (its source or destination) shares bytes with array `a`. */
+static int copy_overlaps(const Copy *c, const Py_buffer *buf, const Arr *a) {
+    if (!c->held || !buf->len || !a->held) return 0;
+    const char *b0 = buf->buf, *a0 = a->lo;
+    return b0 < a->hi && a0 < b0 + buf->len;
 }
 
 /* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales[, copy_src, copy_dst]) -> None, or why the
@@ -711,8 +712,12 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
         take_bufs(fn, vo, DT_SIZE[vdt], qo, 1, so, 1, scope, page, &b))
         return NULL;
     if (take_copy(fn, cs, cd, &c) < 0) return release_bufs(&b), NULL;
-    if (!b.why && (copy_overlaps(&c, &b.in) || copy_overlaps(&c, &b.out) || copy_overlaps(&c, &b.s)))
-        b.why = "the copy's destination overlaps an input or output";
+    /* The copy runs after the codes are written: its destination may touch nothing the encode reads
+     * or writes, and its source nothing the encode writes. */
+    if (!b.why && (copy_overlaps(&c, &c.dst, &b.in) || copy_overlaps(&c, &c.dst, &b.out) ||
+                   copy_overlaps(&c, &c.dst, &b.s) || copy_overlaps(&c, &c.src, &b.out) ||
+                   copy_overlaps(&c, &c.src, &b.s)))
+        b.why = "the copy overlaps an input or output of the encode";
     if (b.why) return release_copy(&c), result(&b, b.why);
     const char *why;
     int simd = kv_simd;
