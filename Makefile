@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install test test-interpret lint demo bench bench-gate bench-gate-selftest bench-lmcache lmcache gpu-check clean
+.PHONY: install test test-interpret lint demo bench bench-threads bench-gate bench-gate-selftest bench-lmcache lmcache gpu-check clean
 
 install: $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -31,6 +31,16 @@ demo:
 bench:
 	mkdir -p bench/results
 	$(PYTEST) bench --benchmark-enable --benchmark-json=bench/results/bench-cpu.json -q
+
+# A caller's pool of 2 vs one thread (bench/test_bench_threads.py), twice: as glibc allocates, then
+# with every blob in new pages on both sides (MALLOC_MMAP_THRESHOLD_: freed blobs are unmapped),
+# since glibc keeps a pool's freed blobs mapped more often than one thread's.
+bench-threads:
+	mkdir -p bench/results
+	$(PYTEST) bench/test_bench_threads.py -k pool --benchmark-enable --benchmark-json=bench/results/threads.json -q
+	MALLOC_MMAP_THRESHOLD_=131072 $(PYTEST) bench/test_bench_threads.py -k "pool and fresh" --benchmark-enable \
+	  --benchmark-json=bench/results/threads-new-pages.json -q
+	$(BIN)/python bench/show_pool.py bench/results/threads.json bench/results/threads-new-pages.json
 
 # CI performance gate: kvcodec's throughput as a ratio to a memcpy of the same
 # bytes in the same run, against the floors in bench/baseline.json.

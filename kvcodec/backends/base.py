@@ -9,6 +9,12 @@ then runs the reference on the same arguments and records why. A backend may
 have written part of ``out`` before declining (the C loops stop at a row
 holding NaN); the reference then writes all of it, and ``encode_v`` declines
 before writing any code.
+
+Beyond the interface, a backend may offer one optional lane the codec uses
+when present: ``encode_fused`` (Triton: K, codes and scales of a blob in one
+launch) or ``encode_host`` (cpu: the same into a host blob in one C call, with
+numpy views only, so an encode releases the GIL once). A lane declines like
+any call, and the codec then takes the interface's path.
 """
 
 from __future__ import annotations

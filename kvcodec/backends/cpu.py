@@ -152,6 +152,25 @@ def _byte_copy(k: torch.Tensor | None, k_out: torch.Tensor | None) -> tuple[Any,
     return _buf(k).reshape(-1).view(np.uint8), _buf(k_out).reshape(-1).view(np.uint8)
 
 
+_HOST_SCALES = (torch.float32, torch.float16)
+"""Scale dtypes the host lane stores (numpy has both)."""
+
+
+def _host_refusal(k: torch.Tensor, v: torch.Tensor, groups: Groups) -> str | int:
+    """:func:`_refusal` for the host lane: V as rows, K C-contiguous with V's shape; or the page size."""
+    if _cpu is None:
+        return REASON
+    if groups.fp8_dtype != _E4M3:
+        return f"{groups.fp8_dtype} has no C loops (e4m3fn only)"
+    page = _page(groups)
+    if isinstance(page, str):
+        return page
+    why = _rows_refusal(v, _ENCODE[0], "input") or _rows_refusal(k, _ENCODE[0], "k")
+    if why is None and (k.shape != v.shape or not k.is_contiguous()):
+        why = "K is not C-contiguous with V's shape"
+    return page if why is None else why
+
+
 def _declined(why: str | None) -> None:
     """Raise C's reason for handing the call to the reference."""
     if why is not None:
@@ -206,6 +225,40 @@ class CpuBackend:
     ) -> torch.Tensor:
         """:meth:`encode_v`, with K's bytes copied into ``k_out`` in the same C call (one GIL release)."""
         return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out, k=k, k_out=k_out)
+
+    def encode_host(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        groups: Groups,
+        payload: memoryview,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+    ) -> None:
+        """``K ‖ e4m3(V) ‖ scales`` straight into a host blob payload, in one C call.
+
+        The optional host lane of the codec (see :mod:`.base`): no tensor is
+        made over the payload (numpy views only), so an encode takes the GIL
+        off once, for the C call. ``k`` must be C-contiguous with V's shape;
+        anything else declines and the codec takes the generic path.
+        """
+        if nonfinite != "error" or scale_dtype not in _HOST_SCALES:
+            raise Declined(f"nonfinite={nonfinite!r} / scale_dtype {scale_dtype} take the generic path")
+        page = _host_refusal(k, v, groups)
+        if isinstance(page, str):
+            raise Declined(page)
+        t, h, _ = v.shape
+        k_len, v_len = k.numel() * k.element_size(), v.numel()
+        s32 = np.empty(scale_shape(groups.scope, t, h, page), np.float32)
+        if k_len + v_len + s32.size * scale_dtype.itemsize != len(payload):
+            raise Declined("the payload does not hold exactly K, V's codes and the scales")
+        q = np.frombuffer(payload, np.uint8, v_len, k_len).reshape(v.shape)
+        k_src, k_dst = _buf(k).reshape(-1).view(np.uint8), np.frombuffer(payload, np.uint8, k_len)
+        _declined(_cpu.encode_v(_buf(v), _DTYPE[v.dtype], _SCOPE[groups.scope], page, _DTYPE[scale_dtype], q, s32,
+                                k_src, k_dst))  # fmt: skip
+        stored = s32 if scale_dtype == torch.float32 else s32.astype(np.float16)
+        payload[k_len + v_len :] = stored.reshape(-1).view(np.uint8)
 
     def quantize(
         self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor

@@ -331,6 +331,19 @@ def _host_sections(
     return k_dst, q_dst, torch.from_numpy(np.frombuffer(mv, np.uint8, s_len, k_len + v_len))
 
 
+def _host_lane(p: EncodePlan, payload: Any) -> bool:
+    """Whether the backend's optional host lane wrote the whole payload (K, codes, scales) into host
+    memory in one call; False sends the encode down the generic path (nothing it needs was lost)."""
+    lane = getattr(p.backend, "encode_host", None)
+    if lane is None or not isinstance(payload, memoryview) or p.k is None or p.scales is not None or p.fp8_given:
+        return False
+    try:
+        lane(p.k, p.v, p.groups, payload, scale_dtype=to_torch(p.header.scale_dtype), nonfinite=p.nonfinite)
+    except backends.Declined:
+        return False
+    return True
+
+
 def write_payload(p: EncodePlan, payload: Any) -> None:
     """Fill ``payload`` (``header.payload_len`` bytes: a uint8 tensor on V's device, or a writable
     memoryview of host memory for CPU tensors) with K, FP8 V and the scales."""
@@ -339,6 +352,8 @@ def write_payload(p: EncodePlan, payload: Any) -> None:
             payload = torch.frombuffer(payload, dtype=torch.uint8)
         amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)  # type: ignore[attr-defined]
         check_finite_amax(amax, p.groups.scope)
+        return
+    if _host_lane(p, payload):
         return
     k_dst, q_dst, s_dst = _sections(p, payload)
     scales = p.scales

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -67,8 +68,7 @@ class EncodeSpec:
         """The options that shape a blob's layout (all but the ids), or None when they carry data."""
         if self.scales is not None or self.precomputed_v_quant is not None or self.precomputed_v_scales is not None:
             return None
-        key = tuple(Hashes.coerce(self.hashes) if n == "hashes" else getattr(self, n) for n in _LAYOUT_NAMES)
-        key += tuple(type(getattr(self, n)) for n in _INT_NAMES)  # 1.0 and True are not 1 here
+        key = (Hashes.coerce(self.hashes), *_LAYOUT_OF(self), *map(type, _INTS_OF(self)))  # 1.0, True are not 1
         try:
             hash(key)
         except TypeError:  # e.g. hashes given as a dict
@@ -82,4 +82,7 @@ class EncodeSpec:
 
 _NAMES = frozenset(f.name for f in fields(EncodeSpec))
 _INT_NAMES = ("page_size", "chunk_size", "kv_head_count", "head_dim", "version", "head_axis", "page_axis")
-_LAYOUT_NAMES = tuple(sorted(_NAMES - {"layer_id", "chunk_id", "scales", "precomputed_v_quant", "precomputed_v_scales"}))
+_LAYOUT_NAMES = tuple(
+    sorted(_NAMES - {"layer_id", "chunk_id", "scales", "precomputed_v_quant", "precomputed_v_scales", "hashes"})
+)
+_LAYOUT_OF, _INTS_OF = attrgetter(*_LAYOUT_NAMES), attrgetter(*_INT_NAMES)
