@@ -19,12 +19,27 @@ pass) and saves happen in ``wait_for_save``. A chunk's blobs are all decoded and
 checked (identity hashes, geometry, dtype, CRC) before any block is written;
 a chunk that fails is reported through ``get_block_ids_with_load_errors`` and,
 with ``kv_load_failure_policy="recompute"``, vLLM recomputes from there.
+
+``kv_connector_extra_config`` keys: ``root`` (required), ``chunk_size`` (256),
+``scope`` (``per_page_head``; or ``per_layer_head``, ``per_tensor``),
+``page_size`` (16), ``model_id``, ``max_bytes``, ``fsync`` (false), and
+``fused``: ``"auto"`` (default) saves and loads each chunk of every layer in one
+Triton launch (:mod:`.fused`) when the caches are on CUDA, fp16/bf16/fp32, with
+``head_size == head_size_v``; ``"on"`` requires that path (the engine stops at
+start if it cannot serve the caches; CPU caches then run the kernels in
+Triton's interpreter, which needs ``TRITON_INTERPRET=1``: for tests);
+``"off"`` always goes layer by layer. Both paths write the same blob bytes.
+Which one serves is logged once at ``register_kv_caches``. Chunks that start
+mid-block and partial loads (vLLM already holds the chunk's first tokens) go
+layer by layer either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +53,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcodec import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
 from kvcodec.store import DirectoryStore
 
-from .chunks import ChunkCodec, FP8Scales, decode_chunk, encode_chunk
+from .chunks import ChunkCodec, FP8Scales, encode_chunk
+from .fused import ChunkLoad, FusedLayers, load_layers
 from .keys import (
     KvcodecConfig,
     cache_geometry,
@@ -47,7 +63,6 @@ from .keys import (
     prefix_hashes,
     request_seed,
 )
-from .layout import scatter_kv
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,7 +74,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KvcodecConnector", "KvcodecMetadata", "LoadSpec", "SaveSpec"]
 
-logger = logging.getLogger("kvcodec.vllm")
+logger = logging.getLogger("vllm.kvcodec")
+"""A child of the one logger vLLM configures ("vllm"): the connector's lines (which path serves, chunks
+not saved or loaded) appear in the engine's log with its format and level."""
 
 # ----------------------------------------------------------------------------
 # Scheduler -> worker metadata
@@ -141,6 +158,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._rank = 0
         self._caches: dict[str, torch.Tensor] = {}
         self._codecs: dict[str, ChunkCodec] = {}
+        self._fused: FusedLayers | None = None
         self._load_errors: set[int] = set()
         self.stats = {
             "chunks_loaded": 0,
@@ -148,6 +166,8 @@ class KvcodecConnector(KVConnectorBase_V1):
             "chunks_failed": 0,
             "blobs_saved": 0,
             "save_errors": 0,
+            "chunks_saved_fused": 0,
+            "chunks_loaded_fused": 0,
         }
         """Worker-side counters (this process's connector), for logs and tests."""
         logger.info("KvcodecConnector(%s): store %s, chunk_size %d, scope %s", role.name, self._cfg.root,
@@ -271,6 +291,15 @@ class KvcodecConnector(KVConnectorBase_V1):
                 head_size=geo.head_size, block_size=geo.block_size, model_dtype=model_dtype, scope=self._cfg.scope,
                 page_size=self._cfg.page_size, hashes=hashes,
             )  # fmt: skip
+        self._build_fused()
+
+    def _build_fused(self) -> None:
+        """The fused path when it can serve these caches (``fused="on"``: or stop here); logged once."""
+        codec = next(iter(self._codecs.values()), None)
+        if codec is None:
+            return
+        self._fused, why = FusedLayers.build(self._caches, self._layers, codec, self._cfg.fused)
+        logger.info("kvcodec: %s path (%s)", "fused" if self._fused is not None else "per-layer", why)
 
     def _codec(self, name: str) -> ChunkCodec:
         """The layer's codec, with its FP8 scales read now (they may be set after registration)."""
@@ -318,18 +347,21 @@ class KvcodecConnector(KVConnectorBase_V1):
             if name in self._caches:
                 key = self._key(self._rank, layer, c, h)
                 blobs[name] = (key, self._store.get(key))
-        pending = []
+        with self._deleting_bad(blobs):
+            fused = load_layers({n: b for n, (_, b) in blobs.items()}, self._caches, self._codec,
+                                ChunkLoad(spec.block_ids, c, cs, skip), self._fused)  # fmt: skip
+        if fused:
+            self.stats["chunks_loaded_fused"] += 1
+
+    @contextlib.contextmanager
+    def _deleting_bad(self, blobs: dict[str, tuple[str, Any]]) -> Iterator[None]:
+        """Delete every blob of the chunk when one is damaged or another model's (under this model's key)."""
         try:
-            for name, (_, blob) in blobs.items():
-                cc = self._codec(name)
-                pending.append((name, cc, decode_chunk(blob, self._caches[name], cc, num_tokens=cs)))
+            yield
         except (CorruptEncodedKVError, CodecMismatchError):
-            for key, _ in blobs.values():  # damaged, or another model's blob under this model's key
+            for key, _ in blobs.values():
                 self._store.delete(key)
             raise
-        for name, cc, (k, v) in pending:
-            scatter_kv(self._caches[name], spec.block_ids, k[skip:], v[skip:], head_size=cc.head_size,
-                       block_size=cc.block_size, start=c * cs + skip)  # fmt: skip
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish in ``start_load_kv``."""
@@ -344,28 +376,48 @@ class KvcodecConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvcodecMetadata):
             return
         cs = self._cfg.chunk_size
+        fused = self._fused
         for spec in meta.saves:
-            for name, layer in self._layers.items():
-                if name not in self._caches:
-                    continue
-                key = self._key(self._rank, layer, spec.chunk, spec.chunk_hash)
-                if self._store.contains(key):
-                    continue
-                try:
-                    blob = encode_chunk(self._caches[name], spec.block_ids, self._codec(name), start=spec.chunk * cs,
-                                        num_tokens=cs, layer_id=layer, chunk_id=spec.chunk)  # fmt: skip
-                    self._store.put(key, blob)
+            if fused is not None and fused.serves(spec.chunk * cs):
+                self._save_fused(fused, spec)
+            else:
+                self._save_layers(spec)
+
+    def _save_fused(self, fused: FusedLayers, spec: SaveSpec) -> None:
+        """Every layer's blob of one chunk from one launch: NaN/Inf in any V saves none, an I/O error stops there."""
+        keys = {n: self._key(self._rank, self._layers[n], spec.chunk, spec.chunk_hash) for n in fused.names}
+        missing = {n: k for n, k in keys.items() if not self._store.contains(k)}
+        if not missing:
+            return
+        try:
+            for name, blob in fused.save(spec.block_ids, spec.chunk, self._cfg.chunk_size):
+                if name in missing:
+                    self._store.put(missing[name], blob)
                     self.stats["blobs_saved"] += 1
-                except (CodecError, OSError) as e:
-                    self.stats["save_errors"] += 1
-                    logger.warning(
-                        "kvcodec: request %s chunk %d layer %s not saved: %s",
-                        spec.req_id,
-                        spec.chunk,
-                        name,
-                        e,
-                    )
-                    break
+            self.stats["chunks_saved_fused"] += 1
+        except (CodecError, OSError) as e:
+            self.stats["save_errors"] += 1
+            logger.warning("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
+
+    def _save_layers(self, spec: SaveSpec) -> None:
+        """One blob per layer through a staging gather (FP8 caches, unaligned chunks, fused="off")."""
+        cs = self._cfg.chunk_size
+        for name, layer in self._layers.items():
+            if name not in self._caches:
+                continue
+            key = self._key(self._rank, layer, spec.chunk, spec.chunk_hash)
+            if self._store.contains(key):
+                continue
+            try:
+                blob = encode_chunk(self._caches[name], spec.block_ids, self._codec(name), start=spec.chunk * cs,
+                                    num_tokens=cs, layer_id=layer, chunk_id=spec.chunk)  # fmt: skip
+                self._store.put(key, blob)
+                self.stats["blobs_saved"] += 1
+            except (CodecError, OSError) as e:
+                self.stats["save_errors"] += 1
+                logger.warning("kvcodec: request %s chunk %d layer %s not saved: %s",
+                               spec.req_id, spec.chunk, name, e)  # fmt: skip
+                break
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

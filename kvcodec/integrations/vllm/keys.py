@@ -55,6 +55,9 @@ class KvcodecConfig:
     max_bytes: int | None = None
     fsync: bool = False
     """KV blobs can always be recomputed, so a machine crash may lose recent ones."""
+    fused: str = "auto"
+    """Fused Triton save/load (``auto``: on CUDA caches that qualify; ``on``: required, else the engine
+    stops; CPU caches then run the kernels in Triton's interpreter, for tests; ``off``: per layer)."""
 
     def __post_init__(self) -> None:
         """Check every field, so a bad config stops the engine at start, not every chunk save."""
@@ -70,6 +73,8 @@ class KvcodecConfig:
             raise UnsupportedConfigError(f"max_bytes must be an int >= 1 or null; got {self.max_bytes!r}")
         if type(self.fsync) is not bool:
             raise UnsupportedConfigError(f"fsync must be true or false; got {self.fsync!r}")
+        if self.fused not in ("auto", "on", "off"):
+            raise UnsupportedConfigError(f'fused must be "auto", "on" or "off"; got {self.fused!r}')
         if self.model_id is not None and not isinstance(self.model_id, str):
             raise UnsupportedConfigError(f"model_id must be a string or null; got {self.model_id!r}")
         object.__setattr__(self, "root", os.fspath(self.root))

@@ -4,7 +4,8 @@ Each engine runs in a fresh process (``python run_engine.py SPEC.json``), so a
 second engine starts with an empty local prefix cache and whatever it reuses
 comes through the connector. SPEC: ``model``, ``prompts`` (lists of token ids),
 ``max_tokens``, optional ``store`` (enables KvcodecConnector with that root),
-``model_id``, ``chunk_size``, ``block_size``, ``max_num_batched_tokens`` (small: chunked prefill).
+``model_id``, ``fused`` (the connector's fused-path mode), ``chunk_size``, ``block_size``,
+``max_num_batched_tokens`` (small: chunked prefill).
 Output (last stdout line):
 ``{"outputs": [{"cached": n, "tokens": [...], "top2": [[lp1, lp2], ...]}, ...], "stats": {...}}``
 (``top2``: the two best log-probabilities at each generated position).
@@ -23,8 +24,9 @@ def _transfer_config(spec: dict) -> dict | None:
     if not spec.get("store"):
         return None
     extra = {"root": spec["store"], "chunk_size": spec.get("chunk_size", 256), "scope": "per_page_head"}
-    if spec.get("model_id"):
-        extra["model_id"] = spec["model_id"]
+    for key in ("model_id", "fused"):
+        if spec.get(key):
+            extra[key] = spec[key]
     return {
         "kv_connector": "KvcodecConnector",
         "kv_connector_module_path": "kvcodec.integrations.vllm",

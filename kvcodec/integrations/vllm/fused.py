@@ -1,0 +1,353 @@
+"""The connector's fused path: every layer of a chunk in one Triton launch, saved and loaded.
+
+The per-layer path (:mod:`.chunks`) gathers one layer's chunk into a staging
+tensor, encodes it, and decodes + scatters it back, layer by layer. On CUDA
+caches :class:`FusedLayers` does a chunk of all layers at once with
+:mod:`kvcodec.kernels.vllm_triton`:
+
+* save: one ``ChunkEncoder.launch`` (gather + encode of every layer straight
+  from the cache views into a host buffer) and one ``wait`` (headers packed
+  from one template); the blobs are byte-identical to
+  :func:`~.chunks.encode_chunk`'s, identity suffix ``|dk=..,dv=..`` included.
+* load: each blob is parsed and checked on the host as the per-layer path
+  checks it (CRC, identity hashes, geometry; the same ``CodecError``
+  subclasses), the payloads go to the device in one copy, and one
+  ``decode_scatter_layers`` writes every layer.
+
+Served: 16- and 32-bit float caches (fp16, bf16, fp32) with
+``head_size == head_size_v``, every layer the same shape, strides, dtype and
+device, CUDA (or CPU under ``TRITON_INTERPRET=1``, for tests). Chunks whose
+first token is not block-aligned, and partial loads (``skip > 0``: tokens
+vLLM computed already must stay untouched), are left to the per-layer path:
+the kernels address whole chunks from a block boundary. So are blobs the
+kernels cannot decode (scale dtype other than fp32, external scopes, layers
+of one chunk with different scopes).
+
+Triton is imported only when a :class:`FusedLayers` is built; importing this
+module imports neither Triton nor vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec import ParsedBlob, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes, parse
+from kvcodec.codec import resolve_scope, to_torch
+from kvcodec.numerics import scale_shape
+
+from .chunks import ChunkCodec, _identity, decode_chunk
+from .layout import scatter_kv
+
+__all__ = ["FUSED_MODES", "ChunkLoad", "Eligibility", "FusedLayers", "eligibility", "load_layers"]
+
+FUSED_MODES = ("auto", "on", "off")
+"""``auto``: CUDA caches that qualify; ``on``: required (CPU caches run in Triton's interpreter); ``off``."""
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class Eligibility:
+    """Whether the fused path serves a model's caches, and why (logged once at registration)."""
+
+    ok: bool
+    reason: str
+
+
+# ----------------------------------------------------------------------------
+# Eligibility
+# ----------------------------------------------------------------------------
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _cache_refusal(views: Sequence[torch.Tensor], cc: ChunkCodec) -> str | None:
+    """Why these layer views cannot take the fused kernels (None: they can)."""
+    if not views:
+        return "no layer caches registered"
+    x0 = views[0]
+    if cc.fp8 is not None or x0.element_size() == 1:
+        return f"{x0.dtype} cache: FP8 caches keep V quantized already (the per-layer path passes it through)"
+    if x0.dtype not in _DTYPES:
+        return f"cache dtype {x0.dtype}: the kernels serve float16, bfloat16 and float32 caches"
+    if x0.dim() != 4 or x0.shape[3] != 2 * cc.head_size:
+        return f"view {tuple(x0.shape)}: the kernels need head_size == head_size_v (C = 2 x {cc.head_size})"
+    for x in views[1:]:
+        if (x.shape, x.stride(), x.dtype, x.device) != (x0.shape, x0.stride(), x0.dtype, x0.device):
+            return "the layers' views differ in shape, strides, dtype or device"
+    if cc.block_size % x0.shape[2]:
+        return f"block_size {cc.block_size} is not a multiple of the views' {x0.shape[2]} slots per block"
+    if resolve_scope(cc.scope) not in _SCOPES:
+        return f"scope {cc.scope}: the kernels compute per_tensor, per_layer_head and per_page_head scales"
+    return None
+
+
+def _device_refusal(device: torch.device, mode: str) -> str | None:
+    """Why the kernels cannot run on ``device`` in this process (None: they can)."""
+    from kvcodec.kernels import triton_installed
+
+    if not triton_installed():
+        return "Triton is not installed (pip install kvcodec[triton])"
+    from kvcodec.kernels._launch import INTERPRET  # torch only: does not import Triton
+
+    if device.type == "cuda":
+        if INTERPRET or _interpret_env():
+            return "TRITON_INTERPRET is set: the kernels would run in the interpreter, not on the GPU"
+        return None
+    if device.type != "cpu":
+        return f"{device.type} caches: the kernels run on CUDA"
+    if mode != "on":
+        return 'CPU caches: the kernels need CUDA (fused="on" runs them in Triton\'s interpreter, for tests)'
+    if not (INTERPRET and _interpret_env()):
+        return "CPU caches need Triton's interpreter: set TRITON_INTERPRET=1 in the engine's environment"
+    return None
+
+
+def eligibility(caches: Mapping[str, torch.Tensor], cc: ChunkCodec, mode: str = "auto") -> Eligibility:
+    """Whether :class:`FusedLayers` can serve these caches in this mode (nothing is imported but Triton's spec)."""
+    if mode not in FUSED_MODES:
+        raise UnsupportedConfigError(f"fused must be one of {list(FUSED_MODES)}; got {mode!r}")
+    if mode == "off":
+        return Eligibility(False, 'fused="off" in kv_connector_extra_config')
+    views = list(caches.values())
+    why = _cache_refusal(views, cc) or _device_refusal(views[0].device, mode)
+    if why is not None:
+        return Eligibility(False, why)
+    return Eligibility(
+        True, f"{len(views)} {views[0].dtype} layers on {views[0].device}: one launch per chunk"
+    )
+
+
+# ----------------------------------------------------------------------------
+# Load checks (host side, as the per-layer path checks)
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How the kernels decode a chunk's payloads (shared by every layer, or no fused load)."""
+
+    scope: ScaleScope
+    page_size: int | None
+    fp8: torch.dtype
+
+
+def _check_geometry(p: ParsedBlob, tokens: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+    """Refuse a blob this cache cannot take, with the errors :func:`~.chunks.decode_chunk` raises."""
+    h = p.header
+    if to_torch(h.v_dtype) not in _FP8:
+        raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+    if not h.k_payload_len and h.v_payload_len:
+        raise UnsupportedConfigError("the blob holds no K; a vLLM cache needs both K and V")
+    shape = (h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim) if (
+        h.kv_head_count > 0 and h.head_dim > 0) else (h.v_payload_len,)  # fmt: skip
+    if shape != (tokens, heads, dim):
+        raise UnsupportedConfigError(f"the blob holds {shape}; this cache needs ({tokens}, {heads}, {dim})")
+    if to_torch(h.k_dtype) != dtype:
+        raise UnsupportedConfigError(
+            f"the blob's K is {to_torch(h.k_dtype)} but the cache is {dtype}: K must load bit-exact"
+        )
+
+
+def _plan(p: ParsedBlob, tokens: int, heads: int) -> _Plan | None:
+    """The kernels' decode of one checked blob, or None when only the per-layer path decodes it."""
+    h = p.header
+    if (
+        h.scale_scope not in _SCOPES
+        or h.scale_scheme != ScaleScheme.COMPUTED
+        or str(h.scale_dtype) != "float32"
+    ):
+        return None
+    ps = h.page_size if h.scale_scope == ScaleScope.PER_PAGE_HEAD else None
+    if h.scale_scope == ScaleScope.PER_PAGE_HEAD and ps < 1:
+        return None
+    shape = scale_shape(h.scale_scope, tokens, heads, ps)
+    if tuple(h.scale_shape) != shape or h.scale_payload_len != 4 * math.prod(shape):
+        return None
+    return _Plan(h.scale_scope, ps, to_torch(h.v_dtype))
+
+
+# ----------------------------------------------------------------------------
+# The fused path
+# ----------------------------------------------------------------------------
+
+
+class FusedLayers:
+    """One model's layer caches, saved and loaded a whole chunk (every layer) per kernel launch.
+
+    Build it with :meth:`build` at ``register_kv_caches``. Blobs returned by
+    :meth:`save` are views of a reused host buffer: valid until the next save.
+    """
+
+    def __init__(
+        self, caches: Mapping[str, torch.Tensor], layer_ids: Mapping[str, int], cc: ChunkCodec
+    ) -> None:
+        from kvcodec.kernels import vllm_triton  # imports Triton
+
+        self._vt = vllm_triton
+        self.names = sorted(caches, key=lambda n: layer_ids[n])
+        """Layer names in the kernels' layer order (by layer id)."""
+        self.cc = cc
+        self.hashes = _identity(cc, cc.head_size, cc.head_size)
+        self.views = vllm_triton.prepare_views([caches[n] for n in self.names], cc.head_size)
+        self.encoder = vllm_triton.ChunkEncoder(
+            self.views, head_size=cc.head_size, scope=resolve_scope(cc.scope), page_size=cc.page_size,
+            version=cc.version, hashes=self.hashes, layer_ids=[layer_ids[n] for n in self.names],
+            block_size=cc.block_size,
+        )  # fmt: skip
+        self._save_host: dict[int, torch.Tensor] = {}
+        self._load_host: torch.Tensor | None = None
+        self._load_done: Any = None
+        """CUDA event: the last load's host → device copy is done (the buffer may be refilled)."""
+
+    @classmethod
+    def build(
+        cls, caches: Mapping[str, torch.Tensor], layer_ids: Mapping[str, int], cc: ChunkCodec, mode: str
+    ) -> tuple[FusedLayers | None, str]:
+        """The fused path for these caches, or None with the reason; ``mode="on"`` raises instead of None."""
+        el = eligibility(caches, cc, mode)
+        fused = None
+        if el.ok:
+            try:
+                fused = cls(caches, layer_ids, cc)
+            except UnsupportedConfigError as e:
+                el = Eligibility(False, str(e))
+        if fused is None and mode == "on":
+            raise UnsupportedConfigError(
+                f'fused="on" but the fused path cannot serve these caches: {el.reason}'
+            )
+        return fused, el.reason
+
+    @property
+    def device(self) -> torch.device:
+        return self.views.device
+
+    def serves(self, start: int, skip: int = 0) -> bool:
+        """Whether a chunk starting at request token ``start`` (loading from ``start + skip``) is fused."""
+        return skip == 0 and start % self.cc.block_size == 0
+
+    # ------------------------------------------------------------ save
+
+    def _host_buffer(self, tokens: int) -> torch.Tensor:
+        buf = self._save_host.get(tokens)
+        if buf is None:
+            buf = self._save_host[tokens] = self.encoder.host_buffer(tokens, pin=self.device.type == "cuda")
+        return buf
+
+    def save(self, block_ids: Sequence[int], chunk: int, chunk_size: int) -> list[tuple[str, memoryview]]:
+        """Blobs of chunk ``chunk`` of every layer, as ``(layer name, blob)``; NaN/Inf in V raises."""
+        buf = self._host_buffer(chunk_size)
+        pending = self.encoder.launch(
+            block_ids, num_tokens=chunk_size, chunk_id=chunk, out=buf, start=chunk * chunk_size
+        )
+        return list(zip(self.names, pending.wait()))
+
+    # ------------------------------------------------------------ load
+
+    def check(self, blob: Any, tokens: int) -> ParsedBlob:
+        """Parse and verify one layer's blob as the per-layer load does (CRC, identity, geometry)."""
+        p = parse(blob)
+        check_hashes(p.header.hashes, self.hashes, strict=True)
+        _check_geometry(p, tokens, self.views.heads, self.cc.head_size, self.views.dtype)
+        return p
+
+    def _payload_buffer(self, layers: int, nbytes: int) -> torch.Tensor:
+        """A host ``[layers, nbytes]`` buffer free to fill (pinned and reused on CUDA)."""
+        if self.device.type != "cuda":
+            return torch.empty((layers, nbytes), dtype=torch.uint8)
+        if self._load_done is not None:
+            self._load_done.synchronize()
+        buf = self._load_host
+        if buf is None or buf.numel() < layers * nbytes:
+            buf = self._load_host = torch.empty(layers * nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf[: layers * nbytes].view(layers, nbytes)
+
+    def _upload(self, parsed: Sequence[ParsedBlob]) -> torch.Tensor:
+        """Every layer's payload in one ``[L, payload_len]`` uint8 tensor on the caches' device."""
+        host = self._payload_buffer(len(parsed), parsed[0].header.payload_len)
+        rows = host.numpy()
+        for j, p in enumerate(parsed):
+            rows[j] = np.frombuffer(p.payload, dtype=np.uint8)
+        if self.device.type != "cuda":
+            return host
+        dev = host.to(self.device, non_blocking=True)
+        self._load_done = torch.cuda.Event()
+        self._load_done.record()
+        return dev
+
+    def load(self, blobs: Mapping[str, Any], block_ids: Sequence[int], chunk: int, chunk_size: int) -> bool:
+        """Check every layer's blob, then write chunk ``chunk`` of every layer in one launch.
+
+        Raises the per-layer path's errors (``CorruptEncodedKVError``,
+        ``CodecMismatchError``, ``UnsupportedConfigError``) before anything is
+        written. Returns False, writing nothing, when the blobs are valid but
+        the kernels cannot decode them (the caller then loads layer by layer).
+        """
+        parsed = [self.check(blobs[n], chunk_size) for n in self.names]
+        plans = {_plan(p, chunk_size, self.views.heads) for p in parsed}
+        if len(plans) != 1 or None in plans:
+            return False
+        (plan,) = plans
+        self._vt.decode_scatter_layers(
+            self._upload(parsed), self.views, block_ids, num_tokens=chunk_size, head_size=self.cc.head_size,
+            scope=plan.scope, page_size=plan.page_size, fp8_dtype=plan.fp8, block_size=self.cc.block_size,
+            start=chunk * chunk_size,
+        )  # fmt: skip
+        return True
+
+
+# ----------------------------------------------------------------------------
+# A chunk load, fused or layer by layer
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkLoad:
+    """Chunk ``chunk`` of a request to write into every layer; its first ``skip`` tokens are left alone."""
+
+    block_ids: Sequence[int]
+    chunk: int
+    chunk_size: int
+    skip: int = 0
+
+    @property
+    def start(self) -> int:
+        return self.chunk * self.chunk_size
+
+
+def load_layers(
+    blobs: Mapping[str, Any],
+    caches: Mapping[str, torch.Tensor],
+    codec: Callable[[str], ChunkCodec],
+    req: ChunkLoad,
+    fused: FusedLayers | None = None,
+) -> bool:
+    """Check every layer's blob, then write them all; return True when the fused path wrote them.
+
+    ``fused`` writes a block-aligned, whole chunk in one launch; anything else
+    (or blobs the kernels cannot decode) goes layer by layer through
+    :func:`~.chunks.decode_chunk` and :func:`~.layout.scatter_kv`. Either
+    way nothing is written unless every layer's blob passes its checks.
+    """
+    if fused is not None and fused.serves(req.start, req.skip):
+        if fused.load(blobs, req.block_ids, req.chunk, req.chunk_size):
+            return True
+    pending = []
+    for name, blob in blobs.items():
+        cc = codec(name)
+        pending.append((name, cc, decode_chunk(blob, caches[name], cc, num_tokens=req.chunk_size)))
+    for name, cc, (k, v) in pending:
+        scatter_kv(caches[name], req.block_ids, k[req.skip :], v[req.skip :], head_size=cc.head_size,
+                   block_size=cc.block_size, start=req.start + req.skip)  # fmt: skip
+    return False
