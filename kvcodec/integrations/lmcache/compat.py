@@ -696,13 +696,12 @@ def _encode_once(k: torch.Tensor, v: torch.Tensor, spec: EncodeSpec, fields: dic
     hs = header_size(h)
 
     def fill(mv: memoryview) -> None:
-        payload = torch.frombuffer(mv[hs:], dtype=torch.uint8) if h.payload_len else torch.empty(0, dtype=torch.uint8)
         if plan.v.device.type == "cpu":
-            write_payload(plan, payload)
+            write_payload(plan, mv[hs:])  # host memory: the cpu backend's one-call lane, as kvcodec.encode
         else:
             dev = torch.empty(h.payload_len, dtype=torch.uint8, device=plan.v.device)
             write_payload(plan, dev)
-            payload.copy_(dev)
+            torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev)
         seal(mv, h)
 
     blob = filled_bytes(hs + h.payload_len, fill)  # LMCache hands out bytes: built as bytes, no final copy
