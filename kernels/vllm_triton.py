@@ -14,7 +14,9 @@ read and written in place, whatever the order: no staging copy.
   LMCKV payload ``K ‖ FP8(V) ‖ scales`` (bit-exact with ``kvcodec.encode`` of
   the gathered ``[T, H, D]`` tensors); one launch (two for two-stage scopes).
 * :func:`decode_scatter_layers`: each layer's payload → the chunk's blocks
-  (bit-exact with ``kvcodec.decode(out_v_dtype=cache dtype)`` + a scatter).
+  (bit-exact with ``kvcodec.decode(out_v_dtype=cache dtype)`` + a scatter; a
+  NaN code, which kvcodec never writes, decodes to NaN either way, not always
+  with the same NaN bits).
 * :class:`ChunkEncoder`: the connector's host side. Per chunk: one launch,
   one asynchronous device→host copy of all payloads into a caller's (pinned)
   buffer on a caller-given stream, and after the copy the 32 headers packed
@@ -37,7 +39,7 @@ import torch
 
 from ..errors import UnsupportedConfigError
 from ..format import Hashes, Header, HeaderPacker, ScaleScheme, ScaleScope
-from ..numerics import check_finite_amax, scale_shape
+from ..numerics import check_layers_amax, scale_shape
 from ._launch import is_recording
 from .quant_triton import (
     K_ELEM_VIEW,
@@ -338,13 +340,7 @@ class PendingChunk:
             self.event.synchronize()
         self.keep = ()
         enc = self.encoder
-        a = self.amax_host
-        if not bool(torch.isfinite(a).all()):
-            bad = int((~torch.isfinite(a.reshape(a.shape[0], -1))).any(dim=1).nonzero()[0])
-            try:
-                check_finite_amax(a[bad], enc.scope)
-            except UnsupportedConfigError as e:
-                raise UnsupportedConfigError(f"layer {enc.layer_ids[bad]}: {e}") from None
+        check_layers_amax(self.amax_host, enc.scope, enc.fp8_dtype, enc.layer_ids)
         mv = _host_view(self.host)
         g, pk = self.geom, self.packer
         blobs = []

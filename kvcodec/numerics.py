@@ -12,8 +12,10 @@ These are LMCache's numerics; every backend must equal them bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .errors import UnsupportedConfigError
@@ -25,7 +27,9 @@ __all__ = [
     "NonFinitePolicy",
     "ScaleScope",
     "amax_to_scale",
+    "check_amax",
     "check_finite_amax",
+    "check_layers_amax",
     "check_scales",
     "fp8_max",
     "group_name",
@@ -84,6 +88,32 @@ def check_finite_amax(amax: torch.Tensor, scope: ScaleScope) -> None:
             "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
             "to scale by the finite values)"
         )
+
+
+def check_amax(amax: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dtype) -> None:
+    """Refuse the group absmax a fused kernel computed if the other paths would refuse its blob:
+    NaN/Inf, or a nonzero absmax whose fp32 scale ``amax / fp8 max`` underflows to 0 (fp32 V)."""
+    check_finite_amax(amax, scope)
+    narrow_scales(amax_to_scale(amax.float(), fp8_max(fp8_dtype)), torch.float32, scope)
+
+
+def check_layers_amax(amax: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dtype, layer_ids: Sequence[int]) -> None:
+    """:func:`check_amax` for every layer of a fused launch's ``[L, *scale_shape]`` absmax, naming the
+    first bad layer (vectorised; numpy for a host tensor: a few µs when all is well)."""
+    a = amax.reshape(amax.shape[0], -1).float()
+    if a.device.type == "cpu":
+        x = a.numpy()
+        with np.errstate(all="ignore"):
+            ok = (np.isfinite(x) & ((x / np.float32(fp8_max(fp8_dtype)) > 0) | (x == 0))).all(axis=1)
+    else:
+        ok = (torch.isfinite(a) & ((a / fp8_max(fp8_dtype) > 0) | (a == 0))).all(dim=1).cpu().numpy()
+    if ok.all():
+        return
+    bad = int(np.flatnonzero(~ok)[0])
+    try:
+        check_amax(amax[bad], scope, fp8_dtype)
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"layer {layer_ids[bad]}: {e}") from None
 
 
 def check_scales(scales: torch.Tensor, scope: ScaleScope, what: str = "scale") -> None:

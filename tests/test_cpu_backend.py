@@ -511,9 +511,13 @@ def test_encode_v_copies_k_in_the_same_call_only_when_served() -> None:
     dst[:] = 0
     assert _cpu.encode_v(nan, 0, 0, 1, 2, q, np.zeros(1, np.float32), src, dst) is not None  # declined
     assert not dst.any()  # K untouched: the reference path copies it
-    for bad in ((src, dst[:10]), (src, src), (src, bytes(64))):
+    for bad in ((src, dst[:10]), (src, bytes(64))):
         with pytest.raises(UnsupportedConfigError):
             _cpu.encode_v(v, 0, 0, 1, 2, q, np.zeros(1, np.float32), *bad)
+    buf = np.arange(80, dtype=np.uint8)  # source and destination overlap: a memmove
+    assert _cpu.encode_v(v, 0, 0, 1, 2, q, np.zeros(1, np.float32), buf[:64], buf[16:]) is None
+    assert (buf[16:] == np.arange(64)).all()
+    assert _cpu.encode_v(v, 0, 0, 1, 2, q, np.zeros(1, np.float32), buf[:64], buf[:64]) is None
     overlapping = (np.zeros(64, np.uint8), q.reshape(-1)[:64])  # the copy would land on the codes
     assert _cpu.encode_v(v, 0, 0, 1, 2, q, np.zeros(1, np.float32), *overlapping) is not None
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcodec import CodecError, encode
+from kvcodec import CodecError, decode, encode
 from kvcodec.backends import backend_info, cpu
 
 pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason="the C extension is not built")
@@ -86,3 +86,18 @@ def test_an_fp16_encode_runs_no_torch_op_and_no_fallback(fresh: bool) -> None:
         encode(k, v, **opts) if fresh else encode(k, v, out=out, **opts)
     assert set(mode.ops) <= {"aten.detach.default"}, mode.ops
     assert _fallback_count() == before
+
+
+@pytest.mark.parametrize("backend", [None, "cpu", "torch"])
+@pytest.mark.parametrize("hashes", [None, {"model_id": "m"}], ids=["same-header", "longer-header"])
+def test_reencode_into_the_blob_k_was_decoded_from(backend: str | None, hashes: dict | None) -> None:
+    """decode() hands K back as a view of a writable blob; encoding it with new V into that same blob
+    copies K onto itself (or onto a shifted overlap when the header grows): the C copy is a memmove."""
+    k, v = _kv(8, 2, 8, torch.float16, seed=1)
+    v_new = _kv(8, 2, 8, torch.float16, seed=2)[1]
+    opts = {"scope": "per_page_head", "page_size": 4, "hashes": hashes}
+    want = bytes(encode(k, v_new, backend="torch", **opts))
+    blob = bytearray(len(want) + 64)
+    n = len(encode(k, v, out=blob, backend=backend, scope="per_page_head", page_size=4))
+    d = decode(memoryview(blob)[:n], out_v_dtype=torch.float16)
+    assert bytes(encode(d.k, v_new, out=blob, backend=backend, **opts)) == want

@@ -189,6 +189,19 @@ def test_load_equals_per_layer_load(layout: str, dtype: torch.dtype, scope: str)
     assert _touched_blocks(orig, a, layout) == {5, 0}  # chunk 1's blocks only
 
 
+def test_load_payload_rows_start_16_bytes_apart() -> None:
+    """per_tensor payloads end in 4 scale bytes: the uploaded rows are padded, as the save side's are,
+    so the kernels' 128-bit accesses hold in every layer, not only the first."""
+    cc = _codec("per_tensor")
+    caches = _views(_phys("LBNHC", dtype=torch.float16, seed=1), "LBNHC")
+    fused = _fused(caches, cc)
+    parsed = [fused.check(b, 8) for b in _ref_blobs(caches, cc, 1, 8).values()]
+    rows = fused._upload(parsed)
+    assert rows.shape == (L, parsed[0].header.payload_len) and parsed[0].header.payload_len % 16
+    assert rows.stride(0) % 16 == 0 and rows.data_ptr() % 16 == 0
+    assert all(bytes(rows[j].cpu().numpy()) == bytes(p.payload) for j, p in enumerate(parsed))
+
+
 def test_load_blob_of_another_scope_decodes_by_its_header() -> None:
     """Blobs written per tensor load into a per_page_head engine, as the per-layer path loads them."""
     written = _codec("per_tensor")

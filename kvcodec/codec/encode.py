@@ -32,7 +32,7 @@ from ..format import (
     payload_crc,
 )
 from ..hostmem import copy_scale_bytes, copy_tensor, new_buffer
-from ..numerics import FP8_DTYPES, check_finite_amax, check_scales, scale_shape
+from ..numerics import FP8_DTYPES, check_amax, check_layers_amax, check_scales, scale_shape
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
 from .spec import EncodeSpec
@@ -351,7 +351,7 @@ def write_payload(p: EncodePlan, payload: Any) -> None:
         if isinstance(payload, memoryview):
             payload = torch.frombuffer(payload, dtype=torch.uint8)
         amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)  # type: ignore[attr-defined]
-        check_finite_amax(amax, p.groups.scope)
+        check_amax(amax, p.groups.scope, p.groups.fp8_dtype)
         return
     if _host_lane(p, payload):
         return
@@ -535,13 +535,7 @@ def _encode_layers_fused(
 
     payloads = empty_payloads(len(v3s), h0.payload_len, plan.v.device)  # rows 16-byte aligned
     amax = plan.backend.encode_fused_layers(k3s, v3s, plan.groups, payloads)  # type: ignore[attr-defined]
-    bad = ~torch.isfinite(amax.reshape(len(v3s), -1)).all(dim=1)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        try:
-            check_finite_amax(amax[i], plan.groups.scope)
-        except UnsupportedConfigError as e:
-            raise UnsupportedConfigError(f"layer {ids[i]}: {e}") from None
+    check_layers_amax(amax, plan.groups.scope, plan.groups.fp8_dtype, ids)
     host = payloads.cpu()
     packer = HeaderPacker(h0)
     blobs = []

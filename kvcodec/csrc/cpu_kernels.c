@@ -659,7 +659,8 @@ static int quantize_rows(const Arr *v, const Arr *q, int vdt, int scope, Py_ssiz
  * its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds
  * NaN/Inf or a scale is unusable. (One fused pass, page by page, measured no faster.) */
 /* An optional byte copy that rides along with an encode (K beside V's codes): one GIL
- * release per chunk instead of two. Both buffers C-contiguous, equal lengths, disjoint. */
+ * release per chunk instead of two. Both buffers C-contiguous, equal lengths; they may overlap each
+ * other (memmove), not the encode's outputs. */
 typedef struct {
     Py_buffer src, dst;
     int held;
@@ -681,10 +682,8 @@ static int take_copy(const char *fn, PyObject *src, PyObject *dst, Copy *c) {
         return rethrow(fn), -1;
     }
     c->held = 1;
-    const char *s0 = c->src.buf, *d0 = c->dst.buf;
     if (c->src.len != c->dst.len) return fail(fn, "the copy's source and destination differ in length"), release_copy(c), -1;
-    if (s0 < d0 + c->dst.len && d0 < s0 + c->src.len) return fail(fn, "the copy's source and destination overlap"), release_copy(c), -1;
-    return 0;
+    return 0; /* they may overlap (K re-encoded into the blob it was decoded from): the copy is a memmove */
 }
 
 /* Whether the copy's `buf` (its source or destination) shares bytes with array `a`. */
@@ -725,7 +724,7 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng);
     if (!why) {
         (void)quantize_rows(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, simd); /* no NaN left */
-        if (c.held && c.src.len) memcpy(c.dst.buf, c.src.buf, (size_t)c.src.len);
+        if (c.held && c.src.len) memmove(c.dst.buf, c.src.buf, (size_t)c.src.len);
     }
     Py_END_ALLOW_THREADS
     release_copy(&c);

@@ -262,29 +262,32 @@ class FusedLayers:
         _check_geometry(p, tokens, self.views.heads, self.cc.head_size, self.views.dtype)
         return p
 
-    def _payload_buffer(self, layers: int, nbytes: int) -> torch.Tensor:
-        """A host ``[layers, nbytes]`` buffer free to fill (pinned and reused on CUDA)."""
+    def _payload_buffer(self, layers: int, stride: int) -> torch.Tensor:
+        """A host ``[layers, stride]`` buffer free to fill (pinned and reused on CUDA)."""
         if self.device.type != "cuda":
-            return torch.empty((layers, nbytes), dtype=torch.uint8)
+            return torch.empty((layers, stride), dtype=torch.uint8)
         if self._load_done is not None:
             self._load_done.synchronize()
         buf = self._load_host
-        if buf is None or buf.numel() < layers * nbytes:
-            buf = self._load_host = torch.empty(layers * nbytes, dtype=torch.uint8, pin_memory=True)
-        return buf[: layers * nbytes].view(layers, nbytes)
+        if buf is None or buf.numel() < layers * stride:
+            buf = self._load_host = torch.empty(layers * stride, dtype=torch.uint8, pin_memory=True)
+        return buf[: layers * stride].view(layers, stride)
 
     def _upload(self, parsed: Sequence[ParsedBlob]) -> torch.Tensor:
-        """Every layer's payload in one ``[L, payload_len]`` uint8 tensor on the caches' device."""
-        host = self._payload_buffer(len(parsed), parsed[0].header.payload_len)
+        """Every layer's payload as ``[L, payload_len]`` uint8 on the caches' device, rows 16-byte
+        aligned (padded as the save side's are, so the kernels keep their 128-bit accesses)."""
+        n = parsed[0].header.payload_len
+        stride = -(-max(n, 1) // self._vt.PAYLOAD_ALIGN) * self._vt.PAYLOAD_ALIGN
+        host = self._payload_buffer(len(parsed), stride)
         rows = host.numpy()
         for j, p in enumerate(parsed):
-            rows[j] = np.frombuffer(p.payload, dtype=np.uint8)
+            rows[j, :n] = np.frombuffer(p.payload, dtype=np.uint8)
         if self.device.type != "cuda":
-            return host
-        dev = host.to(self.device, non_blocking=True)
+            return host[:, :n]
+        dev = host.to(self.device, non_blocking=True)  # dense [L, stride]: one copy, rows stay aligned
         self._load_done = torch.cuda.Event()
         self._load_done.record()
-        return dev
+        return dev[:, :n]
 
     def load(self, blobs: Mapping[str, Any], block_ids: Sequence[int], chunk: int, chunk_size: int) -> bool:
         """Check every layer's blob, then write chunk ``chunk`` of every layer in one launch.
