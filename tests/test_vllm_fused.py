@@ -226,10 +226,33 @@ def test_partial_chunk_goes_layer_by_layer_and_keeps_computed_tokens() -> None:
     assert _touched_blocks(orig, a, "BLHNC") == {5, 0}
 
 
+@pytest.mark.parametrize("layout", ["BLHNC", "LHBNC"])
+@pytest.mark.parametrize("scope", ["per_page_head", "per_layer_head", "per_tensor"])
+def test_block_aligned_partial_chunk_is_fused_and_keeps_computed_tokens(layout: str, scope: str) -> None:
+    """skip=4 (one block; vLLM's prefix-cache hits end on blocks): the tail of each payload is decoded
+    in one launch, the cache equals the per-layer load's, and block 5 (tokens 8..11) is untouched."""
+    cc = _codec(scope)
+    blobs = _ref_blobs(_views(_phys(layout, dtype=torch.bfloat16, seed=1), layout), cc, 1, 8)
+    orig, a, b, fused = _load_both(layout, torch.bfloat16, blobs, cc, ChunkLoad(TABLE, 1, 8, skip=4))
+    assert fused
+    assert _raw(a) == _raw(b)
+    assert _touched_blocks(orig, a, layout) == {0}
+
+
+def test_partial_chunk_splitting_a_scale_page_goes_layer_by_layer() -> None:
+    """Blobs with 8-token scale pages, skip=4: the tail is no whole number of pages, so no fused load."""
+    written = _codec(page_size=8)
+    blobs = _ref_blobs(_views(_phys("LBNHC", dtype=torch.float16, seed=1), "LBNHC"), written, 1, 8)
+    orig, a, b, fused = _load_both("LBNHC", torch.float16, blobs, written, ChunkLoad(TABLE, 1, 8, skip=4))
+    assert not fused
+    assert _raw(a) == _raw(b) and _touched_blocks(orig, a, "LBNHC") == {0}
+
+
 def test_unaligned_chunks_are_not_fused() -> None:
     caches = _views(_phys("LBNHC", dtype=torch.float16), "LBNHC")
     fused = _fused(caches, _codec())
-    assert fused.serves(8) and not fused.serves(6) and not fused.serves(8, skip=1)
+    assert fused.serves(8) and fused.serves(8, skip=4)
+    assert not fused.serves(6) and not fused.serves(8, skip=1) and not fused.serves(6, skip=2)
 
 
 def test_mixed_scopes_across_layers_go_layer_by_layer() -> None:

@@ -30,7 +30,7 @@ start if it cannot serve the caches; CPU caches then run the kernels in
 Triton's interpreter, which needs ``TRITON_INTERPRET=1``: for tests);
 ``"off"`` always goes layer by layer. Both paths write the same blob bytes.
 Which one serves is logged once at ``register_kv_caches``. Chunks that start
-mid-block and partial loads (vLLM already holds the chunk's first tokens) go
+mid-block, or whose loaded part starts mid-block or mid scale page, go
 layer by layer either way.
 """
 

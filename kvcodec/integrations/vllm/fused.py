@@ -16,12 +16,14 @@ caches :class:`FusedLayers` does a chunk of all layers at once with
 
 Served: 16- and 32-bit float caches (fp16, bf16, fp32) with
 ``head_size == head_size_v``, every layer the same shape, strides, dtype and
-device, CUDA (or CPU under ``TRITON_INTERPRET=1``, for tests). Chunks whose
-first token is not block-aligned, and partial loads (``skip > 0``: tokens
-vLLM computed already must stay untouched), are left to the per-layer path:
-the kernels address whole chunks from a block boundary. So are blobs the
-kernels cannot decode (scale dtype other than fp32, external scopes, layers
-of one chunk with different scopes).
+device, CUDA (or CPU under ``TRITON_INTERPRET=1``, for tests). A partial
+load (vLLM computed the chunk's first ``skip`` tokens already; they stay
+untouched) decodes the tail of each payload (K, codes, and the scales of
+whole pages from ``skip`` on) as a blob of those tokens. The kernels address
+whole blocks from a block boundary, so chunks or tails that start mid-block,
+and tails that split a per_page_head scale page, are left to the per-layer
+path; so are blobs the kernels cannot decode (scale dtype other than fp32,
+external scopes, layers of one chunk with different scopes).
 
 Triton is imported only when a :class:`FusedLayers` is built; importing this
 module imports neither Triton nor vLLM.
@@ -234,8 +236,11 @@ class FusedLayers:
         return self.views.device
 
     def serves(self, start: int, skip: int = 0) -> bool:
-        """Whether a chunk starting at request token ``start`` (loading from ``start + skip``) is fused."""
-        return skip == 0 and start % self.cc.block_size == 0
+        """Whether a chunk starting at request token ``start`` (loading from ``start + skip``) is fused:
+        both block-aligned, since the kernels write whole blocks from the first token on. vLLM's own
+        prefix-cache hits end on a block boundary, so partial loads usually qualify."""
+        bs = self.cc.block_size
+        return start % bs == 0 and skip % bs == 0
 
     # ------------------------------------------------------------ save
 
@@ -273,15 +278,24 @@ class FusedLayers:
             buf = self._load_host = torch.empty(layers * stride, dtype=torch.uint8, pin_memory=True)
         return buf[: layers * stride].view(layers, stride)
 
-    def _upload(self, parsed: Sequence[ParsedBlob]) -> torch.Tensor:
+    def _upload(self, parsed: Sequence[ParsedBlob], skip: int = 0, page_size: int | None = None) -> torch.Tensor:
         """Every layer's payload as ``[L, payload_len]`` uint8 on the caches' device, rows 16-byte
-        aligned (padded as the save side's are, so the kernels keep their 128-bit accesses)."""
-        n = parsed[0].header.payload_len
+        aligned (padded as the save side's are, so the kernels keep their 128-bit accesses).
+
+        With ``skip``, each row is the payload of the chunk's tokens from ``skip`` on (the tail of K,
+        of the codes and, per page, of the scales): a blob of those tokens, which the kernels decode
+        as they decode a whole chunk. ``page_size``: the per_page_head scale page (None otherwise).
+        """
+        parts = [_tail(p, skip, page_size) for p in parsed]
+        n = sum(len(x) for x in parts[0])
         stride = -(-max(n, 1) // self._vt.PAYLOAD_ALIGN) * self._vt.PAYLOAD_ALIGN
         host = self._payload_buffer(len(parsed), stride)
         rows = host.numpy()
-        for j, p in enumerate(parsed):
-            rows[j, :n] = np.frombuffer(p.payload, dtype=np.uint8)
+        for j, sections in enumerate(parts):
+            at = 0
+            for x in sections:
+                rows[j, at : at + len(x)] = np.frombuffer(x, dtype=np.uint8)
+                at += len(x)
         if self.device.type != "cuda":
             return host[:, :n]
         dev = host.to(self.device, non_blocking=True)  # dense [L, stride]: one copy, rows stay aligned
@@ -289,25 +303,40 @@ class FusedLayers:
         self._load_done.record()
         return dev[:, :n]
 
-    def load(self, blobs: Mapping[str, Any], block_ids: Sequence[int], chunk: int, chunk_size: int) -> bool:
-        """Check every layer's blob, then write chunk ``chunk`` of every layer in one launch.
+    def load(
+        self, blobs: Mapping[str, Any], block_ids: Sequence[int], chunk: int, chunk_size: int, skip: int = 0
+    ) -> bool:
+        """Check every layer's blob, then write chunk ``chunk`` of every layer, from its token ``skip``
+        on (the first ``skip`` stay as vLLM computed them), in one launch.
 
         Raises the per-layer path's errors (``CorruptEncodedKVError``,
         ``CodecMismatchError``, ``UnsupportedConfigError``) before anything is
         written. Returns False, writing nothing, when the blobs are valid but
-        the kernels cannot decode them (the caller then loads layer by layer).
+        the kernels cannot decode them (the caller then loads layer by layer):
+        e.g. a ``skip`` that splits a per_page_head scale page.
         """
         parsed = [self.check(blobs[n], chunk_size) for n in self.names]
         plans = {_plan(p, chunk_size, self.views.heads) for p in parsed}
         if len(plans) != 1 or None in plans:
             return False
         (plan,) = plans
+        if not 0 <= skip < chunk_size or (plan.page_size is not None and skip % plan.page_size):
+            return False
         self._vt.decode_scatter_layers(
-            self._upload(parsed), self.views, block_ids, num_tokens=chunk_size, head_size=self.cc.head_size,
-            scope=plan.scope, page_size=plan.page_size, fp8_dtype=plan.fp8, block_size=self.cc.block_size,
-            start=chunk * chunk_size,
+            self._upload(parsed, skip, plan.page_size), self.views, block_ids, num_tokens=chunk_size - skip,
+            head_size=self.cc.head_size, scope=plan.scope, page_size=plan.page_size, fp8_dtype=plan.fp8,
+            block_size=self.cc.block_size, start=chunk * chunk_size + skip,
         )  # fmt: skip
         return True
+
+
+def _tail(p: ParsedBlob, skip: int, page_size: int | None) -> tuple[memoryview, memoryview, memoryview]:
+    """K, codes and scale bytes of a checked blob's tokens from ``skip`` on (whole sections at 0)."""
+    h = p.header
+    tokens = h.v_payload_len // (h.kv_head_count * h.head_dim)
+    k_tok, v_tok = h.k_payload_len // tokens, h.v_payload_len // tokens
+    s_skip = (skip // page_size) * h.kv_head_count * 4 if page_size else 0  # fp32 scales, [pages, heads]
+    return p.k[skip * k_tok :], p.v[skip * v_tok :], p.scales[s_skip:]
 
 
 # ----------------------------------------------------------------------------
@@ -344,7 +373,7 @@ def load_layers(
     way nothing is written unless every layer's blob passes its checks.
     """
     if fused is not None and fused.serves(req.start, req.skip):
-        if fused.load(blobs, req.block_ids, req.chunk, req.chunk_size):
+        if fused.load(blobs, req.block_ids, req.chunk, req.chunk_size, req.skip):
             return True
     pending = []
     for name, blob in blobs.items():
