@@ -10,9 +10,10 @@ It runs, in this order, within about 6 minutes:
 1. built-in equality checks of the kernels against the torch reference on
    the GPU (need nothing beyond torch + triton);
 2. the pytest GPU tier (tests/test_cuda.py, tests/test_triton_quant.py,
-   tests/test_triton_paged.py, tests/test_triton_vllm.py and the vLLM
-   connector's fused path, tests/test_vllm_fused.py, on CUDA tensors) when
-   pytest is installed;
+   tests/test_triton_paged.py, tests/test_triton_vllm.py, the vLLM
+   connector's fused path, tests/test_vllm_fused.py, and
+   tests/test_fused_scale_underflow.py, on CUDA tensors) when pytest is
+   installed;
 3. benchmarks, each against the device-to-device copy of the same bytes
    (``torch.empty_like(x).copy_(x)``) measured in the same run with CUDA
    events (L2 flushed before every timed call):
@@ -60,6 +61,7 @@ TEST_FILES = (
     "tests/test_triton_paged.py",
     "tests/test_triton_vllm.py",
     "tests/test_vllm_fused.py",
+    "tests/test_fused_scale_underflow.py",
 )
 
 
