@@ -181,9 +181,23 @@ def test_refusals(call, match):
 def test_chunk_slots_tensor_ids_and_empty_run():
     v = make_views("LBHNC")
     s = chunk_slots(v.views[0], torch.tensor([5, 6, 7]), block_size=4, start=4, num_tokens=0)
-    assert s.block.numel() == 0 and s.block_ids == ()
+    assert s.runs == () and s.index(torch.device("cpu"))[0].numel() == 0 and s.block_ids == ()
     s = chunk_slots(v.views[0], torch.tensor([5, 6, 7]), block_size=4, start=3, num_tokens=2)
-    assert s.block.tolist() == [5, 6] and s.slot.tolist() == [3, 0] and s.block_ids == (5, 6)
+    block, slot = s.index(torch.device("cpu"))
+    assert block.tolist() == [5, 6] and slot.tolist() == [3, 0] and s.block_ids == (5, 6)
+    assert s.runs == ((5, 3, 0, 1), (6, 0, 1, 1))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_host_gather_equals_advanced_indexing(layout):
+    """CPU caches are copied block by block; other devices index with ``s.index``: same rows."""
+    v = make_views(layout, num_blocks=8, block_size=5, head_size=8, head_size_v=6)
+    table = [6, 1, 7, 0, 3]
+    s = chunk_slots(v.views[1], table, block_size=5, start=3, num_tokens=19)
+    block, slot = s.index(torch.device("cpu"))
+    rows = v.views[1][block, :, slot]
+    k, val = gather_kv(v.views[1], table, head_size=8, block_size=5, start=3, num_tokens=19)
+    assert torch.equal(k, rows[..., :8]) and torch.equal(val, rows[..., 8:])
 
 
 def test_random_shuffles_round_trip():

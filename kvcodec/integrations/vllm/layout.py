@@ -15,8 +15,10 @@ attention backend splits a scheduler block into smaller kernel blocks, the
 view's block axis counts kernel blocks (``num_blocks * ratio`` of
 ``block_size / ratio`` slots); that is handled too.
 
-Plain torch indexing: works on CPU and CUDA tensors alike. 1-byte (FP8 or
-uint8-backed) caches are moved as bytes, since some devices lack FP8 indexing.
+CPU caches are copied block by block with numpy (one thread, the GIL
+released); other devices use torch's advanced indexing (one gather kernel).
+1-byte (FP8 or uint8-backed) caches are moved as bytes, since some devices
+lack FP8 indexing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvcodec import UnsupportedConfigError
@@ -31,6 +34,9 @@ from kvcodec import UnsupportedConfigError
 __all__ = ["ChunkSlots", "chunk_slots", "gather_kv", "scatter_kv", "split_kv"]
 
 BlockIds = Sequence[int] | torch.Tensor
+
+_NUMPY = (torch.uint8, torch.int16, torch.int32, torch.float16, torch.float32)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _check_view(cache: torch.Tensor, head_size: int) -> None:
@@ -53,14 +59,18 @@ def split_kv(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.T
 
 @dataclass(frozen=True)
 class ChunkSlots:
-    """Where a run of tokens sits in a layer view: view block and slot per token."""
+    """Where a run of tokens sits in a layer view, as pieces that each lie in one view block."""
 
-    block: torch.Tensor
-    """Index into the view's block axis, one per token (int64)."""
-    slot: torch.Tensor
-    """Index into the view's token axis, one per token (int64)."""
+    runs: tuple[tuple[int, int, int, int], ...]
+    """``(view block, first slot, first token of the run, tokens)`` per piece, in token order."""
     block_ids: tuple[int, ...]
     """The scheduler block ids the run touches, in token order."""
+
+    def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """View block and slot of every token (int64 tensors on ``device``), for advanced indexing."""
+        block = [b for b, _, _, n in self.runs for _ in range(n)]
+        slot = [s + i for _, s, _, n in self.runs for i in range(n)]
+        return torch.tensor(block, dtype=torch.int64).to(device), torch.tensor(slot, dtype=torch.int64).to(device)
 
 
 def _as_id_list(block_ids: BlockIds) -> list[int]:
@@ -111,12 +121,13 @@ def chunk_slots(
         )
     if len(set(used)) != len(used):
         raise UnsupportedConfigError(f"block ids repeat within the run: {used[:16]}")
-    dev = cache.device
-    tok = torch.arange(start, start + num_tokens, dtype=torch.int64)
-    table = torch.tensor(ids[:end] or [0], dtype=torch.int64)
-    inner = tok % block_size
-    block = table[tok // block_size] * ratio + inner // kbs
-    return ChunkSlots(block.to(dev), (inner % kbs).to(dev), tuple(used))
+    runs, t = [], 0
+    while t < num_tokens:
+        blk, inner = divmod(start + t, block_size)
+        n = min(kbs - inner % kbs, num_tokens - t)
+        runs.append((ids[blk] * ratio + inner // kbs, inner % kbs, t, n))
+        t += n
+    return ChunkSlots(tuple(runs), tuple(used))
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +150,35 @@ def gather_kv(
     """
     _check_view(cache, head_size)
     s = chunk_slots(cache, block_ids, block_size=block_size, start=start, num_tokens=num_tokens)
-    rows = _bytes(cache)[s.block, :, s.slot]  # [T, H, C]: the advanced axes lead
+    if cache.device.type == "cpu":
+        return _gather_host(cache, s, head_size, num_tokens)
+    block, slot = s.index(cache.device)
+    rows = _bytes(cache)[block, :, slot]  # [T, H, C]: the advanced axes lead (one gather kernel on a GPU)
     k = rows[..., :head_size].contiguous().view(cache.dtype)
     v = rows[..., head_size:].contiguous().view(cache.dtype)
+    return k, v
+
+
+def _host_array(x: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (same-size integers for dtypes numpy lacks)."""
+    x = x.detach()
+    return x.numpy() if x.dtype in _NUMPY else x.view(_INT_OF_SIZE[x.element_size()]).numpy()
+
+
+def _gather_host(
+    cache: torch.Tensor, s: ChunkSlots, head_size: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU: one numpy copy per view block for K and V (single-threaded, GIL released): far faster
+    than torch's advanced indexing over a strided view, which also runs on its OpenMP team."""
+    c = _host_array(cache)
+    heads, width = cache.shape[1], cache.shape[3]
+    k = torch.empty((num_tokens, heads, head_size), dtype=cache.dtype)
+    v = torch.empty((num_tokens, heads, width - head_size), dtype=cache.dtype)
+    kn, vn = _host_array(k), _host_array(v)
+    for blk, slot, t, n in s.runs:
+        rows = c[blk, :, slot : slot + n].transpose(1, 0, 2)  # [n, H, C]
+        kn[t : t + n] = rows[..., :head_size]
+        vn[t : t + n] = rows[..., head_size:]
     return k, v
 
 
@@ -178,5 +215,19 @@ def scatter_kv(
                 f"{name} must be [T, H={c.shape[1]}, {c.shape[3]}] with T shared by k and v; got {tuple(x.shape)}"
             )
     s = chunk_slots(cache, block_ids, block_size=block_size, start=start, num_tokens=t)
-    for name, x, c in (("k", k, kc), ("v", v, vc)):
-        _bytes(c)[s.block, :, s.slot] = _source(x, c, name)
+    srcs = [(_source(x, c, name), c) for name, x, c in (("k", k, kc), ("v", v, vc))]
+    if cache.device.type == "cpu":
+        for x, c in srcs:
+            _scatter_host(_host_array(c), _host_array(x), s)
+        return
+    block, slot = s.index(cache.device)
+    for x, c in srcs:
+        _bytes(c)[block, :, slot] = x
+
+
+def _scatter_host(c: np.ndarray, x: np.ndarray, s: ChunkSlots) -> None:
+    """CPU: token-major rows ``x`` into the view ``c``, one numpy copy per view block."""
+    if c.dtype != x.dtype:
+        x = x.view(c.dtype)
+    for blk, slot, t, n in s.runs:
+        c[blk, :, slot : slot + n] = x[t : t + n].transpose(1, 0, 2)
