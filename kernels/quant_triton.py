@@ -68,6 +68,7 @@ __all__ = [
     "encode_fused_layers",
     "group_amax",
     "payload_nbytes",
+    "payload_stride",
     "quantize",
     "quantize_1d",
     "scales_from_amax",
@@ -263,8 +264,13 @@ def empty_payloads(layers: int, nbytes: int, device: torch.device | str) -> torc
     byte-wide accesses in every layer after the first; padding each row to
     :data:`PAYLOAD_ALIGN` bytes keeps the fused kernels' 128-bit accesses.
     """
-    stride = -(-max(int(nbytes), 1) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+    stride = payload_stride(nbytes)
     return torch.empty((int(layers), stride), dtype=torch.uint8, device=device)[:, : int(nbytes)]
+
+
+def payload_stride(nbytes: int) -> int:
+    """Bytes between stacked payload rows of ``nbytes``: rounded up to :data:`PAYLOAD_ALIGN`."""
+    return -(-max(int(nbytes), 1) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
 
 
 def scales_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:

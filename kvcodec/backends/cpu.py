@@ -82,7 +82,11 @@ def _out_refusal(out: torch.Tensor, dtypes: object, shape: torch.Size) -> str | 
 
 
 def _page(groups: Groups) -> int | str:
-    """The page size C gets (1 outside per_page_head), or why there is none."""
+    """The page size C gets (1 outside per_page_head), or why there are no C loops for ``groups``."""
+    if _cpu is None:
+        return REASON
+    if groups.fp8_dtype != _E4M3:
+        return f"{groups.fp8_dtype} has no C loops (e4m3fn only)"
     if groups.scope not in _SCOPE:
         return f"scope {groups.scope!r} has no C loops"
     if groups.scope != ScaleScope.PER_PAGE_HEAD:
@@ -100,10 +104,6 @@ def _refusal(
     C reads and writes, ``scales`` the caller's (None for encode_v, whose
     scales C computes).
     """
-    if _cpu is None:
-        return REASON
-    if groups.fp8_dtype != _E4M3:
-        return f"{groups.fp8_dtype} has no C loops (e4m3fn only)"
     page = _page(groups)
     if isinstance(page, str):
         return page
@@ -158,10 +158,6 @@ _HOST_SCALES = (torch.float32, torch.float16)
 
 def _host_refusal(k: torch.Tensor, v: torch.Tensor, groups: Groups) -> str | int:
     """:func:`_refusal` for the host lane: V as rows, K C-contiguous with V's shape; or the page size."""
-    if _cpu is None:
-        return REASON
-    if groups.fp8_dtype != _E4M3:
-        return f"{groups.fp8_dtype} has no C loops (e4m3fn only)"
     page = _page(groups)
     if isinstance(page, str):
         return page

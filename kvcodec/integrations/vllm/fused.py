@@ -195,9 +195,9 @@ class FusedLayers:
     def __init__(
         self, caches: Mapping[str, torch.Tensor], layer_ids: Mapping[str, int], cc: ChunkCodec
     ) -> None:
-        from kvcodec.kernels import vllm_triton  # imports Triton
+        from kvcodec.kernels import quant_triton, vllm_triton  # imports Triton
 
-        self._vt = vllm_triton
+        self._vt, self._qt = vllm_triton, quant_triton
         self.names = sorted(caches, key=lambda n: layer_ids[n])
         """Layer names in the kernels' layer order (by layer id)."""
         self.cc = cc
@@ -288,8 +288,7 @@ class FusedLayers:
         """
         parts = [_tail(p, skip, page_size) for p in parsed]
         n = sum(len(x) for x in parts[0])
-        stride = -(-max(n, 1) // self._vt.PAYLOAD_ALIGN) * self._vt.PAYLOAD_ALIGN
-        host = self._payload_buffer(len(parsed), stride)
+        host = self._payload_buffer(len(parsed), self._qt.payload_stride(n))
         rows = host.numpy()
         for j, sections in enumerate(parts):
             at = 0
