@@ -9,10 +9,10 @@ It runs, in this order, within about 6 minutes:
 
 1. built-in equality checks of the kernels against the torch reference on
    the GPU (need nothing beyond torch + triton);
-2. the pytest GPU tier (tests/test_cuda.py, tests/test_triton_quant.py,
-   tests/test_triton_paged.py, tests/test_triton_vllm.py, the vLLM
-   connector's fused path, tests/test_vllm_fused.py, and
-   tests/test_fused_scale_underflow.py, on CUDA tensors) when pytest is
+2. the pytest GPU tier (tests/kernels/test_cuda.py, tests/kernels/test_triton_quant.py,
+   tests/kernels/test_triton_paged.py, tests/kernels/test_triton_vllm.py, the vLLM
+   connector's fused path, tests/integrations/vllm/test_fused.py, and
+   tests/kernels/test_fused_scale_underflow.py, on CUDA tensors) when pytest is
    installed;
 3. benchmarks, each against the device-to-device copy of the same bytes
    (``torch.empty_like(x).copy_(x)``) measured in the same run with CUDA
@@ -56,12 +56,12 @@ TUNING = ROOT / "bench" / "results" / "tuning.json"
 TARGETS = {"encode": 0.85, "decode": 0.85, "gather": 0.70}
 HOST_TARGET_US = 100.0
 TEST_FILES = (
-    "tests/test_cuda.py",
-    "tests/test_triton_quant.py",
-    "tests/test_triton_paged.py",
-    "tests/test_triton_vllm.py",
-    "tests/test_vllm_fused.py",
-    "tests/test_fused_scale_underflow.py",
+    "tests/kernels/test_cuda.py",
+    "tests/kernels/test_triton_quant.py",
+    "tests/kernels/test_triton_paged.py",
+    "tests/kernels/test_triton_vllm.py",
+    "tests/integrations/vllm/test_fused.py",
+    "tests/kernels/test_fused_scale_underflow.py",
 )
 
 

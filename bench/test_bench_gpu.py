@@ -131,10 +131,10 @@ def test_benchmark_harness_on_cpu(tmp_path: Path) -> None:
 def test_pytest_tier_reports_missing_or_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a))
-    res = gc.run_pytest(["tests/test_cuda.py"], timeout_s=60)
+    res = gc.run_pytest(["tests/kernels/test_cuda.py"], timeout_s=60)
     assert res == {"ran": False, "reason": "pytest is not installed (built-in checks cover the kernels)"}
     monkeypatch.undo()
-    res = gc.run_pytest(["tests/test_cuda.py"], timeout_s=120)
+    res = gc.run_pytest(["tests/kernels/test_cuda.py"], timeout_s=120)
     assert res["ran"] and res["rc"] in (0, 5)  # 5: everything skipped (no GPU)
     assert res["failed"] == 0
 

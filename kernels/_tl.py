@@ -106,7 +106,7 @@ def f32_to_fp8(
     rounding and the clamp are symmetric in the sign. NaN is set to 0x7F | sign
     explicitly, so the result never depends on the converter's NaN encoding.
     The kernel audit checks that the PTX holds that single ``cvt`` and no
-    fp16 intermediate; tests/test_cuda.py checks all inputs on a GPU.
+    fp16 intermediate; tests/kernels/test_cuda.py checks all inputs on a GPU.
     """
     if HW:
         b = y.to(tl.int32, bitcast=True)

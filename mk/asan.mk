@@ -1,4 +1,4 @@
-# `make test-asan`: the C loops' tests (tests/test_cpu_backend.py, its buffer fuzz
+# `make test-asan`: the C loops' tests (tests/backends/test_cpu_backend.py, its buffer fuzz
 # included) against kvcodec._cpu built with AddressSanitizer + UBSan. Not in CI
 # (a minute or two; needs gcc's libasan). The sanitized module is built into a
 # copy of the package under build-asan/, so the installed one is left alone;
@@ -20,4 +20,4 @@ test-asan:
 	  -o $(ASAN_DIR)/kvcodec/_cpu$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -c \
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(ASAN_DIR)" in m.__file__ else "not the sanitized build: " + m.__file__)'
-	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/test_cpu_backend.py
+	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/backends/test_cpu_backend.py

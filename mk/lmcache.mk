@@ -12,7 +12,7 @@ lmcache-full: lmcache
 
 # The serde and the compat layer against the real package (skips with its reason without it).
 test-lmcache: lmcache-full
-	$(PYTEST) -q tests/lmcache tests/test_lmcache_compat.py bench/test_lmcache_bytes.py
+	$(PYTEST) -q tests/integrations/lmcache bench/test_lmcache_bytes.py
 
 bench-serde: lmcache-full
 	mkdir -p bench/results

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.paths import SHARED_VECTORS
+
 # Triton decides at import time whether kernels run in its CPU interpreter, so
 # without a GPU the switch must be set before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-VECTORS_DIR = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+VECTORS_DIR = SHARED_VECTORS
 
 
 @pytest.fixture(scope="session")

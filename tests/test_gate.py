@@ -10,7 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 sys.path.insert(0, str(ROOT / "bench"))
 import gate  # noqa: E402
 

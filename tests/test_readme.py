@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from tests.paths import REPO_ROOT
+
+README = REPO_ROOT / "README.md"
 
 
 def test_readme_python_blocks_run():

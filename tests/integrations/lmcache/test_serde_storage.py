@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _objs import memory_obj
 from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
 from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
 from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor, get_registered_serde_types
@@ -25,6 +24,7 @@ from lmcache.v1.distributed.storage_manager import StorageManager
 
 import kvcodec
 from kvcodec.integrations.lmcache import serde
+from tests.integrations.lmcache._objs import memory_obj
 
 SHAPE = (2, 3, 64, 4 * 32)  # [2, layers, chunk tokens, heads * head_dim]
 HEAD_DIM = 32

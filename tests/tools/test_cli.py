@@ -17,9 +17,10 @@ from kvcodec.format import MAX_DIM, Header, ScaleScope, assemble, parse
 from kvcodec.tools import cli, cmd_inspect, cmd_verify
 from kvcodec.tools.cli import main
 from kvcodec.tools.progress import Progress, progress_enabled
+from tests.paths import REPO_ROOT, SHARED_VECTORS
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
-REPO = Path(__file__).resolve().parents[1]
+VECTORS = SHARED_VECTORS
+REPO = REPO_ROOT
 
 HASHES = {"model_id": "meta-llama/Meta-Llama-3-8B", "tokenizer_hash": "tok123", "kv_layout": "NHD"}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,9 @@ from kvcodec.backends import reference as quant
 from kvcodec.codec import decode, encode, encode_layers, normalize_layout
 from kvcodec.errors import CodecMismatchError, UnsupportedConfigError
 from kvcodec.format import Hashes, ScaleScheme, ScaleScope, parse
+from tests.paths import SHARED_VECTORS
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+VECTORS = SHARED_VECTORS
 SCOPES = ["per_tensor", "per_layer_head", "per_page_head"]
 VDTYPES = [torch.float16, torch.bfloat16, torch.float32]
 KDTYPES = [torch.float16, torch.bfloat16]

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvcodec.tools import audit as A
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 BUDGET = ROOT / "bench" / "kernel_budget.json"
 
 SASS = """

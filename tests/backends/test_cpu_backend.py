@@ -1,6 +1,6 @@
 """The ``cpu`` backend (kvcodec._cpu, C): bit-exact with the reference, declines cleanly, only CodecError escapes.
 
-The conformance suite (tests/test_conformance.py) runs every backend against the
+The conformance suite (tests/backends/test_conformance.py) runs every backend against the
 naive oracle; this file covers what is particular to the C loops: every SIMD
 level, exhaustive inputs, each declined condition, the C side's own argument
 checks, and that a call releases the GIL and starts no threads.

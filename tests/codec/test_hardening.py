@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,10 +22,10 @@ from hypothesis import strategies as st
 import kvcodec
 from kvcodec import CodecError, UnsupportedConfigError, decode, encode, parse
 from kvcodec.errors import CorruptEncodedKVError
+from tests._helpers import raw_blob
+from tests.paths import REPO_ROOT
 
-from ._helpers import raw_blob
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def _kv(t: int = 8, h: int = 2, d: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

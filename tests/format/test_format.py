@@ -12,7 +12,6 @@ import struct
 import tracemalloc
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,12 +35,13 @@ from kvcodec.format import (
     parse,
     serialize_header,
 )
+from tests.paths import SHARED_VECTORS
 
 # ----------------------------------------------------------------------------
 # Test vectors (../shared/vectors, never copied into the repo)
 # ----------------------------------------------------------------------------
 
-_VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+_VECTORS = SHARED_VECTORS
 
 
 def _manifest_params(kinds: Sequence[str]) -> list:
@@ -108,7 +108,7 @@ def test_corrupt_vector_refused(entry: dict, vector) -> None:
 # A raw blob builder: any header field, valid or not, packed with struct
 # ----------------------------------------------------------------------------
 
-from ._helpers import _KEYS, _VALUES, DEFAULT_PAIRS, K, S, V, pairs_blob, raw_blob  # noqa: E402
+from tests._helpers import _KEYS, _VALUES, DEFAULT_PAIRS, K, S, V, pairs_blob, raw_blob  # noqa: E402
 
 
 def test_raw_blob_builder_matches_writer() -> None:

@@ -17,8 +17,7 @@ import torch
 from kvcodec import backends, decode, encode, parse
 from kvcodec.backends import Groups
 from kvcodec.format import ScaleScope
-
-from .oracle import oracle_dequantize, oracle_encode, oracle_quantize
+from tests.oracle import oracle_dequantize, oracle_encode, oracle_quantize
 
 os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
 

@@ -4,7 +4,7 @@ Covers what the interpreter tier cannot: the compiled kernels' rounding on
 the device (exhaustive cast, IEEE division with denormals), the hardware FP8
 converters of sm_89+ against torch for every fp32 pattern and every FP8
 byte, autotuned configs, realistic sizes, and int64 offsets past 2^31
-elements. Skipped without a CUDA GPU. (tests/test_triton_*.py also run on CUDA when one is present.)
+elements. Skipped without a CUDA GPU. (tests/kernels/test_triton_*.py also run on CUDA when one is present.)
 """
 
 from __future__ import annotations
