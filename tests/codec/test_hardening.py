@@ -252,7 +252,7 @@ _PROPERTY_UNDER_RLIMIT = textwrap.dedent(
     """
     import resource
     with open("/proc/self/statm") as f:
-        import tests.test_hardening as t  # imports torch, hypothesis: counted before the limit
+        import tests.codec.test_hardening as t  # imports torch, hypothesis: counted before the limit
         vm = int(f.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
     t.test_boundary_headers_only_raise_codec_errors()
