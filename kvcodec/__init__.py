@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
+from .errors import CodecError, CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "CodecError",
     "CodecMismatchError",
     "CorruptEncodedKVError",
+    "Reason",
     "UnsupportedConfigError",
     "__version__",
     *sorted(_LAZY),

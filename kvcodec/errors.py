@@ -1,26 +1,131 @@
-"""Error classes of the codec: every failure raises exactly one of these."""
+"""Error classes of the codec: every failure raises exactly one of these.
+
+Each error carries a machine-readable :class:`Reason` as ``e.reason`` so that
+callers (and kvcodec's own LMCache compat layer) branch on the kind of failure,
+never on the wording of the message. The message stays for humans.
+"""
 
 from __future__ import annotations
+
+from enum import Enum
+from typing import Any
 
 __all__ = [
     "CodecError",
     "CodecMismatchError",
     "CorruptEncodedKVError",
+    "Reason",
     "UnsupportedConfigError",
 ]
 
 
+class Reason(str, Enum):
+    """The kind of a failure; the value is a stable lower-case string (``Reason.BAD_MAGIC == "bad_magic"``)."""
+
+    # -- the blob's bytes (CorruptEncodedKVError) --
+    CORRUPT = "corrupt"
+    """Malformed in a way no more specific member names."""
+    BAD_MAGIC = "bad_magic"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    """A header version this codec does not read (or write)."""
+    UNKNOWN_DTYPE_ID = "unknown_dtype_id"
+    UNKNOWN_SCOPE_ID = "unknown_scope_id"
+    UNKNOWN_SCHEME = "unknown_scheme"
+    RESERVED_NONZERO = "reserved_nonzero"
+    """A version-1 header's reserved slot is not 0."""
+    FIELD_OUT_OF_RANGE = "field_out_of_range"
+    """A header integer (layout field, scale dim, payload length) outside its legal range."""
+    SCALE_RANK_OUT_OF_RANGE = "scale_rank_out_of_range"
+    """``scale_shape_n`` outside 0..MAX_SCALE_DIMS."""
+    NEGATIVE_PAYLOAD_LEN = "negative_payload_len"
+    TRUNCATED_HEADER = "truncated_header"
+    TRUNCATED_PAYLOAD = "truncated_payload"
+    TRAILING_BYTES = "trailing_bytes"
+    BAD_UTF8 = "bad_utf8"
+    BAD_HASH_TABLE = "bad_hash_table"
+    """Duplicate hash keys or more pairs than the limit."""
+    CRC_MISMATCH = "crc_mismatch"
+    INCONSISTENT_PAYLOAD = "inconsistent_payload"
+    """K, V and scale lengths that do not describe one tensor (or contradict the layout fields)."""
+    BAD_SCALE_SHAPE = "bad_scale_shape"
+    """Stored ``scale_shape`` / scale bytes that do not fit the scope and payload."""
+    BAD_SCALE = "bad_scale"
+    """A stored scale encode never writes: NaN, Inf, zero or negative."""
+
+    # -- a valid blob written under another config (CodecMismatchError) --
+    MISMATCH = "mismatch"
+    HASH_MISMATCH = "hash_mismatch"
+    HASH_MISSING = "hash_missing"
+    """A strict check found the expected hash absent from the blob."""
+
+    # -- what the caller asked for (UnsupportedConfigError) --
+    UNSUPPORTED = "unsupported"
+    """A request the codec cannot serve that no more specific member names."""
+    BAD_TYPE = "bad_type"
+    """An argument of the wrong Python type (a list for a tensor, a str for an int, ...)."""
+    BAD_VALUE = "bad_value"
+    """An argument of the right type but an illegal value (negative count, unknown option)."""
+    UNSUPPORTED_DTYPE = "unsupported_dtype"
+    NO_DTYPE_ID = "no_dtype_id"
+    """A torch/numpy dtype the LMCKV format has no id for."""
+    BAD_SHAPE = "bad_shape"
+    BAD_SCOPE = "bad_scope"
+    """An unknown scale scope, or one that does not apply to the request."""
+    BAD_SCALES = "bad_scales"
+    """Caller-given scales that do not fit the scope or contradict the blob's."""
+    MISSING_ARGUMENT = "missing_argument"
+    """A needed input is absent (scales for scope external, page_size, K for a cache, ...)."""
+    NONFINITE_V = "nonfinite_v"
+    OVERLAP = "overlap"
+    """An output shares memory with an input (or with another output)."""
+    BAD_OUTPUT = "bad_output"
+    """An ``out=`` buffer or tensor that is too small, read-only, or of the wrong dtype."""
+    BAD_DEVICE = "bad_device"
+    BAD_BUFFER = "bad_buffer"
+    """Something that is not a readable, contiguous bytes-like buffer."""
+    BAD_HASH = "bad_hash"
+    """A caller's hash value that cannot be written (unknown key, not str, too long)."""
+    BAD_KEY = "bad_key"
+    """A store key that cannot name a file."""
+    BAD_FILE = "bad_file"
+    """An input file that cannot be read as what it claims (e.g. a .npy header)."""
+    LIMIT_EXCEEDED = "limit_exceeded"
+    """A size over one of the codec's limits (elements per token, store max_bytes, ...)."""
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    CLOSED = "closed"
+    """The object (a store) was closed."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class CodecError(Exception):
-    """Base of every error kvcodec raises on purpose."""
+    """Base of every error kvcodec raises on purpose; ``reason`` says which kind of failure it is.
+
+    ``CodecError(message)`` still works; raise sites pass ``reason=Reason.X``
+    and each subclass supplies a default for those that do not.
+    """
+
+    default_reason: Reason = Reason.UNSUPPORTED
+
+    def __init__(self, *args: Any, reason: Reason | str | None = None) -> None:
+        super().__init__(*args)
+        self.reason: Reason = Reason(reason) if reason is not None else type(self).default_reason
 
 
 class CodecMismatchError(CodecError):
     """The blob is valid but was written under another config (model, layout, ...)."""
 
+    default_reason = Reason.MISMATCH
+
 
 class CorruptEncodedKVError(CodecError):
     """The blob's bytes are malformed, truncated, inconsistent or fail the CRC."""
 
+    default_reason = Reason.CORRUPT
+
 
 class UnsupportedConfigError(CodecError):
     """The caller asked for something the codec cannot do (bad shape, dtype, scope...)."""
+
+    default_reason = Reason.UNSUPPORTED
