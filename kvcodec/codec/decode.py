@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import backends
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..format import (
     MAX_DIM,
     MAX_ELEMENTS,
@@ -68,11 +68,15 @@ def _device(device: Any, out_k: Any, out_v: Any) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise UnsupportedConfigError(f"bad device {device!r}: {e}") from None
+        raise UnsupportedConfigError(f"bad device {device!r}: {e}", reason=Reason.BAD_DEVICE) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedConfigError(f"device {dev} requested but CUDA is not available")
+        raise UnsupportedConfigError(
+            f"device {dev} requested but CUDA is not available", reason=Reason.BAD_DEVICE
+        )
     if dev.type not in ("cpu", "cuda"):
-        raise UnsupportedConfigError(f"device {dev}: kvcodec decodes to cpu or cuda")
+        raise UnsupportedConfigError(
+            f"device {dev}: kvcodec decodes to cpu or cuda", reason=Reason.BAD_DEVICE
+        )
     return dev
 
 
@@ -82,13 +86,21 @@ def _check_shape(shape: Any) -> tuple[int, int, int] | None:
     try:
         dims = tuple(shape)
     except TypeError:
-        raise UnsupportedConfigError(f"shape must be (tokens, heads, head_dim); got {shape!r}") from None
-    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DIM for d in dims):
         raise UnsupportedConfigError(
-            f"shape must be three ints in 0..{MAX_DIM} (tokens, heads, head_dim); got {shape!r}"
+            f"shape must be (tokens, heads, head_dim); got {shape!r}", reason=Reason.BAD_SHAPE
+        ) from None
+    if len(dims) != 3 or any(
+        isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_DIM for d in dims
+    ):
+        raise UnsupportedConfigError(
+            f"shape must be three ints in 0..{MAX_DIM} (tokens, heads, head_dim); got {shape!r}",
+            reason=Reason.BAD_SHAPE,
         )
     if dims[1] * dims[2] > MAX_ELEMENTS:
-        raise UnsupportedConfigError(f"shape {dims}: heads x head_dim exceeds {MAX_ELEMENTS} elements per token")
+        raise UnsupportedConfigError(
+            f"shape {dims}: heads x head_dim exceeds {MAX_ELEMENTS} elements per token",
+            reason=Reason.LIMIT_EXCEEDED,
+        )
     return dims  # type: ignore[return-value]
 
 
@@ -97,15 +109,27 @@ def _check_out(name: str, t: Any, dtype: torch.dtype | None) -> torch.Tensor | N
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
-        raise UnsupportedConfigError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        raise UnsupportedConfigError(
+            f"{name} must be a torch.Tensor; got {type(t).__name__}", reason=Reason.BAD_TYPE
+        )
     if t.is_nested or t.layout != torch.strided or t.device.type == "meta":
-        raise UnsupportedConfigError(f"{name} must be a dense strided tensor; got {t.layout} on {t.device}")
+        raise UnsupportedConfigError(
+            f"{name} must be a dense strided tensor; got {t.layout} on {t.device}", reason=Reason.BAD_OUTPUT
+        )
     if t.requires_grad:
-        raise UnsupportedConfigError(f"{name} requires grad; decode writes in place (pass a detached tensor)")
+        raise UnsupportedConfigError(
+            f"{name} requires grad; decode writes in place (pass a detached tensor)", reason=Reason.BAD_OUTPUT
+        )
     if dtype is not None and t.dtype != dtype:
-        raise UnsupportedConfigError(f"{name} is {t.dtype}; the blob holds {dtype} (K is copied bit-exact, never converted)")
+        raise UnsupportedConfigError(
+            f"{name} is {t.dtype}; the blob holds {dtype} (K is copied bit-exact, never converted)",
+            reason=Reason.BAD_OUTPUT,
+        )
     if torch._debug_has_internal_overlap(t) == 1:  # 1: certainly overlapping (2: too hard to tell)
-        raise UnsupportedConfigError(f"{name} has elements sharing memory (e.g. made by expand); it cannot be written")
+        raise UnsupportedConfigError(
+            f"{name} has elements sharing memory (e.g. made by expand); it cannot be written",
+            reason=Reason.OVERLAP,
+        )
     return t
 
 
@@ -114,11 +138,14 @@ def _fits(name: str, t: torch.Tensor, shape: tuple[int, int, int] | None, n: int
     tokens; any shape of ``n`` elements when the blob has no layout (decode returns those flat)."""
     if shape is None:
         if t.numel() != n:
-            raise UnsupportedConfigError(f"{name} has {t.numel()} elements; the blob holds {n}")
+            raise UnsupportedConfigError(
+                f"{name} has {t.numel()} elements; the blob holds {n}", reason=Reason.BAD_SHAPE
+            )
         return
     if t.dim() < 2 or tuple(t.shape[-2:]) != shape[1:] or math.prod(t.shape[:-2]) != shape[0]:
         raise UnsupportedConfigError(
-            f"{name} has shape {tuple(t.shape)}; the blob's is {shape} (leading dims may split the tokens)"
+            f"{name} has shape {tuple(t.shape)}; the blob's is {shape} (leading dims may split the tokens)",
+            reason=Reason.BAD_SHAPE,
         )
 
 
@@ -150,12 +177,18 @@ def _check_disjoint(out_k: torch.Tensor | None, out_v: torch.Tensor | None) -> N
     spans interleave (K and V halves of one cache) are told apart only by their elements,
     which are not enumerated here, as torch's own copy checks do not either.
     """
-    if out_k is None or out_v is None or out_k.device != out_v.device or not out_k.numel() or not out_v.numel():
+    if (
+        out_k is None
+        or out_v is None
+        or out_k.device != out_v.device
+        or not out_k.numel()
+        or not out_v.numel()
+    ):
         return
     (k0, k1), (v0, v1) = _span(out_k), _span(out_v)
     same_view = k0 == v0 and out_k.stride() == out_v.stride()
     if same_view or (k0 < v1 and v0 < k1 and _dense(out_k) and _dense(out_v)):
-        raise UnsupportedConfigError("out_k and out_v share memory; give each its own")
+        raise UnsupportedConfigError("out_k and out_v share memory; give each its own", reason=Reason.OVERLAP)
 
 
 @dataclass
@@ -180,7 +213,9 @@ class DecodeRequest:
 def _request(h: Header, **kw: Any) -> DecodeRequest:
     v_dtype = to_torch(h.v_dtype)
     if v_dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+        raise UnsupportedConfigError(
+            f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V", reason=Reason.UNSUPPORTED_DTYPE
+        )
     out_k = _check_out("out_k", kw["out_k"], to_torch(h.k_dtype))
     out_v = _check_out("out_v", kw["out_v"], None)
     _check_disjoint(out_k, out_v)
@@ -189,10 +224,13 @@ def _request(h: Header, **kw: Any) -> DecodeRequest:
         if out_v_dtype is None:
             out_v_dtype = out_v.dtype
         elif out_v_dtype != out_v.dtype:
-            raise UnsupportedConfigError(f"out_v is {out_v.dtype} but out_v_dtype={out_v_dtype}")
+            raise UnsupportedConfigError(
+                f"out_v is {out_v.dtype} but out_v_dtype={out_v_dtype}", reason=Reason.BAD_OUTPUT
+            )
     if out_v_dtype is not None and out_v_dtype != v_dtype and out_v_dtype not in VDTYPES:
         raise UnsupportedConfigError(
-            f"V decodes to raw {h.v_dtype} or to float16, bfloat16 or float32; got {out_v_dtype}"
+            f"V decodes to raw {h.v_dtype} or to float16, bfloat16 or float32; got {out_v_dtype}",
+            reason=Reason.UNSUPPORTED_DTYPE,
         )
     device = _device(kw["device"], out_k, out_v)
     if kw["backend"] is not None:
@@ -254,10 +292,13 @@ def _shape(h: Header, n: int, given: tuple[int, int, int] | None) -> tuple[int, 
     """(tokens, heads, head_dim) of the payload: from ``shape=``, else the layout fields (None: unknown)."""
     if given is not None:
         if math.prod(given) != n:
-            raise UnsupportedConfigError(f"shape {given} does not hold the blob's {n} elements as (T, H, D)")
+            raise UnsupportedConfigError(
+                f"shape {given} does not hold the blob's {n} elements as (T, H, D)", reason=Reason.BAD_SHAPE
+            )
         if h.kv_head_count > 0 and h.head_dim > 0 and given[1:] != (h.kv_head_count, h.head_dim):
             raise UnsupportedConfigError(
-                f"shape {given} contradicts the blob's kv_head_count={h.kv_head_count}, head_dim={h.head_dim}"
+                f"shape {given} contradicts the blob's kv_head_count={h.kv_head_count}, head_dim={h.head_dim}",
+                reason=Reason.BAD_SHAPE,
             )
         return given
     if h.kv_head_count > 0 and h.head_dim > 0:
@@ -274,7 +315,9 @@ def _tensor(mv: memoryview, dtype: torch.dtype, own: bool) -> torch.Tensor:
     return torch.frombuffer(owned_copy(mv) if own else mv, dtype=torch.uint8).view(dtype)
 
 
-def _kv_tensors(h: Header, payload: memoryview, req: DecodeRequest) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _kv_tensors(
+    h: Header, payload: memoryview, req: DecodeRequest
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Flat K (None when the blob has none) and FP8 V on the request's device."""
     k_len, v_len = h.k_payload_len, h.v_payload_len
     has_k = bool(k_len) or not v_len  # an empty chunk has an (empty) K
@@ -302,7 +345,9 @@ def _scale_tensor(h: Header, payload: memoryview, req: DecodeRequest) -> torch.T
         if req.scales is not None:
             given = as_scales(req.scales, dev, s_dt)
             if given.numel() != s_t.numel() or not torch.equal(given.reshape(s_t.shape), s_t):
-                raise UnsupportedConfigError("scales= given, but the blob stores its own, different scales")
+                raise UnsupportedConfigError(
+                    "scales= given, but the blob stores its own, different scales", reason=Reason.BAD_SCALES
+                )
         return s_t
     if h.scale_scope in COMPUTED_SCOPES and math.prod(h.scale_shape) == 0:
         return torch.empty(h.scale_shape, dtype=s_dt, device=dev)
@@ -316,11 +361,15 @@ def _into(
 ) -> None:
     _fits(name, dst, shape, src.numel())
     if _overlaps(dst, payload):
-        raise UnsupportedConfigError(f"{name} overlaps the blob being decoded; decode into separate memory")
+        raise UnsupportedConfigError(
+            f"{name} overlaps the blob being decoded; decode into separate memory", reason=Reason.OVERLAP
+        )
     copy_tensor(dst, src.view(dst.shape))
 
 
-def _groups(h: Header, s_t: torch.Tensor, shape: tuple[int, int, int] | None, n: int) -> tuple[backends.Groups, tuple[int, int, int]]:
+def _groups(
+    h: Header, s_t: torch.Tensor, shape: tuple[int, int, int] | None, n: int
+) -> tuple[backends.Groups, tuple[int, int, int]]:
     """The scale grouping V was quantized with, and the shape to dequantize it in."""
     if h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT:
         scope = ScaleScope.PER_TENSOR
@@ -332,15 +381,22 @@ def _groups(h: Header, s_t: torch.Tensor, shape: tuple[int, int, int] | None, n:
         if scope != ScaleScope.PER_TENSOR:
             raise UnsupportedConfigError(
                 f"the blob leaves kv_head_count/head_dim unset and its {h.scale_scope.name} scales need "
-                "them: pass shape=(tokens, heads, head_dim)"
+                "them: pass shape=(tokens, heads, head_dim)",
+                reason=Reason.MISSING_ARGUMENT,
             )
         shape = (1, 1, n)  # one scale for all: any grouping of the elements will do
     ps = h.page_size if h.page_size > 0 else None
     return backends.Groups(scope, ps, to_torch(h.v_dtype)), shape
 
 
-def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: DecodeRequest,
-                shape: tuple[int, int, int] | None, payload: memoryview) -> torch.Tensor:
+def _dequantize(
+    h: Header,
+    v_t: torch.Tensor,
+    s_t: torch.Tensor | None,
+    req: DecodeRequest,
+    shape: tuple[int, int, int] | None,
+    payload: memoryview,
+) -> torch.Tensor:
     """V dequantized into ``req.out_v`` (or a new tensor of ``shape``, flat when unknown)."""
     n = v_t.numel()
     if s_t is None and n == 0:  # nothing to scale: an empty V of the asked dtype
@@ -348,8 +404,14 @@ def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: Dec
         return req.out_v if req.out_v is not None else out
     if s_t is None:
         if h.scale_scope == ScaleScope.EXTERNAL:
-            raise UnsupportedConfigError("cannot dequantize an external-scope blob without its scales: pass scales=")
-        raise UnsupportedConfigError(f"cannot dequantize: this {h.scale_scope.name.lower()} blob stores no scales")
+            raise UnsupportedConfigError(
+                "cannot dequantize an external-scope blob without its scales: pass scales=",
+                reason=Reason.MISSING_ARGUMENT,
+            )
+        raise UnsupportedConfigError(
+            f"cannot dequantize: this {h.scale_scope.name.lower()} blob stores no scales",
+            reason=Reason.BAD_SCOPE,
+        )
     groups, dq_shape = _groups(h, s_t, shape, n)
     be = backends.select(req.backend, req.device)
     dst = req.out_v
@@ -357,7 +419,9 @@ def _dequantize(h: Header, v_t: torch.Tensor, s_t: torch.Tensor | None, req: Dec
     if dst is not None:
         _fits("out_v", dst, shape, n)
         if _overlaps(dst, payload):
-            raise UnsupportedConfigError("out_v overlaps the blob being decoded; decode into separate memory")
+            raise UnsupportedConfigError(
+                "out_v overlaps the blob being decoded; decode into separate memory", reason=Reason.OVERLAP
+            )
         try:
             target = dst.view(dq_shape)  # written in place
         except RuntimeError:
@@ -390,14 +454,16 @@ def decode_parsed(h: Header, payload: memoryview, req: DecodeRequest) -> Decoded
         v_t = v_t.view(shape)
     if req.out_k is not None:
         if k_t is None:
-            raise UnsupportedConfigError("out_k given but the blob holds no K")
+            raise UnsupportedConfigError("out_k given but the blob holds no K", reason=Reason.BAD_OUTPUT)
         _into("out_k", req.out_k, k_t, shape, payload)
         k_t = req.out_k
     if not req.raw_v:
         return DecodedKV(k_t, _dequantize(h, v_t, s_t, req, shape, payload), s_t, h)
     if req.out_v is not None:
         if req.out_v.dtype != v_t.dtype:
-            raise UnsupportedConfigError(f"out_v is {req.out_v.dtype}; raw V is {v_t.dtype}")
+            raise UnsupportedConfigError(
+                f"out_v is {req.out_v.dtype}; raw V is {v_t.dtype}", reason=Reason.BAD_OUTPUT
+            )
         _into("out_v", req.out_v, v_t, shape, payload)
         v_t = req.out_v
     return DecodedKV(k_t, v_t, s_t, h)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..format import DType, as_dtype
 
 __all__ = ["KDTYPES", "SCALE_DTYPES", "VDTYPES", "from_torch", "to_torch"]
@@ -37,5 +37,7 @@ def to_torch(dtype: DType) -> torch.dtype:
 def from_torch(dtype: torch.dtype) -> DType:
     """The header dtype of a torch dtype; :class:`UnsupportedConfigError` if LMCKV has none."""
     if not isinstance(dtype, torch.dtype):
-        raise UnsupportedConfigError(f"expected a torch.dtype, got {type(dtype).__name__}")
+        raise UnsupportedConfigError(
+            f"expected a torch.dtype, got {type(dtype).__name__}", reason=Reason.BAD_TYPE
+        )
     return as_dtype(dtype)

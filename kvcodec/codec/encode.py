@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import backends
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..format import (
     Hashes,
     Header,
@@ -94,9 +94,14 @@ def _check_tensor(name: str, x: Any) -> torch.Tensor:
     """A dense, materialised tensor (not meta, sparse, nested), detached from autograd, with any lazy
     negation or conjugation applied (copies read memory as stored, which would lose the sign)."""
     if not isinstance(x, torch.Tensor):
-        raise UnsupportedConfigError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        raise UnsupportedConfigError(
+            f"{name} must be a torch.Tensor; got {type(x).__name__}", reason=Reason.BAD_TYPE
+        )
     if x.is_nested or x.layout != torch.strided or x.device.type == "meta":
-        raise UnsupportedConfigError(f"{name} must be a dense strided tensor with data; got {x.layout} on {x.device}")
+        raise UnsupportedConfigError(
+            f"{name} must be a dense strided tensor with data; got {x.layout} on {x.device}",
+            reason=Reason.BAD_TYPE,
+        )
     x = x.detach()
     return x.resolve_neg().resolve_conj() if x.is_neg() or x.is_conj() else x
 
@@ -105,9 +110,11 @@ def _check_int(name: str, value: Any, minimum: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UnsupportedConfigError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+        raise UnsupportedConfigError(
+            f"{name} must be an int; got {type(value).__name__} {value!r}", reason=Reason.BAD_TYPE
+        )
     if value < minimum:
-        raise UnsupportedConfigError(f"{name} must be >= {minimum}; got {value}")
+        raise UnsupportedConfigError(f"{name} must be >= {minimum}; got {value}", reason=Reason.BAD_VALUE)
     return value
 
 
@@ -115,18 +122,29 @@ def _check_options(spec: EncodeSpec) -> tuple[ScaleScope, int]:
     """Scope and header version, after the dtype and policy options are checked."""
     sc = resolve_scope(spec.scope)
     if spec.v_dtype == torch.float8_e5m2 and not spec.allow_e5m2:
-        raise UnsupportedConfigError("float8_e5m2 V is opt-in: pass allow_e5m2=True")
+        raise UnsupportedConfigError(
+            "float8_e5m2 V is opt-in: pass allow_e5m2=True", reason=Reason.UNSUPPORTED_DTYPE
+        )
     if spec.v_dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"v_dtype must be float8_e4m3fn or float8_e5m2; got {spec.v_dtype}")
+        raise UnsupportedConfigError(
+            f"v_dtype must be float8_e4m3fn or float8_e5m2; got {spec.v_dtype}",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
     if spec.scale_dtype not in SCALE_DTYPES:
-        raise UnsupportedConfigError(f"scale_dtype must be float32 or float16; got {spec.scale_dtype}")
+        raise UnsupportedConfigError(
+            f"scale_dtype must be float32 or float16; got {spec.scale_dtype}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     if spec.nonfinite not in ("error", "saturate"):
-        raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {spec.nonfinite!r}")
+        raise UnsupportedConfigError(
+            f"nonfinite must be 'error' or 'saturate'; got {spec.nonfinite!r}", reason=Reason.BAD_VALUE
+        )
     version = spec.version
     if sc == ScaleScope.NONE and type(version) is int:
         version = max(version, 2)
     if type(version) is not int or version not in (1, 2):
-        raise UnsupportedConfigError(f"header version must be 1 or 2; got {version!r}")
+        raise UnsupportedConfigError(
+            f"header version must be 1 or 2; got {version!r}", reason=Reason.UNSUPPORTED_VERSION
+        )
     for name in ("layer_id", "chunk_id", "chunk_size", "kv_head_count", "head_dim"):
         _check_int(name, getattr(spec, name), -1)
     _check_int("page_size", spec.page_size, 1)
@@ -140,29 +158,44 @@ def _token_major(
     q = spec.precomputed_v_quant
     src = _check_tensor("precomputed_v_quant" if v is None else "v", v if v is not None else q)
     if src is None:
-        raise UnsupportedConfigError("encode needs v, or precomputed_v_quant with its scales")
+        raise UnsupportedConfigError(
+            "encode needs v, or precomputed_v_quant with its scales", reason=Reason.MISSING_ARGUMENT
+        )
     ax = {"head_axis": spec.head_axis, "page_axis": spec.page_axis}
     v3, lay = normalize_layout(src, **ax)
     if q is not None:
         q = _check_tensor("precomputed_v_quant", q)
         if q.dtype != spec.v_dtype:
-            raise UnsupportedConfigError(f"encode: precomputed_v_quant dtype {q.dtype} != codec {spec.v_dtype}")
+            raise UnsupportedConfigError(
+                f"encode: precomputed_v_quant dtype {q.dtype} != codec {spec.v_dtype}",
+                reason=Reason.UNSUPPORTED_DTYPE,
+            )
         if tuple(q.shape) != tuple(src.shape):
-            raise UnsupportedConfigError(f"precomputed_v_quant shape {tuple(q.shape)} != V {tuple(src.shape)}")
+            raise UnsupportedConfigError(
+                f"precomputed_v_quant shape {tuple(q.shape)} != V {tuple(src.shape)}", reason=Reason.BAD_SHAPE
+            )
         v3 = normalize_layout(q, **ax)[0]
     elif v3.dtype not in VDTYPES:
-        raise UnsupportedConfigError(f"V dtype must be float16, bfloat16 or float32; got {v3.dtype}")
+        raise UnsupportedConfigError(
+            f"V dtype must be float16, bfloat16 or float32; got {v3.dtype}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     k3 = None
     if k is not None:
         k = _check_tensor("k", k)
         if tuple(k.shape) != tuple(src.shape):
             raise UnsupportedConfigError(
-                f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(src.shape)}"
+                f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(src.shape)}",
+                reason=Reason.BAD_SHAPE,
             )
         if k.dtype not in KDTYPES:
-            raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
+            raise UnsupportedConfigError(
+                f"K dtype must be float16, bfloat16 or float32; got {k.dtype}",
+                reason=Reason.UNSUPPORTED_DTYPE,
+            )
         if k.device != src.device:
-            raise UnsupportedConfigError(f"K is on {k.device} but V on {src.device}")
+            raise UnsupportedConfigError(
+                f"K is on {k.device} but V on {src.device}", reason=Reason.BAD_DEVICE
+            )
         k3 = normalize_layout(k, **ax)[0]
     ps = spec.page_size if spec.page_size is not None else lay.page_size
     return k3, v3, q is not None, ps
@@ -175,7 +208,9 @@ def as_scales(scales: Any, device: torch.device, dtype: torch.dtype) -> torch.Te
     try:
         return torch.as_tensor(scales).to(device=device, dtype=dtype)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise UnsupportedConfigError(f"scales must be a tensor or a number; got {type(scales).__name__}: {e}") from None
+        raise UnsupportedConfigError(
+            f"scales must be a tensor or a number; got {type(scales).__name__}: {e}", reason=Reason.BAD_SCALES
+        ) from None
 
 
 def external_scope(scales: torch.Tensor, heads: int) -> ScaleScope:
@@ -187,7 +222,8 @@ def external_scope(scales: torch.Tensor, heads: int) -> ScaleScope:
     if scales.dim() == 2 and scales.shape[1] == heads:
         return ScaleScope.PER_PAGE_HEAD
     raise UnsupportedConfigError(
-        f"external scales of shape {tuple(scales.shape)} fit no scope: expected (), ({heads},) or (pages, {heads})"
+        f"external scales of shape {tuple(scales.shape)} fit no scope: expected (), ({heads},) or (pages, {heads})",
+        reason=Reason.BAD_SCALES,
     )
 
 
@@ -198,38 +234,53 @@ def _plan_scales(
     dev, heads = v3.device, v3.shape[1]
     if sc == ScaleScope.NONE:
         if spec.scales is not None:
-            raise UnsupportedConfigError("scope raw has unit scales; scales= does not apply")
+            raise UnsupportedConfigError(
+                "scope raw has unit scales; scales= does not apply", reason=Reason.BAD_SCALES
+            )
         return torch.ones((), dtype=torch.float32, device=dev), ScaleScope.PER_TENSOR
     given = spec.precomputed_v_scales if fp8_given else spec.scales
     if fp8_given and given is None:
-        raise UnsupportedConfigError("encode: precomputed_v_quant requires precomputed_v_scales")
+        raise UnsupportedConfigError(
+            "encode: precomputed_v_quant requires precomputed_v_scales", reason=Reason.MISSING_ARGUMENT
+        )
     if given is None:
         if sc == ScaleScope.EXTERNAL:
-            raise UnsupportedConfigError("scope external needs the caller's scales (scales=...)")
+            raise UnsupportedConfigError(
+                "scope external needs the caller's scales (scales=...)", reason=Reason.MISSING_ARGUMENT
+            )
         if sc == ScaleScope.PER_PAGE_HEAD and ps is None:
             raise UnsupportedConfigError(
-                "per_page_head needs page_size= or a paged [pages, page_size, heads, head_dim] input"
+                "per_page_head needs page_size= or a paged [pages, page_size, heads, head_dim] input",
+                reason=Reason.MISSING_ARGUMENT,
             )
         return None, sc
     if not fp8_given and sc != ScaleScope.EXTERNAL:
-        raise UnsupportedConfigError("scales= is for scope external; use precomputed_v_scales")
+        raise UnsupportedConfigError(
+            "scales= is for scope external; use precomputed_v_scales", reason=Reason.BAD_SCALES
+        )
     scales = as_scales(given, dev, spec.scale_dtype)
     group_scope = external_scope(scales, heads) if sc == ScaleScope.EXTERNAL else sc
     check_scales(scales, group_scope, "given scale")
     if group_scope == ScaleScope.PER_PAGE_HEAD and ps is None:
-        raise UnsupportedConfigError("(pages, heads) scales need page_size")
+        raise UnsupportedConfigError("(pages, heads) scales need page_size", reason=Reason.MISSING_ARGUMENT)
     want = scale_shape(group_scope, v3.shape[0], heads, ps)
     if tuple(scales.shape) != want and not (sc == ScaleScope.EXTERNAL and scales.numel() == 1 and want == ()):
         raise UnsupportedConfigError(
             f"scales of shape {tuple(scales.shape)} do not fit scope {sc.name} over {v3.shape[0]} tokens x "
-            f"{heads} heads (page_size {ps}); expected {want}"
+            f"{heads} heads (page_size {ps}); expected {want}",
+            reason=Reason.BAD_SCALES,
         )
     return scales.reshape(want), group_scope
 
 
 def _make_header(
-    spec: EncodeSpec, sc: ScaleScope, version: int, k3: torch.Tensor | None, v3: torch.Tensor,
-    ps: int | None, scales: torch.Tensor | None,
+    spec: EncodeSpec,
+    sc: ScaleScope,
+    version: int,
+    k3: torch.Tensor | None,
+    v3: torch.Tensor,
+    ps: int | None,
+    scales: torch.Tensor | None,
 ) -> Header:
     """The header of the planned blob (lengths from the tensors, layout fields checked against them)."""
     tokens, heads, dim = v3.shape
@@ -238,7 +289,7 @@ def _make_header(
     if store is None or sc == ScaleScope.NONE:
         store = computed
     elif computed and not store:
-        raise UnsupportedConfigError(f"scope {sc.name} always stores its scales")
+        raise UnsupportedConfigError(f"scope {sc.name} always stores its scales", reason=Reason.BAD_SCALES)
     if scales is None:
         shape = scale_shape(sc, tokens, heads, ps)
     else:
@@ -247,9 +298,13 @@ def _make_header(
     for name, actual in given.items():
         value = getattr(spec, name)
         if value is not None and value not in (-1, actual):
-            raise UnsupportedConfigError(f"{name}={value} but the tensors have {actual}")
+            raise UnsupportedConfigError(
+                f"{name}={value} but the tensors have {actual}", reason=Reason.BAD_SHAPE
+            )
     if spec.chunk_size not in (None, -1) and spec.chunk_size < tokens:
-        raise UnsupportedConfigError(f"chunk_size={spec.chunk_size} is smaller than the {tokens} tokens given")
+        raise UnsupportedConfigError(
+            f"chunk_size={spec.chunk_size} is smaller than the {tokens} tokens given", reason=Reason.BAD_VALUE
+        )
     k_dtype = k3.dtype if k3 is not None else torch.float16
     elems = tokens * heads * dim
     return Header(
@@ -312,7 +367,9 @@ def _sections(p: EncodePlan, payload: Any) -> tuple[torch.Tensor | None, torch.T
 _NP_OF = {torch.float16: np.float16, torch.float32: np.float32}
 
 
-def _host_view(mv: memoryview, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _host_view(
+    mv: memoryview, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor over ``n`` bytes of host memory, made through numpy: numpy's views take no GIL
     hand-over, and a torch ``view`` is needed only for dtypes numpy lacks (bf16, FP8)."""
     raw = np.frombuffer(mv, np.uint8, n, offset)
@@ -335,7 +392,13 @@ def _host_lane(p: EncodePlan, payload: Any) -> bool:
     """Whether the backend's optional host lane wrote the whole payload (K, codes, scales) into host
     memory in one call; False sends the encode down the generic path (nothing it needs was lost)."""
     lane = getattr(p.backend, "encode_host", None)
-    if lane is None or not isinstance(payload, memoryview) or p.k is None or p.scales is not None or p.fp8_given:
+    if (
+        lane is None
+        or not isinstance(payload, memoryview)
+        or p.k is None
+        or p.scales is not None
+        or p.fp8_given
+    ):
         return False
     try:
         lane(p.k, p.v, p.groups, payload, scale_dtype=to_torch(p.header.scale_dtype), nonfinite=p.nonfinite)
@@ -392,13 +455,17 @@ def seal(buf: memoryview, h: Header) -> int:
 def _out_view(out: Any, size: int) -> memoryview:
     mv = as_bytes_view(out)
     if mv.readonly:
-        raise UnsupportedConfigError(f"out is a read-only {type(out).__name__}")
+        raise UnsupportedConfigError(f"out is a read-only {type(out).__name__}", reason=Reason.BAD_OUTPUT)
     if len(mv) < size:
-        raise UnsupportedConfigError(f"out holds {len(mv)} bytes; this blob needs {size}")
+        raise UnsupportedConfigError(
+            f"out holds {len(mv)} bytes; this blob needs {size}", reason=Reason.BAD_OUTPUT
+        )
     return mv[:size]
 
 
-def _write_blob(p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any = None) -> tuple[Any, memoryview]:
+def _write_blob(
+    p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any = None
+) -> tuple[Any, memoryview]:
     """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view."""
     hs = packer.size
     size = hs + p.header.payload_len
@@ -420,7 +487,13 @@ _PLANS_MAX = 256
 
 
 def _tensor_key(t: Any) -> tuple[Any, ...] | None:
-    if not isinstance(t, torch.Tensor) or t.is_nested or t.layout != torch.strided or t.is_neg() or t.is_conj():
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.is_nested
+        or t.layout != torch.strided
+        or t.is_neg()
+        or t.is_conj()
+    ):
         return None
     return (t.shape, t.stride(), t.dtype, t.device)
 
@@ -496,16 +569,20 @@ def encode_layers(
     vs = vs if isinstance(vs, torch.Tensor) else list(vs)
     n = len(vs)
     if len(ks) != n:
-        raise UnsupportedConfigError(f"{len(ks)} K layers but {n} V layers")
-    ids = [int(_check_int("layer_ids[]", i, -1)) for i in layer_ids] if layer_ids is not None else list(range(n))
+        raise UnsupportedConfigError(f"{len(ks)} K layers but {n} V layers", reason=Reason.BAD_SHAPE)
+    ids = (
+        [int(_check_int("layer_ids[]", i, -1)) for i in layer_ids]
+        if layer_ids is not None
+        else list(range(n))
+    )
     if len(ids) != n:
-        raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers")
+        raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers", reason=Reason.BAD_VALUE)
     base = EncodeSpec.of(spec, options)
     if n > 1 and all(k is not None for k in ks):
         try:
             plan = plan_encode(ks[0], vs[0], base.replace(layer_id=ids[0]))
         except UnsupportedConfigError as e:
-            raise UnsupportedConfigError(f"layer {ids[0]}: {e}") from None
+            raise UnsupportedConfigError(f"layer {ids[0]}: {e}", reason=e.reason) from None
         if plan.fusable:
             return _encode_layers_fused(plan, ks, vs, ids, base)  # type: ignore[arg-type]
     return [encode(ks[i], vs[i], base.replace(layer_id=ids[i])) for i in range(n)]
@@ -516,10 +593,13 @@ def _same_layers(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None
         if vs[i].shape != vs[0].shape or ks[i].shape != ks[0].shape:
             raise UnsupportedConfigError(
                 f"layer {i} has K {tuple(ks[i].shape)} / V {tuple(vs[i].shape)}; layer 0 has "
-                f"{tuple(ks[0].shape)} / {tuple(vs[0].shape)}"
+                f"{tuple(ks[0].shape)} / {tuple(vs[0].shape)}",
+                reason=Reason.BAD_SHAPE,
             )
         if ks[i].dtype != ks[0].dtype or vs[i].dtype != vs[0].dtype:
-            raise UnsupportedConfigError(f"layer {i} dtypes differ from layer 0's")
+            raise UnsupportedConfigError(
+                f"layer {i} dtypes differ from layer 0's", reason=Reason.UNSUPPORTED_DTYPE
+            )
 
 
 def _encode_layers_fused(

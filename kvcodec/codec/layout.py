@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CodecMismatchError, UnsupportedConfigError
+from ..errors import CodecMismatchError, Reason, UnsupportedConfigError
 from ..format import HASH_KEYS, Hashes, ScaleScope
 from ..hostmem import copy_tensor
 
@@ -49,19 +49,24 @@ def resolve_scope(scope: ScopeLike) -> ScaleScope:
             return _SCOPE_ALIASES[scope.lower()]
         except KeyError:
             raise UnsupportedConfigError(
-                f"unknown scale scope {scope!r}; expected one of {sorted(_SCOPE_ALIASES)}"
+                f"unknown scale scope {scope!r}; expected one of {sorted(_SCOPE_ALIASES)}",
+                reason=Reason.BAD_SCOPE,
             ) from None
     try:
         return ScaleScope(int(scope))
     except (ValueError, TypeError):
-        raise UnsupportedConfigError(f"unknown scale scope {scope!r}") from None
+        raise UnsupportedConfigError(f"unknown scale scope {scope!r}", reason=Reason.BAD_SCOPE) from None
 
 
 def _norm_axis(axis: int, ndim: int, name: str) -> int:
     if isinstance(axis, bool) or not isinstance(axis, int):
-        raise UnsupportedConfigError(f"{name} must be an int; got {type(axis).__name__} {axis!r}")
+        raise UnsupportedConfigError(
+            f"{name} must be an int; got {type(axis).__name__} {axis!r}", reason=Reason.BAD_TYPE
+        )
     if not -ndim <= axis < ndim:
-        raise UnsupportedConfigError(f"{name}={axis} out of range for a {ndim}-D tensor")
+        raise UnsupportedConfigError(
+            f"{name}={axis} out of range for a {ndim}-D tensor", reason=Reason.BAD_VALUE
+        )
     return axis % ndim
 
 
@@ -83,21 +88,27 @@ def normalize_layout(
     if nd not in (3, 4):
         raise UnsupportedConfigError(
             f"expected a 3-D [tokens, heads, head_dim] or 4-D [pages, page_size, heads, head_dim] "
-            f"tensor; got shape {tuple(x.shape)}"
+            f"tensor; got shape {tuple(x.shape)}",
+            reason=Reason.BAD_SHAPE,
         )
     h_ax = _norm_axis(-2 if head_axis is None else head_axis, nd, "head_axis")
     if h_ax == nd - 1:
-        raise UnsupportedConfigError(f"head_axis={head_axis} names the last axis, which is head_dim")
+        raise UnsupportedConfigError(
+            f"head_axis={head_axis} names the last axis, which is head_dim", reason=Reason.BAD_VALUE
+        )
     p_ax = None if page_axis is None else _norm_axis(page_axis, nd, "page_axis")
     if p_ax is not None and p_ax in (h_ax, nd - 1):
         raise UnsupportedConfigError(
-            f"page_axis={page_axis} collides with head_axis={head_axis} or head_dim (last axis)"
+            f"page_axis={page_axis} collides with head_axis={head_axis} or head_dim (last axis)",
+            reason=Reason.BAD_VALUE,
         )
     rest = [a for a in range(nd - 1) if a != h_ax]
     if nd == 3:
         (t_ax,) = rest
         if p_ax is not None and p_ax != t_ax:
-            raise UnsupportedConfigError(f"page_axis={page_axis} is not the token axis {t_ax}")
+            raise UnsupportedConfigError(
+                f"page_axis={page_axis} is not the token axis {t_ax}", reason=Reason.BAD_VALUE
+            )
         y = x.permute(t_ax, h_ax, nd - 1)
         return y, Layout(y.shape[0], y.shape[1], y.shape[2], 1 if p_ax is not None else None)
     if p_ax is None:
@@ -131,8 +142,12 @@ def check_hashes(got: Hashes, expected: Any, *, strict: bool = False) -> None:
         if not ev:
             continue
         if gv and gv != ev:
-            raise CodecMismatchError(f"codec hash mismatch on {key!r}: encoded={gv!r}, expected={ev!r}")
+            raise CodecMismatchError(
+                f"codec hash mismatch on {key!r}: encoded={gv!r}, expected={ev!r}",
+                reason=Reason.HASH_MISMATCH,
+            )
         if not gv and strict:
             raise CodecMismatchError(
-                f"codec hash {key!r} missing from the blob (strict): expected={ev!r}, encoded=''"
+                f"codec hash {key!r} missing from the blob (strict): expected={ev!r}, encoded=''",
+                reason=Reason.HASH_MISSING,
             )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..format import Hashes
 from ..numerics import NonFinitePolicy
 from .layout import ScopeLike
@@ -57,18 +57,30 @@ class EncodeSpec:
         """``spec`` with ``options`` applied; unknown option names are refused."""
         unknown = sorted(set(options) - _NAMES)
         if unknown:
-            raise UnsupportedConfigError(f"unknown encode option(s) {unknown}; see kvcodec.EncodeSpec")
+            raise UnsupportedConfigError(
+                f"unknown encode option(s) {unknown}; see kvcodec.EncodeSpec", reason=Reason.BAD_VALUE
+            )
         if spec is None:
             return cls(**options)
         if not isinstance(spec, cls):
-            raise UnsupportedConfigError(f"spec is a {type(spec).__name__}; expected EncodeSpec")
+            raise UnsupportedConfigError(
+                f"spec is a {type(spec).__name__}; expected EncodeSpec", reason=Reason.BAD_TYPE
+            )
         return spec.replace(**options) if options else spec
 
     def cache_key(self) -> tuple[Any, ...] | None:
         """The options that shape a blob's layout (all but the ids), or None when they carry data."""
-        if self.scales is not None or self.precomputed_v_quant is not None or self.precomputed_v_scales is not None:
+        if (
+            self.scales is not None
+            or self.precomputed_v_quant is not None
+            or self.precomputed_v_scales is not None
+        ):
             return None
-        key = (Hashes.coerce(self.hashes), *_LAYOUT_OF(self), *map(type, _INTS_OF(self)))  # 1.0, True are not 1
+        key = (
+            Hashes.coerce(self.hashes),
+            *_LAYOUT_OF(self),
+            *map(type, _INTS_OF(self)),
+        )  # 1.0, True are not 1
         try:
             hash(key)
         except TypeError:  # e.g. hashes given as a dict
@@ -83,6 +95,8 @@ class EncodeSpec:
 _NAMES = frozenset(f.name for f in fields(EncodeSpec))
 _INT_NAMES = ("page_size", "chunk_size", "kv_head_count", "head_dim", "version", "head_axis", "page_axis")
 _LAYOUT_NAMES = tuple(
-    sorted(_NAMES - {"layer_id", "chunk_id", "scales", "precomputed_v_quant", "precomputed_v_scales", "hashes"})
+    sorted(
+        _NAMES - {"layer_id", "chunk_id", "scales", "precomputed_v_quant", "precomputed_v_scales", "hashes"}
+    )
 )
 _LAYOUT_OF, _INTS_OF = attrgetter(*_LAYOUT_NAMES), attrgetter(*_INT_NAMES)
