@@ -22,8 +22,11 @@ test:
 test-interpret:
 	TRITON_INTERPRET=1 $(PYTEST) -q -m interpreter
 
+# Style, formatting, and the import rules: layers, no cycles, no private names across modules.
 lint:
-	$(BIN)/ruff check kvcodec kernels tests bench
+	$(BIN)/ruff check kvcodec kernels tests bench dev
+	$(BIN)/ruff format --check kvcodec kernels tests bench dev
+	$(BIN)/python dev/check_imports.py
 
 demo:
 	$(BIN)/kvcodec demo
