@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from ...backends import reference as _ref
 from ...codec import DecodeRequest, EncodeSpec, check_hashes, decode_parsed, plan_encode
 from ...codec.dtypes import KDTYPES, SCALE_DTYPES, to_torch
 from ...codec.encode import seal, write_payload
-from ...errors import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
+from ...errors import CodecError, CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ...format import (
     FIXED_HEADER_LEN,
     MAGIC,
@@ -51,6 +50,7 @@ from ...format import (
     Header,
     ParsedBlob,
     ScaleScope,
+    as_bytes_view,
     check_consistency,
     header_size,
     parse,
@@ -154,7 +154,7 @@ class EncodedKV:
         """Header + payload bytes (-1 before the header is serialized)."""
         if self.header_bytes is None:
             return -1
-        return len(self.header_bytes) + len(self.payload)
+        return len(as_bytes_view(self.header_bytes)) + len(_payload(self))
 
     def expected_payload_len(self) -> int:
         """K + V + scale lengths as declared."""
@@ -162,32 +162,28 @@ class EncodedKV:
 
 
 # ----------------------------------------------------------------------------
-# LMCache's error phrases, kept as substrings of ours
+# LMCache's error phrases, chosen by the error's reason
 # ----------------------------------------------------------------------------
 
-_LMCACHE_PHRASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(rx), phrase)
-    for rx, phrase in (
-        (r"unknown \w*dtype id", "unknown dtype index"),
-        (r"unknown header version", "unsupported codec version"),
-        (r"reserved field is", "nonzero reserved/scale_scheme slot"),
-        (r"unknown scale scheme", "unknown scale_scheme"),
-        (r"unknown scale_scope id", "unknown scale_scope index"),
-        (r"payload_len=-\d+ out of range", "negative payload length"),
-        (r"truncated (K|V|scale) payload", "buffer truncated mid-payload"),
-        (r"scale_shape_n=", "implausible scale_shape_n"),
-        (r"CRC mismatch", "payload CRC mismatch"),
-    )
-)
+_LMCACHE_PHRASES: dict[Reason, str] = {
+    Reason.UNKNOWN_DTYPE_ID: "unknown dtype index",
+    Reason.NO_DTYPE_ID: "unknown dtype: not in protocol DTYPE_TO_INT mapping",
+    Reason.UNSUPPORTED_VERSION: "unsupported codec version",
+    Reason.RESERVED_NONZERO: "nonzero reserved/scale_scheme slot",
+    Reason.UNKNOWN_SCHEME: "unknown scale_scheme",
+    Reason.UNKNOWN_SCOPE_ID: "unknown scale_scope index",
+    Reason.NEGATIVE_PAYLOAD_LEN: "negative payload length",
+    Reason.TRUNCATED_PAYLOAD: "buffer truncated mid-payload",
+    Reason.SCALE_RANK_OUT_OF_RANGE: "implausible scale_shape_n",
+    Reason.CRC_MISMATCH: "payload CRC mismatch",
+}
+"""The phrase LMCache 0.5.6 raises for the same failure, for callers that match on it."""
 
 
 def _lmcache_error(e: CodecError) -> CodecError:
-    """``e`` with LMCache's phrase for the same failure in front (same class), for callers matching on it."""
-    msg = str(e)
-    for rx, phrase in _LMCACHE_PHRASES:
-        if rx.search(msg) and phrase not in msg:
-            return type(e)(f"{phrase}: {msg}")
-    return e
+    """``e`` (same class and reason) with LMCache's phrase for its reason in front, if LMCache has one."""
+    phrase = _LMCACHE_PHRASES.get(e.reason)
+    return e if phrase is None else type(e)(f"{phrase}: {e}", reason=e.reason)
 
 
 # ----------------------------------------------------------------------------
@@ -222,9 +218,7 @@ def _to_header(enc: EncodedKV) -> Header:
             hashes=Hashes.coerce(enc.hashes),
         )
     except UnsupportedConfigError as e:
-        if "no LMCKV dtype id" in str(e):
-            raise UnsupportedConfigError(f"unknown dtype: not in protocol DTYPE_TO_INT mapping ({e})") from None
-        raise
+        raise _lmcache_error(e) from None
 
 
 def _header_of(enc: EncodedKV) -> Header:
@@ -271,21 +265,28 @@ def _from_parsed(p: ParsedBlob, hashes: CodecHashes | None = None) -> EncodedKV:
 
 def encoded_kv_header_size(enc: EncodedKV) -> int:
     """Serialized header size of ``enc`` in bytes (payload excluded)."""
+    _check_enc(enc)
     return header_size(_to_header(enc))
 
 
 def serialize_header(enc: EncodedKV) -> bytes:
     """Header bytes of ``enc`` with the CRC of ``enc.payload`` (lengths must match)."""
+    _check_enc(enc)
     lens = (enc.k_payload_len, enc.v_payload_len, enc.scale_payload_len)
     if any(n < 0 for n in lens):
-        raise UnsupportedConfigError(f"payload lengths must be non-negative; got K, V, scales = {lens}")
-    if len(enc.payload) != enc.expected_payload_len():
         raise UnsupportedConfigError(
-            f"payload length {len(enc.payload)} does not match "
-            f"declared K({enc.k_payload_len}) + V({enc.v_payload_len}) "
-            f"+ scales({enc.scale_payload_len})"
+            f"payload lengths must be non-negative; got K, V, scales = {lens}",
+            reason=Reason.NEGATIVE_PAYLOAD_LEN,
         )
-    return _serialize_header(_to_header(enc), [enc.payload])
+    payload = _payload(enc)
+    if len(payload) != enc.expected_payload_len():
+        raise UnsupportedConfigError(
+            f"payload length {len(payload)} does not match "
+            f"declared K({enc.k_payload_len}) + V({enc.v_payload_len}) "
+            f"+ scales({enc.scale_payload_len})",
+            reason=Reason.INCONSISTENT_PAYLOAD,
+        )
+    return _serialize_header(_to_header(enc), [payload])
 
 
 def _parse(buf: Any, *, header_level: bool) -> ParsedBlob:
@@ -312,20 +313,24 @@ def deserialize_header(buf: Any) -> EncodedKV:
 
 def _fp8_max(dtype: torch.dtype) -> float:
     if dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"compute_v_scales: dtype {dtype} is not an FP8 dtype")
+        raise UnsupportedConfigError(
+            f"compute_v_scales: dtype {dtype} is not an FP8 dtype", reason=Reason.UNSUPPORTED_DTYPE
+        )
     return fp8_max(dtype)
 
 
 def _tensor(x: Any, what: str) -> torch.Tensor:
     """``x`` itself when it is a tensor (LMCache would fail on it with an AttributeError)."""
     if not isinstance(x, torch.Tensor):
-        raise UnsupportedConfigError(f"{what} must be a torch.Tensor; got {type(x).__name__}")
+        raise UnsupportedConfigError(
+            f"{what} must be a torch.Tensor; got {type(x).__name__}", reason=Reason.BAD_TYPE
+        )
     return x
 
 
 def _dtype(x: Any, what: str) -> torch.dtype:
     if not isinstance(x, torch.dtype):
-        raise UnsupportedConfigError(f"{what} must be a torch.dtype; got {x!r}")
+        raise UnsupportedConfigError(f"{what} must be a torch.dtype; got {x!r}", reason=Reason.BAD_TYPE)
     return x
 
 
@@ -334,23 +339,39 @@ def _device(device: Any) -> torch.device:
     try:
         return torch.device(device) if device is not None else torch.device("cpu")
     except (RuntimeError, TypeError, ValueError) as e:
-        raise UnsupportedConfigError(f"decode: bad device {device!r}: {e}") from None
+        raise UnsupportedConfigError(
+            f"decode: bad device {device!r}: {e}", reason=Reason.BAD_DEVICE
+        ) from None
 
 
-_LMCACHE_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD, ScaleScope.EXTERNAL)
+_LMCACHE_SCOPES = (
+    ScaleScope.PER_TENSOR,
+    ScaleScope.PER_LAYER_HEAD,
+    ScaleScope.PER_PAGE_HEAD,
+    ScaleScope.EXTERNAL,
+)
 
 
 def _lm_scope(scope: Any, what: str = "scope") -> ScaleScope:
     """One of LMCache's four scopes (an enum member or its value)."""
-    if isinstance(scope, bool) or not isinstance(scope, int) or scope not in {int(s) for s in _LMCACHE_SCOPES}:
-        raise UnsupportedConfigError(f"unsupported {what}: {scope!r}; expected one of {[s.name for s in _LMCACHE_SCOPES]}")
+    if (
+        isinstance(scope, bool)
+        or not isinstance(scope, int)
+        or scope not in {int(s) for s in _LMCACHE_SCOPES}
+    ):
+        raise UnsupportedConfigError(
+            f"unsupported {what}: {scope!r}; expected one of {[s.name for s in _LMCACHE_SCOPES]}",
+            reason=Reason.BAD_SCOPE,
+        )
     return ScaleScope(scope)
 
 
 def _axis(axis: Any, nd: int, what: str) -> int:
     """``axis`` of an ``nd``-D tensor as a non-negative index."""
     if isinstance(axis, bool) or not isinstance(axis, int) or not -nd <= axis < nd:
-        raise UnsupportedConfigError(f"{what}={axis!r} is not an axis of a {nd}-D tensor")
+        raise UnsupportedConfigError(
+            f"{what}={axis!r} is not an axis of a {nd}-D tensor", reason=Reason.BAD_VALUE
+        )
     return axis % nd
 
 
@@ -368,19 +389,26 @@ def _canon(
     if scope == ScaleScope.PER_TENSOR:
         return x.reshape(1, 1, -1), scope, None, tuple(x.shape), list(range(nd))
     if scope == ScaleScope.EXTERNAL:
-        raise UnsupportedConfigError(f"{who}: unsupported scope: {scope}")
+        raise UnsupportedConfigError(f"{who}: unsupported scope: {scope}", reason=Reason.BAD_SCOPE)
     if nd == 0:
-        raise UnsupportedConfigError(f"{who}({scope.name}) needs a tensor with a head axis; got a 0-D one")
+        raise UnsupportedConfigError(
+            f"{who}({scope.name}) needs a tensor with a head axis; got a 0-D one", reason=Reason.BAD_SHAPE
+        )
     head = _axis(head_axis, nd, "head_axis")
     if scope == ScaleScope.PER_LAYER_HEAD:
         order = [head] + [d for d in range(nd) if d != head]
         y = x.permute(order)
         return y.reshape(1, x.shape[head], -1), scope, None, tuple(y.shape), order
     if page_axis is None:
-        raise UnsupportedConfigError(f"{who}(PER_PAGE_HEAD) requires page_axis")
+        raise UnsupportedConfigError(
+            f"{who}(PER_PAGE_HEAD) requires page_axis", reason=Reason.MISSING_ARGUMENT
+        )
     page = _axis(page_axis, nd, "page_axis")
     if page == head:
-        raise UnsupportedConfigError(f"{who}(PER_PAGE_HEAD): page_axis and head_axis are the same axis ({page})")
+        raise UnsupportedConfigError(
+            f"{who}(PER_PAGE_HEAD): page_axis and head_axis are the same axis ({page})",
+            reason=Reason.BAD_VALUE,
+        )
     order = [page, head] + [d for d in range(nd) if d not in (page, head)]
     y = x.permute(order)
     return y.reshape(x.shape[page], x.shape[head], -1), scope, 1, tuple(y.shape), order
@@ -393,18 +421,23 @@ def _uncanon(y3: torch.Tensor, moved: tuple[int, ...], order: list[int]) -> torc
     return y3.reshape(moved).permute(inv).contiguous()
 
 
-def _scales_for(scales: Any, x3: torch.Tensor, scope: ScaleScope, page_size: int | None, who: str) -> torch.Tensor:
+def _scales_for(
+    scales: Any, x3: torch.Tensor, scope: ScaleScope, page_size: int | None, who: str
+) -> torch.Tensor:
     """The caller's scales shaped as kvcodec's for the canonical ``x3``, on its device."""
     s = _tensor(scales, f"{who}: scales")
     shape = scale_shape(scope, x3.shape[0], x3.shape[1], page_size)
     if s.numel() != math.prod(shape):
         raise UnsupportedConfigError(
-            f"{who}: {s.numel()} scales given; {scope.name} over this tensor has {math.prod(shape)} {shape}"
+            f"{who}: {s.numel()} scales given; {scope.name} over this tensor has {math.prod(shape)} {shape}",
+            reason=Reason.BAD_SCALES,
         )
     return s.detach().to(x3.device).reshape(shape)
 
 
-def _dispatch(op: str, x3: torch.Tensor, scales: torch.Tensor, groups: backends.Groups, out_dtype: torch.dtype) -> torch.Tensor:
+def _dispatch(
+    op: str, x3: torch.Tensor, scales: torch.Tensor, groups: backends.Groups, out_dtype: torch.dtype
+) -> torch.Tensor:
     """``op`` (quantize / dequantize) by the backend kvcodec picks for ``x3``'s device."""
     out = torch.empty(x3.shape, dtype=out_dtype, device=x3.device)
     if x3.numel() == 0:
@@ -424,7 +457,8 @@ def compute_v_scales(
     qmax = _fp8_max(fp8_dtype)
     if scope == ScaleScope.EXTERNAL:
         raise UnsupportedConfigError(
-            "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them."
+            "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them.",
+            reason=Reason.BAD_SCOPE,
         )
     v3, sc, ps, _, _ = _canon(v, scope, head_axis, page_axis, "compute_v_scales")
     # Quietly like LMCache: NaN/Inf groups give whatever the formula gives. Torch
@@ -462,9 +496,13 @@ def dequantize_v_fp8(
     out_dtype = _dtype(out_dtype, "dequantize_v_fp8: out_dtype")
     q3, sc, ps, moved, order = _canon(q, scope, head_axis, page_axis, "dequantize_v_fp8")
     if q3.dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"dequantize_v_fp8: codes must be an FP8 dtype; got {q3.dtype}")
+        raise UnsupportedConfigError(
+            f"dequantize_v_fp8: codes must be an FP8 dtype; got {q3.dtype}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     s = _scales_for(scales, q3, sc, ps, "dequantize_v_fp8")
-    return _uncanon(_dispatch("dequantize", q3, s, backends.Groups(sc, ps, q3.dtype), out_dtype), moved, order)
+    return _uncanon(
+        _dispatch("dequantize", q3, s, backends.Groups(sc, ps, q3.dtype), out_dtype), moved, order
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -491,16 +529,18 @@ class AsymK16V8Codec:
     ):
         if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise UnsupportedConfigError(
-                f"AsymK16V8Codec: fp8_dtype must be float8_e4m3fn "
-                f"(or e5m2 reserved); got {fp8_dtype}"
+                f"AsymK16V8Codec: fp8_dtype must be float8_e4m3fn (or e5m2 reserved); got {fp8_dtype}",
+                reason=Reason.UNSUPPORTED_DTYPE,
             )
         if fp8_dtype == torch.float8_e5m2:
             raise UnsupportedConfigError(
-                "float8_e5m2 is reserved-but-not-implemented in v1; use float8_e4m3fn"
+                "float8_e5m2 is reserved-but-not-implemented in v1; use float8_e4m3fn",
+                reason=Reason.UNSUPPORTED_DTYPE,
             )
         if scale_dtype not in SCALE_DTYPES:
             raise UnsupportedConfigError(
-                f"AsymK16V8Codec: scale_dtype must be one of {[str(d) for d in SCALE_DTYPES]}; got {scale_dtype!r}"
+                f"AsymK16V8Codec: scale_dtype must be one of {[str(d) for d in SCALE_DTYPES]}; got {scale_dtype!r}",
+                reason=Reason.UNSUPPORTED_DTYPE,
             )
         self.fp8_dtype = fp8_dtype
         self.scale_dtype = scale_dtype
@@ -527,7 +567,8 @@ class AsymK16V8Codec:
         k, v = _tensor(k, "encode: K"), _tensor(v, "encode: V")
         if k.shape != v.shape:
             raise UnsupportedConfigError(
-                f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(v.shape)}"
+                f"encode: K and V shapes must match; got K={tuple(k.shape)} vs V={tuple(v.shape)}",
+                reason=Reason.BAD_SHAPE,
             )
         if v.dim() > 0:
             _axis(head_axis, v.dim(), "head_axis")
@@ -535,13 +576,18 @@ class AsymK16V8Codec:
                 _axis(page_axis, v.dim(), "page_axis")
         scope = _lm_scope(self.scale_scope, "AsymK16V8Codec scale_scope")
         if precomputed_v_quant is not None and precomputed_v_scales is None:
-            raise UnsupportedConfigError("encode: precomputed_v_quant requires precomputed_v_scales")
+            raise UnsupportedConfigError(
+                "encode: precomputed_v_quant requires precomputed_v_scales", reason=Reason.MISSING_ARGUMENT
+            )
         if precomputed_v_quant is None and scope == ScaleScope.EXTERNAL:
             raise UnsupportedConfigError(
-                "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them."
+                "compute_v_scales does not produce EXTERNAL scales; the caller is expected to attach them.",
+                reason=Reason.BAD_SCOPE,
             )
         if scope == ScaleScope.PER_PAGE_HEAD and page_axis is None:
-            raise UnsupportedConfigError("compute_v_scales(PER_PAGE_HEAD) requires page_axis")
+            raise UnsupportedConfigError(
+                "compute_v_scales(PER_PAGE_HEAD) requires page_axis", reason=Reason.MISSING_ARGUMENT
+            )
         given = {"chunk_size": chunk_size, "page_size": page_size, "kv_head_count": kv_head_count,
                  "head_dim": head_dim}  # fmt: skip
         pp_axis = page_axis if scope == ScaleScope.PER_PAGE_HEAD else None
@@ -580,13 +626,17 @@ class AsymK16V8Codec:
         if pre_quant is not None:
             if _tensor(pre_quant, "encode: precomputed_v_quant").dtype != self.fp8_dtype:
                 raise UnsupportedConfigError(
-                    f"encode: precomputed_v_quant dtype {pre_quant.dtype} != codec {self.fp8_dtype}"
+                    f"encode: precomputed_v_quant dtype {pre_quant.dtype} != codec {self.fp8_dtype}",
+                    reason=Reason.UNSUPPORTED_DTYPE,
                 )
             q, scales = pre_quant, _tensor(pre_scales, "encode: precomputed_v_scales").to(self.scale_dtype)
         else:
             q, scales = self._quantize_caller_layout(v, scope, head_axis, page_axis)
         if k.dtype not in KDTYPES:
-            raise UnsupportedConfigError(f"K dtype must be float16, bfloat16 or float32; got {k.dtype}")
+            raise UnsupportedConfigError(
+                f"K dtype must be float16, bfloat16 or float32; got {k.dtype}",
+                reason=Reason.UNSUPPORTED_DTYPE,
+            )
         parts = [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy() for t in (k, q, scales)]
         h = Header(
             k_dtype=k.dtype, v_dtype=self.fp8_dtype, scale_dtype=self.scale_dtype, scale_scope=scope,
@@ -602,11 +652,15 @@ class AsymK16V8Codec:
         v3, sc, ps, moved, order = _canon(v, scope, head_axis, page_axis, "encode")
         q3 = torch.empty(v3.shape, dtype=self.fp8_dtype, device=v3.device)
         if v3.numel() == 0:
-            scales = compute_v_scales(v, scope, fp8_dtype=self.fp8_dtype, head_axis=head_axis, page_axis=page_axis)
+            scales = compute_v_scales(
+                v, scope, fp8_dtype=self.fp8_dtype, head_axis=head_axis, page_axis=page_axis
+            )
             return _uncanon(q3, moved, order), scales.to(self.scale_dtype)
         groups = backends.Groups(sc, ps, self.fp8_dtype)
         be = backends.select(None, v3.device)
-        scales = backends.call(be, "encode_v", v3, groups, scale_dtype=self.scale_dtype, nonfinite="error", out=q3)
+        scales = backends.call(
+            be, "encode_v", v3, groups, scale_dtype=self.scale_dtype, nonfinite="error", out=q3
+        )
         return _uncanon(q3, moved, order), scales.reshape(()) if sc == ScaleScope.PER_TENSOR else scales
 
     def to_bytes(self, enc: EncodedKV) -> bytes:
@@ -620,7 +674,7 @@ class AsymK16V8Codec:
             # One copy of the blob as built, unless the caller swapped payload or header.
             if enc.payload is payload and blob[:hs] == enc.header_bytes:
                 return blob if type(blob) is bytes else bytes(blob)
-        return bytes(enc.header_bytes) + bytes(enc.payload)
+        return bytes(enc.header_bytes) + bytes(_payload(enc))
 
     def from_bytes(self, buf: Any, *, expected_hashes: CodecHashes | None = None) -> EncodedKV:
         """Parse a blob; a non-empty hash mismatch raises CodecMismatchError."""
@@ -648,12 +702,15 @@ class AsymK16V8Codec:
                 _dtype(dt, f"decode: {name}")
         dev = _device(device)
         if out_v_dtype is not None and out_v_dtype != enc.v_dtype and not out_v_dtype.is_floating_point:
-            raise UnsupportedConfigError(f"decode: out_v_dtype {out_v_dtype} is not floating-point")
+            raise UnsupportedConfigError(
+                f"decode: out_v_dtype {out_v_dtype} is not floating-point", reason=Reason.UNSUPPORTED_DTYPE
+            )
         h = _header_of(enc)
-        payload = memoryview(enc.payload).cast("B")
+        payload = _payload(enc)
         if len(payload) < h.payload_len:
             raise CorruptEncodedKVError(
-                f"buffer truncated mid-payload: payload is {len(payload)} bytes; the header declares {h.payload_len}"
+                f"buffer truncated mid-payload: payload is {len(payload)} bytes; the header declares {h.payload_len}",
+                reason=Reason.TRUNCATED_PAYLOAD,
             )
         _check_decodable(h)
         req = DecodeRequest(
@@ -673,7 +730,10 @@ class AsymK16V8Codec:
 def _check_decodable(h: Header) -> None:
     """The consistency deserialize_header leaves to decode (kvcodec's parser's final step)."""
     if h.v_dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
-        raise UnsupportedConfigError(f"decode: blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+        raise UnsupportedConfigError(
+            f"decode: blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
     try:
         check_consistency(h)
     except CorruptEncodedKVError as e:
@@ -687,7 +747,8 @@ def _encode_once(k: torch.Tensor, v: torch.Tensor, spec: EncodeSpec, fields: dic
     if plan.header.scale_scope == ScaleScope.PER_PAGE_HEAD and given_ps != plan.groups.page_size:
         raise UnsupportedConfigError(
             f"encode: page_size={given_ps} but V's pages (page_axis) hold {plan.groups.page_size} tokens, "
-            "and PER_PAGE_HEAD scales are read by that page size"
+            "and PER_PAGE_HEAD scales are read by that page size",
+            reason=Reason.BAD_VALUE,
         )
     if fields:
         plan.header = plan.header.replace(**fields)
@@ -722,17 +783,65 @@ def _check_fields(h: Header) -> None:
     try:
         check_consistency(h)
     except CorruptEncodedKVError as e:
-        raise UnsupportedConfigError(f"the layout fields given make an inconsistent blob: {e}") from None
+        raise UnsupportedConfigError(
+            f"the layout fields given make an inconsistent blob: {e}", reason=Reason.INCONSISTENT_PAYLOAD
+        ) from None
+
+
+_INT_FIELDS = (
+    "layer_id", "chunk_id", "chunk_size", "page_size", "kv_head_count", "head_dim",
+    "k_payload_len", "v_payload_len", "scale_payload_len", "version",
+)  # fmt: skip
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_enc(enc: Any) -> None:
+    """Refuse an EncodedKV whose fields a caller set to something no header holds (LMCache lets
+    ValueError/TypeError escape from these), so everything below may trust the field types."""
     if not isinstance(enc, EncodedKV):
-        raise UnsupportedConfigError(f"expected an EncodedKV; got {type(enc).__name__}")
+        raise UnsupportedConfigError(
+            f"expected an EncodedKV; got {type(enc).__name__}", reason=Reason.BAD_TYPE
+        )
+    for name in _INT_FIELDS:
+        if not _is_int(getattr(enc, name)):
+            raise UnsupportedConfigError(
+                f"EncodedKV.{name} must be an int; got {getattr(enc, name)!r}", reason=Reason.BAD_TYPE
+            )
+    if not _is_int(enc.scale_scope) or enc.scale_scope not in {int(s) for s in ScaleScope}:
+        raise UnsupportedConfigError(
+            f"EncodedKV.scale_scope {enc.scale_scope!r} unknown; expected one of {[s.name for s in ScaleScope]}",
+            reason=Reason.BAD_SCOPE,
+        )
+    if not _is_int(enc.scale_scheme) or enc.scale_scheme not in {int(s) for s in ScaleScheme}:
+        raise UnsupportedConfigError(
+            f"EncodedKV.scale_scheme {enc.scale_scheme!r} unknown; expected 0 or 1", reason=Reason.BAD_VALUE
+        )
+    if not isinstance(enc.scale_shape, (tuple, list)) or not all(_is_int(d) for d in enc.scale_shape):
+        raise UnsupportedConfigError(
+            f"EncodedKV.scale_shape must be a tuple of ints; got {enc.scale_shape!r}", reason=Reason.BAD_SHAPE
+        )
+    _payload(enc)
+    if enc.header_bytes is not None and not isinstance(enc.header_bytes, (bytes, bytearray, memoryview)):
+        raise UnsupportedConfigError(
+            f"EncodedKV.header_bytes must be bytes or None; got {type(enc.header_bytes).__name__}",
+            reason=Reason.BAD_TYPE,
+        )
 
 
-def _caller_reading(
-    v: torch.Tensor, scope: ScaleScope, head: int, page: int | None
-) -> dict[str, int] | None:
+def _payload(enc: EncodedKV) -> memoryview:
+    """``enc.payload`` as contiguous bytes: LMCache's type is bytes or a memoryview, never a tensor."""
+    if isinstance(enc.payload, torch.Tensor) or enc.payload is None:
+        raise UnsupportedConfigError(
+            f"EncodedKV.payload must be bytes or a memoryview; got {type(enc.payload).__name__}",
+            reason=Reason.BAD_BUFFER,
+        )
+    return as_bytes_view(enc.payload)
+
+
+def _caller_reading(v: torch.Tensor, scope: ScaleScope, head: int, page: int | None) -> dict[str, int] | None:
     """The layout fields under which kvcodec's decoder, reading ``v``'s contiguous bytes as
     token-major ``[tokens, heads, head_dim]``, finds V's scale groups (None: no such fields).
 
@@ -771,7 +880,8 @@ def _check_caller_fields(
             f"encode: V is stored in the caller's layout {tuple(v.shape)} (head_axis={head_axis}, "
             f"page_axis={page_axis}); kv_head_count/head_dim/page_size {given} would make kvcodec's decoder "
             f"read it as [tokens, heads, head_dim] under the wrong {scope.name} groups; {fit}. "
-            "Pass V token-major, or leave kv_head_count/head_dim unset"
+            "Pass V token-major, or leave kv_head_count/head_dim unset",
+            reason=Reason.BAD_VALUE,
         )
 
 
@@ -788,7 +898,9 @@ def _parse_own(blob: Any) -> ParsedBlob:
     try:
         return parse(blob, verify_crc=False)
     except CorruptEncodedKVError as e:
-        raise UnsupportedConfigError(f"the layout fields given make an inconsistent blob: {e}") from None
+        raise UnsupportedConfigError(
+            f"the layout fields given make an inconsistent blob: {e}", reason=Reason.INCONSISTENT_PAYLOAD
+        ) from None
 
 
 # ----------------------------------------------------------------------------
