@@ -17,8 +17,10 @@ from :func:`kvcodec.encode` are version 2 (sealed) unless asked otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import heapq
 import mmap
 import os
 import re
@@ -28,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -39,7 +42,15 @@ try:  # POSIX: flock tells a live writer's temp file from a dead one's.
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["MAX_KEY_LEN", "QUARANTINE_DIRNAME", "DirectoryStore", "InvalidKeyError", "validate_key"]
+__all__ = [
+    "MAX_KEY_LEN",
+    "QUARANTINE_DIRNAME",
+    "DirectoryStore",
+    "InvalidKeyError",
+    "StoreFullError",
+    "chunk_group",
+    "validate_key",
+]
 
 QUARANTINE_DIRNAME = ".quarantine"
 """Subdirectory of the store root that receives corrupt files."""
@@ -57,6 +68,29 @@ _MISS_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EMLINK
 
 class InvalidKeyError(UnsupportedConfigError, ValueError):
     """A key that cannot name a store file (empty, too long, unsafe characters, leading dot)."""
+
+
+class StoreFullError(UnsupportedConfigError):
+    """``put`` found no room under ``max_bytes`` without evicting the new key's own chunk prefix."""
+
+
+_GROUP_RE = re.compile(r"-C(\d+)-H([A-Za-z0-9]+)(?:-P([A-Za-z0-9]+))?\Z")
+
+
+def chunk_group(key: str) -> tuple[str, int, str | None]:
+    """``(group id, depth, parent group id)`` of a key, as eviction sees it.
+
+    A key ending ``-C<chunk>-H<hash>[-P<parent hash>]`` belongs to chunk group
+    ``C<chunk>-H<hash>`` at depth ``chunk``, whose predecessor is
+    ``C<chunk-1>-H<parent hash>`` (none without ``-P``). Any other key is a
+    group of its own at depth 0.
+    """
+    m = _GROUP_RE.search(key)
+    if m is None:
+        return key, 0, None
+    chunk = int(m.group(1))
+    parent = None if m.group(3) is None or chunk == 0 else f"C{chunk - 1}-H{m.group(3)}"
+    return f"C{chunk}-H{m.group(2)}", chunk, parent
 
 
 def validate_key(key: Any) -> str:
@@ -123,6 +157,89 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return os.path.samestat(a, b) and a.st_size == b.st_size and a.st_mtime_ns == b.st_mtime_ns
+
+
+@dataclass
+class _Group:
+    members: list[str] = field(default_factory=list)
+    stamp: int = 0
+    depth: int = 0
+    parent: str | None = None
+    children: int = 0
+
+
+def _eviction_order(index: Mapping[str, _Entry], key: str) -> Iterator[list[str]]:
+    """Chunk groups to evict, in order, each as its keys (markers, ``-M-`` keys, first).
+
+    First groups whose prefix is broken (a predecessor is gone), deepest first;
+    then leaves (no successor present): the least recently used first, the
+    deepest first among equals; a leaf's predecessor becomes a leaf once it is
+    evicted. ``key``'s own group and its predecessors are never offered.
+    """
+    groups: dict[str, _Group] = {}
+    for k, e in index.items():
+        gid, depth, parent = chunk_group(k)
+        g = groups.setdefault(gid, _Group(depth=depth, parent=parent))
+        g.members.append(k)
+        g.stamp = max(g.stamp, e.stamp)
+        g.parent = g.parent or parent
+    protected = set()
+    gid, _, parent = chunk_group(key)
+    protected.add(gid)
+    while parent is not None and parent not in protected:
+        protected.add(parent)
+        parent = groups[parent].parent if parent in groups else None
+    memo: dict[str, bool] = {}
+
+    def rooted(gid: str) -> bool:
+        """Whether every predecessor of the group is present (depths fall, so the walk ends)."""
+        seen, g = [], gid
+        while True:
+            if g in memo:
+                ok = memo[g]
+                break
+            grp = groups.get(g)
+            if grp is None:
+                ok = False
+                break
+            seen.append(g)
+            if grp.parent is None:
+                ok = True
+                break
+            g = grp.parent
+        for x in seen:
+            memo[x] = ok
+        return ok
+
+    broken_ids = {g for g in groups if not rooted(g)}
+    broken = sorted(broken_ids, key=lambda g: (-groups[g].depth, groups[g].stamp))
+    for gid, g in groups.items():
+        if g.parent in groups and gid not in broken_ids:
+            groups[g.parent].children += 1
+    for gid in broken:
+        if gid not in protected:
+            yield _ordered(groups[gid].members)
+    heap = [(g.stamp, -g.depth, gid) for gid, g in groups.items() if gid not in broken_ids and not g.children]
+    heapq.heapify(heap)
+    while heap:
+        _, _, gid = heapq.heappop(heap)
+        if gid in protected:
+            continue
+        g = groups[gid]
+        yield _ordered(g.members)
+        p = groups.get(g.parent) if g.parent is not None else None
+        if p is not None:
+            p.children -= 1
+            if p.children == 0:
+                heapq.heappush(heap, (p.stamp, -p.depth, g.parent))
+
+
+def _ordered(members: list[str]) -> list[str]:
+    return sorted(members, key=lambda k: ("-M-" not in k, k))
+
+
 class _Entry:
     """Size and recency stamp (the file's mtime in ns) of one stored blob."""
 
@@ -168,6 +285,19 @@ class DirectoryStore:
     directory can exceed ``max_bytes`` by what they wrote in between; the temp
     file being written is also not counted. ``total_bytes`` is this instance's
     view. Filesystems with coarse timestamps make LRU order approximate.
+
+    Eviction is by chunk group (:func:`chunk_group`): keys ending
+    ``-C<chunk>-H<hash>[-P<parent hash>]`` (every layer's and rank's blob of a
+    connector chunk, and its ``-M-`` marker) are evicted together, markers first.
+    Groups whose predecessor chain is broken go first (deepest first); then
+    leaves, least recently used first and deepest first among equals, so a
+    prefix loses its last chunks before its first. A ``put`` never evicts its
+    own group or its predecessors: when nothing else can go it raises
+    :class:`StoreFullError`, so a store capped below one prompt keeps serving
+    that prompt's leading chunks. Other keys are groups of their own (plain
+    LRU). Eviction removes exactly the file it examined: the victim is renamed
+    aside and compared (inode, size, mtime) before it is unlinked; a blob put
+    or read by another process in between is linked back under its name.
     Quarantined files are neither counted nor evicted; empty ``.quarantine/``
     yourself. Durability across power loss needs ``fsync=True``; without it a
     crash of the machine (not the process) may lose recent puts.
@@ -527,7 +657,8 @@ class DirectoryStore:
                 self._total -= old.size
 
     def _make_room(self, key: str, n: int) -> None:
-        """Evict LRU blobs (never ``key``) until ``n`` bytes under ``key`` fit (caller holds the lock)."""
+        """Evict whole chunk groups (never ``key``'s own or its predecessors) until ``n`` bytes under
+        ``key`` fit; raise :class:`StoreFullError` when they cannot (caller holds the lock)."""
         if self._max_bytes is None:
             return
         limit = self._max_bytes
@@ -540,27 +671,63 @@ class DirectoryStore:
             self._scan_locked()  # count what other processes wrote or removed meanwhile
         if not need():
             return
-        budget = 2 * len(self._index) + 2
-        while need() and budget > 0:
-            budget -= 1
-            victim = next((k for k in self._index if k != key), None)
-            if victim is None:
-                break
-            entry = self._index[victim]
-            vpath = self._path(victim)
-            st = _lstat(vpath)
-            if st is None or not stat.S_ISREG(st.st_mode):  # gone, or no longer a blob: not ours to remove
-                self._forget(victim)
+        for members in _eviction_order(self._index, key):
+            self._evict(members)
+            if not need():
+                return
+        raise StoreFullError(
+            f"no room for {key!r} ({n} bytes) under max_bytes={limit}: the rest is its own chunk prefix "
+            f"({self._total} bytes); a store must hold a prompt's leading chunks before later ones"
+        )
+
+    def _evict(self, members: list[str]) -> None:
+        """Remove a chunk group's files unless one was used since the scan (caller holds the lock)."""
+        examined = []
+        for victim in members:
+            entry = self._index.get(victim)
+            st = _lstat(self._path(victim))
+            if entry is None or st is None or not stat.S_ISREG(st.st_mode):
+                self._forget(victim)  # gone, or no longer a blob: not ours to remove
                 continue
             if st.st_mtime_ns > entry.stamp:
-                # Another process used or rewrote it since our scan: it is recent.
-                self._record(victim, st.st_mtime_ns, st.st_size)
-                continue
-            try:
-                os.unlink(vpath)
-            except FileNotFoundError:
-                pass
+                # Another process used or rewrote part of the group since our scan: it is recent.
+                for k in members:
+                    cur = _lstat(self._path(k))
+                    if cur is not None and stat.S_ISREG(cur.st_mode):
+                        self._record(k, max(cur.st_mtime_ns, st.st_mtime_ns), cur.st_size)
+                return
+            examined.append((victim, st))
+        for victim, st in examined:
+            self._remove_exact(self._path(victim), st)
             self._forget(victim)
+
+    def _remove_exact(self, path: str, st: os.stat_result) -> bool:
+        """Unlink ``path`` only if it is still the file examined as ``st`` (inode, size, mtime).
+
+        It is renamed aside first and compared there: a blob that another process
+        put (or read, which refreshes its mtime) after the examination is linked
+        back under its name (never over a newer one) instead of being deleted.
+        """
+        aside = os.path.join(
+            self._root, f"{_TMP_PREFIX}{os.getpid()}.{threading.get_native_id()}.{secrets.token_hex(8)}"
+        )
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            moved = os.lstat(aside)
+        except FileNotFoundError:  # a scanner removed the stale, renamed file: it was the old one
+            return True
+        if _same_file(moved, st):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(aside)
+            return True
+        with contextlib.suppress(FileExistsError, FileNotFoundError):
+            os.link(aside, path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
+        return False
 
     def _scan_locked(self) -> None:
         """Rebuild the index from the directory and remove dead temps (caller holds the lock)."""
