@@ -25,6 +25,8 @@ Importing this module registers the type (:func:`register` is idempotent).
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,15 +53,17 @@ __all__ = [
     "KvcodecDeserializer",
     "KvcodecSerdeConfig",
     "KvcodecSerializer",
+    "ObjectLayout",
     "create_processor",
+    "object_layout",
     "register",
 ]
 
 SERDE_TYPE = "kvcodec"
 """The ``"type"`` of the serde in an L2 adapter's JSON."""
 
-KV_LAYOUT = "lmcache-mp:[2,L,T,H*D]"
-"""The ``kv_layout`` hash of every blob: one object of LMCache's multiprocess storage."""
+KV_LAYOUT_PREFIX = "lmcache-mp"
+"""Start of every blob's ``kv_layout`` hash; the rest binds the object's split and the codec settings."""
 
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MLA_KEYS = ("mla", "use_mla", "is_mla")
@@ -95,7 +99,9 @@ class KvcodecSerdeConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(opts) - names)
         if unknown:
-            raise UnsupportedConfigError(f"unknown kvcodec serde option(s) {unknown}; expected some of {sorted(names)}")
+            raise UnsupportedConfigError(
+                f"unknown kvcodec serde option(s) {unknown}; expected some of {sorted(names)}"
+            )
         if "head_dim" not in opts:
             raise UnsupportedConfigError(
                 'the kvcodec serde needs "head_dim" (LMCache\'s layout [2, L, T, H*D] does not carry it)'
@@ -111,69 +117,146 @@ class KvcodecSerdeConfig:
                 f"kvcodec serde scope {cfg.scope!r}: expected per_page_head, per_layer_head or per_tensor"
             )
         if not isinstance(cfg.model, str) or "@" in cfg.model:
-            raise UnsupportedConfigError(f"kvcodec serde model must be a string without '@'; got {cfg.model!r}")
+            raise UnsupportedConfigError(
+                f"kvcodec serde model must be a string without '@'; got {cfg.model!r}"
+            )
         return cfg
 
+    def hashes_for(self, lay: ObjectLayout) -> Hashes:
+        """The identity written into (and, strictly, expected from) a blob of one object of ``lay``.
+
+        ``kv_layout`` names the object's split ``[2, L, T, H*D]``, its dtype and the V scale
+        grouping, so a blob loads only into an object shaped, and configured, as the one it came from.
+        """
+        dtype = str(lay.dtype).removeprefix("torch.")
+        tag = (
+            f"{KV_LAYOUT_PREFIX}:[2,{lay.layers},{lay.tokens},{lay.heads}*{lay.head_dim}]:{dtype}"
+            f":{resolve_scope(self.scope).name.lower()}/{self.page_size}"
+        )
+        return Hashes(model_id=self.model, kv_layout=tag)
+
+
+_MAX_OBJECT_BYTES = 1 << 40
+"""Largest object served (1 TiB): far above any KV chunk, and keeps every size an exact int64."""
+
+
+@dataclass(frozen=True)
+class ObjectLayout:
+    """What shapes one LMCache object: ``[2, layers, tokens, heads * head_dim]`` of ``dtype``."""
+
+    layers: int
+    tokens: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
     @property
-    def hashes(self) -> Hashes:
-        """The identity written into (and expected from) every blob."""
-        return Hashes(model_id=self.model, kv_layout=KV_LAYOUT)
+    def shape(self) -> tuple[int, int, int, int]:
+        return (2, self.layers, self.tokens, self.heads * self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layers * self.tokens * self.heads * self.head_dim * self.dtype.itemsize
 
 
-def _layout(shape: Any, dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(layers, tokens, heads, head_dim) of a ``[2, L, T, H*D]`` object; a clear error for anything else."""
-    dims = tuple(int(d) for d in shape)
+def _dims(shape: Any) -> tuple[int, ...]:
+    """The dims of a declared shape as ints >= 1; anything else is refused."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise UnsupportedConfigError(
+            f"the kvcodec serde needs an object's shape as a sequence of ints; got {shape!r}"
+        )
+    try:
+        if any(isinstance(d, bool) for d in shape):
+            raise TypeError("bool")
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise UnsupportedConfigError(f"shape {shape!r} has a non-integer dim") from None
+    if any(d < 1 for d in dims):
+        raise UnsupportedConfigError(f"shape {list(dims)} has a dim < 1")
+    return dims
+
+
+def object_layout(shape: Any, dtype: Any, head_dim: int) -> ObjectLayout:
+    """The layout of a ``[2, L, T, H*D]`` object; :class:`UnsupportedConfigError` for anything else."""
+    dims = _dims(shape)
     if len(dims) != 4 or dims[0] != 2:
         kind = " (an MLA latent cache?)" if len(dims) == 3 else ""
         raise UnsupportedConfigError(
             f"the kvcodec serde serves KV objects shaped [2, num_layers, tokens, heads*head_dim]; got {list(dims)}{kind}"
         )
-    if dtype not in _KV_DTYPES:
+    if not isinstance(dtype, torch.dtype) or dtype not in _KV_DTYPES:
         raise UnsupportedConfigError(f"the kvcodec serde serves float16, bfloat16 or float32 KV; got {dtype}")
     _, layers, tokens, hd = dims
     if hd % head_dim:
         raise UnsupportedConfigError(f"last dim {hd} is not a multiple of the configured head_dim {head_dim}")
-    return layers, tokens, hd // head_dim, head_dim
+    lay = ObjectLayout(layers, tokens, hd // head_dim, head_dim, dtype)
+    if lay.nbytes > _MAX_OBJECT_BYTES:
+        raise UnsupportedConfigError(f"an object of shape {list(dims)} ({lay.nbytes} bytes) exceeds 1 TiB")
+    return lay
 
 
-def _single(shapes: list[Any], dtypes: list[torch.dtype]) -> tuple[Any, torch.dtype]:
+def _single(shapes: Any, dtypes: Any) -> tuple[Any, Any]:
+    if not isinstance(shapes, (list, tuple)) or not isinstance(dtypes, (list, tuple)):
+        raise UnsupportedConfigError(
+            f"an object's shapes and dtypes must be lists; got {shapes!r}, {dtypes!r}"
+        )
     if len(shapes) != 1 or len(dtypes) != 1:
-        raise UnsupportedConfigError(f"the kvcodec serde serves single-group objects; got {len(shapes)} groups")
+        raise UnsupportedConfigError(
+            f"the kvcodec serde serves single-group objects; got {len(shapes)} groups"
+        )
     return shapes[0], dtypes[0]
 
 
 class _Codec:
-    """What serializer and deserializer share: the config and the per-layout exact size."""
+    """What serializer and deserializer share: the config, and per layout the identity and exact size."""
 
     def __init__(self, cfg: KvcodecSerdeConfig) -> None:
         self.cfg = cfg
-        self.spec = kvcodec.EncodeSpec(
-            scope=cfg.scope, page_size=cfg.page_size, hashes=cfg.hashes, version=1, chunk_id=-1, layer_id=-1
+        self._specs: dict[ObjectLayout, tuple[kvcodec.EncodeSpec, int]] = {}
+
+    def layout(self, obj_or_desc: Any) -> ObjectLayout:
+        """The layout of a memory object (``get_shapes``/``get_dtypes``) or a ``MemoryLayoutDesc``."""
+        if hasattr(obj_or_desc, "get_shapes"):
+            shapes, dtypes = obj_or_desc.get_shapes(), obj_or_desc.get_dtypes()
+        else:
+            shapes, dtypes = getattr(obj_or_desc, "shapes", None), getattr(obj_or_desc, "dtypes", None)
+        return object_layout(*_single(shapes, dtypes), self.cfg.head_dim)
+
+    def spec(self, lay: ObjectLayout) -> tuple[kvcodec.EncodeSpec, int]:
+        """The encode options of one object of ``lay`` and its blob's exact size (no data needed)."""
+        got = self._specs.get(lay)
+        if got is None:
+            spec = kvcodec.EncodeSpec(
+                scope=self.cfg.scope, page_size=self.cfg.page_size, hashes=self.cfg.hashes_for(lay),
+                version=1, chunk_id=-1, layer_id=-1,
+            )  # fmt: skip
+            ghost = torch.empty((), dtype=lay.dtype).expand(lay.layers * lay.tokens, lay.heads, lay.head_dim)
+            got = self._specs[lay] = (spec, kvcodec.encoded_size(ghost, ghost, spec))
+        return got
+
+
+def _tensor(obj: Any, what: str, nbytes: int, *, at_least: bool = False) -> torch.Tensor:
+    """``obj``'s tensor on CPU holding ``nbytes`` (or, with ``at_least``, no fewer)."""
+    t = getattr(obj, "tensor", None)
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedConfigError(
+            f"the kvcodec serde needs the {what} memory object's tensor; it has {t!r}"
         )
-        self._sizes: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
-
-    def size(self, shape: Any, dtype: torch.dtype) -> int:
-        """Bytes of the blob of one object of this layout (exact; no data needed)."""
-        key = (tuple(int(d) for d in shape), dtype)
-        n = self._sizes.get(key)
-        if n is None:
-            layers, tokens, heads, dim = _layout(shape, dtype, self.cfg.head_dim)
-            ghost = torch.empty((), dtype=dtype).expand(layers * tokens, heads, dim)
-            n = self._sizes[key] = kvcodec.encoded_size(ghost, ghost, self.spec)
-        return n
-
-    def kv_views(self, t: torch.Tensor, shape: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of an object's tensor as ``[L*T, H, D]`` views (no copy)."""
-        layers, tokens, heads, dim = _layout(shape, dtype, self.cfg.head_dim)
-        x = t.view(dtype).reshape(2, layers * tokens, heads, dim)
-        return x[0], x[1]
-
-
-def _tensor(obj: Any, what: str) -> torch.Tensor:
-    t = obj.tensor
-    if t is None:
-        raise UnsupportedConfigError(f"the kvcodec serde needs the {what} memory object's tensor; it has none")
+    if t.device.type != "cpu":
+        raise UnsupportedConfigError(
+            f"the kvcodec serde works on CPU memory objects; the {what} is on {t.device}"
+        )
+    have = t.numel() * t.element_size()
+    if have < nbytes or (have != nbytes and not at_least):
+        need = f"{'at least ' if at_least else ''}{nbytes}"
+        raise UnsupportedConfigError(f"the {what} memory object holds {have} bytes; its layout needs {need}")
     return t
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor's bytes reinterpreted as ``dtype`` of ``shape`` (a view, never a copy)."""
+    n = math.prod(shape) * dtype.itemsize
+    return t.reshape(-1).view(torch.uint8)[:n].view(dtype).view(shape)
 
 
 class KvcodecSerializer(Serializer):
@@ -184,21 +267,25 @@ class KvcodecSerializer(Serializer):
 
     def serialize(self, src: Any, dst: Any, key: Any = None) -> int:
         """Encode ``src`` into ``dst``; returns the bytes written (the exact estimate)."""
-        shape, dtype = _single(src.get_shapes(), src.get_dtypes())
-        k, v = self._c.kv_views(_tensor(src, "source"), shape, dtype)
-        out = _tensor(dst, "destination").reshape(-1).view(torch.uint8)
-        size = self._c.size(shape, dtype)
-        if out.numel() < size:
-            raise UnsupportedConfigError(f"destination holds {out.numel()} bytes; the blob needs {size}")
-        blob = kvcodec.encode(k, v, self._c.spec, out=out.numpy())
-        n = len(blob)
+        lay = self._c.layout(src)
+        spec, size = self._c.spec(lay)
+        x = _tensor(src, "source", lay.nbytes)
+        x = x if x.is_contiguous() else x.contiguous()  # read side: a copy reads the same values
+        kv = _as(x, lay.dtype, (2, lay.layers * lay.tokens, lay.heads, lay.head_dim))
+        out_t = _tensor(dst, "destination", size, at_least=True)
+        if not out_t.is_contiguous():  # a reshape would copy, and the blob would land in the copy
+            raise UnsupportedConfigError(
+                "the kvcodec serde writes blobs into contiguous destination memory only"
+            )
+        out = _as(out_t, torch.uint8, (size,))
+        n = len(kvcodec.encode(kv[0], kv[1], spec, out=out.numpy()))
         if n < size:  # never with today's layouts; 0.5.6's fs adapter reads back exactly the estimate
-            out[n:size].zero_()
+            out[n:].zero_()
         return size
 
     def estimate_serialized_size(self, layout_desc: Any) -> int:
         """The exact blob size of one object of ``layout_desc``."""
-        return self._c.size(*_single(layout_desc.shapes, layout_desc.dtypes))
+        return self._c.spec(self._c.layout(layout_desc))[1]
 
 
 class KvcodecDeserializer(Deserializer):
@@ -208,11 +295,27 @@ class KvcodecDeserializer(Deserializer):
         self._c = _Codec(cfg)
 
     def deserialize(self, src: Any, dst: Any, key: Any = None) -> None:
-        """Decode ``src``'s blob into ``dst``; another model's blob raises CodecMismatchError."""
-        shape, dtype = _single(dst.get_shapes(), dst.get_dtypes())
-        k, v = self._c.kv_views(_tensor(dst, "destination"), shape, dtype)
-        blob = _tensor(src, "source").reshape(-1).view(torch.uint8).numpy()
-        kvcodec.decode(blob, out_k=k, out_v=v, expected_hashes=self._c.cfg.hashes)
+        """Decode ``src``'s blob into ``dst``; a blob of another identity raises CodecMismatchError.
+
+        The identity is strict: the blob must carry this object's layout tag (and the model, when
+        one is configured), so a blob of another model, split or codec setting never loads.
+        """
+        lay = self._c.layout(dst)
+        t = _tensor(dst, "destination", lay.nbytes)
+        blob_t = getattr(src, "tensor", None)
+        if not isinstance(blob_t, torch.Tensor) or blob_t.device.type != "cpu":
+            raise UnsupportedConfigError(
+                f"the kvcodec serde reads blobs from CPU memory objects; got {blob_t!r}"
+            )
+        blob = blob_t.contiguous().reshape(-1).view(torch.uint8)
+        target = t if t.is_contiguous() else torch.empty(lay.shape, dtype=lay.dtype)
+        kv = _as(target, lay.dtype, (2, lay.layers * lay.tokens, lay.heads, lay.head_dim))
+        kvcodec.decode(
+            blob.numpy(), out_k=kv[0], out_v=kv[1], expected_hashes=self._c.cfg.hashes_for(lay),
+            strict_hashes=True,
+        )  # fmt: skip
+        if target is not t:  # a strided destination is filled through a contiguous copy
+            t.copy_(_as(target, t.dtype, tuple(t.shape)))
 
 
 def create_processor(kwargs: dict[str, Any]) -> SerdeProcessor:

@@ -102,7 +102,9 @@ def test_other_model_refused_on_load():
         n = writer.estimate_serialized_size(layout)
         src, dst = memory_obj(SHAPE, torch.bfloat16, _kv(1)), memory_obj((n,), torch.uint8)
         assert _run(writer, "serialize", [src], [dst])
-        des = serde.KvcodecDeserializer(serde.KvcodecSerdeConfig.from_kwargs({"head_dim": HEAD_DIM, "model": "model-b"}))
+        des = serde.KvcodecDeserializer(
+            serde.KvcodecSerdeConfig.from_kwargs({"head_dim": HEAD_DIM, "model": "model-b"})
+        )
         with pytest.raises(kvcodec.CodecMismatchError, match="model_id"):
             des.deserialize(dst, memory_obj(SHAPE, torch.bfloat16))
         assert not _run(reader, "deserialize", [dst], [memory_obj(SHAPE, torch.bfloat16)])
@@ -128,7 +130,11 @@ def test_bad_config_refused_at_configuration(opts, match):
 
 @pytest.mark.parametrize(
     "shape,dtype,match",
-    [((3, 64, 512), torch.bfloat16, "MLA"), ((2, 3, 64, 100), torch.bfloat16, "head_dim"), (SHAPE, torch.int8, "float16")],
+    [
+        ((3, 64, 512), torch.bfloat16, "MLA"),
+        ((2, 3, 64, 100), torch.bfloat16, "head_dim"),
+        (SHAPE, torch.int8, "float16"),
+    ],
 )
 def test_unservable_layouts_refused_clearly(shape, dtype, match):
     proc = _processor()
@@ -170,11 +176,17 @@ def test_storage_manager_fs_round_trip(tmp_path):
         for key, x in zip(keys, origs):
             reserved[key].tensor.view(torch.bfloat16).view(SHAPE).copy_(x)
         sm.finish_write(keys)
-        files = _wait(lambda: [p for p in tmp_path.rglob("*") if p.is_file()] if
-                      len([p for p in tmp_path.rglob("*") if p.is_file()]) == len(keys) else None)  # fmt: skip
+        # the fs adapter writes NAME.tmp, then renames it NAME.data: wait for the finished files
+        files = _wait(
+            lambda: (
+                sorted(tmp_path.rglob("*.data")) if len(list(tmp_path.rglob("*.data"))) == len(keys) else None
+            )
+        )
         _wait(lambda: sm.report_status()["store_controller"]["in_flight_task_count"] == 0)
         sm.clear(force=True)
-        spec = PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=layout)])
+        spec = PrefetchTaskSpec(
+            key_groups=[GroupedObjectKeys(keys=keys, object_group_id=0, layout_desc=layout)]
+        )
         handle = sm.submit_prefetch_task(spec)
         result = _wait(lambda: sm.query_prefetch_status(handle))
         assert (result.l2_hit_count, result.l1_hit_count) == (len(keys), 0)  # every key a hit, served from L2
@@ -198,6 +210,9 @@ def _check_files_with_lmcache_reader(files: list[Path], model: str) -> None:
         enc = reader.from_bytes(data, expected_hashes=CodecHashes(model_id=model))
         assert enc.kv_head_count == 4 and enc.head_dim == HEAD_DIM
         k, _, scales = reader.decode(enc)
-        assert k.numel() == SHAPE[1] * SHAPE[2] * SHAPE[3] and tuple(scales.shape) == (SHAPE[1] * SHAPE[2] // 16, 4)
+        assert k.numel() == SHAPE[1] * SHAPE[2] * SHAPE[3] and tuple(scales.shape) == (
+            SHAPE[1] * SHAPE[2] // 16,
+            4,
+        )
         kvcodec.parse(data, strict=True)
         assert os.path.getsize(f) == len(data)
