@@ -13,7 +13,17 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "copy_scale_bytes", "copy_tensor", "filled_bytes", "new_buffer", "owned_copy"]
+__all__ = [
+    "buffer_address",
+    "byte_span",
+    "copy_bytes",
+    "copy_scale_bytes",
+    "copy_tensor",
+    "filled_bytes",
+    "new_buffer",
+    "overlaps_buffer",
+    "owned_copy",
+]
 
 try:
     from ._cpu import bytes_to_fill as _bytes_to_fill  # type: ignore[attr-defined]
@@ -25,7 +35,15 @@ except ImportError:  # pragma: no cover - the extension is optional
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-_NUMPY_NATIVE = (torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64)
+_NUMPY_NATIVE = (
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -84,3 +102,24 @@ def owned_copy(src: memoryview) -> memoryview:
     out = memoryview(new_buffer(len(src)))
     copy_bytes(out, src)
     return out
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) addresses ``t``'s elements can touch (its whole strided extent; ``t`` non-empty)."""
+    lo = t.data_ptr()
+    return lo, lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def buffer_address(buf: memoryview) -> int:
+    """Address of the first byte of a non-empty, C-contiguous byte view."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def overlaps_buffer(t: torch.Tensor | None, buf: memoryview) -> bool:
+    """Whether ``t``'s memory range intersects ``buf``'s. Pointers are compared whatever ``t``'s
+    device: host and device addresses share one virtual space under CUDA's unified addressing."""
+    if t is None or not t.numel() or not len(buf):
+        return False
+    base = buffer_address(buf)
+    lo, hi = byte_span(t)
+    return lo < base + len(buf) and base < hi

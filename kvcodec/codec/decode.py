@@ -29,7 +29,7 @@ from ..format import (
     check_consistency,
     parse,
 )
-from ..hostmem import copy_tensor, owned_copy
+from ..hostmem import byte_span, copy_tensor, overlaps_buffer, owned_copy
 from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
 from .encode import COMPUTED_SCOPES, as_scales, external_scope
@@ -149,24 +149,9 @@ def _fits(name: str, t: torch.Tensor, shape: tuple[int, int, int] | None, n: int
         )
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses ``t`` can touch."""
-    lo = t.data_ptr()
-    return lo, lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
-def _overlaps(t: torch.Tensor, src: memoryview) -> bool:
-    """Whether ``t``'s memory range intersects the source buffer's."""
-    if t.device.type != "cpu" or not len(src) or not t.numel():
-        return False
-    base = torch.frombuffer(src, dtype=torch.uint8).data_ptr()
-    lo, hi = _span(t)
-    return lo < base + len(src) and base < hi
-
-
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its byte span exactly (then span overlap is memory overlap)."""
-    lo, hi = _span(t)
+    lo, hi = byte_span(t)
     return hi - lo == t.numel() * t.element_size()
 
 
@@ -185,7 +170,7 @@ def _check_disjoint(out_k: torch.Tensor | None, out_v: torch.Tensor | None) -> N
         or not out_v.numel()
     ):
         return
-    (k0, k1), (v0, v1) = _span(out_k), _span(out_v)
+    (k0, k1), (v0, v1) = byte_span(out_k), byte_span(out_v)
     same_view = k0 == v0 and out_k.stride() == out_v.stride()
     if same_view or (k0 < v1 and v0 < k1 and _dense(out_k) and _dense(out_v)):
         raise UnsupportedConfigError("out_k and out_v share memory; give each its own", reason=Reason.OVERLAP)
@@ -360,7 +345,7 @@ def _into(
     name: str, dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, int, int] | None, payload: memoryview
 ) -> None:
     _fits(name, dst, shape, src.numel())
-    if _overlaps(dst, payload):
+    if overlaps_buffer(dst, payload):
         raise UnsupportedConfigError(
             f"{name} overlaps the blob being decoded; decode into separate memory", reason=Reason.OVERLAP
         )
@@ -418,7 +403,7 @@ def _dequantize(
     target = None
     if dst is not None:
         _fits("out_v", dst, shape, n)
-        if _overlaps(dst, payload):
+        if overlaps_buffer(dst, payload):
             raise UnsupportedConfigError(
                 "out_v overlaps the blob being decoded; decode into separate memory", reason=Reason.OVERLAP
             )

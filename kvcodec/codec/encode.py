@@ -31,7 +31,7 @@ from ..format import (
     pack_header_into,
     payload_crc,
 )
-from ..hostmem import copy_scale_bytes, copy_tensor, new_buffer
+from ..hostmem import copy_scale_bytes, copy_tensor, new_buffer, overlaps_buffer
 from ..numerics import FP8_DTYPES, check_amax, check_layers_amax, check_scales, scale_shape
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
@@ -463,6 +463,16 @@ def _out_view(out: Any, size: int) -> memoryview:
     return mv[:size]
 
 
+def _refuse_overlap(p: EncodePlan, mv: memoryview) -> None:
+    """Refuse an ``out`` whose bytes lie within K's, V's or the given scales' memory: the payload
+    writes would overwrite inputs still to be read (and a blob could come out CRC-valid but wrong)."""
+    for name, t in (("K", p.k), ("V", p.v), ("scales", p.scales)):
+        if overlaps_buffer(t, mv):
+            raise UnsupportedConfigError(
+                f"out overlaps {name}'s memory; encode into a buffer of its own", reason=Reason.OVERLAP
+            )
+
+
 def _write_blob(
     p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any = None
 ) -> tuple[Any, memoryview]:
@@ -471,6 +481,8 @@ def _write_blob(
     size = hs + p.header.payload_len
     owner = new_buffer(size) if out is None else out  # every byte is written below
     mv = _out_view(owner, size)
+    if out is not None:
+        _refuse_overlap(p, mv)
     if p.v.device.type == "cpu":
         write_payload(p, mv[hs:])
     else:

@@ -12,15 +12,19 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcodec import CodecError, decode, encode
+from kvcodec import CodecError, UnsupportedConfigError, decode, encode
 from kvcodec.backends import backend_info, cpu
+from kvcodec.errors import Reason
+from tests.raises import raises_reason
 
 pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason="the C extension is not built")
 
 
 def _kv(t: int, h: int, d: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, h, d, generator=g) * 3).to(dtype), (torch.randn(t, h, d, generator=g) * 3).to(dtype)
+    return (torch.randn(t, h, d, generator=g) * 3).to(dtype), (torch.randn(t, h, d, generator=g) * 3).to(
+        dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -90,9 +94,12 @@ def test_an_fp16_encode_runs_no_torch_op_and_no_fallback(fresh: bool) -> None:
 
 @pytest.mark.parametrize("backend", [None, "cpu", "torch"])
 @pytest.mark.parametrize("hashes", [None, {"model_id": "m"}], ids=["same-header", "longer-header"])
-def test_reencode_into_the_blob_k_was_decoded_from(backend: str | None, hashes: dict | None) -> None:
-    """decode() hands K back as a view of a writable blob; encoding it with new V into that same blob
-    copies K onto itself (or onto a shifted overlap when the header grows): the C copy is a memmove."""
+def test_reencode_into_the_blob_k_was_decoded_from_is_refused(
+    backend: str | None, hashes: dict | None
+) -> None:
+    """decode() hands K back as a view of a writable blob; encoding it into that same blob would write
+    the payload over its own input: refused (reason OVERLAP) with the blob untouched, and the same K
+    encodes right into memory of its own."""
     k, v = _kv(8, 2, 8, torch.float16, seed=1)
     v_new = _kv(8, 2, 8, torch.float16, seed=2)[1]
     opts = {"scope": "per_page_head", "page_size": 4, "hashes": hashes}
@@ -100,4 +107,8 @@ def test_reencode_into_the_blob_k_was_decoded_from(backend: str | None, hashes: 
     blob = bytearray(len(want) + 64)
     n = len(encode(k, v, out=blob, backend=backend, scope="per_page_head", page_size=4))
     d = decode(memoryview(blob)[:n], out_v_dtype=torch.float16)
-    assert bytes(encode(d.k, v_new, out=blob, backend=backend, **opts)) == want
+    before = bytes(blob)
+    with raises_reason(UnsupportedConfigError, Reason.OVERLAP):
+        encode(d.k, v_new, out=blob, backend=backend, **opts)
+    assert bytes(blob) == before
+    assert bytes(encode(d.k, v_new, backend=backend, **opts)) == want
