@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import stat
 import sys
@@ -92,16 +93,44 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 # ----------------------------------------------------------------------------- loading tensors
 
 
+def _check_npy_header(path: Path) -> None:
+    """Refuse a .npy whose header declares more array bytes than the file holds, before numpy
+    allocates them (a 180-byte file may claim petabytes)."""
+    import numpy as np
+
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        try:
+            version = fmt.read_magic(f)
+        except ValueError:
+            return  # not a .npy at all (an .npz, or garbage): np.load names it
+        try:
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(f)
+        except (ValueError, SyntaxError, TypeError) as e:
+            raise CLIError(f"{path}: bad .npy header: {e}") from None
+        have = os.fstat(f.fileno()).st_size - f.tell()
+    need = math.prod(shape) * dtype.itemsize
+    if need > have:
+        raise CLIError(
+            f"{path}: bad .npy header: it declares a {dtype} array of shape {shape} ({need} bytes), "
+            f"but the file holds {have} bytes after the header"
+        )
+
+
 def _load_npy(path: Path) -> Any:
     import numpy as np
     import torch
 
     try:
+        _check_npy_header(path)
         arr = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         if isinstance(e, FileNotFoundError):
             raise CLIError(f"{path}: no such file") from None
         raise CLIError(f"{path}: not a valid .npy file ({e})") from None
+    except MemoryError:
+        raise CLIError(f"{path}: the .npy array does not fit in memory") from None
     if not isinstance(arr, np.ndarray):
         raise CLIError(f"{path}: holds several arrays (.npz); give a .npy file or a .safetensors file")
     if arr.dtype.byteorder not in ("=", "|") and arr.dtype.byteorder != sys.byteorder[0]:

@@ -389,6 +389,33 @@ def test_garbage_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "dtype" in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("version", [(1, 0), (2, 0)])
+def test_npy_header_claiming_more_than_the_file_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], version: tuple[int, int]
+) -> None:
+    """A 180-byte .npy whose header claims 2 PiB: one line naming the bad header, no allocation attempted."""
+    import io
+
+    hdr = io.BytesIO()
+    write = (
+        np.lib.format.write_array_header_1_0 if version == (1, 0) else np.lib.format.write_array_header_2_0
+    )
+    write(hdr, {"descr": "<f2", "fortran_order": False, "shape": (2**50, 1)})
+    huge = tmp_path / "huge.npy"
+    huge.write_bytes(hdr.getvalue().ljust(180, b"\0"))
+    assert main(["encode", "--k", str(huge), "--v", str(huge), "--out", str(tmp_path / "o.blob")]) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert "huge.npy: bad .npy header" in line and "MemoryError" not in line
+    assert not (tmp_path / "o.blob").exists()
+
+
+def test_npy_header_that_does_not_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(b"\x93NUMPY\x01\x00" + (16).to_bytes(2, "little") + b"{'descr': 1}    ")
+    assert main(["encode", "--k", str(bad), "--v", str(bad), "--out", str(tmp_path / "o.blob")]) == 1
+    assert "bad.npy: bad .npy header" in _one_error_line(capsys.readouterr().err)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
