@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .errors import UnsupportedConfigError
+from .errors import Reason, UnsupportedConfigError
 from .format import ScaleScope, expected_scale_shape
 
 __all__ = [
@@ -49,17 +49,24 @@ NonFinitePolicy = Literal["error", "saturate"]
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 dtype: 448 (e4m3fn) or 57344 (e5m2)."""
     if dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"{dtype} is not an FP8 dtype; expected one of {FP8_DTYPES}")
+        raise UnsupportedConfigError(
+            f"{dtype} is not an FP8 dtype; expected one of {FP8_DTYPES}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     return float(torch.finfo(dtype).max)
 
 
 def scale_shape(scope: ScaleScope, tokens: int, heads: int, page_size: int | None) -> tuple[int, ...]:
     """Shape of the scale tensor a scope gives for a ``[tokens, heads, *]`` chunk."""
     if scope == ScaleScope.PER_PAGE_HEAD and (type(page_size) is not int or page_size < 1):
-        raise UnsupportedConfigError(f"per_page_head needs an int page_size >= 1; got {page_size!r}")
+        raise UnsupportedConfigError(
+            f"per_page_head needs an int page_size >= 1; got {page_size!r}",
+            reason=Reason.MISSING_ARGUMENT if page_size is None else Reason.BAD_VALUE,
+        )
     shape = expected_scale_shape(scope, tokens, heads, page_size or 1)
     if shape is None:
-        raise UnsupportedConfigError(f"scope {ScaleScope(scope).name} has no computed scales")
+        raise UnsupportedConfigError(
+            f"scope {ScaleScope(scope).name} has no computed scales", reason=Reason.BAD_SCOPE
+        )
     return shape
 
 
@@ -86,7 +93,8 @@ def check_finite_amax(amax: torch.Tensor, scope: ScaleScope) -> None:
         raise UnsupportedConfigError(
             f"V holds NaN or Inf in {group_name(scope, idx)} ({scope.name}); "
             "refusing to write a blob with a meaningless scale (pass nonfinite='saturate' "
-            "to scale by the finite values)"
+            "to scale by the finite values)",
+            reason=Reason.NONFINITE_V,
         )
 
 
@@ -97,7 +105,9 @@ def check_amax(amax: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dtype) ->
     narrow_scales(amax_to_scale(amax.float(), fp8_max(fp8_dtype)), torch.float32, scope)
 
 
-def check_layers_amax(amax: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dtype, layer_ids: Sequence[int]) -> None:
+def check_layers_amax(
+    amax: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dtype, layer_ids: Sequence[int]
+) -> None:
     """:func:`check_amax` for every layer of a fused launch's ``[L, *scale_shape]`` absmax, naming the
     first bad layer (vectorised; numpy for a host tensor: a few µs when all is well)."""
     a = amax.reshape(amax.shape[0], -1).float()
@@ -113,7 +123,7 @@ def check_layers_amax(amax: torch.Tensor, scope: ScaleScope, fp8_dtype: torch.dt
     try:
         check_amax(amax[bad], scope, fp8_dtype)
     except UnsupportedConfigError as e:
-        raise UnsupportedConfigError(f"layer {layer_ids[bad]}: {e}") from None
+        raise UnsupportedConfigError(f"layer {layer_ids[bad]}: {e}", reason=e.reason) from None
 
 
 def check_scales(scales: torch.Tensor, scope: ScaleScope, what: str = "scale") -> None:
@@ -124,7 +134,8 @@ def check_scales(scales: torch.Tensor, scope: ScaleScope, what: str = "scale") -
         value = float(scales[idx] if idx else scales)
         raise UnsupportedConfigError(
             f"{what} {value:.3g} of {group_name(scope, idx)} is not a finite positive number; "
-            "V would decode to NaN or Inf"
+            "V would decode to NaN or Inf",
+            reason=Reason.BAD_SCALES,
         )
 
 
@@ -142,7 +153,12 @@ def narrow_scales(scales: torch.Tensor, scale_dtype: torch.dtype, scope: ScaleSc
         raise UnsupportedConfigError(
             f"scale {float(scales[idx] if idx else scales):.3g} of {group_name(scope, idx)} does not fit "
             f"{scale_dtype} (it becomes {float(out[idx] if idx else out)})"
-            + ("; use scale_dtype=torch.float32" if scale_dtype != torch.float32 else "; V is too small to scale")
+            + (
+                "; use scale_dtype=torch.float32"
+                if scale_dtype != torch.float32
+                else "; V is too small to scale"
+            ),
+            reason=Reason.BAD_SCALES,
         )
     return out
 
@@ -161,7 +177,8 @@ def token_scales(
     if tuple(s.shape) != want:
         raise UnsupportedConfigError(
             f"scales of shape {tuple(s.shape)} do not fit scope {scope.name} over "
-            f"{tokens} tokens x {heads} heads (page_size {page_size}); expected {want}"
+            f"{tokens} tokens x {heads} heads (page_size {page_size}); expected {want}",
+            reason=Reason.BAD_SCALES,
         )
     if scope == ScaleScope.PER_TENSOR:
         return s.reshape(1, 1, 1).expand(tokens, 1, 1)
@@ -185,5 +202,5 @@ def output_for(
     if tuple(out.shape) != shape or (same_dtype and out.dtype != dtype):
         want = f"{shape} {dtype}" if same_dtype else f"{shape}"
         got = f"{tuple(out.shape)} {out.dtype}" if same_dtype else f"{tuple(out.shape)}"
-        raise UnsupportedConfigError(f"out is {got}; expected {want}")
+        raise UnsupportedConfigError(f"out is {got}; expected {want}", reason=Reason.BAD_OUTPUT)
     return out

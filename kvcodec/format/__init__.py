@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .buffer import as_bytes_view
 from .crc import CRC_BACKEND, crc32
-from .dtypes import DTYPE_TO_ID, ID_TO_DTYPE, DType, as_dtype, dtype_to_id, id_to_dtype
+from .dtypes import DTYPE_TO_ID, FLOAT_INF_BITS, ID_TO_DTYPE, DType, as_dtype, dtype_to_id, id_to_dtype
 from .header import (
     FIXED_HEADER_LEN,
     HASH_KEYS,
@@ -31,12 +31,20 @@ from .header import (
     payload_crc,
     serialize_header,
 )
-from .parser import ParsedBlob, check_consistency, expected_scale_shape, header_fields, parse
+from .parser import (
+    ParsedBlob,
+    check_consistency,
+    check_stored_scales,
+    expected_scale_shape,
+    header_fields,
+    parse,
+)
 
 __all__ = [
     "CRC_BACKEND",
     "DTYPE_TO_ID",
     "FIXED_HEADER_LEN",
+    "FLOAT_INF_BITS",
     "HASH_KEYS",
     "ID_TO_DTYPE",
     "MAGIC",
@@ -58,6 +66,7 @@ __all__ = [
     "assemble",
     "check_consistency",
     "check_crc",
+    "check_stored_scales",
     "crc32",
     "dtype_to_id",
     "expected_scale_shape",

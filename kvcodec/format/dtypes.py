@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptEncodedKVError, UnsupportedConfigError
+from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 
 __all__ = [
     "BFLOAT16",
@@ -20,6 +20,7 @@ __all__ = [
     "FLOAT16",
     "FLOAT32",
     "FLOAT64",
+    "FLOAT_INF_BITS",
     "ID_TO_DTYPE",
     "UINT8",
     "DType",
@@ -63,6 +64,16 @@ ID_TO_DTYPE: dict[int, DType] = {
     8: FLOAT8_E5M2,
 }
 DTYPE_TO_ID: dict[DType, int] = {d: i for i, d in sorted(ID_TO_DTYPE.items())}  # float16 -> 2
+
+#: The bits of +Inf of each float dtype a scale may be stored in. A value is finite and
+#: greater than zero exactly when ``0 < bits < FLOAT_INF_BITS[dtype]`` (as an unsigned int:
+#: a set sign bit, NaN and Inf all land at or above it).
+FLOAT_INF_BITS: dict[DType, int] = {
+    FLOAT16: 0x7C00,
+    BFLOAT16: 0x7F80,
+    FLOAT32: 0x7F80_0000,
+    FLOAT64: 0x7FF0_0000_0000_0000,
+}
 _BY_NAME: dict[str, DType] = {d.name: d for d in DTYPE_TO_ID}
 
 
@@ -78,7 +89,8 @@ def as_dtype(value: Any) -> DType:
         return _BY_NAME[name]
     except KeyError:
         raise UnsupportedConfigError(
-            f"dtype {value} has no LMCKV dtype id; expected one of {sorted(_BY_NAME)}"
+            f"dtype {value} has no LMCKV dtype id; expected one of {sorted(_BY_NAME)}",
+            reason=Reason.NO_DTYPE_ID,
         ) from None
 
 
@@ -93,5 +105,6 @@ def id_to_dtype(idx: int, what: str = "dtype") -> DType:
         return ID_TO_DTYPE[idx]
     except KeyError:
         raise CorruptEncodedKVError(
-            f"unknown {what} id {idx} in header; expected one of {sorted(ID_TO_DTYPE)}"
+            f"unknown {what} id {idx} in header; expected one of {sorted(ID_TO_DTYPE)}",
+            reason=Reason.UNKNOWN_DTYPE_ID,
         ) from None

@@ -1,7 +1,8 @@
 """The LMCKV header: its fields as Python values, its limits, and its writer.
 
-The byte layout is LMCache's ``lmcache.v1.kv_codec`` format (see FORMAT.md):
-a little-endian header followed by the payload ``K ‖ V ‖ scales``. Version 1
+The byte layout is LMCache's ``lmcache.v1.kv_codec`` format (``docs/FORMAT.md``
+has the byte table, checked against the layouts here by a test): a
+little-endian header followed by the payload ``K ‖ V ‖ scales``. Version 1
 puts a CRC-32 over the payload only; version 2 seals the header too (CRC over
 the header up to the CRC field, then the payload) and uses the reserved slot
 at byte 18 for a :class:`ScaleScheme`. Pure Python (``struct``, memoryview).
@@ -17,20 +18,30 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
-from ..errors import CorruptEncodedKVError, UnsupportedConfigError
+from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from .buffer import as_bytes_view
 from .crc import crc32
 from .dtypes import FLOAT32, DType, as_dtype, dtype_to_id
 
 __all__ = [
+    "CRC_FIELD",
+    "FIXED_FIELDS",
+    "FIXED_HEADER",
     "FIXED_HEADER_LEN",
     "HASH_KEYS",
+    "HASH_LEN",
+    "HASH_PAIR_COUNT",
+    "IDS",
+    "IDS_OFFSET",
     "MAGIC",
     "MAX_DIM",
     "MAX_ELEMENTS",
     "MAX_HASH_PAIRS",
+    "MAX_HASH_STR",
     "MAX_PAYLOAD_LEN",
     "MAX_SCALE_DIMS",
+    "PAYLOAD_LENS",
+    "SCALE_DIM",
     "SUPPORTED_VERSIONS",
     "Hashes",
     "Header",
@@ -48,13 +59,39 @@ __all__ = [
 MAGIC = b"LMCKV\x01\x00\x01"
 """First 8 bytes of every blob; never changes."""
 
-_FIXED_FMT = "<8sHHHHHHqqqqqqq"
-_FIXED = struct.Struct(_FIXED_FMT)
-FIXED_HEADER_LEN = _FIXED.size  # 76
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_I64 = struct.Struct("<q")
-_LENS = struct.Struct("<qqq")
+# The byte layouts, in header order (docs/FORMAT.md's tables are checked against these).
+FIXED_HEADER = struct.Struct("<8sHHHHHHqqqqqqq")
+"""The fixed part at offset 0, one struct code per name of :data:`FIXED_FIELDS`."""
+FIXED_FIELDS: tuple[str, ...] = (
+    "magic",
+    "version",
+    "scale_scope",
+    "k_dtype",
+    "v_dtype",
+    "scale_dtype",
+    "scale_scheme",  # version 1: reserved, always 0
+    "layer_id",
+    "chunk_id",
+    "chunk_size",
+    "page_size",
+    "kv_head_count",
+    "head_dim",
+    "scale_shape_n",
+)
+FIXED_HEADER_LEN = FIXED_HEADER.size  # 76
+SCALE_DIM = struct.Struct("<q")
+"""Each of the ``scale_shape_n`` scale dimensions, right after the fixed part."""
+PAYLOAD_LENS = struct.Struct("<qqq")
+"""k_payload_len, v_payload_len, scale_payload_len (bytes), after the scale dimensions."""
+HASH_PAIR_COUNT = struct.Struct("<H")
+"""How many (key, value) string pairs follow."""
+HASH_LEN = struct.Struct("<H")
+"""The byte length in front of each hash key and value (UTF-8, no terminator)."""
+CRC_FIELD = struct.Struct("<I")
+"""The CRC-32 (zlib polynomial) that ends the header."""
+IDS = struct.Struct("<qq")
+"""layer_id and chunk_id, adjacent in the fixed part at :data:`IDS_OFFSET` (patched by HeaderPacker)."""
+IDS_OFFSET = struct.calcsize("<8sHHHHHH")  # 20
 
 #: Hash keys in the order writers emit them and readers check them.
 HASH_KEYS: tuple[str, ...] = (
@@ -133,13 +170,16 @@ class Hashes:
             unknown = set(value) - set(HASH_KEYS)
             if unknown:
                 raise UnsupportedConfigError(
-                    f"unknown hash keys {sorted(unknown)}; expected some of {list(HASH_KEYS)}"
+                    f"unknown hash keys {sorted(unknown)}; expected some of {list(HASH_KEYS)}",
+                    reason=Reason.BAD_HASH,
                 )
             return cls(**{k: value.get(k) or "" for k in HASH_KEYS})
         try:
             return cls(**{k: getattr(value, k) or "" for k in HASH_KEYS})
         except AttributeError as e:
-            raise UnsupportedConfigError(f"cannot read hashes from {type(value).__name__}: {e}") from None
+            raise UnsupportedConfigError(
+                f"cannot read hashes from {type(value).__name__}: {e}", reason=Reason.BAD_HASH
+            ) from None
 
     def as_dict(self) -> dict[str, str]:
         """The six fields, in check order."""
@@ -222,14 +262,19 @@ def _hash_pairs_of(hashes: Hashes) -> tuple[tuple[bytes, bytes], ...]:
         kb = k.encode()
         val = getattr(hashes, k) or ""
         if not isinstance(val, str):
-            raise UnsupportedConfigError(f"hash {k!r} is a {type(val).__name__}; expected str")
+            raise UnsupportedConfigError(
+                f"hash {k!r} is a {type(val).__name__}; expected str", reason=Reason.BAD_HASH
+            )
         try:
             vb = val.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise UnsupportedConfigError(f"hash {k!r} cannot be encoded as UTF-8: {e.reason}") from None
+            raise UnsupportedConfigError(
+                f"hash {k!r} cannot be encoded as UTF-8: {e.reason}", reason=Reason.BAD_HASH
+            ) from None
         if len(vb) > MAX_HASH_STR:
             raise UnsupportedConfigError(
-                f"hash {k!r} is {len(vb)} bytes in UTF-8; at most {MAX_HASH_STR} fit"
+                f"hash {k!r} is {len(vb)} bytes in UTF-8; at most {MAX_HASH_STR} fit",
+                reason=Reason.BAD_HASH,
             )
         out.append((kb, vb))
     return tuple(out)
@@ -240,68 +285,87 @@ _hash_pairs_cached = functools.lru_cache(maxsize=256)(_hash_pairs_of)
 
 def header_size(h: Header) -> int:
     """Bytes the serialized header of ``h`` takes (CRC field included)."""
-    n = FIXED_HEADER_LEN + 8 * len(h.scale_shape) + 24 + 2
+    n = FIXED_HEADER_LEN + SCALE_DIM.size * len(h.scale_shape) + PAYLOAD_LENS.size + HASH_PAIR_COUNT.size
     for kb, vb in _hash_pairs(h):
-        n += 4 + len(kb) + len(vb)
-    return n + 4
+        n += 2 * HASH_LEN.size + len(kb) + len(vb)
+    return n + CRC_FIELD.size
 
 
 def _as_int(name: str, value: Any) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise UnsupportedConfigError(f"{name} is a {type(value).__name__}; expected an int") from None
+        raise UnsupportedConfigError(
+            f"{name} is a {type(value).__name__}; expected an int", reason=Reason.BAD_TYPE
+        ) from None
 
 
 def _check_writable_header(h: Header) -> None:
     """Refuse (UnsupportedConfigError) any field the parser would refuse or struct cannot pack."""
     if _as_int("version", h.version) not in SUPPORTED_VERSIONS:
-        raise UnsupportedConfigError(f"header version {h.version} unsupported; expected 1 or 2")
+        raise UnsupportedConfigError(
+            f"header version {h.version} unsupported; expected 1 or 2", reason=Reason.UNSUPPORTED_VERSION
+        )
     try:
         scope = ScaleScope(h.scale_scope)
     except ValueError:
         raise UnsupportedConfigError(
-            f"scale_scope {h.scale_scope!r} unknown; expected one of {[s.name for s in ScaleScope]}"
+            f"scale_scope {h.scale_scope!r} unknown; expected one of {[s.name for s in ScaleScope]}",
+            reason=Reason.BAD_SCOPE,
         ) from None
     try:
         scheme = ScaleScheme(h.scale_scheme)
     except ValueError:
         raise UnsupportedConfigError(
-            f"scale_scheme {h.scale_scheme!r} unknown; expected one of {[s.name for s in ScaleScheme]}"
+            f"scale_scheme {h.scale_scheme!r} unknown; expected one of {[s.name for s in ScaleScheme]}",
+            reason=Reason.BAD_VALUE,
         ) from None
     if h.version == 1 and (scope == ScaleScope.NONE or scheme != ScaleScheme.COMPUTED):
         raise UnsupportedConfigError(
             "scale scope NONE and scale scheme UNIT need header version 2; got version 1 with "
-            f"scope {scope.name} and scheme {scheme.name}"
+            f"scope {scope.name} and scheme {scheme.name}",
+            reason=Reason.BAD_VALUE,
         )
     if not isinstance(h.hashes, Hashes):
         raise UnsupportedConfigError(
-            f"hashes is a {type(h.hashes).__name__}; expected Hashes (see Hashes.coerce)"
+            f"hashes is a {type(h.hashes).__name__}; expected Hashes (see Hashes.coerce)",
+            reason=Reason.BAD_TYPE,
         )
     for name in ("layer_id", "chunk_id"):
         v = _as_int(name, getattr(h, name))
         if not -1 <= v <= _I64_MAX:
-            raise UnsupportedConfigError(f"{name}={v} out of range: expected -1 (unset) or 0..{_I64_MAX}")
+            raise UnsupportedConfigError(
+                f"{name}={v} out of range: expected -1 (unset) or 0..{_I64_MAX}", reason=Reason.BAD_VALUE
+            )
     for name, minimum in _LAYOUT_MINIMUMS:
         v = _as_int(name, getattr(h, name))
         if v != -1 and not minimum <= v <= MAX_DIM:
             raise UnsupportedConfigError(
-                f"{name}={v} out of range: expected -1 (unset) or {minimum}..{MAX_DIM}"
+                f"{name}={v} out of range: expected -1 (unset) or {minimum}..{MAX_DIM}",
+                reason=Reason.BAD_VALUE,
             )
     if not isinstance(h.scale_shape, (tuple, list)):
-        raise UnsupportedConfigError(f"scale_shape is a {type(h.scale_shape).__name__}; expected a tuple of ints")
+        raise UnsupportedConfigError(
+            f"scale_shape is a {type(h.scale_shape).__name__}; expected a tuple of ints",
+            reason=Reason.BAD_TYPE,
+        )
     if len(h.scale_shape) > MAX_SCALE_DIMS:
         raise UnsupportedConfigError(
-            f"scale_shape has {len(h.scale_shape)} dims; at most {MAX_SCALE_DIMS}"
+            f"scale_shape has {len(h.scale_shape)} dims; at most {MAX_SCALE_DIMS}",
+            reason=Reason.SCALE_RANK_OUT_OF_RANGE,
         )
     for i, d in enumerate(h.scale_shape):
         d = _as_int(f"scale_shape[{i}]", d)
         if not 0 <= d <= MAX_DIM:
-            raise UnsupportedConfigError(f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}")
+            raise UnsupportedConfigError(
+                f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}", reason=Reason.BAD_VALUE
+            )
     for name in ("k_payload_len", "v_payload_len", "scale_payload_len"):
         v = _as_int(name, getattr(h, name))
         if not 0 <= v <= MAX_PAYLOAD_LEN:
-            raise UnsupportedConfigError(f"{name}={v} outside 0..{MAX_PAYLOAD_LEN}")
+            raise UnsupportedConfigError(
+                f"{name}={v} outside 0..{MAX_PAYLOAD_LEN}", reason=Reason.FIELD_OUT_OF_RANGE
+            )
 
 
 class HeaderPacker:
@@ -315,17 +379,17 @@ class HeaderPacker:
 
     __slots__ = ("_crc_off", "_template", "header", "size")
 
-    _IDS = struct.Struct("<qq")
-
     def __init__(self, template: Header) -> None:
         self.header = template
         self.size = header_size(template)
         buf = bytearray(self.size)
         pack_header_into(buf, template, 0)  # validates every field
         self._template = bytes(buf)
-        self._crc_off = self.size - 4
+        self._crc_off = self.size - CRC_FIELD.size
 
-    def pack_into(self, buf: Any, *, layer_id: int, chunk_id: int, payload: Any = None, crc: int | None = None) -> int:
+    def pack_into(
+        self, buf: Any, *, layer_id: int, chunk_id: int, payload: Any = None, crc: int | None = None
+    ) -> int:
         """Write the header for (layer_id, chunk_id) at the start of ``buf``; return its size.
 
         The CRC is ``crc`` if given, else computed from ``payload`` (with the
@@ -333,22 +397,27 @@ class HeaderPacker:
         """
         layer_id, chunk_id = _as_int("layer_id", layer_id), _as_int("chunk_id", chunk_id)
         if layer_id < -1 or chunk_id < -1:
-            raise UnsupportedConfigError(f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 or >= 0")
+            raise UnsupportedConfigError(
+                f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 or >= 0", reason=Reason.BAD_VALUE
+            )
         mv = buf if type(buf) is memoryview and buf.format == "B" and not buf.readonly else as_bytes_view(buf)
         if mv.readonly or len(mv) < self.size:
             raise UnsupportedConfigError(
                 f"cannot write a {self.size}-byte header into {type(buf).__name__} "
-                f"({'read-only' if mv.readonly else f'{len(mv)} bytes'})"
+                f"({'read-only' if mv.readonly else f'{len(mv)} bytes'})",
+                reason=Reason.BAD_OUTPUT,
             )
         mv[: self.size] = self._template
         try:
-            self._IDS.pack_into(mv, 20, layer_id, chunk_id)
+            IDS.pack_into(mv, IDS_OFFSET, layer_id, chunk_id)
         except struct.error as e:
-            raise UnsupportedConfigError(f"layer_id={layer_id}, chunk_id={chunk_id}: {e}") from None
+            raise UnsupportedConfigError(
+                f"layer_id={layer_id}, chunk_id={chunk_id}: {e}", reason=Reason.BAD_VALUE
+            ) from None
         if crc is None:
             parts = () if payload is None else (payload,)
             crc = payload_crc(self.header, mv[: self._crc_off], parts)
-        _U32.pack_into(mv, self._crc_off, crc & 0xFFFFFFFF)
+        CRC_FIELD.pack_into(mv, self._crc_off, crc & 0xFFFFFFFF)
         return self.size
 
 
@@ -360,19 +429,23 @@ def pack_header_into(buf: Any, h: Header, crc: int) -> int:
     _check_writable_header(h)
     mv = as_bytes_view(buf)
     if mv.readonly:
-        raise UnsupportedConfigError(f"cannot write a header into read-only {type(buf).__name__}")
+        raise UnsupportedConfigError(
+            f"cannot write a header into read-only {type(buf).__name__}", reason=Reason.BAD_OUTPUT
+        )
     size = header_size(h)
     if len(mv) < size:
-        raise UnsupportedConfigError(f"buffer of {len(mv)} bytes cannot hold a {size}-byte header")
+        raise UnsupportedConfigError(
+            f"buffer of {len(mv)} bytes cannot hold a {size}-byte header", reason=Reason.BAD_OUTPUT
+        )
     _pack_prefix(mv, h)
-    _U32.pack_into(mv, size - 4, crc & 0xFFFFFFFF)
+    CRC_FIELD.pack_into(mv, size - 4, crc & 0xFFFFFFFF)
     return size
 
 
 def _pack_prefix(mv: memoryview, h: Header) -> int:
     """Write everything before the CRC field; return the CRC field's offset."""
     reserved = int(h.scale_scheme) if h.version >= 2 else 0
-    _FIXED.pack_into(
+    FIXED_HEADER.pack_into(
         mv,
         0,
         MAGIC,
@@ -392,17 +465,17 @@ def _pack_prefix(mv: memoryview, h: Header) -> int:
     )
     off = FIXED_HEADER_LEN
     for d in h.scale_shape:
-        _I64.pack_into(mv, off, int(d))
+        SCALE_DIM.pack_into(mv, off, int(d))
         off += 8
-    _LENS.pack_into(mv, off, h.k_payload_len, h.v_payload_len, h.scale_payload_len)
-    off += 24
+    PAYLOAD_LENS.pack_into(mv, off, h.k_payload_len, h.v_payload_len, h.scale_payload_len)
+    off += PAYLOAD_LENS.size
     pairs = _hash_pairs(h)
-    _U16.pack_into(mv, off, len(pairs))
-    off += 2
+    HASH_PAIR_COUNT.pack_into(mv, off, len(pairs))
+    off += HASH_PAIR_COUNT.size
     for kb, vb in pairs:
         for s in (kb, vb):
-            _U16.pack_into(mv, off, len(s))
-            off += 2
+            HASH_LEN.pack_into(mv, off, len(s))
+            off += HASH_LEN.size
             mv[off : off + len(s)] = s
             off += len(s)
     return off
@@ -421,7 +494,8 @@ def check_crc(h: Header, stored: int, got: int) -> None:
     if got != stored:
         raise CorruptEncodedKVError(
             f"CRC mismatch: header says {stored:#010x}, "
-            f"{'header+' if h.version >= 2 else ''}payload gives {got:#010x}"
+            f"{'header+' if h.version >= 2 else ''}payload gives {got:#010x}",
+            reason=Reason.CRC_MISMATCH,
         )
 
 
@@ -442,19 +516,18 @@ def serialize_header(h: Header, payload: Iterable[Any] | None = None, *, crc: in
         if got != h.payload_len:
             raise UnsupportedConfigError(
                 f"payload is {got} bytes but the header declares K({h.k_payload_len}) + "
-                f"V({h.v_payload_len}) + scales({h.scale_payload_len}) = {h.payload_len}"
+                f"V({h.v_payload_len}) + scales({h.scale_payload_len}) = {h.payload_len}",
+                reason=Reason.INCONSISTENT_PAYLOAD,
             )
         crc = payload_crc(h, mv[:crc_off], parts)
-    _U32.pack_into(mv, crc_off, crc & 0xFFFFFFFF)
+    CRC_FIELD.pack_into(mv, crc_off, crc & 0xFFFFFFFF)
     return bytes(buf)
 
 
 def assemble(h: Header, k: Any = b"", v: Any = b"", scales: Any = b"") -> bytearray:
     """One buffer holding header and payload, with lengths and CRC filled in from the parts."""
     parts = [as_bytes_view(p) for p in (k, v, scales)]
-    h = h.replace(
-        k_payload_len=len(parts[0]), v_payload_len=len(parts[1]), scale_payload_len=len(parts[2])
-    )
+    h = h.replace(k_payload_len=len(parts[0]), v_payload_len=len(parts[1]), scale_payload_len=len(parts[2]))
     _check_writable_header(h)
     hs = header_size(h)
     out = bytearray(hs + h.payload_len)
@@ -465,7 +538,5 @@ def assemble(h: Header, k: Any = b"", v: Any = b"", scales: Any = b"") -> bytear
         off += len(p)
     crc_off = _pack_prefix(mv, h)
     crc = payload_crc(h, mv[:crc_off], [mv[hs:]])
-    _U32.pack_into(mv, crc_off, crc)
+    CRC_FIELD.pack_into(mv, crc_off, crc)
     return out
-
-

@@ -9,7 +9,10 @@ exactly one :class:`~kvcodec.errors.CodecError` subclass:
    each payload section against the bytes that remain (never a raw sum);
 3. CRC (unless the caller verified it already): a corrupted blob is reported
    as such before any consistency complaint its corruption may cause;
-4. consistency: K/V/scale lengths against the layout fields and the scope.
+4. consistency: K/V/scale lengths against the layout fields and the scope;
+5. stored scales: each finite and greater than zero, as encode writes them
+   (a NaN, Inf, zero or negative scale would decode V to NaN, Inf or flipped
+   signs); a C-speed pass over one byte per scale, a few µs per 1,000 scales.
 
 ``parse`` returns memoryviews into the caller's buffer; nothing is copied.
 Pure Python: no torch, no extension.
@@ -23,21 +26,22 @@ from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
 
-from ..errors import CorruptEncodedKVError
+from ..errors import CorruptEncodedKVError, Reason
 from .buffer import as_bytes_view
-from .dtypes import DType, id_to_dtype
+from .dtypes import FLOAT_INF_BITS, DType, id_to_dtype
 from .header import (
-    _FIXED,
-    _LENS,
-    _U16,
-    _U32,
+    CRC_FIELD,
+    FIXED_HEADER,
     HASH_KEYS,
+    HASH_PAIR_COUNT,
     MAGIC,
     MAX_DIM,
     MAX_ELEMENTS,
     MAX_HASH_PAIRS,
     MAX_PAYLOAD_LEN,
     MAX_SCALE_DIMS,
+    PAYLOAD_LENS,
+    SCALE_DIM,
     SUPPORTED_VERSIONS,
     Hashes,
     Header,
@@ -47,7 +51,14 @@ from .header import (
     payload_crc,
 )
 
-__all__ = ["ParsedBlob", "check_consistency", "expected_scale_shape", "header_fields", "parse"]
+__all__ = [
+    "ParsedBlob",
+    "check_consistency",
+    "check_stored_scales",
+    "expected_scale_shape",
+    "header_fields",
+    "parse",
+]
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,8 @@ class ParsedBlob:
         return self.buffer[s : s + self.header.scale_payload_len]
 
 
-_SHAPE_STRUCTS = tuple(struct.Struct(f"<{n}q") for n in range(MAX_SCALE_DIMS + 1))
+# All scale dims at once: SCALE_DIM's code n times.
+_SHAPE_STRUCTS = tuple(struct.Struct("<" + SCALE_DIM.format[-1] * n) for n in range(MAX_SCALE_DIMS + 1))
 
 
 class _Reader:
@@ -120,7 +132,8 @@ class _Reader:
         if size > self.n - self.off:
             raise CorruptEncodedKVError(
                 f"truncated {what}: need {size} bytes at offset {self.off}, "
-                f"{self.n - self.off} remain (buffer is {self.n} bytes)"
+                f"{self.n - self.off} remain (buffer is {self.n} bytes)",
+                reason=Reason.TRUNCATED_HEADER,
             )
 
     def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
@@ -134,7 +147,7 @@ class _Reader:
         mv, off = self.mv, self.off
         if 2 > self.n - off:
             self.need(2, what.format(*args) + " length")
-        length = mv[off] | (mv[off + 1] << 8)
+        length = mv[off] | (mv[off + 1] << 8)  # HASH_LEN, unpacked inline (the hot loop of a parse)
         off += 2
         self.off = off
         if length > self.n - off:
@@ -145,7 +158,9 @@ class _Reader:
         try:
             return str(mv[off : off + length], "utf-8")
         except UnicodeDecodeError as e:
-            raise CorruptEncodedKVError(f"{what.format(*args)} at offset {off} is not UTF-8: {e.reason}") from None
+            raise CorruptEncodedKVError(
+                f"{what.format(*args)} at offset {off} is not UTF-8: {e.reason}", reason=Reason.BAD_UTF8
+            ) from None
 
 
 def _check_layout_int(name: str, value: int, minimum: int) -> None:
@@ -153,31 +168,48 @@ def _check_layout_int(name: str, value: int, minimum: int) -> None:
         return
     if not minimum <= value <= MAX_DIM:
         raise CorruptEncodedKVError(
-            f"{name}={value} out of range: expected -1 (unset) or {minimum}..{MAX_DIM}"
+            f"{name}={value} out of range: expected -1 (unset) or {minimum}..{MAX_DIM}",
+            reason=Reason.FIELD_OUT_OF_RANGE,
         )
 
 
 def _read_fixed(r: _Reader) -> tuple[dict[str, Any], int]:
     """Step 1: the fixed fields, each checked against its table or limit; also the scale dim count."""
     (magic, version, scope_id, k_id, v_id, s_id, reserved, layer_id, chunk_id, chunk_size, page_size,
-     kv_head_count, head_dim, n_scale) = r.unpack(_FIXED, "fixed header")  # fmt: skip
+     kv_head_count, head_dim, n_scale) = r.unpack(FIXED_HEADER, "fixed header")  # fmt: skip
     if magic != MAGIC:
-        raise CorruptEncodedKVError(f"bad magic: expected {MAGIC!r}, found {bytes(magic)!r}")
+        raise CorruptEncodedKVError(
+            f"bad magic: expected {MAGIC!r}, found {bytes(magic)!r}", reason=Reason.BAD_MAGIC
+        )
     if version not in SUPPORTED_VERSIONS:
-        raise CorruptEncodedKVError(f"unknown header version {version}; expected one of {SUPPORTED_VERSIONS}")
+        raise CorruptEncodedKVError(
+            f"unknown header version {version}; expected one of {SUPPORTED_VERSIONS}",
+            reason=Reason.UNSUPPORTED_VERSION,
+        )
     max_scope = ScaleScope.NONE if version >= 2 else ScaleScope.EXTERNAL
     if not 0 <= scope_id <= max_scope:
         raise CorruptEncodedKVError(
-            f"unknown scale_scope id {scope_id} for header version {version}; expected 0..{int(max_scope)}"
+            f"unknown scale_scope id {scope_id} for header version {version}; expected 0..{int(max_scope)}",
+            reason=Reason.UNKNOWN_SCOPE_ID,
         )
     if version == 1 and reserved != 0:
-        raise CorruptEncodedKVError(f"reserved field is {reserved}; expected 0 in version 1")
+        raise CorruptEncodedKVError(
+            f"reserved field is {reserved}; expected 0 in version 1", reason=Reason.RESERVED_NONZERO
+        )
     if reserved not in (0, 1):
-        raise CorruptEncodedKVError(f"unknown scale scheme {reserved}; expected 0 or 1")
+        raise CorruptEncodedKVError(
+            f"unknown scale scheme {reserved}; expected 0 or 1", reason=Reason.UNKNOWN_SCHEME
+        )
     if not 0 <= n_scale <= MAX_SCALE_DIMS:
-        raise CorruptEncodedKVError(f"scale_shape_n={n_scale} out of range: expected 0..{MAX_SCALE_DIMS}")
+        raise CorruptEncodedKVError(
+            f"scale_shape_n={n_scale} out of range: expected 0..{MAX_SCALE_DIMS}",
+            reason=Reason.SCALE_RANK_OUT_OF_RANGE,
+        )
     if layer_id < -1 or chunk_id < -1:
-        raise CorruptEncodedKVError(f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 (unset) or >= 0")
+        raise CorruptEncodedKVError(
+            f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 (unset) or >= 0",
+            reason=Reason.FIELD_OUT_OF_RANGE,
+        )
     _check_layout_int("chunk_size", chunk_size, 0)
     _check_layout_int("page_size", page_size, 1)
     _check_layout_int("kv_head_count", kv_head_count, 1)
@@ -196,20 +228,25 @@ def _read_sizes(r: _Reader, n_scale: int) -> dict[str, Any]:
     scale_shape = r.unpack(_SHAPE_STRUCTS[n_scale], "scale_shape")
     for i, d in enumerate(scale_shape):
         if not 0 <= d <= MAX_DIM:
-            raise CorruptEncodedKVError(f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}")
-    lens = r.unpack(_LENS, "payload lengths")
+            raise CorruptEncodedKVError(
+                f"scale_shape[{i}]={d} out of range 0..{MAX_DIM}", reason=Reason.FIELD_OUT_OF_RANGE
+            )
+    lens = r.unpack(PAYLOAD_LENS, "payload lengths")
     names = ("k_payload_len", "v_payload_len", "scale_payload_len")
     for name, n in zip(names, lens):
         if not 0 <= n <= MAX_PAYLOAD_LEN:
-            raise CorruptEncodedKVError(f"{name}={n} out of range 0..{MAX_PAYLOAD_LEN}")
+            reason = Reason.NEGATIVE_PAYLOAD_LEN if n < 0 else Reason.FIELD_OUT_OF_RANGE
+            raise CorruptEncodedKVError(f"{name}={n} out of range 0..{MAX_PAYLOAD_LEN}", reason=reason)
     return {"scale_shape": tuple(scale_shape), **dict(zip(names, lens))}
 
 
 def _read_hashes(r: _Reader) -> tuple[Hashes, tuple[tuple[str, str], ...]]:
     """Step 2b: the (key, value) pairs: UTF-8, unique keys; the six known ones and any others."""
-    (n_pairs,) = r.unpack(_U16, "hash count")
+    (n_pairs,) = r.unpack(HASH_PAIR_COUNT, "hash count")
     if n_pairs > MAX_HASH_PAIRS:
-        raise CorruptEncodedKVError(f"hash count {n_pairs} exceeds the limit of {MAX_HASH_PAIRS}")
+        raise CorruptEncodedKVError(
+            f"hash count {n_pairs} exceeds the limit of {MAX_HASH_PAIRS}", reason=Reason.BAD_HASH_TABLE
+        )
     known: dict[str, str] = {}
     unknown: list[tuple[str, str]] = []
     seen: dict[str, int] = {}
@@ -218,7 +255,8 @@ def _read_hashes(r: _Reader) -> tuple[Hashes, tuple[tuple[str, str], ...]]:
         val = r.string("hash value #{} ({!r})", i, key)
         if key in seen:
             raise CorruptEncodedKVError(
-                f"duplicate hash key {key!r}: pair #{i} repeats pair #{seen[key]}; expected unique keys"
+                f"duplicate hash key {key!r}: pair #{i} repeats pair #{seen[key]}; expected unique keys",
+                reason=Reason.BAD_HASH_TABLE,
             )
         seen[key] = i
         if key in HASH_KEYS:
@@ -231,17 +269,23 @@ def _read_hashes(r: _Reader) -> tuple[Hashes, tuple[tuple[str, str], ...]]:
 def _trailing(n_buf: int, header_len: int, h: Header, strict: bool) -> int:
     """Step 2c: each section against the bytes that remain (never a raw sum); the bytes left after."""
     remaining = n_buf - header_len
-    for name, n in (("K payload", h.k_payload_len), ("V payload", h.v_payload_len), ("scale payload", h.scale_payload_len)):
+    for name, n in (
+        ("K payload", h.k_payload_len),
+        ("V payload", h.v_payload_len),
+        ("scale payload", h.scale_payload_len),
+    ):
         if n > remaining:
             raise CorruptEncodedKVError(
                 f"truncated {name}: header declares {n} bytes, only {remaining} remain "
-                f"(buffer is {n_buf} bytes, header {header_len})"
+                f"(buffer is {n_buf} bytes, header {header_len})",
+                reason=Reason.TRUNCATED_PAYLOAD,
             )
         remaining -= n
     if remaining and (h.version >= 2 or strict):
         raise CorruptEncodedKVError(
             f"{remaining} trailing bytes after the payload (blob ends at "
-            f"{header_len + h.payload_len}, buffer is {n_buf} bytes)"
+            f"{header_len + h.payload_len}, buffer is {n_buf} bytes)",
+            reason=Reason.TRAILING_BYTES,
         )
     return remaining
 
@@ -263,7 +307,7 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
     hashes, unknown = _read_hashes(r)
     header = Header(**fields, hashes=hashes)
     crc_off = r.off
-    (crc_stored,) = r.unpack(_U32, "payload CRC")
+    (crc_stored,) = r.unpack(CRC_FIELD, "payload CRC")
     header_len = r.off
     trailing = _trailing(len(mv), header_len, header, strict)
     if verify_crc:
@@ -271,20 +315,30 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
         check_crc(header, crc_stored, payload_crc(header, mv[:crc_off], (payload,)))
     if consistency:
         check_consistency(header)
+        scales_at = header_len + header.k_payload_len + header.v_payload_len
+        check_stored_scales(header, mv[scales_at : scales_at + header.scale_payload_len])
     return ParsedBlob(
-        header=header, buffer=mv, header_len=header_len, crc=crc_stored, trailing=trailing, unknown_hashes=unknown
+        header=header,
+        buffer=mv,
+        header_len=header_len,
+        crc=crc_stored,
+        trailing=trailing,
+        unknown_hashes=unknown,
     )
 
 
 def _elements(length: int, dtype: DType, what: str) -> int:
     if length % dtype.itemsize:
         raise CorruptEncodedKVError(
-            f"{what} payload of {length} bytes is not a whole number of {dtype} elements"
+            f"{what} payload of {length} bytes is not a whole number of {dtype} elements",
+            reason=Reason.INCONSISTENT_PAYLOAD,
         )
     return length // dtype.itemsize
 
 
-def expected_scale_shape(scope: ScaleScope, tokens: int, heads: int, page_size: int) -> tuple[int, ...] | None:
+def expected_scale_shape(
+    scope: ScaleScope, tokens: int, heads: int, page_size: int
+) -> tuple[int, ...] | None:
     """Scale shape a scope implies for a chunk, or None where it cannot be derived."""
     if scope == ScaleScope.PER_TENSOR:
         return ()
@@ -302,12 +356,14 @@ def check_consistency(h: Header) -> None:
     if k_el and not v_el:
         raise CorruptEncodedKVError(
             f"K holds {k_el} elements ({h.k_payload_len} bytes of {h.k_dtype}) but V is empty; "
-            "a blob may omit K, never V"
+            "a blob may omit K, never V",
+            reason=Reason.INCONSISTENT_PAYLOAD,
         )
     if k_el and v_el and k_el != v_el:
         raise CorruptEncodedKVError(
             f"K holds {k_el} elements ({h.k_payload_len} bytes of {h.k_dtype}) but V holds "
-            f"{v_el} ({h.v_payload_len} bytes of {h.v_dtype}); they must match"
+            f"{v_el} ({h.v_payload_len} bytes of {h.v_dtype}); they must match",
+            reason=Reason.INCONSISTENT_PAYLOAD,
         )
     elems = k_el or v_el
     heads, dim = h.kv_head_count, h.head_dim
@@ -316,25 +372,30 @@ def check_consistency(h: Header) -> None:
         per_tok = heads * dim
         if per_tok > MAX_ELEMENTS:
             raise CorruptEncodedKVError(
-                f"kv_head_count*head_dim = {heads}*{dim} exceeds the limit of {MAX_ELEMENTS} elements per token"
+                f"kv_head_count*head_dim = {heads}*{dim} exceeds the limit of {MAX_ELEMENTS} elements per token",
+                reason=Reason.LIMIT_EXCEEDED,
             )
         if elems % per_tok:
             raise CorruptEncodedKVError(
                 f"payload holds {elems} elements per tensor, not a multiple of "
-                f"kv_head_count*head_dim = {heads}*{dim}"
+                f"kv_head_count*head_dim = {heads}*{dim}",
+                reason=Reason.INCONSISTENT_PAYLOAD,
             )
         if k_el or v_el:
             tokens = elems // per_tok
         # A chunk may be partial (the last one of a sequence), never larger.
         if h.chunk_size >= 0 and tokens is not None and tokens > h.chunk_size:
             raise CorruptEncodedKVError(
-                f"chunk_size={h.chunk_size} but the payload holds {tokens} tokens "
-                f"of {heads} heads x {dim}"
+                f"chunk_size={h.chunk_size} but the payload holds {tokens} tokens of {heads} heads x {dim}",
+                reason=Reason.INCONSISTENT_PAYLOAD,
             )
 
     scale_n = math.prod(h.scale_shape)
     if scale_n > MAX_ELEMENTS:
-        raise CorruptEncodedKVError(f"scale_shape {h.scale_shape} describes more than {MAX_ELEMENTS} scales")
+        raise CorruptEncodedKVError(
+            f"scale_shape {h.scale_shape} describes more than {MAX_ELEMENTS} scales",
+            reason=Reason.LIMIT_EXCEEDED,
+        )
     expect_s = scale_n * h.scale_dtype.itemsize
     if h.scale_scope == ScaleScope.EXTERNAL and h.scale_scheme == ScaleScheme.COMPUTED:
         # External scales live out of band; LMCache still stores them when the
@@ -342,7 +403,8 @@ def check_consistency(h: Header) -> None:
         if h.scale_payload_len not in (0, expect_s):
             raise CorruptEncodedKVError(
                 f"scale_payload_len={h.scale_payload_len} but an external scope stores either "
-                f"no scales (0) or all of scale_shape {h.scale_shape} of {h.scale_dtype} ({expect_s})"
+                f"no scales (0) or all of scale_shape {h.scale_shape} of {h.scale_dtype} ({expect_s})",
+                reason=Reason.BAD_SCALE_SHAPE,
             )
         return
     no_scales = h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT
@@ -350,31 +412,104 @@ def check_consistency(h: Header) -> None:
         if h.scale_payload_len:
             raise CorruptEncodedKVError(
                 f"scale_payload_len={h.scale_payload_len} but scope {h.scale_scope.name} / "
-                f"scheme {h.scale_scheme.name} stores no scales; expected 0"
+                f"scheme {h.scale_scheme.name} stores no scales; expected 0",
+                reason=Reason.BAD_SCALE_SHAPE,
             )
         return
     if h.scale_payload_len != expect_s and not (h.scale_payload_len == 0 and not v_el):
         raise CorruptEncodedKVError(
             f"scale_payload_len={h.scale_payload_len} but scale_shape {h.scale_shape} of "
-            f"{h.scale_dtype} needs {expect_s} bytes"
+            f"{h.scale_dtype} needs {expect_s} bytes",
+            reason=Reason.BAD_SCALE_SHAPE,
         )
     want_dims = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScope.PER_PAGE_HEAD: 2}
     if len(h.scale_shape) != want_dims[h.scale_scope]:
         raise CorruptEncodedKVError(
             f"scale_shape {h.scale_shape} has {len(h.scale_shape)} dims; scope "
-            f"{h.scale_scope.name} needs {want_dims[h.scale_scope]}"
+            f"{h.scale_scope.name} needs {want_dims[h.scale_scope]}",
+            reason=Reason.BAD_SCALE_SHAPE,
         )
     if heads > 0 and h.scale_scope != ScaleScope.PER_TENSOR and h.scale_shape[-1] != heads:
         raise CorruptEncodedKVError(
-            f"scale_shape {h.scale_shape} does not end in kv_head_count={heads}"
+            f"scale_shape {h.scale_shape} does not end in kv_head_count={heads}",
+            reason=Reason.BAD_SCALE_SHAPE,
         )
     if h.scale_scope == ScaleScope.PER_PAGE_HEAD and tokens is not None and h.page_size > 0:
         pages = -(-tokens // h.page_size)  # integer ceil: exact at any size
         if h.scale_shape[0] != pages:
             raise CorruptEncodedKVError(
                 f"scale_shape {h.scale_shape} has {h.scale_shape[0]} pages; {tokens} tokens "
-                f"at page_size {h.page_size} make {pages}"
+                f"at page_size {h.page_size} make {pages}",
+                reason=Reason.BAD_SCALE_SHAPE,
             )
+
+
+_ITEM_CODES = {2: "H", 4: "I", 8: "Q"}
+# A stored scale whose last byte (little-endian: sign and top exponent bits) lies in
+# 0x01 .. (+Inf's last byte - 1) is finite and > 0 whatever its other bytes hold;
+# any other last byte needs a look at the whole value.
+_SAFE_LAST_BYTES = {
+    dtype: bytes(range(1, inf >> (8 * (dtype.itemsize - 1)))) for dtype, inf in FLOAT_INF_BITS.items()
+}
+
+
+def check_stored_scales(h: Header, scales: memoryview) -> None:
+    """Refuse stored scales encode never writes: NaN, ±Inf, zero or negative (:class:`CorruptEncodedKVError`).
+
+    ``scales`` is the blob's scale section (:attr:`ParsedBlob.scales`). Scale
+    dtypes without an IEEE Inf (none the codec writes) are left to the decoder.
+    Pure Python at C speed: one strided byte copy and one ``translate`` over
+    one byte per scale; whole values are read only when a last byte is unusual.
+    """
+    inf = FLOAT_INF_BITS.get(h.scale_dtype)
+    if inf is None or not len(scales):
+        return
+    size = h.scale_dtype.itemsize
+    if len(scales) % size:
+        raise CorruptEncodedKVError(
+            f"scale payload of {len(scales)} bytes is not a whole number of {h.scale_dtype} scales",
+            reason=Reason.BAD_SCALE_SHAPE,
+        )
+    if not scales.tobytes()[size - 1 :: size].translate(None, _SAFE_LAST_BYTES[h.scale_dtype]):
+        return
+    for i, (bits,) in enumerate(struct.iter_unpack("<" + _ITEM_CODES[size], scales)):
+        if not 0 < bits < inf:
+            raise CorruptEncodedKVError(
+                f"stored scale #{i} ({_scale_group(h, i)}) is {_describe_scale(h.scale_dtype, bits, inf)}; "
+                "encode writes only finite scales > 0, and V would decode to NaN, Inf, zeros or flipped signs",
+                reason=Reason.BAD_SCALE,
+            )
+
+
+def _scale_group(h: Header, i: int) -> str:
+    """Which group scale ``i`` belongs to, in the scope's terms."""
+    if h.scale_scope == ScaleScope.PER_TENSOR:
+        return "the whole tensor"
+    if h.scale_scope == ScaleScope.PER_LAYER_HEAD:
+        return f"head {i}"
+    if h.scale_scope == ScaleScope.PER_PAGE_HEAD and len(h.scale_shape) == 2:
+        page, head = divmod(i, h.scale_shape[1])
+        return f"page {page}, head {head}"
+    return f"index {i} of scale_shape {h.scale_shape}"
+
+
+def _describe_scale(dtype: DType, bits: int, inf: int) -> str:
+    """NaN, +Inf, -Inf, 0, -0 or the negative value a scale's bits hold."""
+    sign = 1 << (8 * dtype.itemsize - 1)
+    magnitude = bits & (sign - 1)
+    if magnitude > inf:
+        return "NaN"
+    if magnitude == inf:
+        return "-Inf" if bits & sign else "+Inf"
+    if magnitude == 0:
+        return "-0" if bits & sign else "0"
+    if dtype.itemsize == 2 and dtype.name == "bfloat16":
+        value = struct.unpack("<f", (bits << 16).to_bytes(4, "little"))[0]
+    else:
+        value = struct.unpack(
+            "<" + {2: "e", 4: "f", 8: "d"}[dtype.itemsize], bits.to_bytes(dtype.itemsize, "little")
+        )[0]
+    return f"negative ({value:.4g})"
 
 
 def header_fields(h: Header) -> dict[str, Any]:

@@ -845,7 +845,7 @@ def test_header_packer_equals_full_serialization(version: int) -> None:
 
     from kvcodec.format import HeaderPacker
 
-    k, v, s = os.urandom(2 * 64), os.urandom(64), os.urandom(4 * 2)
+    k, v, s = os.urandom(2 * 64), os.urandom(64), struct.pack("<2f", 0.5, 3.0)
     tmpl = Header(
         k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.PER_LAYER_HEAD,
         version=version, chunk_size=8, page_size=4, kv_head_count=2, head_dim=4, scale_shape=(2,),

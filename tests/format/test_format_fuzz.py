@@ -14,6 +14,8 @@ from kvcodec.errors import CodecError
 from kvcodec.format import (
     DTYPE_TO_ID,
     FIXED_HEADER_LEN,
+    FLOAT_INF_BITS,
+    DType,
     Hashes,
     Header,
     ScaleScheme,
@@ -215,6 +217,15 @@ DTYPES = sorted(DTYPE_TO_ID, key=str)
 HASH_TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=12)
 
 
+def scale_bytes(dtype: DType, count: int) -> st.SearchStrategy[bytes]:
+    """``count`` stored scales as encode writes them: float dtypes finite and > 0, any bytes otherwise."""
+    inf = FLOAT_INF_BITS.get(dtype)
+    if inf is None:
+        return st.binary(min_size=count * dtype.itemsize, max_size=count * dtype.itemsize)
+    bits = st.lists(st.integers(1, inf - 1), min_size=count, max_size=count)
+    return bits.map(lambda xs: b"".join(x.to_bytes(dtype.itemsize, "little") for x in xs))
+
+
 @st.composite
 def headers_and_payloads(draw) -> tuple[Header, bytes, bytes, bytes]:
     version = draw(st.sampled_from([1, 2]))
@@ -235,8 +246,7 @@ def headers_and_payloads(draw) -> tuple[Header, bytes, bytes, bytes]:
     if no_scales:
         s = b""
     else:
-        n = _prod(shape) * s_dtype.itemsize
-        s = b"" if (not v and draw(st.booleans())) else draw(st.binary(min_size=n, max_size=n))
+        s = b"" if (not v and draw(st.booleans())) else draw(scale_bytes(s_dtype, _prod(shape)))
     unset_layout = draw(st.booleans()) and draw(st.booleans())
     h = Header(
         k_dtype=k_dtype,
