@@ -1,4 +1,4 @@
-"""The naive oracle: FORMAT.md's quantization convention written the plainest way.
+"""The naive oracle: docs/FORMAT.md's quantization convention written the plainest way.
 
 One Python loop over scale groups, torch's own ops and torch's own float8
 cast; slow on purpose and independent of every backend's tricks (block
