@@ -22,11 +22,19 @@ from typing import Any
 
 import torch
 
-from kvcodec import UnsupportedConfigError, decode, encode
+from kvcodec import CodecMismatchError, UnsupportedConfigError, decode, encode
 
 from .layout import gather_kv, scatter_kv
 
-__all__ = ["ChunkCodec", "FP8Scales", "decode_chunk", "encode_chunk", "load_chunk"]
+__all__ = [
+    "ChunkCodec",
+    "FP8Scales",
+    "blob_identity",
+    "check_ids",
+    "decode_chunk",
+    "encode_chunk",
+    "load_chunk",
+]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -65,11 +73,24 @@ def _scales(x: torch.Tensor | float, heads: int, device: torch.device, what: str
     return s
 
 
-def _identity(cc: ChunkCodec, dk: int, dv: int) -> dict[str, str]:
-    """The codec's hashes with K/V head dims added to ``kv_layout``: padded blobs never load at other widths."""
+def blob_identity(cc: ChunkCodec, dk: int, dv: int, chunk_hash: str = "") -> dict[str, str]:
+    """The codec's hashes with K/V head dims added to ``kv_layout`` (padded blobs never load at other
+    widths) and, for a connector chunk, its prefix hash (``|prefix=<hash>``): a blob copied under
+    another chunk's key fails the identity check."""
     hashes = dict(cc.hashes)
     hashes["kv_layout"] = f"{hashes.get('kv_layout', '')}|dk={dk},dv={dv}"
+    if chunk_hash:
+        hashes["kv_layout"] += f"|prefix={chunk_hash}"
     return hashes
+
+
+def check_ids(layer_id: int, chunk_id: int, want_layer: int, want_chunk: int) -> None:
+    """Refuse a blob whose header ids are not those of the key it was read for."""
+    if (layer_id, chunk_id) != (want_layer, want_chunk):
+        raise CodecMismatchError(
+            f"blob holds layer {layer_id} chunk {chunk_id}, but was read for layer {want_layer} "
+            f"chunk {want_chunk}: a misfiled blob"
+        )
 
 
 def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -90,19 +111,30 @@ def _fp8_view(x: torch.Tensor, fp8: FP8Scales) -> torch.Tensor:
 
 def encode_chunk(
     cache: torch.Tensor, block_ids: Sequence[int], cc: ChunkCodec, *, start: int, num_tokens: int,
-    layer_id: int, chunk_id: int,
+    layer_id: int, chunk_id: int, chunk_hash: str = "",
 ) -> bytearray:  # fmt: skip
-    """Encode tokens ``start .. start + num_tokens`` of one layer cache into a blob."""
+    """Encode tokens ``start .. start + num_tokens`` of one layer cache into a blob (bound to ``chunk_hash``)."""
     k, v = gather_kv(
         cache, block_ids, head_size=cc.head_size, block_size=cc.block_size, start=start, num_tokens=num_tokens
     )
+    return encode_kv(k, v, cc, layer_id=layer_id, chunk_id=chunk_id, chunk_hash=chunk_hash)
+
+
+def encode_kv(
+    k: torch.Tensor, v: torch.Tensor, cc: ChunkCodec, *, layer_id: int, chunk_id: int, chunk_hash: str = ""
+) -> bytearray:
+    """Encode a gathered chunk (:func:`~.layout.gather_kv`'s K and V, in the cache's dtype) into a blob.
+
+    :func:`encode_chunk` is this after the gather; the connector's writer threads call it on the
+    copies ``wait_for_save`` made, so both write the same bytes."""
     dim = max(k.shape[-1], v.shape[-1])
     common: dict[str, Any] = {
-        "hashes": _identity(cc, k.shape[-1], v.shape[-1]), "layer_id": layer_id, "chunk_id": chunk_id, "version": cc.version,
+        "hashes": blob_identity(cc, k.shape[-1], v.shape[-1], chunk_hash), "layer_id": layer_id,
+        "chunk_id": chunk_id, "version": cc.version,
     }  # fmt: skip
     if cc.fp8 is None:
-        if cache.element_size() == 1:
-            raise UnsupportedConfigError(f"a {cache.dtype} cache needs its FP8 scales (FP8Scales)")
+        if k.element_size() == 1:
+            raise UnsupportedConfigError(f"a {k.dtype} cache needs its FP8 scales (FP8Scales)")
         return encode(_pad(k, dim), _pad(v, dim), scope=cc.scope, page_size=cc.page_size, **common)
     heads = k.shape[1]
     ks = _scales(cc.fp8.k_scale, heads, k.device, "k_scale")
@@ -128,12 +160,14 @@ def _check_tokens(x: torch.Tensor | None, tokens: int, heads: int, dim: int) -> 
 
 
 def decode_chunk(
-    blob: Any, cache: torch.Tensor, cc: ChunkCodec, *, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    blob: Any, cache: torch.Tensor, cc: ChunkCodec, *, num_tokens: int, chunk_hash: str = "",
+    ids: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Decode a blob into K and V in the cache's dtype, ready for :func:`~.layout.scatter_kv`.
 
-    Nothing is written to the cache here: a blob of another model (identity
-    hashes, checked strictly), geometry or dtype, or a lossy FP8 load, raises
+    Nothing is written to the cache here: a blob of another model or chunk
+    (identity hashes with ``chunk_hash``, checked strictly; header ``(layer_id,
+    chunk_id)`` against ``ids``), geometry or dtype, or a lossy FP8 load, raises
     first. Returns ``[T, H, head_size]`` and ``[T, H, head_size_v]``.
     """
     heads, dk = cache.shape[1], cc.head_size
@@ -145,9 +179,11 @@ def decode_chunk(
         blob,
         out_v_dtype=want_v,
         device=cache.device,
-        expected_hashes=_identity(cc, dk, dv),
+        expected_hashes=blob_identity(cc, dk, dv, chunk_hash),
         strict_hashes=True,
     )
+    if ids is not None:
+        check_ids(res.header.layer_id, res.header.chunk_id, *ids)
     k = _check_tokens(res.k, num_tokens, heads, dim)
     v = _check_tokens(res.v, num_tokens, heads, dim)
     if fp8 is None:

@@ -1,11 +1,15 @@
 """``KvcodecConnector``: vLLM KV connector that keeps prompt chunks as kvcodec blobs.
 
 Every full ``chunk_size``-token chunk of a prompt is saved, per layer, as one
-blob in a :class:`~kvcodec.store.DirectoryStore`, keyed by the chunk's prefix
-hash (all token ids up to the chunk's end), the layer and the model identity.
+blob in a :class:`~kvcodec.store.DirectoryStore`, keyed by the model identity
+(:func:`~.keys.identity`), the layer and the chunk's prefix hash (all token ids
+up to the chunk's end), and bound to that key: each blob's header carries its
+layer and chunk ids and the prefix hash (in ``kv_layout``), all checked on
+load, so a blob copied under another key is refused. After every layer's (and
+every TP rank's) blob of a chunk is written, one manifest file marks the chunk
+present: a lookup costs one ``stat`` per chunk, whatever the layer count.
 A later request, in this engine or another one, loads the longest run of
-leading chunks whose blobs exist for every layer, and vLLM computes only the
-rest of the prompt.
+leading chunks with manifests, and vLLM computes only the rest of the prompt.
 
 Enable it with::
 
@@ -14,24 +18,42 @@ Enable it with::
       "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"root": "/path/to/store", "chunk_size": 256}}'
 
-Loads are synchronous (``start_load_kv`` writes every layer before the forward
-pass) and saves happen in ``wait_for_save``. A chunk's blobs are all decoded and
-checked (identity hashes, geometry, dtype, CRC) before any block is written;
-a chunk that fails is reported through ``get_block_ids_with_load_errors`` and,
-with ``kv_load_failure_policy="recompute"``, vLLM recomputes from there.
+What the engine step waits for (defaults ``async_save`` and ``async_load``):
+
+* saves: ``wait_for_save`` only copies each new chunk out of the paged cache
+  (CPU caches: one gather per layer; CUDA with the fused path: one gather+encode
+  launch on a side stream into pinned memory, which the next forward is ordered
+  after). Encoding and the atomic file writes run on the connector's writer
+  threads (``writer_threads``); at most ``save_queue`` chunks wait, a save that
+  finds the queue full is skipped and counted (``saves_skipped``).
+* loads: ``get_num_new_matched_tokens`` answers ``load_async=True``; a loader
+  thread reads every blob of the request's chunks and checks them (CRC,
+  identity, ids, geometry) and decodes them off the step; ``get_finished``
+  writes the decoded chunks into the request's blocks and reports it
+  received. A chunk that fails goes to ``get_block_ids_with_load_errors`` in
+  that same step and, with ``kv_load_failure_policy="recompute"``, is computed.
+
+With ``async_save=false`` / ``async_load=false`` both happen inside the step
+(the same code, inline); the blobs are the same bytes either way.
+``shutdown`` drains the writer for up to 10 s and abandons the rest (writes are
+atomic: nothing half-written is ever served).
 
 ``kv_connector_extra_config`` keys: ``root`` (required), ``chunk_size`` (256),
 ``scope`` (``per_page_head``; or ``per_layer_head``, ``per_tensor``),
-``page_size`` (16), ``model_id``, ``max_bytes``, ``fsync`` (false), and
+``page_size`` (16), ``model_id``, ``max_bytes`` (prefix-aware eviction, see
+:class:`~kvcodec.store.DirectoryStore`), ``fsync`` (false), ``async_save``
+(true), ``async_load`` (true), ``save_queue`` (8), ``writer_threads`` (2), and
 ``fused``: ``"auto"`` (default) saves and loads each chunk of every layer in one
 Triton launch (:mod:`.fused`) when the caches are on CUDA, fp16/bf16/fp32, with
 ``head_size == head_size_v``; ``"on"`` requires that path (the engine stops at
 start if it cannot serve the caches; CPU caches then run the kernels in
 Triton's interpreter, which needs ``TRITON_INTERPRET=1``: for tests);
 ``"off"`` always goes layer by layer. Both paths write the same blob bytes.
-Which one serves is logged once at ``register_kv_caches``. Chunks that start
-mid-block, or whose loaded part starts mid-block or mid scale page, go
-layer by layer either way.
+
+Counters (``stats``; per interval through ``get_kv_connector_stats`` and
+Prometheus, :mod:`.stats`): tokens hit/missed, chunks loaded/saved/failed,
+saves skipped, bytes read/written, background load/save seconds, writer
+queue depth. One DEBUG line per finished request.
 """
 
 from __future__ import annotations
@@ -39,7 +61,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,18 +75,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcodec import CodecError, CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError
-from kvcodec.store import DirectoryStore
+from kvcodec.format import Hashes, Header, ScaleScope, assemble
+from kvcodec.store import DirectoryStore, StoreFullError
 
-from .chunks import ChunkCodec, FP8Scales, encode_chunk
+from .background import BackgroundPool
+from .chunks import ChunkCodec, FP8Scales, blob_identity, decode_chunk, encode_kv
 from .fused import ChunkLoad, FusedLayers, load_layers
 from .keys import (
     KvcodecConfig,
     cache_geometry,
+    chunk_suffix,
     identity,
     layer_ids,
     prefix_hashes,
     request_seed,
 )
+from .layout import gather_kv, scatter_kv
+from .stats import Counters, KvcodecPromMetrics, KvcodecStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,6 +107,9 @@ logger = logging.getLogger("vllm.kvcodec")
 """A child of the one logger vLLM configures ("vllm"): the connector's lines (which path serves, chunks
 not saved or loaded) appear in the engine's log with its format and level."""
 
+SHUTDOWN_DRAIN_S = 10.0
+"""How long ``shutdown`` waits for pending writes before abandoning them (``shutdown_timeout_s``)."""
+
 # ----------------------------------------------------------------------------
 # Scheduler -> worker metadata
 # ----------------------------------------------------------------------------
@@ -90,6 +122,7 @@ class SaveSpec:
     req_id: str
     chunk: int
     chunk_hash: str
+    parent_hash: str | None
     block_ids: list[int]
 
 
@@ -103,6 +136,8 @@ class LoadSpec:
     chunk_hashes: list[str]
     """Hashes of every chunk from the request's first on (only those covering start..end are read)."""
     block_ids: list[int]
+    background: bool = False
+    """Read on the loader thread, written and reported through ``get_finished``."""
 
 
 @dataclass
@@ -111,6 +146,10 @@ class KvcodecMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    tokens_hit: int = 0
+    """Lookups since the last step: prompt tokens the connector will load ..."""
+    tokens_missed: int = 0
+    """... and prompt tokens neither it nor vLLM's own prefix cache had."""
 
 
 @dataclass
@@ -119,6 +158,36 @@ class _ReqState:
     """Prefix hash of each full prompt chunk."""
     block_ids: list[int]
     next_chunk: int = 0
+
+
+@dataclass
+class _Lookup:
+    """Scheduler-side record of one request, for its DEBUG line."""
+
+    prompt: int = 0
+    hit: int = 0
+    local: int = 0
+    saves: int = 0
+
+
+@dataclass
+class _Prepared:
+    """A chunk read and checked off the step, ready to write into the paged cache."""
+
+    chunk: int
+    skip: int
+    tokens: int
+    blobs: dict[str, Any]
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
+    """Per-layer path: decoded K and V; None: the fused path writes ``blobs``."""
+
+
+@dataclass
+class _LoadResult:
+    spec: LoadSpec
+    chunks: list[_Prepared]
+    failed_at: int | None = None
+    """First request token of the chunk that failed (its blocks on are recomputed)."""
 
 
 # ----------------------------------------------------------------------------
@@ -137,53 +206,67 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._cfg = KvcodecConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._geo = cache_geometry(kv_cache_config, vllm_config)
         self._world = vllm_config.parallel_config.tensor_parallel_size
-        self._store = DirectoryStore(
-            self._cfg.root, max_bytes=self._cfg.max_bytes, fsync=self._cfg.fsync, verify=False
-        )
+        try:
+            self._store = DirectoryStore(
+                self._cfg.root, max_bytes=self._cfg.max_bytes, fsync=self._cfg.fsync, verify=False
+            )
+        except OSError as e:
+            raise UnsupportedConfigError(f"root {self._cfg.root!r}: cannot open the store: {e}") from None
         names = kv_cache_config.kv_cache_groups[0].layer_names  # type: ignore[union-attr]
         self._layers = layer_ids(names)
-        self._model16 = {
-            r: DirectoryStore.make_key(
-                identity(vllm_config, self._cfg, self._geo, r, self._world), 0, 0
-            ).split("-")[0]
-            for r in range(self._world)
+        self._hashes = {
+            r: identity(vllm_config, self._cfg, self._geo, r, self._world) for r in range(self._world)
         }
+        self._model16 = {r: DirectoryStore.make_key(h, 0, 0).split("-")[0] for r, h in self._hashes.items()}
+        self.counters = Counters()
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._seeds: dict[str, str | None] = {}
         """Per request: what besides token ids identifies its KV; None = never save (prompt embeddings)."""
         self._hits: dict[str, tuple[int, int, list[str]]] = {}
-        self._to_load: dict[str, tuple[int, int, list[str]]] = {}
+        self._to_load: dict[str, LoadSpec] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._lookup_delta = [0, 0]
         # worker side
         self._rank = 0
         self._caches: dict[str, torch.Tensor] = {}
         self._codecs: dict[str, ChunkCodec] = {}
         self._fused: FusedLayers | None = None
+        self._side_stream: Any = None
+        self._host_bufs: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
-        self.stats = {
-            "chunks_loaded": 0,
-            "tokens_loaded": 0,
-            "chunks_failed": 0,
-            "blobs_saved": 0,
-            "save_errors": 0,
-            "chunks_saved_fused": 0,
-            "chunks_loaded_fused": 0,
-        }
-        """Worker-side counters (this process's connector), for logs and tests."""
-        logger.info("KvcodecConnector(%s): store %s, chunk_size %d, scope %s", role.name, self._cfg.root,
-                    self._cfg.chunk_size, self._cfg.scope)  # fmt: skip
+        self._lock = threading.Lock()
+        self._inflight: set[str] = set()
+        """Chunks (key suffixes) queued for the writer: not queued twice."""
+        self._ready: list[_LoadResult] = []
+        self._writer = BackgroundPool(
+            "writer", threads=self._cfg.writer_threads, capacity=self._cfg.save_queue
+        )
+        self._loader = BackgroundPool("loader", threads=1, capacity=1 << 30)
+        self.shutdown_timeout_s = SHUTDOWN_DRAIN_S
+        """How long ``shutdown`` drains pending writes before abandoning them."""
+        logger.info("KvcodecConnector(%s): store %s, chunk_size %d, scope %s, async save %s / load %s",
+                    role.name, self._cfg.root, self._cfg.chunk_size, self._cfg.scope, self._cfg.async_save,
+                    self._cfg.async_load)  # fmt: skip
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """This process's cumulative counters (:data:`~.stats.COUNTERS`), for logs, tests and benchmarks."""
+        self.counters.gauge("writer_queue_depth", self._writer.depth)
+        return self.counters.total
 
     # ------------------------------------------------------------ keys
 
-    def _key(self, rank: int, layer: int, chunk: int, chunk_hash: str) -> str:
-        return f"{self._model16[rank]}-L{layer}-C{chunk}-H{chunk_hash}"
+    def _blob_key(self, rank: int, layer: int, chunk: int, chunk_hash: str, parent: str | None) -> str:
+        return f"{self._model16[rank]}-L{layer}{chunk_suffix(chunk, chunk_hash, parent)}"
 
-    def _chunk_present(self, chunk: int, chunk_hash: str) -> bool:
-        return all(
-            self._store.contains(self._key(r, layer, chunk, chunk_hash))
-            for r in range(self._world)
-            for layer in self._layers.values()
-        )
+    def _manifest_key(self, chunk: int, chunk_hash: str, parent: str | None) -> str:
+        return f"{self._model16[0]}-M{chunk_suffix(chunk, chunk_hash, parent)}"
+
+    def _chunk_present(self, chunk: int, hashes: list[str]) -> bool:
+        """One ``stat``: the chunk's manifest, written after every layer's and rank's blob."""
+        parent = hashes[chunk - 1] if chunk else None
+        return self._store.contains(self._manifest_key(chunk, hashes[chunk], parent))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -195,24 +278,33 @@ class KvcodecConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` covered by leading chunks stored for every layer."""
+        """Tokens beyond ``num_computed_tokens`` covered by leading chunks with manifests (one stat each)."""
         tokens = list(request.prompt_token_ids or [])
         embeds = getattr(request, "prompt_embeds", None) is not None
         seed = self._seeds[request.request_id] = None if embeds else request_seed(request)
-        if seed is None or not tokens:
-            return 0, False
-        cs = self._cfg.chunk_size
-        hashes = prefix_hashes(tokens[: (len(tokens) - 1) // cs * cs], cs, seed)
         hit = 0
-        for c, h in enumerate(hashes):
-            if not self._chunk_present(c, h):
-                break
-            hit = (c + 1) * cs
+        hashes: list[str] = []
+        if seed is not None and tokens:
+            cs = self._cfg.chunk_size
+            hashes = prefix_hashes(tokens[: (len(tokens) - 1) // cs * cs], cs, seed)
+            for c in range(len(hashes)):
+                if not self._chunk_present(c, hashes):
+                    break
+                hit = (c + 1) * cs
+        self._count_lookup(request.request_id, len(tokens), hit, num_computed_tokens)
         if hit <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
             return 0, False
         self._hits[request.request_id] = (num_computed_tokens, hit, hashes)
-        return hit - num_computed_tokens, False
+        return hit - num_computed_tokens, self._cfg.async_load
+
+    def _count_lookup(self, req_id: str, prompt: int, hit: int, local: int) -> None:
+        """Tokens hit and missed, once per request (a request may be looked up again while it waits)."""
+        if req_id in self._lookups:
+            return
+        self._lookups[req_id] = _Lookup(prompt, max(0, hit - local), local)
+        self._lookup_delta[0] += max(0, hit - local)
+        self._lookup_delta[1] += max(0, prompt - max(hit, local))
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -220,10 +312,16 @@ class KvcodecConnector(KVConnectorBase_V1):
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens > 0 and hit is not None:
             start, _, hashes = hit
-            self._to_load[request.request_id] = (start, start + num_external_tokens, hashes)
+            self._to_load[request.request_id] = LoadSpec(
+                request.request_id, start, start + num_external_tokens, hashes, list(blocks.get_block_ids()[0]),
+                background=self._cfg.async_load,
+            )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvcodecMetadata()
+        meta = KvcodecMetadata(loads=list(self._to_load.values()))
+        meta.tokens_hit, meta.tokens_missed = self._lookup_delta
+        self._lookup_delta = [0, 0]
+        self._to_load.clear()
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             seed = self._seeds.get(new.req_id, "")
@@ -242,30 +340,34 @@ class KvcodecConnector(KVConnectorBase_V1):
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             self._plan(meta, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0))
-        self._to_load.clear()
         return meta
 
     def _plan(self, meta: KvcodecMetadata, req_id: str, computed_after: int) -> None:
+        """Save the request's chunks completed by this step that no manifest marks present."""
         state = self._reqs[req_id]
-        load = self._to_load.get(req_id)
-        if load is not None:
-            start, end, hashes = load
-            meta.loads.append(LoadSpec(req_id, start, end, hashes, list(state.block_ids)))
-        cs = self._cfg.chunk_size
+        cs, bs = self._cfg.chunk_size, self._geo.block_size
         done = min(computed_after // cs, len(state.hashes))
-        bs = self._geo.block_size
         for c in range(state.next_chunk, done):
-            if not self._chunk_present(c, state.hashes[c]):
-                meta.saves.append(
-                    SaveSpec(req_id, c, state.hashes[c], state.block_ids[: -(-(c + 1) * cs // bs)])
-                )
+            if not self._chunk_present(c, state.hashes):
+                parent = state.hashes[c - 1] if c else None
+                blocks = state.block_ids[: -(-(c + 1) * cs // bs)]
+                meta.saves.append(SaveSpec(req_id, c, state.hashes[c], parent, blocks))
+                if req_id in self._lookups:
+                    self._lookups[req_id].saves += 1
         state.next_chunk = max(state.next_chunk, done)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are synchronous, so the blocks are free to go at once."""
-        self._reqs.pop(request.request_id, None)
-        self._seeds.pop(request.request_id, None)
-        self._hits.pop(request.request_id, None)
+        """Saves copy the blocks out inside the step (CUDA: the next forward waits for the side stream's
+        gather), so the blocks are free to go at once."""
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        self._seeds.pop(rid, None)
+        self._hits.pop(rid, None)
+        look = self._lookups.pop(rid, None)
+        if look is not None:
+            logger.debug("kvcodec: request %s: prompt %d tokens, %d from vLLM's cache, %d from the store "
+                         "(%s), %d chunks to save", rid, look.prompt, look.local, look.hit,
+                         "async" if self._cfg.async_load else "sync", look.saves)  # fmt: skip
         return False, None
 
     # ------------------------------------------------------------ worker side
@@ -275,7 +377,6 @@ class KvcodecConnector(KVConnectorBase_V1):
 
         rank = get_tensor_model_parallel_rank() if self._world > 1 else 0
         self._rank = rank
-        hashes = identity(self._vllm_config, self._cfg, self._geo, rank, self._world)
         geo = self._geo
         model_dtype = self._vllm_config.model_config.dtype
         for name, cache in kv_caches.items():
@@ -289,7 +390,7 @@ class KvcodecConnector(KVConnectorBase_V1):
             self._caches[name] = cache
             self._codecs[name] = ChunkCodec(
                 head_size=geo.head_size, block_size=geo.block_size, model_dtype=model_dtype, scope=self._cfg.scope,
-                page_size=self._cfg.page_size, hashes=hashes,
+                page_size=self._cfg.page_size, hashes=self._hashes[rank],
             )  # fmt: skip
         self._build_fused()
 
@@ -299,6 +400,8 @@ class KvcodecConnector(KVConnectorBase_V1):
         if codec is None:
             return
         self._fused, why = FusedLayers.build(self._caches, self._layers, codec, self._cfg.fused)
+        if self._fused is not None and self._fused.device.type == "cuda":
+            self._side_stream = torch.cuda.Stream(self._fused.device)
         logger.info("kvcodec: %s path (%s)", "fused" if self._fused is not None else "per-layer", why)
 
     def _codec(self, name: str) -> ChunkCodec:
@@ -316,55 +419,127 @@ class KvcodecConnector(KVConnectorBase_V1):
         )
         return dataclasses.replace(cc, fp8=fp8)
 
+    # ------------------------------------------------------------ loads
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvcodecMetadata):
             return
+        t0 = time.perf_counter()
         for spec in meta.loads:
-            self._load(spec)
+            if spec.background:
+                self._loader.submit(lambda spec=spec: self._prepare_background(spec))
+            else:
+                self._apply(self._prepare(spec))
+        self.counters.add(tokens_hit=meta.tokens_hit, tokens_missed=meta.tokens_missed,
+                          start_load_kv_seconds=time.perf_counter() - t0)  # fmt: skip
 
-    def _load(self, spec: LoadSpec) -> None:
-        cs, bs = self._cfg.chunk_size, self._geo.block_size
+    def _prepare_background(self, spec: LoadSpec) -> None:
+        result = self._prepare(spec)
+        with self._lock:
+            self._ready.append(result)
+
+    def _prepare(self, spec: LoadSpec) -> _LoadResult:
+        """Read and check every chunk of a load (stopping at the first that fails); nothing is written."""
+        cs = self._cfg.chunk_size
+        result = _LoadResult(spec, [])
+        t0 = time.perf_counter()
         for c in range(spec.start // cs, -(-spec.end // cs)):
             first = max(spec.start, c * cs)
             try:
-                self._load_chunk(spec, c, first - c * cs)
-                self.stats["chunks_loaded"] += 1
-                self.stats["tokens_loaded"] += min(spec.end, (c + 1) * cs) - first
+                result.chunks.append(self._prepare_chunk(spec, c, first - c * cs))
             except (CodecError, KeyError, OSError) as e:
-                bad = {spec.block_ids[t // bs] for t in range(first, spec.end)}
-                self._load_errors |= bad
-                self.stats["chunks_failed"] += 1
-                logger.warning("kvcodec: request %s chunk %d not loaded (%s); %d blocks to recompute",
-                               spec.req_id, c, e, len(bad))  # fmt: skip
-                return
+                result.failed_at = first
+                logger.warning("kvcodec: request %s chunk %d not loaded (%s); recomputed from token %d",
+                               spec.req_id, c, e, first)  # fmt: skip
+                break
+        self.counters.add(load_seconds=time.perf_counter() - t0)
+        return result
 
-    def _load_chunk(self, spec: LoadSpec, c: int, skip: int) -> None:
-        """Read and check every layer's blob of chunk ``c``, then write them all."""
-        cs, h = self._cfg.chunk_size, spec.chunk_hashes[c]
+    def _prepare_chunk(self, spec: LoadSpec, c: int, skip: int) -> _Prepared:
+        """Every layer's blob of chunk ``c``, checked against its key (CRC, identity, prefix, ids)."""
+        h = spec.chunk_hashes[c]
+        parent = spec.chunk_hashes[c - 1] if c else None
+        keys = {
+            n: self._blob_key(self._rank, lid, c, h, parent)
+            for n, lid in self._layers.items()
+            if n in self._caches
+        }
         blobs = {}
-        for name, layer in self._layers.items():
-            if name in self._caches:
-                key = self._key(self._rank, layer, c, h)
-                blobs[name] = (key, self._store.get(key))
-        with self._deleting_bad(blobs):
-            fused = load_layers({n: b for n, (_, b) in blobs.items()}, self._caches, self._codec,
-                                ChunkLoad(spec.block_ids, c, cs, skip), self._fused)  # fmt: skip
-        if fused:
-            self.stats["chunks_loaded_fused"] += 1
+        for name, key in keys.items():
+            blobs[name] = self._store.get(key)
+            self.counters.add(bytes_read=len(blobs[name]))
+        cs = self._cfg.chunk_size
+        with self._deleting_bad([*keys.values(), self._manifest_key(c, h, parent)]):
+            fused = self._fused
+            if fused is not None and fused.serves(c * cs, skip):
+                for name, lid in zip(fused.names, fused.layer_ids):
+                    fused.check(blobs[name], cs, h, (lid, c))
+                return _Prepared(c, skip, cs - skip, blobs, None)
+            kv = {
+                n: decode_chunk(
+                    b, self._caches[n], self._codec(n), num_tokens=cs, chunk_hash=h, ids=(self._layers[n], c)
+                )
+                for n, b in blobs.items()
+            }
+        return _Prepared(c, skip, cs - skip, blobs, kv)
 
     @contextlib.contextmanager
-    def _deleting_bad(self, blobs: dict[str, tuple[str, Any]]) -> Iterator[None]:
-        """Delete every blob of the chunk when one is damaged or another model's (under this model's key)."""
+    def _deleting_bad(self, keys: list[str]) -> Iterator[None]:
+        """Delete every file of the chunk when one blob is damaged, another model's or misfiled."""
         try:
             yield
         except (CorruptEncodedKVError, CodecMismatchError):
-            for key, _ in blobs.values():
+            for key in keys:
                 self._store.delete(key)
             raise
 
+    def _apply(self, result: _LoadResult) -> None:
+        """Write the prepared chunks into the request's blocks; report the rest as load errors."""
+        spec, cs, bs = result.spec, self._cfg.chunk_size, self._geo.block_size
+        failed_at = result.failed_at
+        for p in result.chunks:
+            try:
+                self._write_prepared(spec, p)
+            except (CodecError, OSError) as e:
+                failed_at = p.chunk * cs + p.skip
+                logger.warning("kvcodec: request %s chunk %d not written (%s)", spec.req_id, p.chunk, e)
+                break
+            self.counters.add(chunks_loaded=1, tokens_loaded=p.tokens)
+        if failed_at is not None:
+            self._load_errors |= {spec.block_ids[b] for b in range(failed_at // bs, -(-spec.end // bs))}
+            self.counters.add(chunks_failed=1)
+
+    def _write_prepared(self, spec: LoadSpec, p: _Prepared) -> None:
+        cs = self._cfg.chunk_size
+        if p.kv is None:
+            req = ChunkLoad(spec.block_ids, p.chunk, cs, p.skip, spec.chunk_hashes[p.chunk], self._layers)
+            if load_layers(p.blobs, self._caches, self._codec, req, self._fused):
+                self.counters.add(chunks_loaded_fused=1)
+            return
+        for name, (k, v) in p.kv.items():
+            cc = self._codecs[name]
+            scatter_kv(self._caches[name], spec.block_ids, k[p.skip :], v[p.skip :], head_size=cc.head_size,
+                       block_size=cc.block_size, start=p.chunk * cs + p.skip)  # fmt: skip
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in ``start_load_kv``."""
+        """Synchronous loads finish in ``start_load_kv``; background ones in ``get_finished``."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Write the chunks the loader has read and checked; report those requests received."""
+        t0 = time.perf_counter()
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for result in ready:
+            self._apply(result)
+        self.counters.add(get_finished_seconds=time.perf_counter() - t0)
+        return None, {r.spec.req_id for r in ready} or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------ saves
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -372,53 +547,143 @@ class KvcodecConnector(KVConnectorBase_V1):
         """Saves run once per step in ``wait_for_save``, from the registered caches."""
 
     def wait_for_save(self) -> None:
+        """Copy each new chunk out of the cache; encode and write it on the writer (or here, if sync)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvcodecMetadata):
             return
-        cs = self._cfg.chunk_size
-        fused = self._fused
+        t0 = time.perf_counter()
         for spec in meta.saves:
-            if fused is not None and fused.serves(spec.chunk * cs):
-                self._save_fused(fused, spec)
-            else:
-                self._save_layers(spec)
-
-    def _save_fused(self, fused: FusedLayers, spec: SaveSpec) -> None:
-        """Every layer's blob of one chunk from one launch: NaN/Inf in any V saves none, an I/O error stops there."""
-        keys = {n: self._key(self._rank, self._layers[n], spec.chunk, spec.chunk_hash) for n in fused.names}
-        missing = {n: k for n, k in keys.items() if not self._store.contains(k)}
-        if not missing:
-            return
-        try:
-            for name, blob in fused.save(spec.block_ids, spec.chunk, self._cfg.chunk_size):
-                if name in missing:
-                    self._store.put(missing[name], blob)
-                    self.stats["blobs_saved"] += 1
-            self.stats["chunks_saved_fused"] += 1
-        except (CodecError, OSError) as e:
-            self.stats["save_errors"] += 1
-            logger.warning("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
-
-    def _save_layers(self, spec: SaveSpec) -> None:
-        """One blob per layer through a staging gather (FP8 caches, unaligned chunks, fused="off")."""
-        cs = self._cfg.chunk_size
-        for name, layer in self._layers.items():
-            if name not in self._caches:
+            suffix = chunk_suffix(spec.chunk, spec.chunk_hash, spec.parent_hash)
+            with self._lock:
+                if suffix in self._inflight:
+                    continue
+            if self._store.contains(self._manifest_key(spec.chunk, spec.chunk_hash, spec.parent_hash)):
                 continue
-            key = self._key(self._rank, layer, spec.chunk, spec.chunk_hash)
-            if self._store.contains(key):
+            if self._cfg.async_save and self._writer.depth >= self._cfg.save_queue:
+                self.counters.add(saves_skipped=1)
+                logger.debug("kvcodec: writer queue full; chunk %d of %s not saved", spec.chunk, spec.req_id)
                 continue
             try:
-                blob = encode_chunk(self._caches[name], spec.block_ids, self._codec(name), start=spec.chunk * cs,
-                                    num_tokens=cs, layer_id=layer, chunk_id=spec.chunk)  # fmt: skip
-                self._store.put(key, blob)
-                self.stats["blobs_saved"] += 1
+                job = self._save_job(spec)
             except (CodecError, OSError) as e:
-                self.stats["save_errors"] += 1
-                logger.warning("kvcodec: request %s chunk %d layer %s not saved: %s",
-                               spec.req_id, spec.chunk, name, e)  # fmt: skip
-                break
+                self.counters.add(save_errors=1)
+                logger.warning("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
+                continue
+            if not self._cfg.async_save:
+                job()
+                continue
+            with self._lock:
+                self._inflight.add(suffix)
+            if not self._writer.submit(job):  # pragma: no cover - only the step thread submits
+                self.counters.add(saves_skipped=1)
+        self.counters.gauge("writer_queue_depth", self._writer.depth)
+        self.counters.add(wait_for_save_seconds=time.perf_counter() - t0)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def _save_job(self, spec: SaveSpec) -> Callable[[], None]:
+        """Do what must happen before vLLM may reuse the blocks; return the rest (encode, write)."""
+        cs = self._cfg.chunk_size
+        fused = self._fused
+        if fused is not None and fused.serves(spec.chunk * cs):
+            buf = self._host_bufs.pop() if self._host_bufs else fused.host_buffer(cs)
+            pending = self._launch_fused(fused, spec, buf)
+
+            def blobs() -> Iterable[tuple[str, Any]]:
+                return zip(fused.names, pending.wait())
+
+            return lambda: self._write_chunk(spec, blobs, fused=True, release=buf)
+        gathered = {}
+        for name in self._layers:
+            if name in self._caches:
+                cc = self._codec(name)
+                k, v = gather_kv(self._caches[name], spec.block_ids, head_size=cc.head_size,
+                                 block_size=cc.block_size, start=spec.chunk * cs, num_tokens=cs)  # fmt: skip
+                gathered[name] = (k, v, cc)
+
+        def encoded() -> Iterator[tuple[str, Any]]:
+            for name, (k, v, cc) in gathered.items():
+                yield name, encode_kv(k, v, cc, layer_id=self._layers[name], chunk_id=spec.chunk,
+                                      chunk_hash=spec.chunk_hash)  # fmt: skip
+
+        return lambda: self._write_chunk(spec, encoded, fused=False)
+
+    def _launch_fused(self, fused: FusedLayers, spec: SaveSpec, buf: torch.Tensor) -> Any:
+        """One gather+encode launch; on CUDA on the side stream, ordered after this step's forward, and
+        the next forward after it (the blocks may be reused then), never waiting on the host."""
+        cs, side = self._cfg.chunk_size, self._side_stream
+        if side is None:
+            return fused.launch(spec.block_ids, spec.chunk, cs, spec.chunk_hash, out=buf)
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        pending = fused.launch(spec.block_ids, spec.chunk, cs, spec.chunk_hash, out=buf, stream=side)
+        torch.cuda.current_stream(side.device).wait_stream(side)
+        return pending
+
+    def _write_chunk(self, spec: SaveSpec, blobs: Callable[[], Iterable[tuple[str, Any]]], *, fused: bool,
+                     release: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Write every layer's blob of a chunk, then its manifest; count and log what fails."""
+        t0 = time.perf_counter()
+        suffix = chunk_suffix(spec.chunk, spec.chunk_hash, spec.parent_hash)
+        try:
+            for name, blob in blobs():
+                key = self._blob_key(
+                    self._rank, self._layers[name], spec.chunk, spec.chunk_hash, spec.parent_hash
+                )
+                if not self._store.contains(key):
+                    self._store.put(key, blob)
+                    self.counters.add(blobs_saved=1, bytes_written=len(blob))
+            self._mark_saved(spec)
+            self.counters.add(chunks_saved=1, chunks_saved_fused=int(fused))
+        except StoreFullError as e:
+            self.counters.add(store_full=1)
+            logger.debug("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
+        except (CodecError, OSError) as e:
+            self.counters.add(save_errors=1)
+            logger.warning("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
+        finally:
+            if release is not None:
+                self._host_bufs.append(release)
+            with self._lock:
+                self._inflight.discard(suffix)
+            self.counters.add(save_seconds=time.perf_counter() - t0)
+
+    def _mark_saved(self, spec: SaveSpec) -> None:
+        """The chunk's manifest, once this rank's blobs (and, with TP, every rank's marker) are written."""
+        suffix = chunk_suffix(spec.chunk, spec.chunk_hash, spec.parent_hash)
+        blob = self._manifest_blob(spec)
+        if self._world > 1:
+            self._store.put(f"{self._model16[self._rank]}-R{suffix}", blob)
+            if not all(self._store.contains(f"{self._model16[r]}-R{suffix}") for r in range(self._world)):
+                return
+        self._store.put(self._manifest_key(spec.chunk, spec.chunk_hash, spec.parent_hash), blob)
+
+    def _manifest_blob(self, spec: SaveSpec) -> bytearray:
+        """A payload-free LMCKV blob with the chunk's identity (``kvcodec verify`` reads it like a blob)."""
+        cc = next(iter(self._codecs.values()))
+        hashes = blob_identity(cc, self._geo.head_size, self._geo.head_size_v, spec.chunk_hash)
+        header = Header(
+            k_dtype=torch.bfloat16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.EXTERNAL, version=2,
+            layer_id=-1, chunk_id=spec.chunk, chunk_size=self._cfg.chunk_size, hashes=Hashes.coerce(hashes),
+        )  # fmt: skip
+        return assemble(header)
+
+    # ------------------------------------------------------------ lifecycle and metrics
+
+    def shutdown(self) -> None:
+        """Drain the writer for up to ``shutdown_timeout_s`` and abandon the rest; drop pending loads."""
+        abandoned = self._writer.shutdown(self.shutdown_timeout_s)
+        self._loader.shutdown(0)
+        if abandoned:
+            logger.warning("kvcodec: shutdown abandoned %d pending chunk saves", abandoned)
+
+    def get_kv_connector_stats(self) -> KvcodecStats | None:
+        self.counters.gauge("writer_queue_depth", self._writer.depth)
+        data = self.counters.take_interval()
+        return KvcodecStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcodecStats:
+        return KvcodecStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvcodecPromMetrics:  # fmt: skip
+        return KvcodecPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -31,8 +31,8 @@ module imports neither Triton nor vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +42,11 @@ import torch
 
 from kvcodec import ParsedBlob, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes, parse
 from kvcodec.codec import resolve_scope, to_torch
+from kvcodec.env import triton_interpret
+from kvcodec.format import Hashes, HeaderPacker
 from kvcodec.numerics import scale_shape
 
-from .chunks import ChunkCodec, _identity, decode_chunk
+from .chunks import ChunkCodec, blob_identity, check_ids, decode_chunk
 from .layout import scatter_kv
 
 __all__ = ["FUSED_MODES", "ChunkLoad", "Eligibility", "FusedLayers", "eligibility", "load_layers"]
@@ -55,6 +57,8 @@ FUSED_MODES = ("auto", "on", "off")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+PREFIX_HASH_LEN = 32
+"""Hex digits of a connector chunk's prefix hash (:func:`~.keys.prefix_hashes`)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class Eligibility:
 
 
 def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return triton_interpret()
 
 
 def _cache_refusal(views: Sequence[torch.Tensor], cc: ChunkCodec) -> str | None:
@@ -101,7 +105,7 @@ def _device_refusal(device: torch.device, mode: str) -> str | None:
 
     if not triton_installed():
         return "Triton is not installed (pip install kvcodec[triton])"
-    from kvcodec.kernels._launch import INTERPRET  # torch only: does not import Triton
+    from kvcodec.kernels.launch import INTERPRET  # torch only: does not import Triton
 
     if device.type == "cuda":
         if INTERPRET or _interpret_env():
@@ -195,20 +199,33 @@ class FusedLayers:
     def __init__(
         self, caches: Mapping[str, torch.Tensor], layer_ids: Mapping[str, int], cc: ChunkCodec
     ) -> None:
-        from kvcodec.kernels import quant_triton, vllm_triton  # imports Triton
+        from kvcodec.codec.chunk_blobs import ChunkEncoder
+        from kvcodec.kernels import operands, vllm_triton  # imports Triton
 
-        self._vt, self._qt = vllm_triton, quant_triton
+        self._vt, self._qt = vllm_triton, operands
         self.names = sorted(caches, key=lambda n: layer_ids[n])
         """Layer names in the kernels' layer order (by layer id)."""
         self.cc = cc
-        self.hashes = _identity(cc, cc.head_size, cc.head_size)
+        self.hashes = blob_identity(cc, cc.head_size, cc.head_size)
+        self.layer_ids = [layer_ids[n] for n in self.names]
         self.views = vllm_triton.prepare_views([caches[n] for n in self.names], cc.head_size)
-        self.encoder = vllm_triton.ChunkEncoder(
-            self.views, head_size=cc.head_size, scope=resolve_scope(cc.scope), page_size=cc.page_size,
-            version=cc.version, hashes=self.hashes, layer_ids=[layer_ids[n] for n in self.names],
-            block_size=cc.block_size,
-        )  # fmt: skip
-        self._save_host: dict[int, torch.Tensor] = {}
+        self.encoders = {
+            bound: ChunkEncoder(
+                self.views,
+                head_size=cc.head_size,
+                scope=resolve_scope(cc.scope),
+                page_size=cc.page_size,
+                version=cc.version,
+                hashes=self._hashes("0" * PREFIX_HASH_LEN if bound else ""),
+                layer_ids=self.layer_ids,
+                block_size=cc.block_size,
+            )
+            for bound in (False, True)
+        }
+        """Without and with a prefix hash; the second's headers carry a placeholder of the real hash's
+        length, so each chunk's own headers pack into the same buffer geometry."""
+        self.encoder = self.encoders[False]
+        self._save_host: dict[tuple[int, bool], torch.Tensor] = {}
         self._load_host: torch.Tensor | None = None
         self._load_done: Any = None
         """CUDA event: the last load's host → device copy is done (the buffer may be refilled)."""
@@ -244,26 +261,59 @@ class FusedLayers:
 
     # ------------------------------------------------------------ save
 
-    def _host_buffer(self, tokens: int) -> torch.Tensor:
-        buf = self._save_host.get(tokens)
+    def _host_buffer(self, tokens: int, bound: bool) -> torch.Tensor:
+        buf = self._save_host.get((tokens, bound))
         if buf is None:
-            buf = self._save_host[tokens] = self.encoder.host_buffer(tokens, pin=self.device.type == "cuda")
+            buf = self._save_host[tokens, bound] = self.host_buffer(tokens, bound)
         return buf
 
-    def save(self, block_ids: Sequence[int], chunk: int, chunk_size: int) -> list[tuple[str, memoryview]]:
-        """Blobs of chunk ``chunk`` of every layer, as ``(layer name, blob)``; NaN/Inf in V raises."""
-        buf = self._host_buffer(chunk_size)
-        pending = self.encoder.launch(
-            block_ids, num_tokens=chunk_size, chunk_id=chunk, out=buf, start=chunk * chunk_size
+    def _hashes(self, chunk_hash: str) -> dict[str, str]:
+        return blob_identity(self.cc, self.cc.head_size, self.cc.head_size, chunk_hash)
+
+    def save(
+        self, block_ids: Sequence[int], chunk: int, chunk_size: int, chunk_hash: str = ""
+    ) -> list[tuple[str, memoryview]]:
+        """Blobs of chunk ``chunk`` of every layer, as ``(layer name, blob)``; NaN/Inf in V raises.
+
+        The blobs are views of a reused host buffer: valid until the next save."""
+        return list(zip(self.names, self.launch(block_ids, chunk, chunk_size, chunk_hash).wait()))
+
+    def launch(self, block_ids: Sequence[int], chunk: int, chunk_size: int, chunk_hash: str = "",
+               out: torch.Tensor | None = None, stream: Any = None) -> Any:  # fmt: skip
+        """Start the gather+encode of a chunk into ``out`` (a fresh host buffer from :meth:`host_buffer`;
+        default: the reused one) on ``stream`` (CUDA; default: the current one); the returned pending
+        chunk's ``wait()`` (any thread) waits for its event and seals the blobs."""
+        if len(chunk_hash) not in (0, PREFIX_HASH_LEN):
+            raise UnsupportedConfigError(
+                f"chunk_hash must be {PREFIX_HASH_LEN} characters; got {chunk_hash!r}"
+            )
+        bound = bool(chunk_hash)
+        buf = self._host_buffer(chunk_size, bound) if out is None else out
+        pending = self.encoders[bound].launch(
+            block_ids, num_tokens=chunk_size, chunk_id=chunk, out=buf, start=chunk * chunk_size, stream=stream
         )
-        return list(zip(self.names, pending.wait()))
+        if bound:
+            header = dataclasses.replace(
+                pending.packer.header, hashes=Hashes.coerce(self._hashes(chunk_hash))
+            )
+            pending.packer = HeaderPacker(header)
+        return pending
+
+    def host_buffer(self, chunk_size: int, bound: bool = True) -> torch.Tensor:
+        """A new host buffer for :meth:`launch` (pinned on CUDA), owned by the caller; ``bound``: for
+        chunks with a prefix hash."""
+        return self.encoders[bound].host_buffer(chunk_size, pin=self.device.type == "cuda")
 
     # ------------------------------------------------------------ load
 
-    def check(self, blob: Any, tokens: int) -> ParsedBlob:
-        """Parse and verify one layer's blob as the per-layer load does (CRC, identity, geometry)."""
+    def check(
+        self, blob: Any, tokens: int, chunk_hash: str = "", ids: tuple[int, int] | None = None
+    ) -> ParsedBlob:
+        """Parse and verify one layer's blob as the per-layer load does (CRC, identity, ids, geometry)."""
         p = parse(blob)
-        check_hashes(p.header.hashes, self.hashes, strict=True)
+        check_hashes(p.header.hashes, self._hashes(chunk_hash), strict=True)
+        if ids is not None:
+            check_ids(p.header.layer_id, p.header.chunk_id, *ids)
         _check_geometry(p, tokens, self.views.heads, self.cc.head_size, self.views.dtype)
         return p
 
@@ -278,7 +328,9 @@ class FusedLayers:
             buf = self._load_host = torch.empty(layers * stride, dtype=torch.uint8, pin_memory=True)
         return buf[: layers * stride].view(layers, stride)
 
-    def _upload(self, parsed: Sequence[ParsedBlob], skip: int = 0, page_size: int | None = None) -> torch.Tensor:
+    def _upload(
+        self, parsed: Sequence[ParsedBlob], skip: int = 0, page_size: int | None = None
+    ) -> torch.Tensor:
         """Every layer's payload as ``[L, payload_len]`` uint8 on the caches' device, rows 16-byte
         aligned (padded as the save side's are, so the kernels keep their 128-bit accesses).
 
@@ -303,8 +355,9 @@ class FusedLayers:
         return dev[:, :n]
 
     def load(
-        self, blobs: Mapping[str, Any], block_ids: Sequence[int], chunk: int, chunk_size: int, skip: int = 0
-    ) -> bool:
+        self, blobs: Mapping[str, Any], block_ids: Sequence[int], chunk: int, chunk_size: int, skip: int = 0,
+        chunk_hash: str = "",
+    ) -> bool:  # fmt: skip
         """Check every layer's blob, then write chunk ``chunk`` of every layer, from its token ``skip``
         on (the first ``skip`` stay as vLLM computed them), in one launch.
 
@@ -314,7 +367,10 @@ class FusedLayers:
         the kernels cannot decode them (the caller then loads layer by layer):
         e.g. a ``skip`` that splits a per_page_head scale page.
         """
-        parsed = [self.check(blobs[n], chunk_size) for n in self.names]
+        parsed = [
+            self.check(blobs[n], chunk_size, chunk_hash, (lid, chunk))
+            for n, lid in zip(self.names, self.layer_ids)
+        ]
         plans = {_plan(p, chunk_size, self.views.heads) for p in parsed}
         if len(plans) != 1 or None in plans:
             return False
@@ -351,6 +407,10 @@ class ChunkLoad:
     chunk: int
     chunk_size: int
     skip: int = 0
+    chunk_hash: str = ""
+    """The chunk's prefix hash, bound into its blobs (empty: blobs written without one)."""
+    layer_ids: Mapping[str, int] | None = None
+    """Layer name -> layer id, checked against each blob's header (None: not checked)."""
 
     @property
     def start(self) -> int:
@@ -372,12 +432,16 @@ def load_layers(
     way nothing is written unless every layer's blob passes its checks.
     """
     if fused is not None and fused.serves(req.start, req.skip):
-        if fused.load(blobs, req.block_ids, req.chunk, req.chunk_size, req.skip):
+        if fused.load(blobs, req.block_ids, req.chunk, req.chunk_size, req.skip, req.chunk_hash):
             return True
     pending = []
     for name, blob in blobs.items():
         cc = codec(name)
-        pending.append((name, cc, decode_chunk(blob, caches[name], cc, num_tokens=req.chunk_size)))
+        ids = None if req.layer_ids is None else (req.layer_ids[name], req.chunk)
+        k_v = decode_chunk(
+            blob, caches[name], cc, num_tokens=req.chunk_size, chunk_hash=req.chunk_hash, ids=ids
+        )
+        pending.append((name, cc, k_v))
     for name, cc, (k, v) in pending:
         scatter_kv(caches[name], req.block_ids, k[req.skip :], v[req.skip :], head_size=cc.head_size,
                    block_size=cc.block_size, start=req.start + req.skip)  # fmt: skip

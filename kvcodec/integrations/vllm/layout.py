@@ -70,7 +70,9 @@ class ChunkSlots:
         """View block and slot of every token (int64 tensors on ``device``), for advanced indexing."""
         block = [b for b, _, _, n in self.runs for _ in range(n)]
         slot = [s + i for _, s, _, n in self.runs for i in range(n)]
-        return torch.tensor(block, dtype=torch.int64).to(device), torch.tensor(slot, dtype=torch.int64).to(device)
+        return torch.tensor(block, dtype=torch.int64).to(device), torch.tensor(slot, dtype=torch.int64).to(
+            device
+        )
 
 
 def _as_id_list(block_ids: BlockIds) -> list[int]:

@@ -106,17 +106,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     res["base"] = _run(tmp, "base", model)
     # Chunked prefill in A: a prompt's chunks complete over several steps, its block table grows.
     res["a"] = _run(tmp, "a", model, store=str(store), max_num_batched_tokens=128)
-    res["a_keys"] = sorted(k for k in os.listdir(store) if not k.startswith("."))
+    res["a_keys"] = sorted(k for k in os.listdir(store) if not k.startswith(".") and "-L" in k)  # blobs
     res["b"] = _run(tmp, "b", model, store=str(store))
     res["c"] = _run(tmp, "c", model, store=str(store), model_id="another-model")
     # Plant the other model's blobs under this model's keys, in a fresh store.
     planted = tmp / "planted"
     planted.mkdir()
     prefix_a = res["a_keys"][0].split("-")[0]
-    for key in os.listdir(store):
+    for key in os.listdir(store):  # blobs and chunk manifests
         if not key.startswith((".", prefix_a)):
             shutil.copy(store / key, planted / f"{prefix_a}-{key.split('-', 1)[1]}")
-    res["planted_keys"] = sorted(os.listdir(planted))
+    res["planted_keys"] = sorted(k for k in os.listdir(planted) if "-L" in k)
     res["d"] = _run(tmp, "d", model, store=str(planted))
     return res
 

@@ -4,11 +4,16 @@ Each engine runs in a fresh process (``python run_engine.py SPEC.json``), so a
 second engine starts with an empty local prefix cache and whatever it reuses
 comes through the connector. SPEC: ``model``, ``prompts`` (lists of token ids),
 ``max_tokens``, optional ``store`` (enables KvcodecConnector with that root),
-``model_id``, ``fused`` (the connector's fused-path mode), ``chunk_size``, ``block_size``,
-``max_num_batched_tokens`` (small: chunked prefill).
-Output (last stdout line):
-``{"outputs": [{"cached": n, "tokens": [...], "top2": [[lp1, lp2], ...]}, ...], "stats": {...}}``
-(``top2``: the two best log-probabilities at each generated position).
+``model_id``, ``fused`` (the connector's fused-path mode), ``async_save``, ``async_load``,
+``save_queue``, ``writer_threads``, ``max_bytes`` (connector keys), ``chunk_size``, ``block_size``,
+``max_num_batched_tokens`` (small: chunked prefill), ``cwd`` (run from there: a relative ``model``),
+``slow_put_s`` (every store write sleeps that long first: a slow store), ``shutdown_timeout_s``
+(how long the connector's shutdown drains pending writes; default: its own), ``log_stats`` (vLLM's
+stat loggers on; the ``vllm:kvcodec*`` Prometheus metrics are returned).
+After the prompts the connector is shut down (pending writes drained or abandoned) before its
+counters are read. Output (last stdout line):
+``{"outputs": [{"cached": n, "tokens": [...], "top2": [[lp1, lp2], ...]}, ...], "stats": {...},
+"metrics": {...}}`` (``top2``: the two best log-probabilities at each generated position).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ def _transfer_config(spec: dict) -> dict | None:
     if not spec.get("store"):
         return None
     extra = {"root": spec["store"], "chunk_size": spec.get("chunk_size", 256), "scope": "per_page_head"}
-    for key in ("model_id", "fused"):
-        if spec.get(key):
+    for key in ("model_id", "fused", "async_save", "async_load", "save_queue", "writer_threads", "max_bytes"):
+        if spec.get(key) is not None:
             extra[key] = spec[key]
     return {
         "kv_connector": "KvcodecConnector",
@@ -36,9 +41,33 @@ def _transfer_config(spec: dict) -> dict | None:
     }
 
 
+def _slow_store(seconds: float) -> None:
+    """Every store write waits ``seconds`` first, as a throttled network store would."""
+    import time
+
+    from kvcodec.store import DirectoryStore
+
+    put = DirectoryStore.put
+
+    def slow_put(self, key, blob):
+        time.sleep(seconds)
+        return put(self, key, blob)
+
+    DirectoryStore.put = slow_put
+
+
+def _metrics(llm) -> dict:
+    """The kvcodec Prometheus metrics vLLM's stat loggers recorded: name -> value."""
+    return {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "kvcodec" in m.name}
+
+
 def main(path: str) -> None:
     with open(path) as f:
         spec = json.load(f)
+    if spec.get("cwd"):
+        os.chdir(spec["cwd"])
+    if spec.get("slow_put_s"):
+        _slow_store(spec["slow_put_s"])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -46,6 +75,7 @@ def main(path: str) -> None:
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=spec.get("block_size", 32),
         max_model_len=2048, enforce_eager=True, max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0,
         kv_transfer_config=_transfer_config(spec), max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+        disable_log_stats=not spec.get("log_stats", False),
     )  # fmt: skip
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=2
@@ -56,12 +86,18 @@ def main(path: str) -> None:
         c = o.outputs[0]
         top2 = [sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in c.logprobs]
         outs.append({"cached": o.num_cached_tokens, "tokens": list(c.token_ids), "top2": top2})
-    stats = {}
+    stats, metrics = {}, {}
+    if spec.get("log_stats"):
+        metrics = _metrics(llm)
     if spec.get("store"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        stats = dict(get_kv_transfer_group().stats)
-    print(json.dumps({"outputs": outs, "stats": stats}), flush=True)
+        conn = get_kv_transfer_group()
+        if spec.get("shutdown_timeout_s") is not None:
+            conn.shutdown_timeout_s = spec["shutdown_timeout_s"]
+        conn.shutdown()
+        stats = dict(conn.stats)
+    print(json.dumps({"outputs": outs, "stats": stats, "metrics": metrics}), flush=True)
 
 
 if __name__ == "__main__":
