@@ -10,8 +10,7 @@ It runs, in this order, within about 6 minutes:
 1. built-in equality checks of the kernels against the torch reference on
    the GPU (need nothing beyond torch + triton);
 2. the pytest GPU tier (tests/kernels/test_cuda.py, tests/kernels/test_triton_quant.py,
-   tests/kernels/test_triton_paged.py, tests/kernels/test_triton_vllm.py, the vLLM
-   connector's fused path, tests/integrations/vllm/test_fused.py, and
+   tests/kernels/test_triton_vllm.py (the vLLM connector's fused kernels), tests/integrations/vllm/test_fused.py, and
    tests/kernels/test_fused_scale_underflow.py, on CUDA tensors) when pytest is
    installed;
 3. benchmarks, each against the device-to-device copy of the same bytes
@@ -21,7 +20,7 @@ It runs, in this order, within about 6 minutes:
    * fused encode / decode of a 32-layer x 256-token chunk (8 KV heads x
      128, fp16), all layers in one launch (target >= 85% of copy);
    * the same for one 32k-token layer (target >= 85%);
-   * paged gather (and fused paged encode) from a 64k-block cache with
+   * the vLLM connector's gather+encode from a 64k-block layer view with
      shuffled block ids (target >= 70%);
    * host CPU time per 32-layer chunk: the launch plus packing 32 headers
      with ``kvcodec.format.HeaderPacker`` (target < 100 us).
@@ -58,7 +57,6 @@ HOST_TARGET_US = 100.0
 TEST_FILES = (
     "tests/kernels/test_cuda.py",
     "tests/kernels/test_triton_quant.py",
-    "tests/kernels/test_triton_paged.py",
     "tests/kernels/test_triton_vllm.py",
     "tests/integrations/vllm/test_fused.py",
     "tests/kernels/test_fused_scale_underflow.py",
@@ -209,12 +207,12 @@ def fp8_exhaustive(device: str, fp8: Any, path: str) -> bool:
     NaN must give 0x7F with the input's sign (the reference's rule); all else byte-equal.
     """
     import torch
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import operands, quant_triton
 
     prev = os.environ.get("KVCODEC_HW_FP8")
     os.environ["KVCODEC_HW_FP8"] = "1" if path == "hardware" else "0"
     try:
-        if QT._hw_fp8(torch.device(device)) != (path == "hardware"):
+        if operands.hw_fp8(torch.device(device)) != (path == "hardware"):
             raise RuntimeError(f"the {path} FP8 path was not selected")
         qmax = float(torch.finfo(fp8).max)
         one = torch.ones((), dtype=torch.float32, device=device)
@@ -222,7 +220,7 @@ def fp8_exhaustive(device: str, fp8: Any, path: str) -> bool:
         for start in range(-(2**31), 2**31, step):
             bits = torch.arange(start, start + step, dtype=torch.int64, device=device).to(torch.int32)
             x = bits.view(torch.float32)
-            got = QT.quantize_1d(x, one, fp8_dtype=fp8).view(torch.uint8)
+            got = quant_triton.quantize_1d(x, one, fp8_dtype=fp8).view(torch.uint8)
             nan = torch.isnan(x)
             ref = x.clamp(-qmax, qmax).to(fp8).view(torch.uint8)
             if bool(((got != ref) & ~nan).any()):
@@ -242,13 +240,9 @@ def fp8_exhaustive(device: str, fp8: Any, path: str) -> bool:
 def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
     """Kernel outputs vs the torch reference on ``device``; one dict per check."""
     import torch
-    from kvcodec.kernels import paged_triton as PT
-    from kvcodec.kernels import quant_triton as QT
-    from kvcodec.kernels import reference
+    from kvcodec.kernels import fused_triton, operands, quant_triton, vllm_triton
 
-    from kvcodec import paged as P
-
-    Q = reference()
+    from kvcodec.backends import reference as Q
     from kvcodec.format import ScaleScope
 
     out: list[dict[str, Any]] = []
@@ -273,7 +267,7 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
             for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
                 for s in (1.0, 3.0, 2.0**-8, 1.0 / 3.0):
                     st = torch.tensor(s)
-                    got = u8(QT.quantize_1d(x.to(device), st, fp8_dtype=fp8))
+                    got = u8(quant_triton.quantize_1d(x.to(device), st, fp8_dtype=fp8))
                     ref = u8(Q.quantize(x.view(-1, 1, 1), st, ScaleScope.PER_TENSOR, fp8_dtype=fp8))
                     ok = ok and torch.equal(got[fin], ref[fin])
         return ok
@@ -292,29 +286,27 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
     def encode_decode(scope: ScaleScope, ps: int | None, strategy: str) -> bool:
         want = ref_payload(k, v, scope, ps)
         pay = torch.empty(want.numel(), dtype=torch.uint8, device=device)
-        QT.encode_fused(k.to(device), v.to(device), scope, page_size=ps, payload=pay, strategy=strategy)  # type: ignore[arg-type]
+        fused_triton.encode_fused(k.to(device), v.to(device), scope, page_size=ps, payload=pay, strategy=strategy)  # type: ignore[arg-type]
         ko = torch.empty((t, h, d), dtype=torch.float16, device=device)
         vo = torch.empty_like(ko)
-        QT.decode_fused(pay, ko, vo, scope, page_size=ps)
+        fused_triton.decode_fused(pay, ko, vo, scope, page_size=ps)
         s = Q.compute_scales(v, scope, page_size=ps)
         ref_v = Q.dequantize(Q.quantize(v, s, scope, page_size=ps), s, scope, page_size=ps)
         return torch.equal(pay.cpu(), want) and torch.equal(ko.cpu(), k) and torch.equal(u8(vo), u8(ref_v))
 
-    def paged(layout: str) -> bool:
+    def vllm_views(layout: str) -> bool:
+        """Fused gather+encode over one vLLM 0.33 layer view ([B, H, N, C], C = K | V) vs gathered rows."""
         nb, bs = (8, 4) if quick else (64, 16)
-        cache = torch.randn(2, nb, bs, h, d, generator=g).half()
-        if layout == "flashinfer":
-            cache = cache.transpose(0, 1).contiguous()
-        cache = cache.to(device)
+        cache = torch.randn(nb, bs, h, 2 * d, generator=g).half()
+        view = (cache if layout == "NHD" else cache.transpose(1, 2).contiguous().transpose(1, 2)).permute(0, 2, 1, 3)
         tt = (nb // 2) * bs - 3
-        ids = torch.randperm(nb, generator=g)[: P.blocks_needed(tt, bs)].to(device)
-        kr, vr = P.gather_chunk(cache, ids, layout=layout, num_tokens=tt, block_size=bs)  # type: ignore[arg-type]
-        kg, vg = PT.gather_chunk(cache, ids, layout=layout, num_tokens=tt, block_size=bs)  # type: ignore[arg-type]
-        want = ref_payload(kr.cpu(), vr.cpu(), ScaleScope.PER_PAGE_HEAD, 5)
-        pay = torch.empty(want.numel(), dtype=torch.uint8, device=device)
-        PT.encode_paged(cache, ids, ScaleScope.PER_PAGE_HEAD, layout=layout, num_tokens=tt, block_size=bs,  # type: ignore[arg-type]
-                        page_size=5, payload=pay)  # fmt: skip
-        return torch.equal(kg, kr) and torch.equal(vg, vr) and torch.equal(pay.cpu(), want)
+        ids = torch.randperm(nb, generator=g)[: -(-tt // bs)].tolist()
+        rows = torch.stack([view[ids[t // bs], :, t % bs] for t in range(tt)])
+        want = ref_payload(rows[..., :d].contiguous(), rows[..., d:].contiguous(), ScaleScope.PER_PAGE_HEAD, 5)
+        pays = operands.empty_payloads(1, want.numel(), device)
+        vllm_triton.gather_encode_layers([view.to(device)], ids, num_tokens=tt, head_size=d,
+                                         scope=ScaleScope.PER_PAGE_HEAD, page_size=5, payloads=pays)  # fmt: skip
+        return torch.equal(pays[0].cpu(), want)
 
     if not quick:
         check("cast: all fp16/bf16 patterns, e4m3fn/e5m2, 4 scales", cast_all)
@@ -326,8 +318,8 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
         for strategy in ("single", "two_stage"):
             check(f"encode+decode {scope.name.lower()} ps={ps} {strategy}",
                   lambda s=scope, p=ps, st=strategy: encode_decode(s, p, st))  # fmt: skip
-    for layout in ("flash_nhd", "flashinfer"):
-        check(f"paged gather + fused encode ({layout})", lambda lay=layout: paged(lay))
+    for layout in ("NHD", "HND"):
+        check(f"vLLM view gather + fused encode ({layout})", lambda lay=layout: vllm_views(lay))
     return out
 
 
@@ -367,8 +359,7 @@ def _copy_ms(timer: Timer, nbytes: int, device: str) -> float:
 def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float = 1e9) -> tuple[list[Row], dict[str, float], dict[str, Any]]:
     """All benchmark rows, copy bandwidths by workload, and extra facts (skips past ``budget_s``)."""
     import torch
-    from kvcodec.kernels import paged_triton as PT
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import fused_triton, operands, vllm_triton
 
     from kvcodec.format import ScaleScope
 
@@ -407,15 +398,15 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
     for label, scope, ps, strat in variants:
         if over_budget(f"chunk {label}"):
             continue
-        nb = QT.payload_nbytes(ks[0], vs[0], scope, ps)
-        pays = QT.empty_payloads(L, nb, device)  # rows 16-byte aligned, as the codec should allocate them
+        nb = operands.payload_nbytes(ks[0], vs[0], scope, ps)
+        pays = operands.empty_payloads(L, nb, device)  # rows 16-byte aligned, as the codec should allocate them
         moved = in_bytes + pays.numel()  # read K+V, write payloads
         measure(f"encode {L}x{T} {label}", "encode",
-                lambda s=scope, p=ps, st=strat, pl=pays: QT.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl, strategy=st),  # type: ignore[misc]
+                lambda s=scope, p=ps, st=strat, pl=pays: fused_triton.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl, strategy=st),  # type: ignore[misc]
                 c_ms, moved, TARGETS["encode"] if strat == "auto" else None)  # fmt: skip
         if strat == "auto":
             measure(f"decode {L}x{T} {label}", "decode",
-                    lambda s=scope, p=ps, pl=pays: QT.decode_fused_layers(pl, ko, vo, s, page_size=p),  # type: ignore[misc]
+                    lambda s=scope, p=ps, pl=pays: fused_triton.decode_fused_layers(pl, ko, vo, s, page_size=p),  # type: ignore[misc]
                     c_ms, moved, TARGETS["decode"])  # fmt: skip
 
     # One large layer.
@@ -430,35 +421,32 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
         for label, scope, ps, strat in variants:
             if over_budget(f"large {label}"):
                 continue
-            pay = torch.empty(QT.payload_nbytes(k1, v1, scope, ps), dtype=torch.uint8, device=device)
+            pay = torch.empty(operands.payload_nbytes(k1, v1, scope, ps), dtype=torch.uint8, device=device)
             moved = in_bytes + pay.numel()
             measure(f"encode 1x{TB} {label}", "encode",
-                    lambda s=scope, p=ps, st=strat, pl=pay: QT.encode_fused(k1, v1, s, page_size=p, payload=pl, strategy=st),  # type: ignore[misc]
+                    lambda s=scope, p=ps, st=strat, pl=pay: fused_triton.encode_fused(k1, v1, s, page_size=p, payload=pl, strategy=st),  # type: ignore[misc]
                     c_ms, moved, TARGETS["encode"] if strat == "auto" else None)  # fmt: skip
             if strat == "auto":
                 measure(f"decode 1x{TB} {label}", "decode",
-                        lambda s=scope, p=ps, pl=pay: QT.decode_fused(pl, k1o, v1o, s, page_size=p),  # type: ignore[misc]
+                        lambda s=scope, p=ps, pl=pay: fused_triton.decode_fused(pl, k1o, v1o, s, page_size=p),  # type: ignore[misc]
                         c_ms, moved, TARGETS["decode"])  # fmt: skip
 
-    # Paged gather from a big cache, shuffled block ids.
-    if not over_budget("paged gather"):
+    # vLLM connector's gather+encode from one big layer view, shuffled block ids.
+    if not over_budget("vllm gather+encode"):
         NBk, BS, GB = sizes.cache_blocks, sizes.block_size, sizes.gather_blocks
-        cache = torch.empty((2, NBk, BS, H, D), dtype=torch.float16, device=device).uniform_(-2, 2)
+        cache = torch.empty((NBk, BS, H, 2 * D), dtype=torch.float16, device=device).uniform_(-2, 2)
+        views = vllm_triton.prepare_views([cache.permute(0, 2, 1, 3)], D)
         ids = torch.randperm(NBk, device="cpu")[:GB].to(device)
         tok = GB * BS
-        out = torch.empty((2, tok, H, D), dtype=torch.float16, device=device)
-        in_bytes = out.numel() * 2
+        in_bytes = 2 * tok * H * D * 2
         c_ms = _copy_ms(timer, in_bytes, device)
         copy_bw[f"gather {tok} tokens"] = 2 * in_bytes / (c_ms * 1e6)
-        measure(f"paged gather {GB} of {NBk} blocks", "gather",
-                lambda: PT.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=tok, block_size=BS,
-                                        out_k=out[0], out_v=out[1], validate=False),
-                c_ms, 2 * in_bytes, TARGETS["gather"])  # fmt: skip
-        pay = torch.empty(QT.payload_nbytes(out[0], out[1], PH, PS), dtype=torch.uint8, device=device)
-        measure(f"paged encode {GB} blocks per_page_head", "gather",
-                lambda: PT.encode_paged(cache, ids, PH, layout="flash_nhd", num_tokens=tok, block_size=BS,
-                                        page_size=PS, payload=pay, validate=False),
-                c_ms, in_bytes + pay.numel(), TARGETS["gather"])  # fmt: skip
+        k0 = torch.empty((tok, H, D), dtype=torch.float16, device="meta")
+        pays = operands.empty_payloads(1, operands.payload_nbytes(k0, k0, PH, PS), device)
+        measure(f"vllm gather+encode {GB} of {NBk} blocks per_page_head", "gather",
+                lambda: vllm_triton.gather_encode_layers(views, ids, num_tokens=tok, head_size=D, scope=PH,
+                                                         page_size=PS, payloads=pays),
+                c_ms, in_bytes + pays.numel(), TARGETS["gather"])  # fmt: skip
 
     try:
         extra["host"] = host_overhead(device, sizes)
@@ -473,7 +461,7 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
 def autotuned_headline(device: str, sizes: Sizes, timer: Timer) -> list[Row]:
     """The 32-layer chunk encode/decode again with autotuned tiles (rows named "... autotuned")."""
     import torch
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import fused_triton, operands
 
     from kvcodec.format import ScaleScope
 
@@ -485,11 +473,11 @@ def autotuned_headline(device: str, sizes: Sizes, timer: Timer) -> list[Row]:
     c_ms = _copy_ms(timer, in_bytes, device)
     rows = []
     for label, scope, ps in (("per_page_head", ScaleScope.PER_PAGE_HEAD, PS), ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None)):
-        pays = QT.empty_payloads(L, QT.payload_nbytes(ks[0], vs[0], scope, ps), device)
+        pays = operands.empty_payloads(L, operands.payload_nbytes(ks[0], vs[0], scope, ps), device)
         moved = in_bytes + pays.numel()
-        ms = timer.ms(lambda s=scope, p=ps, pl=pays: QT.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl))  # type: ignore[misc]
+        ms = timer.ms(lambda s=scope, p=ps, pl=pays: fused_triton.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl))  # type: ignore[misc]
         rows.append(Row(f"encode {L}x{T} {label} autotuned", "encode", ms, c_ms, moved, TARGETS["encode"]))
-        ms = timer.ms(lambda s=scope, p=ps, pl=pays: QT.decode_fused_layers(pl, ko, vo, s, page_size=p))  # type: ignore[misc]
+        ms = timer.ms(lambda s=scope, p=ps, pl=pays: fused_triton.decode_fused_layers(pl, ko, vo, s, page_size=p))  # type: ignore[misc]
         rows.append(Row(f"decode {L}x{T} {label} autotuned", "decode", ms, c_ms, moved, TARGETS["decode"]))
     return rows
 
@@ -501,18 +489,18 @@ def tune_pass(device: str, out: Path, reps: int = 20) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         import triton
-        from kvcodec.kernels import _configs
+        from kvcodec.kernels import configs
 
         from kvcodec.tools import tune as T
 
         results = T.tune(T.PRESETS["llama-3-8b"], device, reps=reps)
         print(T.format_results(results, dry_run=False), flush=True)
-        table = _configs.TuningTable.load(out)
+        table = configs.TuningTable.load(out)
         gpu = torch.cuda.get_device_name()
         for r in results:
             if r.best_us is not None:
                 bt, nw = r.best.split("x/")
-                table.put(gpu, triton.__version__, r.kernel, r.key, _configs.TileConfig(int(bt), int(nw.rstrip("w"))),
+                table.put(gpu, triton.__version__, r.kernel, r.key, configs.TileConfig(int(bt), int(nw.rstrip("w"))),
                           us=round(r.best_us, 2), default_us=round(r.default_us or 0.0, 2))  # fmt: skip
         table.save(out)
         return {"ok": not any(r.failed for r in results), "file": str(out), "s": round(time.perf_counter() - t0, 1),
@@ -524,7 +512,7 @@ def tune_pass(device: str, out: Path, reps: int = 20) -> dict[str, Any]:
 def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
     """Host CPU time per 32-layer chunk: one fused launch plus 32 packed headers (no device sync inside)."""
     import torch
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import fused_triton, operands
 
     from kvcodec.format import Hashes, Header, HeaderPacker, ScaleScope, header_size, pack_header_into
 
@@ -532,8 +520,8 @@ def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
     ks = torch.zeros((L, T, H, D), dtype=torch.float16, device=device)
     vs = torch.zeros_like(ks)
     scope = ScaleScope.PER_PAGE_HEAD
-    nb = QT.payload_nbytes(ks[0], vs[0], scope, PS)
-    pays = QT.empty_payloads(L, nb, device)
+    nb = operands.payload_nbytes(ks[0], vs[0], scope, PS)
+    pays = operands.empty_payloads(L, nb, device)
     n_el = T * H * D
     template = Header(
         k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, scale_scope=scope,
@@ -550,7 +538,7 @@ def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
     packer = HeaderPacker(template)
 
     def launch() -> None:
-        QT.encode_fused_layers(ks, vs, scope, page_size=PS, payloads=pays)
+        fused_triton.encode_fused_layers(ks, vs, scope, page_size=PS, payloads=pays)
 
     def pack() -> None:
         # What the connector path does: one template, ids and CRC patched per layer.
@@ -760,20 +748,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  pytest: not run ({tests.get('reason')})")
     timer = Timer(device, warmup=0, reps=1, flush_mb=1) if args.quick else Timer(device)
     sizes = QUICK_SIZES if args.quick else Sizes()
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import configs
 
-    QT.AUTOTUNE = bool(args.autotune)  # heuristic tiles; the headline rows get an autotuned pass below
+    configs.AUTOTUNE = bool(args.autotune)  # heuristic tiles; the headline rows get an autotuned pass below
     remaining = args.budget - (time.perf_counter() - t0)
     rows, copy_bw, extra = run_benchmarks(device, sizes, timer, budget_s=max(remaining, 30.0))
     remaining = args.budget - (time.perf_counter() - t0)
     if not args.autotune and device != "cpu":
         if remaining > 60:
-            QT.AUTOTUNE = True
+            configs.AUTOTUNE = True
             try:
                 rows += autotuned_headline(device, sizes, timer)
             except Exception as e:
                 extra["errors"].append(f"autotuned pass: {type(e).__name__}: {e}"[:2000])
-            QT.AUTOTUNE = False
+            configs.AUTOTUNE = False
         else:
             extra["skipped"].append("autotuned headline rows (time budget)")
     if not args.skip_tune and device != "cpu":

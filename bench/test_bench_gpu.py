@@ -158,12 +158,12 @@ def test_main_smoke_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_benchmark_errors_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failing kernel is reported in the summary; the other benchmarks still run."""
     gc.ensure_kernels_importable()
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import fused_triton
 
     def boom(*a: object, **k: object) -> None:
         raise RuntimeError("compile failed")
 
-    monkeypatch.setattr(QT, "encode_fused_layers", boom)
+    monkeypatch.setattr(fused_triton, "encode_fused_layers", boom)
     dev = "cuda" if _CUDA else "cpu"
     rows, copy_bw, extra = gc.run_benchmarks(dev, gc.QUICK_SIZES, gc.Timer(dev, warmup=0, reps=1, flush_mb=1))
     assert any("compile failed" in e for e in extra["errors"])

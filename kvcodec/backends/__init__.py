@@ -19,11 +19,21 @@ from typing import Any
 
 import torch
 
+from ..env import triton_interpret
 from ..errors import UnsupportedConfigError
 from . import reference
 from .base import Backend, Declined, Groups
 
-__all__ = ["BACKEND_NAMES", "Backend", "Declined", "Groups", "backend_info", "call", "reference_backend", "select"]
+__all__ = [
+    "BACKEND_NAMES",
+    "Backend",
+    "Declined",
+    "Groups",
+    "backend_info",
+    "call",
+    "reference_backend",
+    "select",
+]
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 _ALIASES = {"native": "cpu", "reference": "torch"}
@@ -47,7 +57,7 @@ def reference_backend() -> Backend:
 def _triton_reason(device: torch.device) -> str | None:
     """Why Triton cannot run on ``device`` (None when it can)."""
     if device.type == "cpu":
-        return None if os.environ.get("TRITON_INTERPRET") == "1" else "CPU tensors need TRITON_INTERPRET=1"
+        return None if triton_interpret() else "CPU tensors need TRITON_INTERPRET=1"
     if device.type != "cuda":
         return f"no Triton backend for {device.type}"
     try:

@@ -1,8 +1,12 @@
 """The Triton backend: :mod:`kvcodec.kernels` behind the one backend interface.
 
-Imported only when chosen, so ``import kvcodec`` never imports Triton. Beyond
-the interface it offers the fused encode (K, FP8 V and scales of one or all
-layers of a chunk in one launch), which the codec uses when it applies.
+Imported only when chosen, so ``import kvcodec`` never imports Triton (this
+module imports the kernels' torch-only host side, :mod:`kvcodec.kernels.operands`;
+the kernel modules, which import Triton, load on the first call). Beyond the
+interface it offers the fused encode (K, FP8 V and scales of one or all
+layers of a chunk in one launch), which the codec uses when it applies, and
+the fused gather+encode / decode+scatter over vLLM cache views that
+:mod:`kvcodec.codec.chunk_blobs` builds blobs around.
 """
 
 from __future__ import annotations
@@ -12,15 +16,30 @@ from typing import Any
 
 import torch
 
+from ..format import ScaleScope
+from ..kernels.launch import is_recording
+from ..kernels.operands import PAYLOAD_ALIGN, check_scope, empty_payloads, payload_stride
 from .base import Groups, NonFinitePolicy, TwoPass
 
-__all__ = ["BACKEND", "TritonBackend"]
+__all__ = ["BACKEND", "PAYLOAD_ALIGN", "TritonBackend", "payload_stride"]
 
 
-def _kernels() -> Any:
+def _quant() -> Any:
     from ..kernels import quant_triton
 
     return quant_triton
+
+
+def _fused() -> Any:
+    from ..kernels import fused_triton
+
+    return fused_triton
+
+
+def _vllm() -> Any:
+    from ..kernels import vllm_triton
+
+    return vllm_triton
 
 
 class TritonBackend(TwoPass):
@@ -31,33 +50,65 @@ class TritonBackend(TwoPass):
     def scales(self, v: torch.Tensor, groups: Groups, nonfinite: NonFinitePolicy) -> torch.Tensor:
         """fp32 scales of ``v``."""
         g = groups
-        return _kernels().compute_scales(v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite)
+        return _quant().compute_scales(
+            v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite
+        )
 
-    def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
+    ) -> torch.Tensor:
         """FP8 codes of ``v`` with the caller's scales."""
         g = groups
-        return _kernels().quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
+        return _quant().quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)
 
     def dequantize(
         self, q: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
     ) -> torch.Tensor:
         """``float(q) * scale`` into ``out``."""
         g = groups
-        return _kernels().dequantize(q, scales, g.scope, page_size=g.page_size, out_dtype=out.dtype, out=out)
+        return _quant().dequantize(q, scales, g.scope, page_size=g.page_size, out_dtype=out.dtype, out=out)
 
-    def encode_fused(self, k: torch.Tensor, v: torch.Tensor, groups: Groups, payload: torch.Tensor) -> torch.Tensor:
+    # Fused lane: the codec's encode / encode_layers.
+
+    def empty_payloads(self, layers: int, nbytes: int, device: torch.device | str) -> torch.Tensor:
+        """Stacked ``[layers, nbytes]`` payloads whose rows start 16 bytes apart (the fused kernels' wide stores)."""
+        return empty_payloads(layers, nbytes, device)
+
+    def encode_fused(
+        self, k: torch.Tensor, v: torch.Tensor, groups: Groups, payload: torch.Tensor
+    ) -> torch.Tensor:
         """K, FP8 V and fp32 scales of one layer into ``payload`` in one launch; returns the group absmax."""
         g = groups
-        return _kernels().encode_fused(k, v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, payload=payload)
+        return _fused().encode_fused(
+            k, v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, payload=payload
+        )
 
     def encode_fused_layers(
         self, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], groups: Groups, payloads: torch.Tensor
     ) -> torch.Tensor:
         """:meth:`encode_fused` for every layer of a chunk in one launch; returns ``[L, *scale_shape]`` absmax."""
         g = groups
-        return _kernels().encode_fused_layers(
+        return _fused().encode_fused_layers(
             ks, vs, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, payloads=payloads
         )
+
+    # vLLM-view lane: kvcodec.codec.chunk_blobs.
+
+    def check_scope(self, scope: ScaleScope, page_size: int | None) -> ScaleScope:
+        """``scope`` as a scope the kernels compute scales for (:class:`UnsupportedConfigError` otherwise)."""
+        return check_scope(scope, page_size)
+
+    def prepare_views(self, layers: Sequence[torch.Tensor] | Any, head_size: int) -> Any:
+        """The kernels' addressing of vLLM 0.33 layer views (a ``CacheViews`` passes through, checked)."""
+        return _vllm().as_views(layers, head_size)
+
+    def gather_encode_layers(self, views: Any, block_ids: Any, **kw: Any) -> torch.Tensor:
+        """Every layer's payload of a chunk straight from the views; returns the absmax ``[L, *scale_shape]``."""
+        return _vllm().gather_encode_layers(views, block_ids, **kw)
+
+    def writes_host_memory(self, device: torch.device) -> bool:
+        """True when launches on ``device`` write host tensors directly (the interpreter; not while recording)."""
+        return device.type == "cpu" and not is_recording()
 
 
 BACKEND = TritonBackend()

@@ -623,9 +623,7 @@ def _encode_layers_fused(
     k3s = [normalize_layout(x, **ax)[0] for x in ks]
     v3s = [normalize_layout(x, **ax)[0] for x in vs]
     h0 = plan.header
-    from ..kernels.quant_triton import empty_payloads
-
-    payloads = empty_payloads(len(v3s), h0.payload_len, plan.v.device)  # rows 16-byte aligned
+    payloads = plan.backend.empty_payloads(len(v3s), h0.payload_len, plan.v.device)  # type: ignore[attr-defined]
     amax = plan.backend.encode_fused_layers(k3s, v3s, plan.groups, payloads)  # type: ignore[attr-defined]
     check_layers_amax(amax, plan.groups.scope, plan.groups.fp8_dtype, ids)
     host = payloads.cpu()

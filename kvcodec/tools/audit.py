@@ -2,9 +2,9 @@
 
 No GPU needed. For a fixed set of workloads (the headline chunk: 32 layers x
 256 tokens x 8 KV heads x 128 head_dim, fp16; encode and decode per scope;
-stacked and separately allocated layers; the vLLM connector's paged
-gather/scatter and fused paged encode/decode) the launchers run inside
-:func:`kvcodec.kernels._launch.recording`, which plans them for a simulated
+stacked and separately allocated layers; the vLLM connector's fused
+gather+encode and decode+scatter over vLLM 0.33 layer views) the launchers run inside
+:func:`kvcodec.kernels.launch.recording`, which plans them for a simulated
 CUDA GPU and records them instead of launching. Each recorded launch is
 specialised exactly as Triton's JIT would on CUDA (Triton's own binder: ints
 equal to 1 become constexprs, multiples of 16 and 16-byte aligned pointers get
@@ -110,8 +110,8 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
     import torch
 
     from kvcodec.format import ScaleScope
-    from kvcodec.kernels import paged_triton as PT
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import fused_triton, operands, quant_triton
+    from kvcodec.numerics import amax_to_scale, fp8_max
 
     L, T, H, D, PS = (HEADLINE[k] for k in ("layers", "tokens", "heads", "dim", "page_size"))
     f16 = torch.float16
@@ -122,29 +122,29 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
     out: list[Workload] = []
 
     def nbytes(scope: ScaleScope, ps: int | None) -> int:
-        return QT.payload_nbytes(torch.empty(T, H, D, dtype=f16), torch.empty(T, H, D, dtype=f16), scope, ps)
+        return operands.payload_nbytes(torch.empty(T, H, D, dtype=f16), torch.empty(T, H, D, dtype=f16), scope, ps)
 
     for label, scope, ps in scopes:
         def enc_stacked(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ks, vs = torch.empty(L, T, H, D, dtype=f16), torch.empty(L, T, H, D, dtype=f16)
-            QT.encode_fused_layers(ks, vs, scope, page_size=ps, payloads=QT.empty_payloads(L, nbytes(scope, ps), "cpu"))
+            fused_triton.encode_fused_layers(ks, vs, scope, page_size=ps, payloads=operands.empty_payloads(L, nbytes(scope, ps), "cpu"))
 
         def enc_listed(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ks, vs = _listed_views(L, (T, H, D), f16), _listed_views(L, (T, H, D), f16)
             pays = _listed_views(L, (nbytes(scope, ps),), torch.uint8)
-            QT.encode_fused_layers(ks, vs, scope, page_size=ps, payloads=pays)
+            fused_triton.encode_fused_layers(ks, vs, scope, page_size=ps, payloads=pays)
 
         def dec_stacked(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ko, vo = torch.empty(L, T, H, D, dtype=f16), torch.empty(L, T, H, D, dtype=f16)
-            QT.decode_fused_layers(QT.empty_payloads(L, nbytes(scope, ps), "cpu"), ko, vo, scope, page_size=ps)
+            fused_triton.decode_fused_layers(operands.empty_payloads(L, nbytes(scope, ps), "cpu"), ko, vo, scope, page_size=ps)
 
         def dec_listed(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ko, vo = _listed_views(L, (T, H, D), f16), _listed_views(L, (T, H, D), f16)
-            QT.decode_fused_layers(_listed_views(L, (nbytes(scope, ps),), torch.uint8), ko, vo, scope, page_size=ps)
+            fused_triton.decode_fused_layers(_listed_views(L, (nbytes(scope, ps),), torch.uint8), ko, vo, scope, page_size=ps)
 
         def enc_one(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             k, v = torch.empty(T, H, D, dtype=f16), torch.empty(T, H, D, dtype=f16)
-            QT.encode_fused(k, v, scope, page_size=ps, payload=torch.empty(nbytes(scope, ps), dtype=torch.uint8))
+            fused_triton.encode_fused(k, v, scope, page_size=ps, payload=torch.empty(nbytes(scope, ps), dtype=torch.uint8))
 
         out += [Workload(f"encode {L}L stacked {label}", enc_stacked), Workload(f"encode {L}L listed {label}", enc_listed),
                 Workload(f"decode {L}L stacked {label}", dec_stacked), Workload(f"decode {L}L listed {label}", dec_listed),
@@ -154,45 +154,11 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
 
     def unfused() -> None:
         v = torch.empty(T, H, D, dtype=f16)
-        s = QT.scales_from_amax(QT.group_amax(v, ScaleScope.PER_PAGE_HEAD, page_size=PS))
-        q = QT.quantize(v, s, ScaleScope.PER_PAGE_HEAD, page_size=PS)
-        QT.dequantize(q, s, ScaleScope.PER_PAGE_HEAD, page_size=PS, out_dtype=f16)
+        s = amax_to_scale(quant_triton.group_amax(v, ScaleScope.PER_PAGE_HEAD, page_size=PS), fp8_max(torch.float8_e4m3fn))
+        q = quant_triton.quantize(v, s, ScaleScope.PER_PAGE_HEAD, page_size=PS)
+        quant_triton.dequantize(q, s, ScaleScope.PER_PAGE_HEAD, page_size=PS, out_dtype=f16)
 
     out.append(Workload("unfused amax+quantize+dequantize per_page_head", unfused))
-    nb, bs = 64, 16
-    ids = torch.arange(1, 1 + T // bs) * 3 % nb
-
-    def cache(layout: str) -> Any:
-        if layout == "flashinfer":
-            return torch.empty(nb, 2, bs, H, D, dtype=f16)
-        if layout == "flash_hnd":
-            return torch.empty(2, nb, H, bs, D, dtype=f16).permute(0, 1, 3, 2, 4)
-        return torch.empty(2, nb, bs, H, D, dtype=f16)
-
-    for layout in ("flash_nhd", "flashinfer", "flash_hnd"):
-        def gather(layout: str = layout) -> None:
-            PT.gather_chunk(cache(layout), ids, layout=layout, num_tokens=T, block_size=bs)  # type: ignore[arg-type]
-
-        out.append(Workload(f"paged gather {layout}", gather))
-
-    def scatter() -> None:
-        k = torch.empty(T, H, D, dtype=f16)
-        PT.scatter_chunk(cache("flash_nhd"), ids, k, torch.empty_like(k), layout="flash_nhd", block_size=bs)
-
-    def caches() -> list[Any]:
-        return [c.view(2, nb, bs, H, D) for c in _listed_views(L, (2 * nb * bs * H * D,), f16)]
-
-    def enc_paged() -> None:
-        PT.encode_paged_layers(caches(), ids, ScaleScope.PER_PAGE_HEAD, layout="flash_nhd", num_tokens=T, block_size=bs,
-                               page_size=PS, payloads=QT.empty_payloads(L, nbytes(ScaleScope.PER_PAGE_HEAD, PS), "cpu"))  # fmt: skip
-
-    def dec_paged() -> None:
-        pays = QT.empty_payloads(L, nbytes(ScaleScope.PER_PAGE_HEAD, PS), "cpu")
-        PT.decode_paged_layers(pays, caches(), ids, ScaleScope.PER_PAGE_HEAD, layout="flash_nhd", num_tokens=T,
-                               block_size=bs, page_size=PS)  # fmt: skip
-
-    out += [Workload("paged scatter flash_nhd", scatter), Workload(f"paged encode {L}L flash_nhd per_page_head", enc_paged),
-            Workload(f"paged decode {L}L flash_nhd per_page_head", dec_paged)]  # fmt: skip
     return out + vllm_workloads()
 
 
@@ -214,8 +180,7 @@ def vllm_workloads() -> list[Workload]:
     import torch
 
     from kvcodec.format import ScaleScope
-    from kvcodec.kernels import quant_triton as QT
-    from kvcodec.kernels import vllm_triton as VT
+    from kvcodec.kernels import operands, vllm_triton
 
     L, T, H, D, PS = (HEADLINE[k] for k in ("layers", "tokens", "heads", "dim", "page_size"))
     f16, bs, nb = torch.float16, 16, 32
@@ -224,7 +189,7 @@ def vllm_workloads() -> list[Workload]:
 
     def pays(scope: ScaleScope, ps: int | None) -> Any:
         x = torch.empty(T, H, D, dtype=f16)
-        return QT.empty_payloads(L, QT.payload_nbytes(x, x, scope, ps), "cpu")
+        return operands.empty_payloads(L, operands.payload_nbytes(x, x, scope, ps), "cpu")
 
     def listed() -> list[Any]:  # separately allocated layers: an offset table
         return [c.view(nb, bs, H, 2 * D).permute(0, 2, 1, 3) for c in _listed_views(L, (nb * bs * H * 2 * D,), f16)]
@@ -232,7 +197,7 @@ def vllm_workloads() -> list[Workload]:
     def enc(layout: str, scope: ScaleScope, ps: int | None, sep: bool = False) -> Callable[[], None]:
         def run() -> None:
             views = listed() if sep else _vllm_views(layout, L, nb, H, bs, 2 * D, f16)
-            VT.gather_encode_layers(views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps,
+            vllm_triton.gather_encode_layers(views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps,
                                     payloads=pays(scope, ps))  # fmt: skip
 
         return run
@@ -240,7 +205,7 @@ def vllm_workloads() -> list[Workload]:
     def dec(layout: str, scope: ScaleScope, ps: int | None) -> Callable[[], None]:
         def run() -> None:
             views = _vllm_views(layout, L, nb, H, bs, 2 * D, f16)
-            VT.decode_scatter_layers(pays(scope, ps), views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps)
+            vllm_triton.decode_scatter_layers(pays(scope, ps), views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps)
 
         return run
 
@@ -314,9 +279,8 @@ def _summarise_args(kw: dict[str, Any]) -> dict[str, Any]:
 
 def collect_jobs(workloads: Sequence[Workload], archs: Sequence[int], all_configs: bool) -> list[CompileJob]:
     """Record every workload's launches and turn each (launch, arch, config) into a compile job."""
-    from kvcodec.kernels import _configs
-    from kvcodec.kernels import quant_triton as QT
-    from kvcodec.kernels._launch import H200, Target, recording
+    from kvcodec.kernels import configs
+    from kvcodec.kernels.launch import H200, Target, recording
 
     jobs: list[CompileJob] = []
     seen: set[str] = set()
@@ -330,9 +294,9 @@ def collect_jobs(workloads: Sequence[Workload], archs: Sequence[int], all_config
                 name = jit.fn.__name__
                 kw = dict(ln.kwargs)
                 block_d = int(kw.get("BLOCK_D", 1))
-                cfgs = [_configs.TileConfig(int(kw.get("BLOCK_T", kw.get("BLOCK", 1))), int(kw.get("num_warps", 4)))]
+                cfgs = [configs.TileConfig(int(kw.get("BLOCK_T", kw.get("BLOCK", 1))), int(kw.get("num_warps", 4)))]
                 if all_configs and "BLOCK_T" in kw:
-                    cfgs = _configs.config_space(QT._rows_of(kw), block_d, name)
+                    cfgs = configs.config_space(configs.rows_covered(kw), block_d, name)
                 for cfg in cfgs:
                     spec = dict(kw)
                     if "BLOCK_T" in spec:
@@ -534,12 +498,12 @@ def compile_job(job: CompileJob) -> Record:
     """Compile one job and measure it (never raises: a failed compile is a record)."""
     import triton
 
-    from kvcodec.kernels import paged_triton as PT
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import vllm_triton  # noqa: F401  (imports and registers every kernel)
+    from kvcodec.kernels.tiles import JIT_KERNELS
 
     t0 = time.perf_counter()
     try:
-        raw = PT.KERNELS[job.kernel][0] if job.kernel in PT.KERNELS else getattr(QT, job.kernel)
+        raw = JIT_KERNELS[job.kernel]
         jit, _ = _jit_of(raw)
         src, target, options = _specialise(jit, job.spec, job.arch)
         ck = triton.compile(src, target=target, options=options)
@@ -702,9 +666,9 @@ def _can_run() -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
-    from kvcodec.kernels import _launch
+    from kvcodec.kernels.launch import INTERPRET
 
-    if _launch.INTERPRET:
+    if INTERPRET:
         return "TRITON_INTERPRET is set: the audit compiles real kernels; unset it"
     if cuobjdump_path() is None:
         return "cuobjdump not found (it ships with triton's NVIDIA backend)"

@@ -2,8 +2,8 @@
 
 For given shapes (or a model preset such as ``llama-3-8b``) it runs the
 codec's workloads (fused encode and decode of a chunk of all layers per
-scope, paged gather, fused paged encode/decode), and for every kernel they
-launch tries each config of :func:`kvcodec.kernels._configs.config_space`:
+scope, the vLLM connector's fused gather+encode), and for every kernel they
+launch tries each config of :func:`kvcodec.kernels.configs.config_space`:
 the whole workload is run with that config and its output compared byte for
 byte with the torch reference *before* the launch is timed with
 ``triton.testing.do_bench``. Winners go to a JSON tuning file keyed by GPU
@@ -78,14 +78,11 @@ def _cases(shape: Shape, device: str) -> list[_Case]:
     """The workloads, their inputs on ``device`` and reference outputs computed once on CPU."""
     import torch
 
-    from kvcodec import paged as P
+    from kvcodec.backends import reference as Q
     from kvcodec.format import ScaleScope
-    from kvcodec.kernels import paged_triton as PT
-    from kvcodec.kernels import quant_triton as QT
-    from kvcodec.kernels import reference
+    from kvcodec.kernels import fused_triton, operands
 
-    Q = reference()
-    L, T, H, D, PS, BS = shape.layers, shape.tokens, shape.heads, shape.dim, shape.page_size, shape.block_size
+    L, T, H, D, PS = shape.layers, shape.tokens, shape.heads, shape.dim, shape.page_size
     dt = getattr(torch, shape.dtype)
     g = torch.Generator().manual_seed(0)
     ks = torch.randn(L, T, H, D, generator=g).to(dt)
@@ -103,62 +100,72 @@ def _cases(shape: Shape, device: str) -> list[_Case]:
         qs = [Q.quantize(vs[i], scales[i], scope, page_size=ps) for i in range(L)]
         want = torch.stack([torch.cat([u8(ks[i]), u8(qs[i]), u8(scales[i])]) for i in range(L)])
         want_v = torch.stack([u8(Q.dequantize(qs[i], scales[i], scope, page_size=ps, out_dtype=dt)) for i in range(L)])
-        pays = QT.empty_payloads(L, want.shape[1], device)
-        src = QT.empty_payloads(L, want.shape[1], device)
+        pays = operands.empty_payloads(L, want.shape[1], device)
+        src = operands.empty_payloads(L, want.shape[1], device)
         src.copy_(want.to(device))
         ko, vo = torch.empty_like(kd), torch.empty_like(vd)
 
         def enc(scope: ScaleScope = scope, ps: int | None = ps, pays: torch.Tensor = pays) -> None:
             pays.fill_(0xAB)
-            QT.encode_fused_layers(kd, vd, scope, page_size=ps, payloads=pays)
+            fused_triton.encode_fused_layers(kd, vd, scope, page_size=ps, payloads=pays)
 
         def dec(scope: ScaleScope = scope, ps: int | None = ps, src: torch.Tensor = src,
                 ko: torch.Tensor = ko, vo: torch.Tensor = vo) -> None:  # fmt: skip
             ko.zero_()
             vo.zero_()
-            QT.decode_fused_layers(src, ko, vo, scope, page_size=ps)
+            fused_triton.decode_fused_layers(src, ko, vo, scope, page_size=ps)
 
         cases.append(_Case(f"encode {label}", enc, lambda p=pays, w=want: torch.equal(p.cpu(), w)))
         cases.append(_Case(f"decode {label}", dec,
                            lambda ko=ko, vo=vo, w=want_v: torch.equal(ko.cpu(), ks)
                            and torch.equal(torch.stack([u8(vo[i]) for i in range(L)]), w)))  # fmt: skip
 
-    nb = 4 * P.blocks_needed(T, BS) + 3
-    cache = (torch.randn(2, nb, BS, H, D, generator=g) * 4).to(dt)
-    ids = torch.randperm(nb, generator=g)[: P.blocks_needed(T, BS)]
-    cache_d, ids_d = cache.to(device), ids.to(device)
-    k_ref, v_ref = P.gather_chunk(cache, ids, layout="flash_nhd", num_tokens=T, block_size=BS)
-    gk = torch.empty((T, H, D), dtype=dt, device=device)
-    gv = torch.empty_like(gk)
-
-    def gather() -> None:
-        gk.zero_()
-        gv.zero_()
-        PT.gather_chunk(cache_d, ids_d, layout="flash_nhd", num_tokens=T, block_size=BS, out_k=gk, out_v=gv)
-
-    cases.append(_Case("paged gather flash_nhd", gather,
-                       lambda: torch.equal(gk.cpu(), k_ref) and torch.equal(gv.cpu(), v_ref)))  # fmt: skip
-    s = Q.compute_scales(v_ref, ScaleScope.PER_PAGE_HEAD, page_size=PS)
-    want_p = torch.cat([u8(k_ref), u8(Q.quantize(v_ref, s, ScaleScope.PER_PAGE_HEAD, page_size=PS)), u8(s)])
-    pay = torch.empty(want_p.numel(), dtype=torch.uint8, device=device)
-
-    def paged_enc() -> None:
-        pay.fill_(0xAB)
-        PT.encode_paged(cache_d, ids_d, ScaleScope.PER_PAGE_HEAD, layout="flash_nhd", num_tokens=T, block_size=BS,
-                        page_size=PS, payload=pay, validate=False)  # fmt: skip
-
-    cases.append(_Case("paged encode flash_nhd per_page_head", paged_enc, lambda: torch.equal(pay.cpu(), want_p)))
+    cases.append(_vllm_case(shape, device, g))
     return cases
+
+
+def _vllm_case(shape: Shape, device: str, g: Any) -> _Case:
+    """The vLLM connector's fused gather+encode (per_page_head) over per-layer ``[B, H, N, 2D]`` views."""
+    import torch
+
+    from kvcodec.backends import reference as Q
+    from kvcodec.format import ScaleScope
+    from kvcodec.kernels import operands, vllm_triton
+
+    L, T, H, D, PS, BS = shape.layers, shape.tokens, shape.heads, shape.dim, shape.page_size, shape.block_size
+    dt = getattr(torch, shape.dtype)
+    need = -(-T // BS)
+    nb = 4 * need + 3
+    cache = (torch.randn(L, nb, H, BS, 2 * D, generator=g) * 4).to(dt)
+    ids = torch.randperm(nb, generator=g)[:need].tolist()
+    rows = [(ids[t // BS], t % BS) for t in range(T)]
+    want = []
+    for i in range(L):
+        kv = torch.stack([cache[i, b, :, n] for b, n in rows])  # [T, H, 2D]
+        k, v = kv[..., :D].contiguous(), kv[..., D:].contiguous()
+        s = Q.compute_scales(v, ScaleScope.PER_PAGE_HEAD, page_size=PS)
+        q = Q.quantize(v, s, ScaleScope.PER_PAGE_HEAD, page_size=PS)
+        want.append(torch.cat([x.reshape(-1).contiguous().view(torch.uint8) for x in (k, q, s)]))
+    want_t = torch.stack(want)
+    views = vllm_triton.prepare_views(list(cache.to(device)), D)
+    pays = operands.empty_payloads(L, want_t.shape[1], device)
+
+    def enc() -> None:
+        pays.fill_(0xAB)
+        vllm_triton.gather_encode_layers(views, ids, num_tokens=T, head_size=D, scope=ScaleScope.PER_PAGE_HEAD,
+                                         page_size=PS, payloads=pays)  # fmt: skip
+
+    return _Case("vllm encode per_page_head", enc, lambda: torch.equal(pays.cpu(), want_t))
 
 
 def _record(case: _Case, device: str) -> list[Any]:
     """The launches ``case`` makes, recorded (nothing runs) for the real target of ``device``."""
     import torch
 
-    from kvcodec.kernels import _launch
+    from kvcodec.kernels.launch import current_target, recording
 
-    target = _launch.current_target(torch.device(device))
-    with _launch.recording(target) as launches:
+    target = current_target(torch.device(device))
+    with recording(target) as launches:
         case.run()
     return launches
 
@@ -173,36 +180,35 @@ def tune(shape: Shape, device: str, *, dry_run: bool = False, reps: int = 50) ->
     """Sweep every (kernel, shape key) the workloads launch; returns one result per pair."""
     import torch
 
-    from kvcodec.kernels import _configs
-    from kvcodec.kernels import quant_triton as QT
-    from kvcodec.kernels._launch import current_target
+    from kvcodec.kernels import configs, tiles
+    from kvcodec.kernels.launch import current_target
 
-    QT.AUTOTUNE = False
+    configs.AUTOTUNE = False
     tgt = current_target(torch.device(device))
     plans: list[tuple[_Case, str, str, int, int]] = []
     seen: set[tuple[str, str]] = set()
     for case in _cases(shape, device):
         for ln in _record(case, device):
             kw = ln.kwargs
-            name = next((n for n, (raw, _) in QT.KERNELS.items() if raw is ln.kernel), None)
+            name = next((n for n, (raw, _) in tiles.KERNELS.items() if raw is ln.kernel), None)
             if name is None or "BLOCK_T" not in kw:
                 continue
-            rows, bd = QT._rows_of(kw), int(kw["BLOCK_D"])
-            key = _configs.shape_key(name, kw, rows)
+            rows, bd = configs.rows_covered(kw), int(kw["BLOCK_D"])
+            key = configs.shape_key(name, kw, rows)
             if (name, key) not in seen:
                 seen.add((name, key))
                 plans.append((case, name, key, rows, bd))
-    total = sum(len(_configs.config_space(p[3], p[4], p[1])) for p in plans)
+    total = sum(len(configs.config_space(p[3], p[4], p[1])) for p in plans)
     results: list[TuneResult] = []
     step = 0
     for case, name, key, rows, bd in plans:
-        default = _configs.heuristic(rows, bd, tgt.interpret)
-        timings: dict[_configs.TileConfig, float | None] = {}
+        default = configs.heuristic(rows, bd, tgt.interpret)
+        timings: dict[configs.TileConfig, float | None] = {}
         failed: list[str] = []
-        for cfg in _configs.config_space(rows, bd, name):
+        for cfg in configs.config_space(rows, bd, name):
             step += 1
             _progress(step, total, f"{name} {key}")
-            with _configs.override(name, cfg):
+            with configs.override(name, cfg):
                 try:
                     case.run()
                     good = case.ok()
@@ -232,12 +238,11 @@ def _time_launch(case: _Case, name: str, cfg: Any, device: str, reps: int) -> fl
     """Microseconds of ``name``'s launch in ``case`` with ``cfg`` (re-recorded to get its grid and arguments)."""
     import triton
 
-    from kvcodec.kernels import _configs
-    from kvcodec.kernels import quant_triton as QT
-    from kvcodec.kernels._launch import launch
+    from kvcodec.kernels import configs, tiles
+    from kvcodec.kernels.launch import launch
 
-    with _configs.override(name, cfg):
-        lns = [ln for ln in _record(case, device) if ln.kernel is QT.KERNELS[name][0]]
+    with configs.override(name, cfg):
+        lns = [ln for ln in _record(case, device) if ln.kernel is tiles.KERNELS[name][0]]
     ln = lns[0]
     return float(triton.testing.do_bench(lambda: launch(ln.kernel, ln.grid, ln.kwargs), rep=reps)) * 1e3
 
@@ -300,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from kvcodec.kernels._launch import INTERPRET
+    from kvcodec.kernels.launch import INTERPRET
 
     if args.dry_run:
         if not INTERPRET and not torch.cuda.is_available():
@@ -327,19 +332,19 @@ def run(args: argparse.Namespace) -> int:
         return 1 if bad else 0
     import triton
 
-    from kvcodec.kernels import _configs
+    from kvcodec.kernels import configs
 
-    path = args.out or _configs.default_tuning_path()
-    table = _configs.TuningTable.load(path)
+    path = args.out or configs.default_tuning_path()
+    table = configs.TuningTable.load(path)
     gpu = torch.cuda.get_device_name()
     for r in results:
         if r.best_us is None:
             continue
         bt, nw = r.best.split("x/")
-        table.put(gpu, triton.__version__, r.kernel, r.key, _configs.TileConfig(int(bt), int(nw.rstrip("w"))),
+        table.put(gpu, triton.__version__, r.kernel, r.key, configs.TileConfig(int(bt), int(nw.rstrip("w"))),
                   us=round(r.best_us, 2), default_us=round(r.default_us or 0.0, 2))  # fmt: skip
     table.save(path)
-    _configs.reload_tuning()
+    configs.reload_tuning()
     print(f"wrote {len(table)} entries to {path}")
     return 1 if bad else 0
 

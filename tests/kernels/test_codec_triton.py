@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton not installed")
+from tests.kernels.conftest import DEVICE, KERNEL_MARKS, require_kernels
 
-from kvcodec import decode, encode
+require_kernels()
 
-CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.interpreter
+from kvcodec import decode, encode  # noqa: E402
 
-
-DEV = "cuda" if CUDA else "cpu"
+pytestmark = KERNEL_MARKS
+DEV = DEVICE
 
 
 @pytest.mark.parametrize("scope", ["per_tensor", "per_layer_head", "per_page_head", "raw"])
@@ -36,17 +33,12 @@ def test_triton_backend_blob_and_decode_equal_torch(scope, shape, vd):
 
 
 def test_auto_never_picks_the_interpreter_on_cpu():
-    try:
-        from kvcodec.backends import select
-    except ImportError:  # the layout before the backends/ split
-        from kvcodec.codec import resolve_backend
+    from kvcodec.backends import select
+    from kvcodec.env import triton_interpret
 
-        name = resolve_backend("auto", "cpu")
-    else:
-        name = select("auto", "cpu").name
-    assert name in ("cpu", "native", "torch")
-    if not CUDA:
-        assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest before triton loads
+    assert select("auto", "cpu").name in ("cpu", "torch")
+    if DEVICE == "cpu":
+        assert triton_interpret()  # set by the conftests before triton loads
 
 
 def test_triton_fused_refuses_nan_naming_the_group():

@@ -10,23 +10,19 @@ the connector's fused save, ``encode(backend="triton")`` and ``encode_layers``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
-pytest.importorskip("triton")
+from tests.kernels.conftest import DEVICE, KERNEL_MARKS, require_kernels
 
-pytestmark = [pytest.mark.cuda if torch.cuda.is_available() else pytest.mark.interpreter]
+require_kernels()
+pytestmark = KERNEL_MARKS
 
 from kvcodec import UnsupportedConfigError, encode, encode_layers  # noqa: E402
 from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk  # noqa: E402
 from kvcodec.integrations.vllm.fused import FusedLayers  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = DEVICE
 MODE = "auto" if DEV == "cuda" else "on"
 H, D, BS = 1, 4, 4
 

@@ -1,4 +1,4 @@
-"""Triton quant kernels vs the torch reference (kvcodec.quant), byte for byte.
+"""Triton quantize and fused kernels vs the torch reference (kvcodec.backends.reference), byte for byte.
 
 Without a GPU these run in Triton's CPU interpreter (TRITON_INTERPRET=1 is
 set before Triton is imported); with one they run on CUDA tensors. Sizes are
@@ -7,32 +7,20 @@ kept small: the interpreter pays ~10 ms per program.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
+from tests.kernels.conftest import DEVICE, KERNEL_MARKS, reference_ops, require_kernels
 
-pytest.importorskip("triton")
+require_kernels()
 
-from kvcodec.kernels import quant_triton as QT  # noqa: E402
-from kvcodec.kernels import reference  # noqa: E402
+from kvcodec.kernels import configs, fused_triton, operands, quant_triton, tiles  # noqa: E402
 
 from kvcodec.errors import UnsupportedConfigError  # noqa: E402
 from kvcodec.format import ScaleScope  # noqa: E402
 
-DEVICE = "cuda" if _CUDA else "cpu"
-Q = reference()
-pytestmark = [pytest.mark.cuda if _CUDA else pytest.mark.interpreter]
-if not _CUDA and not QT.INTERPRET:
-    pytest.skip(
-        "kvcodec.kernels was imported before TRITON_INTERPRET=1 was set and there is no GPU",
-        allow_module_level=True,
-    )
+Q = reference_ops()
+pytestmark = KERNEL_MARKS
 
 PT = ScaleScope.PER_TENSOR
 LH = ScaleScope.PER_LAYER_HEAD
@@ -70,7 +58,9 @@ def rand_v(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, scale: flo
     return x.to(dtype).to(DEVICE)
 
 
-def ref_amax(v: torch.Tensor, scope: ScaleScope, page_size: int | None, finite_only: bool = False) -> torch.Tensor:
+def ref_amax(
+    v: torch.Tensor, scope: ScaleScope, page_size: int | None, finite_only: bool = False
+) -> torch.Tensor:
     return Q.reduce_groups(Q.token_head_amax(v.cpu(), finite_only=finite_only), scope, page_size)
 
 
@@ -123,7 +113,7 @@ def test_cast_exhaustive(dtype: torch.dtype, fp8: torch.dtype) -> None:
     for s in _cast_scales(dtype, fp8):
         st = torch.tensor(s, dtype=torch.float32)
         ref = Q.quantize(x.view(-1, 1, 1), st, PT, fp8_dtype=fp8).view(-1)
-        got = QT.quantize_1d(xd, st, fp8_dtype=fp8)
+        got = quant_triton.quantize_1d(xd, st, fp8_dtype=fp8)
         assert_bytes_equal(got, ref)
 
 
@@ -132,7 +122,7 @@ def test_cast_exhaustive_3d_path() -> None:
     x = _all_patterns(torch.float16).view(256, 2, 128)
     s = torch.tensor([1.0, 3.0])
     ref = Q.quantize(x, s, LH)
-    got = QT.quantize(x.to(DEVICE), s.to(DEVICE), LH)
+    got = quant_triton.quantize(x.to(DEVICE), s.to(DEVICE), LH)
     assert_bytes_equal(got, ref)
 
 
@@ -142,11 +132,18 @@ def test_cast_fp32_edges() -> None:
     grid = grid[torch.isfinite(grid)]
     mids = (grid[:-1] + grid[1:]) / 2
     eps = torch.tensor([0.0, 1e-7, -1e-7])
-    vals = torch.cat([grid, mids, (mids[:, None] * (1 + eps)).reshape(-1), torch.tensor([1e-40, -1e-45, 464.0, 479.9, 480.0, 1e30])])
+    vals = torch.cat(
+        [
+            grid,
+            mids,
+            (mids[:, None] * (1 + eps)).reshape(-1),
+            torch.tensor([1e-40, -1e-45, 464.0, 479.9, 480.0, 1e30]),
+        ]
+    )
     vals = torch.cat([vals, -vals])
     for fp8 in (E4, E5):
         ref = Q.quantize(vals.view(-1, 1, 1), torch.tensor(1.0), PT, fp8_dtype=fp8).view(-1)
-        assert_bytes_equal(QT.quantize_1d(vals.to(DEVICE), 1.0, fp8_dtype=fp8), ref)
+        assert_bytes_equal(quant_triton.quantize_1d(vals.to(DEVICE), 1.0, fp8_dtype=fp8), ref)
 
 
 # ----------------------------------------------------------------------------
@@ -155,22 +152,24 @@ def test_cast_fp32_edges() -> None:
 
 
 @pytest.mark.parametrize("scope,ps", SCOPES)
-@pytest.mark.parametrize("vdtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize(
+    "vdtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"]
+)
 def test_scales_quantize_dequantize(scope: ScaleScope, ps: int | None, vdtype: torch.dtype) -> None:
     v = rand_v((13, 3, 48), vdtype, seed=1)
     vc = v.cpu()
-    assert torch.equal(QT.group_amax(v, scope, page_size=ps).cpu(), ref_amax(v, scope, ps))
+    assert torch.equal(quant_triton.group_amax(v, scope, page_size=ps).cpu(), ref_amax(v, scope, ps))
     s_ref = Q.compute_scales(vc, scope, page_size=ps)
-    s = QT.compute_scales(v, scope, page_size=ps)
+    s = quant_triton.compute_scales(v, scope, page_size=ps)
     assert s.dtype == torch.float32 and s.shape == s_ref.shape
     assert_bytes_equal(s, s_ref)
     q_ref = Q.quantize(vc, s_ref, scope, page_size=ps)
-    q = QT.quantize(v, s, scope, page_size=ps)
+    q = quant_triton.quantize(v, s, scope, page_size=ps)
     assert q.dtype == E4
     assert_bytes_equal(q, q_ref)
     for od in (torch.float16, torch.bfloat16, torch.float32):
         d_ref = Q.dequantize(q_ref, s_ref, scope, page_size=ps, out_dtype=od)
-        d = QT.dequantize(q, s, scope, page_size=ps, out_dtype=od)
+        d = quant_triton.dequantize(q, s, scope, page_size=ps, out_dtype=od)
         assert d.dtype == od
         assert_bytes_equal(d, d_ref)
 
@@ -191,10 +190,13 @@ def test_odd_shapes(shape: tuple[int, int, int], scope: ScaleScope, ps: int | No
     k = rand_v(shape, torch.float16, seed=3)
     vc = v.cpu()
     s_ref = Q.compute_scales(vc, scope, page_size=ps)
-    assert_bytes_equal(QT.compute_scales(v, scope, page_size=ps), s_ref)
-    assert_bytes_equal(QT.quantize(v, s_ref.to(DEVICE), scope, page_size=ps), Q.quantize(vc, s_ref, scope, page_size=ps))
-    pay = new_payload(QT.payload_nbytes(k, v, scope, ps))
-    QT.encode_fused(k, v, scope, page_size=ps, payload=pay)
+    assert_bytes_equal(quant_triton.compute_scales(v, scope, page_size=ps), s_ref)
+    assert_bytes_equal(
+        quant_triton.quantize(v, s_ref.to(DEVICE), scope, page_size=ps),
+        Q.quantize(vc, s_ref, scope, page_size=ps),
+    )
+    pay = new_payload(operands.payload_nbytes(k, v, scope, ps))
+    fused_triton.encode_fused(k, v, scope, page_size=ps, payload=pay)
     assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
 
 
@@ -208,15 +210,15 @@ def test_noncontiguous_inputs_and_outputs() -> None:
         xc = x.cpu()
         for scope, ps in ((PT, None), (LH, None), (PH, 4)):
             s_ref = Q.compute_scales(xc, scope, page_size=ps)
-            assert_bytes_equal(QT.compute_scales(x, scope, page_size=ps), s_ref)
+            assert_bytes_equal(quant_triton.compute_scales(x, scope, page_size=ps), s_ref)
             q_ref = Q.quantize(xc, s_ref, scope, page_size=ps)
             out = torch.empty((h, t, d), dtype=E4, device=DEVICE).permute(1, 0, 2)
-            q = QT.quantize(x, s_ref.to(DEVICE), scope, page_size=ps, out=out)
+            q = quant_triton.quantize(x, s_ref.to(DEVICE), scope, page_size=ps, out=out)
             assert q is out
             assert_bytes_equal(out, q_ref)
             d_ref = Q.dequantize(q_ref, s_ref, scope, page_size=ps, out_dtype=torch.bfloat16)
             dout = torch.empty((t, 2 * h, d), dtype=torch.bfloat16, device=DEVICE)[:, ::2]
-            QT.dequantize(out, s_ref.to(DEVICE), scope, page_size=ps, out=dout)
+            quant_triton.dequantize(out, s_ref.to(DEVICE), scope, page_size=ps, out=dout)
             assert_bytes_equal(dout, d_ref)
 
 
@@ -226,14 +228,17 @@ def test_e5m2(scope: ScaleScope, ps: int | None) -> None:
     k = rand_v((10, 2, 96), torch.bfloat16, seed=8)
     vc = v.cpu()
     s_ref = Q.compute_scales(vc, scope, page_size=ps, fp8_dtype=E5)
-    assert_bytes_equal(QT.compute_scales(v, scope, page_size=ps, fp8_dtype=E5), s_ref)
+    assert_bytes_equal(quant_triton.compute_scales(v, scope, page_size=ps, fp8_dtype=E5), s_ref)
     q_ref = Q.quantize(vc, s_ref, scope, page_size=ps, fp8_dtype=E5)
-    q = QT.quantize(v, s_ref.to(DEVICE), scope, page_size=ps, fp8_dtype=E5)
+    q = quant_triton.quantize(v, s_ref.to(DEVICE), scope, page_size=ps, fp8_dtype=E5)
     assert q.dtype == E5
     assert_bytes_equal(q, q_ref)
-    assert_bytes_equal(QT.dequantize(q, s_ref.to(DEVICE), scope, page_size=ps), Q.dequantize(q_ref, s_ref, scope, page_size=ps))
-    pay = new_payload(QT.payload_nbytes(k, v, scope, ps))
-    QT.encode_fused(k, v, scope, page_size=ps, fp8_dtype=E5, payload=pay)
+    assert_bytes_equal(
+        quant_triton.dequantize(q, s_ref.to(DEVICE), scope, page_size=ps),
+        Q.dequantize(q_ref, s_ref, scope, page_size=ps),
+    )
+    pay = new_payload(operands.payload_nbytes(k, v, scope, ps))
+    fused_triton.encode_fused(k, v, scope, page_size=ps, fp8_dtype=E5, payload=pay)
     assert_bytes_equal(pay, ref_payload(k, v, scope, ps, E5))
 
 
@@ -242,8 +247,8 @@ def test_zero_groups_get_unit_scale() -> None:
     v[3:, 1] = 2.0
     for scope, ps in ((PT, None), (LH, None), (PH, 3)):
         ref = Q.compute_scales(v, scope, page_size=ps)
-        assert_bytes_equal(QT.compute_scales(v.to(DEVICE), scope, page_size=ps), ref)
-    assert QT.compute_scales(v.to(DEVICE), PH, page_size=3)[0, 0].item() == 1.0
+        assert_bytes_equal(quant_triton.compute_scales(v.to(DEVICE), scope, page_size=ps), ref)
+    assert quant_triton.compute_scales(v.to(DEVICE), PH, page_size=3)[0, 0].item() == 1.0
 
 
 # ----------------------------------------------------------------------------
@@ -256,29 +261,31 @@ def test_nonfinite(bad: float) -> None:
     v = rand_v((8, 2, 48), torch.float16, seed=9)
     v[5, 1, 7] = bad
     vc = v.cpu()
-    am = QT.group_amax(v, PH, page_size=4).cpu()
+    am = quant_triton.group_amax(v, PH, page_size=4).cpu()
     ref = ref_amax(v, PH, 4)
     assert torch.equal(torch.isnan(am), torch.isnan(ref))
     assert torch.equal(am.nan_to_num(0.0), ref.nan_to_num(0.0))
     assert not torch.isfinite(am[1, 1]) and torch.isfinite(am[0]).all() and torch.isfinite(am[1, 0])
     for scope, ps in ((PT, None), (LH, None), (PH, 4)):
         with pytest.raises(UnsupportedConfigError, match="NaN or Inf"):
-            QT.compute_scales(v, scope, page_size=ps)
+            quant_triton.compute_scales(v, scope, page_size=ps)
         s_ref = Q.compute_scales(vc, scope, page_size=ps, nonfinite="saturate")
-        s = QT.compute_scales(v, scope, page_size=ps, nonfinite="saturate")
+        s = quant_triton.compute_scales(v, scope, page_size=ps, nonfinite="saturate")
         assert_bytes_equal(s, s_ref)
-        assert_bytes_equal(QT.quantize(v, s, scope, page_size=ps), Q.quantize(vc, s_ref, scope, page_size=ps))
+        assert_bytes_equal(
+            quant_triton.quantize(v, s, scope, page_size=ps), Q.quantize(vc, s_ref, scope, page_size=ps)
+        )
         k = rand_v((8, 2, 48), torch.float16, seed=10)
-        pay = new_payload(QT.payload_nbytes(k, v, scope, ps))
-        amax = QT.encode_fused(k, v, scope, page_size=ps, payload=pay).cpu()
+        pay = new_payload(operands.payload_nbytes(k, v, scope, ps))
+        amax = fused_triton.encode_fused(k, v, scope, page_size=ps, payload=pay).cpu()
         assert not bool(torch.isfinite(amax).all())  # the caller refuses the blob from this
 
 
 def test_compute_scales_takes_amax() -> None:
     v = rand_v((9, 2, 48), torch.float16, seed=11)
-    am = QT.group_amax(v, LH)
-    assert_bytes_equal(QT.compute_scales(v, LH, amax=am), Q.compute_scales(v.cpu(), LH))
-    assert_bytes_equal(QT.scales_from_amax(am), Q.compute_scales(v.cpu(), LH))
+    am = quant_triton.group_amax(v, LH)
+    assert_bytes_equal(quant_triton.compute_scales(v, LH, amax=am), Q.compute_scales(v.cpu(), LH))
+    assert_bytes_equal(Q.amax_to_scale(am.cpu(), 448.0), Q.compute_scales(v.cpu(), LH))
 
 
 def test_group_amax_finite_only() -> None:
@@ -286,7 +293,7 @@ def test_group_amax_finite_only() -> None:
     v[0, 0, 0] = float("nan")
     v[6, 1, 3] = float("inf")
     for scope, ps in ((PT, None), (LH, None), (PH, 4)):
-        got = QT.group_amax(v, scope, page_size=ps, finite_only=True).cpu()
+        got = quant_triton.group_amax(v, scope, page_size=ps, finite_only=True).cpu()
         assert torch.equal(got, ref_amax(v, scope, ps, finite_only=True))
 
 
@@ -311,22 +318,24 @@ def test_encode_fused_matches_reference(
 ) -> None:
     k = rand_v((13, 2, 48), kdtype, seed=13)
     v = rand_v((13, 2, 48), vdtype, seed=14)
-    pay = new_payload(QT.payload_nbytes(k, v, scope, ps), offset)
-    amax = QT.encode_fused(k, v, scope, page_size=ps, payload=pay, strategy=strategy)  # type: ignore[arg-type]
+    pay = new_payload(operands.payload_nbytes(k, v, scope, ps), offset)
+    amax = fused_triton.encode_fused(k, v, scope, page_size=ps, payload=pay, strategy=strategy)  # type: ignore[arg-type]
     assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
     assert torch.equal(amax.cpu(), ref_amax(v, scope, ps))
 
 
 @pytest.mark.parametrize("scope,ps", SCOPES)
-def test_encode_two_stage_many_tiles(monkeypatch: pytest.MonkeyPatch, scope: ScaleScope, ps: int | None) -> None:
+def test_encode_two_stage_many_tiles(
+    monkeypatch: pytest.MonkeyPatch, scope: ScaleScope, ps: int | None
+) -> None:
     """Stage 1 split over several programs per group (atomic absmax)."""
-    monkeypatch.setattr(QT, "STAGE1_TOKENS", 3)
+    monkeypatch.setattr(quant_triton, "STAGE1_TOKENS", 3)
     k = rand_v((14, 2, 48), torch.float16, seed=15)
     v = rand_v((14, 2, 48), torch.float16, seed=16)
-    pay = new_payload(QT.payload_nbytes(k, v, scope, ps))
-    QT.encode_fused(k, v, scope, page_size=ps, payload=pay, strategy="two_stage")
+    pay = new_payload(operands.payload_nbytes(k, v, scope, ps))
+    fused_triton.encode_fused(k, v, scope, page_size=ps, payload=pay, strategy="two_stage")
     assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
-    assert_bytes_equal(QT.group_amax(v, scope, page_size=ps), ref_amax(v, scope, ps))
+    assert_bytes_equal(quant_triton.group_amax(v, scope, page_size=ps), ref_amax(v, scope, ps))
 
 
 def test_encode_fused_noncontiguous() -> None:
@@ -334,8 +343,8 @@ def test_encode_fused_noncontiguous() -> None:
     kv = rand_v((2, h, t, d), torch.float16, seed=17).permute(0, 2, 1, 3)
     k, v = kv[0], kv[1]
     for scope, ps in ((PT, None), (LH, None), (PH, 4)):
-        pay = new_payload(QT.payload_nbytes(k, v, scope, ps))
-        QT.encode_fused(k, v, scope, page_size=ps, payload=pay)
+        pay = new_payload(operands.payload_nbytes(k, v, scope, ps))
+        fused_triton.encode_fused(k, v, scope, page_size=ps, payload=pay)
         assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
 
 
@@ -345,25 +354,29 @@ def test_decode_fused(scope: ScaleScope, ps: int | None, out_dtype: torch.dtype)
     k = rand_v((11, 2, 48), out_dtype, seed=18)
     v = rand_v((11, 2, 48), out_dtype, seed=19)
     for offset in (0, 1):
-        pay = new_payload(QT.payload_nbytes(k, v, scope, ps), offset)
-        QT.encode_fused(k, v, scope, page_size=ps, payload=pay)
+        pay = new_payload(operands.payload_nbytes(k, v, scope, ps), offset)
+        fused_triton.encode_fused(k, v, scope, page_size=ps, payload=pay)
         ko = torch.empty((2, 11, 48), dtype=out_dtype, device=DEVICE).permute(1, 0, 2)
         vo = torch.empty_like(v)
-        QT.decode_fused(pay, ko, vo, scope, page_size=ps)
+        fused_triton.decode_fused(pay, ko, vo, scope, page_size=ps)
         vc = v.cpu()
         s = Q.compute_scales(vc, scope, page_size=ps)
-        ref = Q.dequantize(Q.quantize(vc, s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=out_dtype)
+        ref = Q.dequantize(
+            Q.quantize(vc, s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=out_dtype
+        )
         assert torch.equal(ko.cpu(), k.cpu())
         assert_bytes_equal(vo, ref)
 
 
 @pytest.mark.parametrize("form", ["lists", "stacked"])
-@pytest.mark.parametrize("scope,ps", [(PT, None), (LH, None), (PH, 4)], ids=["per_tensor", "per_layer_head", "per_page_head"])
+@pytest.mark.parametrize(
+    "scope,ps", [(PT, None), (LH, None), (PH, 4)], ids=["per_tensor", "per_layer_head", "per_page_head"]
+)
 def test_layers_one_launch(form: str, scope: ScaleScope, ps: int | None) -> None:
     n_layers, t, h, d = 3, 7, 2, 48
     ks_st = rand_v((n_layers, t, h, d), torch.float16, seed=20)
     vs_st = rand_v((n_layers, t, h, d), torch.float16, seed=21)
-    nbytes = QT.payload_nbytes(ks_st[0], vs_st[0], scope, ps)
+    nbytes = operands.payload_nbytes(ks_st[0], vs_st[0], scope, ps)
     if form == "lists":
         # Separate allocations: addressed through a device offset table.
         ks = [ks_st[i].clone() for i in range(n_layers)]
@@ -376,7 +389,7 @@ def test_layers_one_launch(form: str, scope: ScaleScope, ps: int | None) -> None
         pays = [pays_st[i] for i in range(n_layers)]
         kv_in = (ks_st, vs_st)
         pay_in = pays_st
-    amax = QT.encode_fused_layers(*kv_in, scope, page_size=ps, payloads=pay_in)  # type: ignore[arg-type]
+    amax = fused_triton.encode_fused_layers(*kv_in, scope, page_size=ps, payloads=pay_in)  # type: ignore[arg-type]
     assert amax.shape == (n_layers, *Q.scale_shape(scope, t, h, ps))
     for i in range(n_layers):
         assert_bytes_equal(pays[i], ref_payload(ks_st[i], vs_st[i], scope, ps))
@@ -384,13 +397,15 @@ def test_layers_one_launch(form: str, scope: ScaleScope, ps: int | None) -> None
     ko = torch.empty_like(ks_st)
     vo = torch.empty((n_layers, t, h, d), dtype=torch.bfloat16, device=DEVICE)
     if form == "lists":
-        QT.decode_fused_layers(pays, list(ko), list(vo), scope, page_size=ps)
+        fused_triton.decode_fused_layers(pays, list(ko), list(vo), scope, page_size=ps)
     else:
-        QT.decode_fused_layers(pay_in, ko, vo, scope, page_size=ps)  # type: ignore[arg-type]
+        fused_triton.decode_fused_layers(pay_in, ko, vo, scope, page_size=ps)  # type: ignore[arg-type]
     for i in range(n_layers):
         vc = vs_st[i].cpu()
         s = Q.compute_scales(vc, scope, page_size=ps)
-        ref = Q.dequantize(Q.quantize(vc, s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=torch.bfloat16)
+        ref = Q.dequantize(
+            Q.quantize(vc, s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=torch.bfloat16
+        )
         assert torch.equal(ko[i], ks_st[i])
         assert_bytes_equal(vo[i], ref)
 
@@ -402,24 +417,26 @@ def _as_planned_for_cuda(fn: object) -> object:
     reductions over several stage-1 tiles, CUDA tile sizes and warps, aligned
     K, aligned offset tables) instead of the interpreter's own planning.
     """
-    from kvcodec.kernels import _launch
+    from kvcodec.kernels import launch
 
-    with _launch.recording(_launch.Target(False, 132, (8, 0), "planned sm_80")) as launches:
+    with launch.recording(launch.Target(False, 132, (8, 0), "planned sm_80")) as launches:
         out = fn()  # type: ignore[operator]
     for ln in launches:
-        _launch.launch(ln.kernel, ln.grid, ln.kwargs)
+        launch.launch(ln.kernel, ln.grid, ln.kwargs)
     return out, launches
 
 
-@pytest.mark.skipif(_CUDA, reason="replays CUDA planning in the interpreter")
+@pytest.mark.skipif(DEVICE == "cuda", reason="replays CUDA planning in the interpreter")
 @pytest.mark.parametrize("form", ["lists", "stacked"])
-@pytest.mark.parametrize("scope,ps", [(PT, None), (LH, None), (PH, 16)], ids=["per_tensor", "per_layer_head", "per_page_head"])
+@pytest.mark.parametrize(
+    "scope,ps", [(PT, None), (LH, None), (PH, 16)], ids=["per_tensor", "per_layer_head", "per_page_head"]
+)
 def test_cuda_planning_replayed(form: str, scope: ScaleScope, ps: int | None) -> None:
     n_layers, t, h, d = 3, 40, 2, 64
     ks_st = rand_v((n_layers, t, h, d), torch.float16, seed=30)
     vs_st = rand_v((n_layers, t, h, d), torch.float16, seed=31)
-    nbytes = QT.payload_nbytes(ks_st[0], vs_st[0], scope, ps)
-    pays_st = QT.empty_payloads(n_layers, nbytes, DEVICE)
+    nbytes = operands.payload_nbytes(ks_st[0], vs_st[0], scope, ps)
+    pays_st = operands.empty_payloads(n_layers, nbytes, DEVICE)
     if form == "lists":  # uneven 16-byte aligned allocations: an aligned offset table
         buf = torch.zeros(n_layers * (t * h * d + 64) * 2, dtype=torch.float16)
         ks = [buf[i * (t * h * d + 8 * (i + 1)) :][: t * h * d].view(t, h, d) for i in range(n_layers)]
@@ -428,7 +445,9 @@ def test_cuda_planning_replayed(form: str, scope: ScaleScope, ps: int | None) ->
         kv_in: tuple[object, object] = (ks, [vs_st[i].clone() for i in range(n_layers)])
     else:
         kv_in = (ks_st, vs_st)
-    _, launches = _as_planned_for_cuda(lambda: QT.encode_fused_layers(*kv_in, scope, page_size=ps, payloads=pays_st))  # type: ignore[arg-type]
+    _, launches = _as_planned_for_cuda(
+        lambda: fused_triton.encode_fused_layers(*kv_in, scope, page_size=ps, payloads=pays_st)
+    )  # type: ignore[arg-type]
     kw = launches[0].kwargs
     assert kw["K_ALIGNED"] and kw["num_warps"] > 1
     if form == "lists":
@@ -438,21 +457,23 @@ def test_cuda_planning_replayed(form: str, scope: ScaleScope, ps: int | None) ->
     for i in range(n_layers):
         assert_bytes_equal(pays_st[i], ref_payload(ks_st[i], vs_st[i], scope, ps))
     ko, vo = torch.zeros_like(ks_st), torch.zeros_like(vs_st)
-    _as_planned_for_cuda(lambda: QT.decode_fused_layers(pays_st, ko, vo, scope, page_size=ps))
+    _as_planned_for_cuda(lambda: fused_triton.decode_fused_layers(pays_st, ko, vo, scope, page_size=ps))
     for i in range(n_layers):
         s = Q.compute_scales(vs_st[i], scope, page_size=ps)
-        ref = Q.dequantize(Q.quantize(vs_st[i], s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=torch.float16)
+        ref = Q.dequantize(
+            Q.quantize(vs_st[i], s, scope, page_size=ps), s, scope, page_size=ps, out_dtype=torch.float16
+        )
         assert torch.equal(ko[i], ks_st[i])
         assert_bytes_equal(vo[i], ref)
 
 
 def test_empty_chunk() -> None:
     k = torch.empty((0, 2, 48), dtype=torch.float16, device=DEVICE)
-    pay = torch.empty(QT.payload_nbytes(k, k, PT), dtype=torch.uint8, device=DEVICE)
+    pay = torch.empty(operands.payload_nbytes(k, k, PT), dtype=torch.uint8, device=DEVICE)
     assert pay.numel() == 4
-    amax = QT.encode_fused(k, k, PT, payload=pay)
+    amax = fused_triton.encode_fused(k, k, PT, payload=pay)
     assert amax.shape == ()
-    assert QT.quantize(k, torch.tensor(1.0), PT).shape == (0, 2, 48)
+    assert quant_triton.quantize(k, torch.tensor(1.0), PT).shape == (0, 2, 48)
 
 
 # ----------------------------------------------------------------------------
@@ -463,55 +484,60 @@ def test_empty_chunk() -> None:
 def test_validation_errors() -> None:
     v = rand_v((4, 2, 48), torch.float16)
     with pytest.raises(UnsupportedConfigError):
-        QT.compute_scales(v[0], PT)
+        quant_triton.compute_scales(v[0], PT)
     with pytest.raises(UnsupportedConfigError, match="page_size"):
-        QT.compute_scales(v, PH)
+        quant_triton.compute_scales(v, PH)
     with pytest.raises(UnsupportedConfigError, match="no computed scales"):
-        QT.group_amax(v, ScaleScope.EXTERNAL)
+        quant_triton.group_amax(v, ScaleScope.EXTERNAL)
     with pytest.raises(UnsupportedConfigError, match="FP8"):
-        QT.quantize(v, torch.tensor(1.0), PT, fp8_dtype=torch.float16)
+        quant_triton.quantize(v, torch.tensor(1.0), PT, fp8_dtype=torch.float16)
     with pytest.raises(UnsupportedConfigError, match="do not fit"):
-        QT.quantize(v, torch.ones(3), LH)
+        quant_triton.quantize(v, torch.ones(3), LH)
     with pytest.raises(UnsupportedConfigError, match="exactly"):
-        QT.encode_fused(v, v, PT, payload=new_payload(10))
+        fused_triton.encode_fused(v, v, PT, payload=new_payload(10))
     with pytest.raises(UnsupportedConfigError, match="1-D uint8"):
-        QT.encode_fused(v, v, PT, payload=torch.empty(QT.payload_nbytes(v, v, PT), dtype=torch.int8))
+        fused_triton.encode_fused(
+            v, v, PT, payload=torch.empty(operands.payload_nbytes(v, v, PT), dtype=torch.int8)
+        )
     with pytest.raises(UnsupportedConfigError, match="strategy"):
-        QT.encode_fused(v, v, LH, payload=new_payload(QT.payload_nbytes(v, v, LH)), strategy="fast")  # type: ignore[arg-type]
+        fused_triton.encode_fused(
+            v, v, LH, payload=new_payload(operands.payload_nbytes(v, v, LH)), strategy="fast"
+        )  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match="differ"):
-        QT.encode_fused(v, v[:3], PT, payload=new_payload(10))
+        fused_triton.encode_fused(v, v[:3], PT, payload=new_payload(10))
     with pytest.raises(UnsupportedConfigError, match="not FP8"):
-        QT.dequantize(v, torch.tensor(1.0), PT)
+        quant_triton.dequantize(v, torch.tensor(1.0), PT)
     with pytest.raises(UnsupportedConfigError, match="nonfinite"):
-        QT.compute_scales(v, PT, nonfinite="ignore")  # type: ignore[arg-type]
+        quant_triton.compute_scales(v, PT, nonfinite="ignore")  # type: ignore[arg-type]
 
 
 def test_autotune_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(QT, "AUTOTUNE", None)
+    monkeypatch.setattr(configs, "AUTOTUNE", None)
     monkeypatch.setenv("KVCODEC_AUTOTUNE", "0")
-    assert not QT._autotune_enabled()
+    assert not configs.autotune_enabled()
     monkeypatch.setenv("KVCODEC_AUTOTUNE", "1")
-    assert QT._autotune_enabled()
+    assert configs.autotune_enabled()
     monkeypatch.delenv("KVCODEC_AUTOTUNE")
-    assert not QT._autotune_enabled()  # never by default (first-call latency in a server)
-    monkeypatch.setattr(QT, "AUTOTUNE", True)
-    assert QT._autotune_enabled()
+    assert not configs.autotune_enabled()  # never by default (first-call latency in a server)
+    monkeypatch.setattr(configs, "AUTOTUNE", True)
+    assert configs.autotune_enabled()
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 256, 4096])
 @pytest.mark.parametrize("bd", [16, 64, 128, 256])
 def test_config_space_has_no_masked_or_spilling_tiles(rows: int, bd: int) -> None:
-    from kvcodec.kernels import _configs as C
-
-    configs = QT._tile_configs()
+    C = configs
+    candidates = tiles.tile_configs()
     for args in ({"T": rows}, {"GT": rows, "T": 4 * rows}, {"TT": rows, "GT": 8 * rows, "T": 8 * rows}):
-        kept = QT._prune_tiles(configs, args, kernel="_encode_groups_kernel", BLOCK_D=bd)
+        kept = tiles.prune_tiles(candidates, args, kernel="_encode_groups_kernel", BLOCK_D=bd)
         assert kept
         for c in kept:
             bt = c.kwargs["BLOCK_T"]
             assert bt <= C.pow2(rows), (args, bt)
             assert bt * bd <= C.MAX_PER_THREAD * 32 * c.num_warps
-            assert bt * bd >= C.MIN_PER_THREAD * 32 * c.num_warps or C.TileConfig(bt, c.num_warps) == C.heuristic(rows, bd)
+            assert bt * bd >= C.MIN_PER_THREAD * 32 * c.num_warps or C.TileConfig(
+                bt, c.num_warps
+            ) == C.heuristic(rows, bd)
     h = C.heuristic(rows, bd)
     assert h in C.config_space(rows, bd)
     assert h.block_t <= C.pow2(rows) and h.per_thread(bd) <= C.MAX_PER_THREAD
@@ -533,10 +559,10 @@ def test_subnormal_values() -> None:
     k = torch.zeros_like(v)
     for scope, ps in ((PT, None), (LH, None), (PH, 3)):
         s = Q.compute_scales(v, scope, page_size=ps)
-        assert_bytes_equal(QT.compute_scales(v.to(DEVICE), scope, page_size=ps), s)
-        pay = new_payload(QT.payload_nbytes(k, v, scope, ps))
-        QT.encode_fused(k.to(DEVICE), v.to(DEVICE), scope, page_size=ps, payload=pay)
+        assert_bytes_equal(quant_triton.compute_scales(v.to(DEVICE), scope, page_size=ps), s)
+        pay = new_payload(operands.payload_nbytes(k, v, scope, ps))
+        fused_triton.encode_fused(k.to(DEVICE), v.to(DEVICE), scope, page_size=ps, payload=pay)
         assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
         q = Q.quantize(v, s, scope, page_size=ps)
-        assert_bytes_equal(QT.dequantize(q.to(DEVICE), s.to(DEVICE), scope, page_size=ps, out_dtype=torch.bfloat16),
+        assert_bytes_equal(quant_triton.dequantize(q.to(DEVICE), s.to(DEVICE), scope, page_size=ps, out_dtype=torch.bfloat16),
                            Q.dequantize(q, s, scope, page_size=ps, out_dtype=torch.bfloat16))  # fmt: skip

@@ -10,28 +10,20 @@ for a CUDA GPU so the branches CUDA takes are covered here.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
+from tests.kernels.conftest import DEVICE, KERNEL_MARKS, require_kernels
 
-pytest.importorskip("triton")
+require_kernels()
 
-from kvcodec.kernels import quant_triton as QT  # noqa: E402
-from kvcodec.kernels import vllm_triton as VT  # noqa: E402
+from kvcodec.kernels import operands, vllm_triton  # noqa: E402
 
 import kvcodec  # noqa: E402
 from kvcodec import ScaleScope, UnsupportedConfigError  # noqa: E402
+from kvcodec.codec.chunk_blobs import ChunkEncoder  # noqa: E402
 
-DEVICE = "cuda" if _CUDA else "cpu"
-pytestmark = [pytest.mark.cuda if _CUDA else pytest.mark.interpreter]
-if not _CUDA and not QT.INTERPRET:
-    pytest.skip("kvcodec.kernels was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+pytestmark = KERNEL_MARKS
 
 PT = ScaleScope.PER_TENSOR
 LH = ScaleScope.PER_LAYER_HEAD
@@ -88,9 +80,11 @@ def encode_case(layout: str, dtype: torch.dtype, scope: ScaleScope, ps: int | No
     views = vllm_views(layout, layers, nb, h, bs, 2 * d, dtype, seed)
     ids = shuffled(-(-t // bs), nb, seed)
     k0, v0 = gather_ref(views[0], ids, t, d)
-    nbytes = QT.payload_nbytes(k0, v0, scope, ps)
-    pays = QT.empty_payloads(layers, nbytes, DEVICE)
-    amax = VT.gather_encode_layers(views, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps, payloads=pays)
+    nbytes = operands.payload_nbytes(k0, v0, scope, ps)
+    pays = operands.empty_payloads(layers, nbytes, DEVICE)
+    amax = vllm_triton.gather_encode_layers(
+        views, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps, payloads=pays
+    )
     assert tuple(amax.shape) == (layers, *kvcodec.numerics.scale_shape(scope, t, h, ps))
     for i, view in enumerate(views):
         k, v = gather_ref(view, ids, t, d)
@@ -117,8 +111,8 @@ def test_encode_fp32_cache_and_e5m2() -> None:
     views = vllm_views("LBNHC", 2, 4, 2, bs, 2 * d, torch.float32, seed=5)
     ids = [3, 0]
     k0, v0 = gather_ref(views[0], ids, t, d)
-    pays = QT.empty_payloads(2, QT.payload_nbytes(k0, v0, LH), DEVICE)
-    VT.gather_encode_layers(views, ids, num_tokens=t, head_size=d, scope=LH, payloads=pays,
+    pays = operands.empty_payloads(2, operands.payload_nbytes(k0, v0, LH), DEVICE)
+    vllm_triton.gather_encode_layers(views, ids, num_tokens=t, head_size=d, scope=LH, payloads=pays,
                             fp8_dtype=torch.float8_e5m2)  # fmt: skip
     for i in range(2):
         k, v = gather_ref(views[i], ids, t, d)
@@ -135,8 +129,8 @@ def test_separate_allocations_and_kernel_blocks() -> None:
     sched = [2, 0]  # scheduler blocks of 16 tokens = view blocks (4, 5) and (0, 1)
     view_ids = [4, 5, 0, 1]
     k0, v0 = gather_ref(a, view_ids, t, d)
-    pays = QT.empty_payloads(2, QT.payload_nbytes(k0, v0, PH, 4), DEVICE)
-    VT.gather_encode_layers(views, sched, num_tokens=t, head_size=d, scope=PH, page_size=4, payloads=pays,
+    pays = operands.empty_payloads(2, operands.payload_nbytes(k0, v0, PH, 4), DEVICE)
+    vllm_triton.gather_encode_layers(views, sched, num_tokens=t, head_size=d, scope=PH, page_size=4, payloads=pays,
                             block_size=16)  # fmt: skip
     for i, view in enumerate(views):
         k, v = gather_ref(view, view_ids, t, d)
@@ -154,7 +148,7 @@ def decode_case(layout: str, dtype: torch.dtype, scope: ScaleScope, ps: int | No
     dst = vllm_views(layout, layers, nb, h, bs, 2 * d, dtype, seed=12)
     before = [x.clone() for x in dst]
     ids = shuffled(-(-t // bs), nb, seed=13)
-    VT.decode_scatter_layers(pays, dst, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps)
+    vllm_triton.decode_scatter_layers(pays, dst, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps)
     for i in range(layers):
         want = before[i].clone()
         dec = kvcodec.decode(blobs[i], out_v_dtype=dtype)
@@ -172,23 +166,25 @@ def test_decode_every_layout(layout: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("scope,ps", [(PT, None), (LH, None), (PH, 5)], ids=["per_tensor", "per_layer_head", "ph5"])
+@pytest.mark.parametrize(
+    "scope,ps", [(PT, None), (LH, None), (PH, 5)], ids=["per_tensor", "per_layer_head", "ph5"]
+)
 def test_decode_scopes_dtypes_block48(dtype: torch.dtype, scope: ScaleScope, ps: int | None) -> None:
     decode_case("BLNHC", dtype, scope, ps, bs=48, t=100)
 
 
 def _as_planned_for_cuda(fn: object) -> list[object]:
     """Run ``fn``'s launches as planned for an sm_80-class CUDA GPU (132 SMs), executed here."""
-    from kvcodec.kernels import _launch
+    from kvcodec.kernels import launch
 
-    with _launch.recording(_launch.Target(False, 132, (8, 0), "planned sm_80")) as launches:
+    with launch.recording(launch.Target(False, 132, (8, 0), "planned sm_80")) as launches:
         fn()  # type: ignore[operator]
     for ln in launches:
-        _launch.launch(ln.kernel, ln.grid, ln.kwargs)
+        launch.launch(ln.kernel, ln.grid, ln.kwargs)
     return launches  # type: ignore[return-value]
 
 
-@pytest.mark.skipif(_CUDA, reason="replays CUDA planning in the interpreter")
+@pytest.mark.skipif(DEVICE == "cuda", reason="replays CUDA planning in the interpreter")
 @pytest.mark.parametrize("scope,ps", [(PT, None), (PH, 16)], ids=["per_tensor", "per_page_head"])
 def test_cuda_planning_replayed(scope: ScaleScope, ps: int | None) -> None:
     """CUDA's branches: aligned K, several warps, CUDA tiles, two stages over several stage-1 tiles, layer tables."""
@@ -203,8 +199,8 @@ def test_cuda_planning_replayed(scope: ScaleScope, ps: int | None) -> None:
         views.append(x)
     ids = [5, 2, 7]
     k0, v0 = gather_ref(views[0], ids, t, d)
-    pays = QT.empty_payloads(layers, QT.payload_nbytes(k0, v0, scope, ps), DEVICE)
-    launches = _as_planned_for_cuda(lambda: VT.gather_encode_layers(
+    pays = operands.empty_payloads(layers, operands.payload_nbytes(k0, v0, scope, ps), DEVICE)
+    launches = _as_planned_for_cuda(lambda: vllm_triton.gather_encode_layers(
         views, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps, payloads=pays))  # fmt: skip
     kw = launches[0].kwargs  # type: ignore[attr-defined]
     assert kw["K_ALIGNED"] and kw["num_warps"] > 1 and kw["PAGED"]
@@ -214,7 +210,7 @@ def test_cuda_planning_replayed(scope: ScaleScope, ps: int | None) -> None:
     for i in range(layers):
         assert payload_bytes(pays[i]) == ref_payload(*gather_ref(views[i], ids, t, d), scope, ps)
     dst = [torch.zeros_like(x) for x in views]
-    dec = _as_planned_for_cuda(lambda: VT.decode_scatter_layers(
+    dec = _as_planned_for_cuda(lambda: vllm_triton.decode_scatter_layers(
         pays, dst, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps))  # fmt: skip
     kw = dec[0].kwargs  # type: ignore[attr-defined]
     assert kw["K_ALIGNED"] and kw["num_warps"] > 1 and kw["PAGED"] and kw["VO_TAB"] == 8
@@ -231,7 +227,7 @@ def test_chunk_encoder_blobs_equal_encode(version: int) -> None:
     d, h, bs, t, layers = 16, 2, 16, 24, 3
     views = vllm_views("BLHNC", layers, 4, h, bs, 2 * d, torch.bfloat16, seed=31)
     hashes = {"model_id": "tiny", "kv_layout": "BLHNC"}
-    enc = VT.ChunkEncoder(views, head_size=d, scope=PH, page_size=16, version=version, hashes=hashes,
+    enc = ChunkEncoder(views, head_size=d, scope=PH, page_size=16, version=version, hashes=hashes,
                           layer_ids=[4, 5, 6])  # fmt: skip
     out = enc.host_buffer(t)
     assert out.shape[1] % 16 == 0 and enc.geometry(t)[1].payload_offset % 16 == 0
@@ -247,7 +243,7 @@ def test_chunk_encoder_refuses_nan() -> None:
     d, h, bs, t = 16, 2, 16, 16
     views = vllm_views("LBNHC", 2, 2, h, bs, 2 * d, torch.float16, seed=41)
     views[1][1, 1, 3, d + 2] = float("nan")
-    enc = VT.ChunkEncoder(views, head_size=d, scope=LH)
+    enc = ChunkEncoder(views, head_size=d, scope=LH)
     with pytest.raises(UnsupportedConfigError, match=r"layer 1.*NaN"):
         enc.launch([1], num_tokens=t, chunk_id=0, out=enc.host_buffer(t)).wait()
 
@@ -255,22 +251,22 @@ def test_chunk_encoder_refuses_nan() -> None:
 def test_validation() -> None:
     d = 16
     views = vllm_views("LBNHC", 2, 4, 2, 16, 2 * d, torch.float16)
-    pays = QT.empty_payloads(2, 4096, DEVICE)
+    pays = operands.empty_payloads(2, 4096, DEVICE)
     kw = {"num_tokens": 16, "scope": PH, "page_size": 16}
     with pytest.raises(UnsupportedConfigError, match="head_size == head_size_v"):
-        VT.gather_encode_layers(views, [0], head_size=12, payloads=pays, **kw)  # type: ignore[arg-type]
+        vllm_triton.gather_encode_layers(views, [0], head_size=12, payloads=pays, **kw)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match="FP8 cache"):
-        VT.prepare_views([torch.zeros(4, 2, 16, 2 * d, dtype=torch.uint8, device=DEVICE)], d)
+        vllm_triton.prepare_views([torch.zeros(4, 2, 16, 2 * d, dtype=torch.uint8, device=DEVICE)], d)
     with pytest.raises(UnsupportedConfigError, match="block-aligned"):
-        VT.gather_encode_layers(views, [0, 1], head_size=d, payloads=pays, start=8, **kw)  # type: ignore[arg-type]
+        vllm_triton.gather_encode_layers(views, [0, 1], head_size=d, payloads=pays, start=8, **kw)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match="exactly"):
-        VT.gather_encode_layers(views, [0], head_size=d, payloads=pays, **kw)  # type: ignore[arg-type]
+        vllm_triton.gather_encode_layers(views, [0], head_size=d, payloads=pays, **kw)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match="repeat"):
-        VT.decode_scatter_layers(pays, views, [1, 1], head_size=d, **{**kw, "num_tokens": 32})  # type: ignore[arg-type]
+        vllm_triton.decode_scatter_layers(pays, views, [1, 1], head_size=d, **{**kw, "num_tokens": 32})  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match="span"):
-        VT.gather_encode_layers(views, [4], head_size=d, payloads=pays, **kw)  # type: ignore[arg-type]
+        vllm_triton.gather_encode_layers(views, [4], head_size=d, payloads=pays, **kw)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match="share shape"):
-        VT.prepare_views([views[0], views[1][:3]], d)
+        vllm_triton.prepare_views([views[0], views[1][:3]], d)
 
 
 def test_start_and_tensor_ids() -> None:
@@ -280,12 +276,16 @@ def test_start_and_tensor_ids() -> None:
     table = torch.tensor([4, 1, 5, 0])
     chunk_ids = [1, 5]
     k0, v0 = gather_ref(views[0], chunk_ids, t, d)
-    pays = QT.empty_payloads(2, QT.payload_nbytes(k0, v0, LH), DEVICE)
-    VT.gather_encode_layers(views, table, num_tokens=t, head_size=d, scope=LH, payloads=pays, start=bs)
+    pays = operands.empty_payloads(2, operands.payload_nbytes(k0, v0, LH), DEVICE)
+    vllm_triton.gather_encode_layers(
+        views, table, num_tokens=t, head_size=d, scope=LH, payloads=pays, start=bs
+    )
     for i in range(2):
         assert payload_bytes(pays[i]) == ref_payload(*gather_ref(views[i], chunk_ids, t, d), LH, None)
     dst = [torch.zeros_like(x) for x in views]
-    VT.decode_scatter_layers(pays, VT.prepare_views(dst, d), table, num_tokens=t, head_size=d, scope=LH, start=bs)
+    vllm_triton.decode_scatter_layers(
+        pays, vllm_triton.prepare_views(dst, d), table, num_tokens=t, head_size=d, scope=LH, start=bs
+    )
     for i in range(2):
         blob = ref_blob(*gather_ref(views[i], chunk_ids, t, d), LH, None)
         dk = kvcodec.decode(blob, out_v_dtype=torch.float16)

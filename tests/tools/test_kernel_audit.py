@@ -198,35 +198,35 @@ def test_tune_parser_registers_on_a_cli() -> None:
 def test_tune_dry_run_checks_every_config(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Under the interpreter every config of every kernel is run and compared with the reference."""
     pytest.importorskip("triton")
-    from kvcodec.kernels import _launch
+    from kvcodec.kernels.launch import INTERPRET
 
-    if not _launch.INTERPRET:
+    if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 before kvcodec.kernels is imported")
-    from kvcodec.kernels import _configs
+    from kvcodec.kernels import configs
 
     from kvcodec.tools import tune as T
 
     shape = T.Shape(layers=2, tokens=8, heads=1, dim=16, page_size=4, block_size=4)
     results = T.tune(shape, "cpu", dry_run=True)
     kernels = {r.kernel for r in results}
-    assert {"_encode_groups_kernel", "_dequant_tiles_kernel", "_copy_rows_kernel"} <= kernels
+    assert {"_encode_groups_kernel", "_amax_tiles_kernel", "_quant_tiles_kernel", "_dequant_tiles_kernel"} <= kernels
     assert all(r.checked >= 1 and not r.failed for r in results)
     # A config whose output is wrong is caught before any timing.
     real_cases = T._cases
 
-    def copy_config_tried() -> bool:
-        return _configs.overridden("_copy_rows_kernel") is not None
+    def decode_config_tried() -> bool:
+        return configs.overridden("_dequant_tiles_kernel") is not None
 
     def sabotaged(shape: T.Shape, device: str) -> list[T._Case]:
         cases = real_cases(shape, device)
         for c in cases:
-            c.ok = (lambda ok: lambda: ok() and not copy_config_tried())(c.ok)
+            c.ok = (lambda ok: lambda: ok() and not decode_config_tried())(c.ok)
         return cases
 
     monkeypatch.setattr(T, "_cases", sabotaged)
     results = T.tune(shape, "cpu", dry_run=True)
-    copy = [r for r in results if r.kernel == "_copy_rows_kernel"]
-    assert copy and any("differs from the reference" in f for f in copy[0].failed)
+    dec = [r for r in results if r.kernel == "_dequant_tiles_kernel"]
+    assert dec and any("differs from the reference" in f for f in dec[0].failed)
     text = T.format_results(results, dry_run=True)
     assert "FAILED" in text
 
@@ -237,9 +237,9 @@ def test_tune_dry_run_checks_every_config(monkeypatch: pytest.MonkeyPatch, capsy
 
 
 def _plan(target: object, fn: object) -> list[object]:
-    from kvcodec.kernels import _launch
+    from kvcodec.kernels import launch
 
-    with _launch.recording(target) as launches:  # type: ignore[arg-type]
+    with launch.recording(target) as launches:  # type: ignore[arg-type]
         fn()  # type: ignore[operator]
     return launches
 
@@ -247,53 +247,51 @@ def _plan(target: object, fn: object) -> list[object]:
 def test_recording_plans_hardware_fp8_by_capability(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     import torch
-    from kvcodec.kernels import _launch
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import fused_triton, launch, operands
 
     from kvcodec.format import ScaleScope
 
     k = torch.zeros(2, 32, 2, 64, dtype=torch.float16)
-    pays = QT.empty_payloads(2, QT.payload_nbytes(k[0], k[0], ScaleScope.PER_PAGE_HEAD, 16), "cpu")
+    pays = operands.empty_payloads(2, operands.payload_nbytes(k[0], k[0], ScaleScope.PER_PAGE_HEAD, 16), "cpu")
 
     def enc() -> None:
-        QT.encode_fused_layers(k, k, ScaleScope.PER_PAGE_HEAD, page_size=16, payloads=pays)
+        fused_triton.encode_fused_layers(k, k, ScaleScope.PER_PAGE_HEAD, page_size=16, payloads=pays)
 
     for cap, hw in (((8, 0), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
-        (ln,) = _plan(_launch.Target(False, 132, cap, "sim"), enc)
+        (ln,) = _plan(launch.Target(False, 132, cap, "sim"), enc)
         assert ln.kwargs["HW_FP8"] is hw, cap
         assert ln.kwargs["num_warps"] > 1 and ln.kwargs["BLOCK_T"] == 16  # CUDA planning, not the interpreter's
     monkeypatch.setenv("KVCODEC_HW_FP8", "0")
-    (ln,) = _plan(_launch.H200, enc)
+    (ln,) = _plan(launch.H200, enc)
     assert ln.kwargs["HW_FP8"] is False
-    (ln,) = _plan(_launch.INTERPRETER, enc)
+    (ln,) = _plan(launch.INTERPRETER, enc)
     assert ln.kwargs["HW_FP8"] is False and ln.kwargs["num_warps"] == 1
 
 
 def test_padded_payloads_and_aligned_layer_tables() -> None:
     pytest.importorskip("triton")
     import torch
-    from kvcodec.kernels import _launch
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import fused_triton, launch, operands
 
     from kvcodec.format import ScaleScope
 
-    p = QT.empty_payloads(3, 1000, "cpu")
+    p = operands.empty_payloads(3, 1000, "cpu")
     assert p.shape == (3, 1000) and p.stride(0) % 16 == 0 and p.stride(0) >= 1000
     T, H, D = 16, 2, 64
     buf = torch.zeros(4096 * 8, dtype=torch.float16)
     aligned = [buf[o : o + T * H * D].view(T, H, D) for o in (0, 4096, 3 * 4096 + 8)]  # uneven: a table
     skewed = [buf[o : o + T * H * D].view(T, H, D) for o in (0, 4097, 3 * 4096 + 8)]
-    nb = QT.payload_nbytes(aligned[0], aligned[0], ScaleScope.PER_TENSOR, None)
+    nb = operands.payload_nbytes(aligned[0], aligned[0], ScaleScope.PER_TENSOR, None)
     for ks, want in ((aligned, 8), (skewed, 1)):
-        lns = _plan(_launch.H200, lambda ks=ks: QT.encode_fused_layers(
-            ks, aligned, ScaleScope.PER_TENSOR, payloads=QT.empty_payloads(3, nb, "cpu")))  # fmt: skip
+        lns = _plan(launch.H200, lambda ks=ks: fused_triton.encode_fused_layers(
+            ks, aligned, ScaleScope.PER_TENSOR, payloads=operands.empty_payloads(3, nb, "cpu")))  # fmt: skip
         amax = next(ln for ln in lns if "TT" in ln.kwargs)
         assert amax.kwargs["K_TAB"] == want and amax.kwargs["V_TAB"] == 8
         assert amax.kwargs["P_TAB"] == 0 and amax.kwargs["p_sl"] % 16 == 0  # padded stacked payloads: a stride
 
 
 def test_launch_pins_fp_fusion_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvcodec.kernels import _launch
+    from kvcodec.kernels import launch
 
     seen: dict[str, object] = {}
 
@@ -301,8 +299,8 @@ def test_launch_pins_fp_fusion_off(monkeypatch: pytest.MonkeyPatch) -> None:
         def __getitem__(self, grid: object) -> object:
             return lambda **kw: seen.update(kw, grid=grid)
 
-    monkeypatch.setattr(_launch, "INTERPRET", False)
-    _launch.launch(Fake(), (1, 2, 3), {"x": 1})
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    launch.launch(Fake(), (1, 2, 3), {"x": 1})
     assert seen == {"x": 1, "enable_fp_fusion": False, "grid": (1, 2, 3)}
 
 
@@ -310,35 +308,34 @@ def test_tuning_file_config_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     pytest.importorskip("triton")
     import torch
     import triton
-    from kvcodec.kernels import _configs, _launch
-    from kvcodec.kernels import quant_triton as QT
+    from kvcodec.kernels import configs, fused_triton, launch, operands
 
     from kvcodec.format import ScaleScope
 
     k = torch.zeros(256, 8, 128, dtype=torch.float16)
-    pay = torch.empty(QT.payload_nbytes(k, k, ScaleScope.PER_PAGE_HEAD, 16), dtype=torch.uint8)
+    pay = torch.empty(operands.payload_nbytes(k, k, ScaleScope.PER_PAGE_HEAD, 16), dtype=torch.uint8)
 
     def enc() -> None:
-        QT.encode_fused(k, k, ScaleScope.PER_PAGE_HEAD, page_size=16, payload=pay)
+        fused_triton.encode_fused(k, k, ScaleScope.PER_PAGE_HEAD, page_size=16, payload=pay)
 
-    target = _launch.Target(False, 132, (9, 0), "Some GPU")
+    target = launch.Target(False, 132, (9, 0), "Some GPU")
     (ln,) = _plan(target, enc)
-    default = _configs.TileConfig(ln.kwargs["BLOCK_T"], ln.kwargs["num_warps"])
-    assert default == _configs.heuristic(16, 128)
-    key = _configs.shape_key("_encode_groups_kernel", ln.kwargs, 16)
-    table = _configs.TuningTable()
-    table.put("Some GPU", triton.__version__, "_encode_groups_kernel", key, _configs.TileConfig(16, 2), us=1.0)
+    default = configs.TileConfig(ln.kwargs["BLOCK_T"], ln.kwargs["num_warps"])
+    assert default == configs.heuristic(16, 128)
+    key = configs.shape_key("_encode_groups_kernel", ln.kwargs, 16)
+    table = configs.TuningTable()
+    table.put("Some GPU", triton.__version__, "_encode_groups_kernel", key, configs.TileConfig(16, 2), us=1.0)
     path = tmp_path / "tuning.json"
     table.save(path)
     monkeypatch.setenv("KVCODEC_TUNING_FILE", str(path))
-    _configs.reload_tuning()
+    configs.reload_tuning()
     try:
         (ln,) = _plan(target, enc)
         assert (ln.kwargs["BLOCK_T"], ln.kwargs["num_warps"]) == (16, 2)
-        (ln,) = _plan(_launch.Target(False, 132, (9, 0), "Other GPU"), enc)  # keyed by GPU name
-        assert _configs.TileConfig(ln.kwargs["BLOCK_T"], ln.kwargs["num_warps"]) == default
-        assert _configs.TuningTable.load(path).to_json() == table.to_json()
+        (ln,) = _plan(launch.Target(False, 132, (9, 0), "Other GPU"), enc)  # keyed by GPU name
+        assert configs.TileConfig(ln.kwargs["BLOCK_T"], ln.kwargs["num_warps"]) == default
+        assert configs.TuningTable.load(path).to_json() == table.to_json()
         path.write_text("{not json")
-        assert len(_configs.TuningTable.load(path)) == 0  # a broken file never breaks launches
+        assert len(configs.TuningTable.load(path)) == 0  # a broken file never breaks launches
     finally:
-        _configs.reload_tuning()
+        configs.reload_tuning()

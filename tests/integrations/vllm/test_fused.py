@@ -11,19 +11,13 @@ kernels run in Triton's interpreter (tiny shapes).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
+from tests.kernels.conftest import CUDA as _CUDA
+from tests.kernels.conftest import DEVICE, KERNEL_MARKS, require_kernels
 
-pytest.importorskip("triton")
-
-from kvcodec.kernels import quant_triton as QT  # noqa: E402
+require_kernels()
 
 import kvcodec  # noqa: E402
 from kvcodec import CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError  # noqa: E402
@@ -31,11 +25,8 @@ from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk, load_chun
 from kvcodec.integrations.vllm.fused import ChunkLoad, FusedLayers, eligibility, load_layers  # noqa: E402
 from kvcodec.integrations.vllm.keys import KvcodecConfig  # noqa: E402
 
-DEVICE = "cuda" if _CUDA else "cpu"
 MODE = "auto" if _CUDA else "on"
-pytestmark = [pytest.mark.cuda if _CUDA else pytest.mark.interpreter]
-if not _CUDA and not QT.INTERPRET:
-    pytest.skip("kvcodec.kernels was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+pytestmark = KERNEL_MARKS
 
 LAYOUTS = ("LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
 HASHES = {"model_id": "tiny", "kv_layout": "vllm-token-major;test"}

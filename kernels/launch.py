@@ -4,8 +4,8 @@ Launch decisions (tile sizes, one pass or two, hardware FP8 converts) depend on
 the target: Triton's CPU interpreter, or a CUDA GPU with some SM count and
 compute capability. :func:`recording` plans launches for a simulated CUDA
 target on CPU tensors and records them instead of running them, so that
-``kvcodec.tools.audit`` can compile exactly those launches ahead of time on a
-machine without a GPU.
+the kernel audit (``dev/kernel_audit.py``) can compile exactly those launches
+ahead of time on a machine without a GPU.
 
 Every CUDA launch passes ``enable_fp_fusion=False``: no kernel relies on
 contraction (bit-exactness forbids it), and Triton 3.10 flips the default.
@@ -21,9 +21,12 @@ from typing import Any
 
 import torch
 
+from ..env import triton_interpret
+
 __all__ = [
     "H200",
     "INTERPRET",
+    "INTERPRETER",
     "Launch",
     "Target",
     "current_target",
@@ -32,8 +35,8 @@ __all__ = [
     "recording",
 ]
 
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-"""True when the kernels were built for Triton's CPU interpreter."""
+INTERPRET: bool = triton_interpret()
+"""True when the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET`` at import)."""
 
 
 @dataclass(frozen=True)

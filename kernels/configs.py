@@ -7,15 +7,19 @@ program covers (mostly masked, e.g. 128-row tiles over 16-token pages) and
 more than :data:`MAX_PER_THREAD` elements per thread (255 registers and
 spills).
 
-Launchers never autotune unless asked (``KVCODEC_AUTOTUNE=1``): they use the
-winner recorded by ``kvcodec tune`` in the tuning file for this GPU, Triton
-version, kernel and shape key, else the heuristic.
+Launchers never autotune unless asked (``KVCODEC_AUTOTUNE=1`` or
+:data:`AUTOTUNE`). Otherwise a launch's config is chosen one way,
+:func:`choose`: the config :func:`override` forces, else the winner recorded
+by ``kvcodec tune`` in the tuning file for this GPU, Triton version, kernel
+and shape key, else the heuristic.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -24,11 +28,15 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "AUTOTUNE",
     "KEY_FIELDS",
     "MAX_PER_THREAD",
+    "MAX_TUNING_BYTES",
     "TUNING_FORMAT",
     "TileConfig",
     "TuningTable",
+    "autotune_enabled",
+    "choose",
     "config_space",
     "default_tuning_path",
     "heuristic",
@@ -36,26 +44,32 @@ __all__ = [
     "override",
     "pow2",
     "reload_tuning",
+    "rows_covered",
     "shape_key",
     "tuned_config",
 ]
 
+AUTOTUNE: bool | None = None
+"""Autotune launch configs: None reads ``KVCODEC_AUTOTUNE`` (default off: :func:`choose`)."""
 MAX_PER_THREAD = 32
 """Most tile elements per thread (fp32 working values: more spills registers)."""
 MIN_PER_THREAD = 16
 """Fewest tile elements per thread worth a config: 16 FP8 bytes make one 128-bit access."""
-MIN_PER_THREAD_BY_KERNEL = {"_copy_rows_kernel": 8, "_amax_tiles_kernel": 8}
+MIN_PER_THREAD_BY_KERNEL = {"_amax_tiles_kernel": 8}
 """Kernels that move no FP8 bytes reach 128-bit accesses at 8 16-bit elements per thread."""
 BLOCK_TS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WARPS = (1, 2, 4, 8)
 TUNING_FORMAT = "kvcodec-tuning/1"
+MAX_TUNING_BYTES = 16 << 20
+"""A tuning file holds a few hundred entries; a bigger one is not read (it would be read into memory)."""
+
+_log = logging.getLogger("kvcodec.kernels")
 
 KEY_FIELDS: dict[str, tuple[str, ...]] = {
     "_encode_groups_kernel": ("D", "GT", "KB", "V_BF16", "PAGED"),
     "_amax_tiles_kernel": ("D", "TT", "KB", "V_BF16", "PAGED"),
     "_quant_tiles_kernel": ("D", "PS", "V_BF16", "PAGED", "FROM_AMAX"),
     "_dequant_tiles_kernel": ("D", "PS", "KB", "OUT_KIND", "PAGED"),
-    "_copy_rows_kernel": ("D", "SRC_PAGED", "DST_PAGED"),
 }
 """Launch arguments a kernel's best config depends on (with the row count, bucketed)."""
 
@@ -109,6 +123,24 @@ def config_space(rows: int, block_d: int, kernel: str = "") -> list[TileConfig]:
     return out
 
 
+def rows_covered(args: Mapping[str, Any]) -> int:
+    """Token rows one program of a tile launch covers: TT (stage-1 absmax), GT (one group), else all T."""
+    for name in ("TT", "GT", "T"):
+        if name in args:
+            return int(args[name])
+    return 1
+
+
+def autotune_enabled() -> bool:
+    """True when launches autotune: :data:`AUTOTUNE`, else ``KVCODEC_AUTOTUNE`` (off by default)."""
+    if AUTOTUNE is not None:
+        return bool(AUTOTUNE)
+    env = os.environ.get("KVCODEC_AUTOTUNE")
+    if env is not None and env.strip() != "":
+        return env.strip().lower() not in ("0", "false", "no", "off")
+    return False
+
+
 def shape_key(kernel: str, kw: Mapping[str, Any], rows: int) -> str:
     """Tuning-file key of a launch: its key fields and the row count rounded up to a power of two."""
     fields = KEY_FIELDS.get(kernel, ("D",))
@@ -134,6 +166,32 @@ class _Entry:
     key: str
 
 
+_ENTRY_FIELDS = ("gpu", "triton", "kernel", "key", "BLOCK_T", "num_warps")
+
+
+def _as_int(x: Any) -> int | None:
+    """``x`` as an int when it is one (or an integral finite float), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float) and math.isfinite(x) and x.is_integer():
+        return int(x)
+    return None
+
+
+def _parse_entry(r: Any) -> tuple[_Entry, TileConfig, dict[str, Any]] | None:
+    """One tuning-file entry, or None when it is malformed."""
+    if not isinstance(r, dict):
+        return None
+    names = [r.get(f) for f in _ENTRY_FIELDS[:4]]
+    bt, nw = _as_int(r.get("BLOCK_T")), _as_int(r.get("num_warps"))
+    if not all(isinstance(n, str) for n in names) or bt is None or nw is None:
+        return None
+    facts = {k: v for k, v in r.items() if k not in _ENTRY_FIELDS and isinstance(k, str)}
+    return _Entry(*names), TileConfig(bt, nw), facts
+
+
 class TuningTable:
     """Winning configs by (GPU name, Triton version, kernel, shape key), stored as JSON."""
 
@@ -144,7 +202,11 @@ class TuningTable:
         return len(self._rows)
 
     def put(self, gpu: str, triton: str, kernel: str, key: str, cfg: TileConfig, **facts: Any) -> None:
-        self._rows[_Entry(gpu, triton, kernel, key)] = {"BLOCK_T": cfg.block_t, "num_warps": cfg.num_warps, **facts}
+        self._rows[_Entry(gpu, triton, kernel, key)] = {
+            "BLOCK_T": cfg.block_t,
+            "num_warps": cfg.num_warps,
+            **facts,
+        }
 
     def get(self, gpu: str, triton: str, kernel: str, key: str) -> TileConfig | None:
         row = self._rows.get(_Entry(gpu, triton, kernel, key))
@@ -153,7 +215,10 @@ class TuningTable:
         return TileConfig(int(row["BLOCK_T"]), int(row["num_warps"]))
 
     def to_json(self) -> dict[str, Any]:
-        entries = [{"gpu": e.gpu, "triton": e.triton, "kernel": e.kernel, "key": e.key, **r} for e, r in self._rows.items()]
+        entries = [
+            {"gpu": e.gpu, "triton": e.triton, "kernel": e.kernel, "key": e.key, **r}
+            for e, r in self._rows.items()
+        ]
         entries.sort(key=lambda r: (r["gpu"], r["triton"], r["kernel"], r["key"]))
         return {"format": TUNING_FORMAT, "entries": entries}
 
@@ -163,21 +228,37 @@ class TuningTable:
         t = cls()
         if not isinstance(obj, dict) or obj.get("format") != TUNING_FORMAT:
             return t
-        for r in obj.get("entries", []):
-            try:
-                cfg = TileConfig(int(r["BLOCK_T"]), int(r["num_warps"]))
-                facts = {k: v for k, v in r.items() if k not in ("gpu", "triton", "kernel", "key", "BLOCK_T", "num_warps")}
-                t.put(str(r["gpu"]), str(r["triton"]), str(r["kernel"]), str(r["key"]), cfg, **facts)
-            except (KeyError, TypeError, ValueError):
-                continue
+        entries = obj.get("entries")
+        if not isinstance(entries, list):
+            return t
+        for r in entries:
+            row = _parse_entry(r)
+            if row is not None:
+                entry, cfg, facts = row
+                t.put(entry.gpu, entry.triton, entry.kernel, entry.key, cfg, **facts)
         return t
 
     @classmethod
     def load(cls, path: Path) -> TuningTable:
+        """The table in the file at ``path``; empty (and logged) when it is missing, too big or not a tuning file."""
         try:
-            return cls.from_json(json.loads(Path(path).read_text()))
-        except (OSError, ValueError):
-            return cls()
+            with open(path, "rb") as f:
+                raw = f.read(MAX_TUNING_BYTES + 1)
+        except OSError:
+            return cls()  # no tuning file: the heuristic serves
+        why = None
+        if len(raw) > MAX_TUNING_BYTES:
+            why = f"larger than {MAX_TUNING_BYTES} bytes"
+        else:
+            try:
+                return cls.from_json(json.loads(raw))
+            except (
+                ValueError,
+                RecursionError,
+            ) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                why = f"not JSON ({type(e).__name__})"
+        _log.warning("kvcodec tuning file %s ignored: %s; launches use the heuristic configs", path, why)
+        return cls()
 
     def save(self, path: Path) -> None:
         path = Path(path)
@@ -236,3 +317,13 @@ def tuned_config(gpu: str, kernel: str, key: str, block_d: int) -> TileConfig | 
     if cfg.per_thread(block_d) > 4 * MAX_PER_THREAD:
         return None
     return cfg
+
+
+def choose(
+    kernel: str, kw: Mapping[str, Any], rows: int, block_d: int, *, gpu: str, interpret: bool
+) -> TileConfig:
+    """The config of a launch of ``kernel``: forced by :func:`override`, else tuned for ``gpu``, else the heuristic."""
+    cfg = overridden(kernel)
+    if cfg is None and not interpret and gpu:
+        cfg = tuned_config(gpu, kernel, shape_key(kernel, kw, rows), block_d)
+    return cfg or heuristic(rows, block_d, interpret)

@@ -1,4 +1,23 @@
-"""Shared Triton device helpers of kvcodec's kernels (imported only by kernel modules).
+"""Shared Triton device helpers of kvcodec's kernels, and the naming scheme of kernel arguments.
+
+Kernel arguments are named by one scheme (launchers spell each name out in
+full, so grep finds every use):
+
+* an operand is a short prefix: ``k``/``v`` (K and V in), ``p``/``pay``
+  (payload), ``q`` (FP8 codes in), ``o`` (codes out), ``ko``/``vo`` (K and V
+  out), ``s`` (scales), ``tbl`` (block table), ``amax``/``abits`` (absmax);
+* ``<op>_ptr`` is its base pointer, ``<op>_ltab`` its per-layer offset
+  table and ``<OP>_TAB`` that table's constexpr (0: ``layer * <op>_sl``);
+* its element strides are ``<op>_st`` (token), ``<op>_sh`` (head),
+  ``<op>_sd`` (channel), ``<op>_sb`` (block, paged rows) and ``<op>_sl``
+  (layer); scale tensors use ``s_pg`` (page) and ``s_hd`` (head);
+* sizes are capitals: ``T`` tokens, ``H`` heads, ``D`` head_dim, ``BS``
+  block size (tokens per cache block), ``PS`` tokens per scale group, ``GT``
+  tokens per group of one program, ``TT`` tokens per stage-1 tile, ``KB``
+  bytes per K element, ``BLOCK_T``/``BLOCK_D`` the tile;
+* ``MANT``/``BIAS``/``MAX_BITS``/``SAT`` describe the FP8 format
+  (:class:`kvcodec.kernels.operands.Fp8Constants`), ``HW_FP8`` selects the
+  hardware converters.
 
 Every float conversion whose rounding matters is done with integer ops on the
 fp32 bit pattern, so results are identical on the interpreter, NVIDIA and
