@@ -176,7 +176,8 @@ def _eviction_order(index: Mapping[str, _Entry], key: str) -> Iterator[list[str]
     First groups whose prefix is broken (a predecessor is gone), deepest first;
     then leaves (no successor present): the least recently used first, the
     deepest first among equals; a leaf's predecessor becomes a leaf once it is
-    evicted. ``key``'s own group and its predecessors are never offered.
+    evicted. ``key``'s own group and its predecessors are never offered, and when
+    ``key``'s own prefix is broken only broken groups are.
     """
     groups: dict[str, _Group] = {}
     for k, e in index.items():
@@ -187,6 +188,7 @@ def _eviction_order(index: Mapping[str, _Entry], key: str) -> Iterator[list[str]
         g.parent = g.parent or parent
     protected = set()
     gid, _, parent = chunk_group(key)
+    parent_of_key = parent
     protected.add(gid)
     while parent is not None and parent not in protected:
         protected.add(parent)
@@ -221,6 +223,8 @@ def _eviction_order(index: Mapping[str, _Entry], key: str) -> Iterator[list[str]
     for gid in broken:
         if gid not in protected:
             yield _ordered(groups[gid].members)
+    if parent_of_key is not None and not rooted(parent_of_key):
+        return  # a chunk that cannot be hit (its predecessor is gone) never displaces one that can
     heap = [(g.stamp, -g.depth, gid) for gid, g in groups.items() if gid not in broken_ids and not g.children]
     heapq.heapify(heap)
     while heap:
@@ -292,7 +296,8 @@ class DirectoryStore:
     Groups whose predecessor chain is broken go first (deepest first); then
     leaves, least recently used first and deepest first among equals, so a
     prefix loses its last chunks before its first. A ``put`` never evicts its
-    own group or its predecessors: when nothing else can go it raises
+    own group or its predecessors, and a chunk whose predecessor is missing
+    evicts only other such chunks: when nothing else can go it raises
     :class:`StoreFullError`, so a store capped below one prompt keeps serving
     that prompt's leading chunks. Other keys are groups of their own (plain
     LRU). Eviction removes exactly the file it examined: the victim is renamed

@@ -63,6 +63,15 @@ def test_capped_store_keeps_a_prompts_leading_chunks(tmp_path: Path) -> None:
     assert not any(k.endswith(f"-C2-H{_hash('a', 2)}-P{_hash('a', 1)}") for k in st.keys())
 
 
+def test_a_chunk_after_a_gap_never_displaces_a_servable_one(tmp_path: Path) -> None:
+    st = DirectoryStore(tmp_path, max_bytes=2 * _group_bytes() + 100)
+    _put_chunk(st, "a", 0)
+    _put_chunk(st, "a", 1)
+    with pytest.raises(StoreFullError):
+        _put_chunk(st, "a", 3)  # a2 was never stored: a3 can never be hit
+    assert _chunks(st) == {"a0", "a1"}
+
+
 def test_deepest_chunk_of_the_least_recent_prefix_goes_first(tmp_path: Path) -> None:
     st = DirectoryStore(tmp_path, max_bytes=5 * _group_bytes() + 100)
     for c in range(3):
