@@ -158,6 +158,8 @@ class _ReqState:
     """Prefix hash of each full prompt chunk."""
     block_ids: list[int]
     next_chunk: int = 0
+    saved_upto: int = 0
+    """Chunks below this are stored or planned: a chunk is saved only after its predecessor."""
 
 
 @dataclass
@@ -348,12 +350,17 @@ class KvcodecConnector(KVConnectorBase_V1):
         cs, bs = self._cfg.chunk_size, self._geo.block_size
         done = min(computed_after // cs, len(state.hashes))
         for c in range(state.next_chunk, done):
-            if not self._chunk_present(c, state.hashes):
-                parent = state.hashes[c - 1] if c else None
-                blocks = state.block_ids[: -(-(c + 1) * cs // bs)]
-                meta.saves.append(SaveSpec(req_id, c, state.hashes[c], parent, blocks))
-                if req_id in self._lookups:
-                    self._lookups[req_id].saves += 1
+            if self._chunk_present(c, state.hashes):
+                state.saved_upto = c + 1
+                continue
+            if c > state.saved_upto:
+                break  # its predecessor is neither stored nor being saved: it could never be hit
+            parent = state.hashes[c - 1] if c else None
+            blocks = state.block_ids[: -(-(c + 1) * cs // bs)]
+            meta.saves.append(SaveSpec(req_id, c, state.hashes[c], parent, blocks))
+            state.saved_upto = c + 1
+            if req_id in self._lookups:
+                self._lookups[req_id].saves += 1
         state.next_chunk = max(state.next_chunk, done)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -436,6 +443,7 @@ class KvcodecConnector(KVConnectorBase_V1):
 
     def _prepare_background(self, spec: LoadSpec) -> None:
         result = self._prepare(spec)
+        self.counters.add(requests_loaded_async=1)
         with self._lock:
             self._ready.append(result)
 
@@ -666,6 +674,11 @@ class KvcodecConnector(KVConnectorBase_V1):
         return assemble(header)
 
     # ------------------------------------------------------------ lifecycle and metrics
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until the writer has no pending chunk (True) or ``timeout`` s pass (False): for tests and
+        benchmarks that read the store right after a request."""
+        return self._writer.wait_idle(timeout)
 
     def shutdown(self) -> None:
         """Drain the writer for up to ``shutdown_timeout_s`` and abandon the rest; drop pending loads."""

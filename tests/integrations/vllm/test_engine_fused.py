@@ -68,6 +68,7 @@ def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
 
 
 def _blobs(store: Path) -> dict[str, bytes]:
+    """Every file under a key: each layer's blob and each chunk's manifest."""
     return {k: (store / k).read_bytes() for k in sorted(os.listdir(store)) if not k.startswith(".")}
 
 
@@ -88,7 +89,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     damaged = tmp / "damaged-store"
     shutil.copytree(fused_store, damaged)
     h = prefix_hashes(PROMPTS[0][: 3 * CHUNK], CHUNK)[2]
-    (key,) = [k for k in res["a_blobs"] if k.endswith(f"-L1-C2-H{h}")]
+    (key,) = [k for k in res["a_blobs"] if f"-L1-C2-H{h}-P" in k]
     bad = bytearray(res["a_blobs"][key])
     bad[-3] ^= 0x10
     (damaged / key).write_bytes(bad)
@@ -103,7 +104,7 @@ def test_fused_save_writes_the_per_layer_blobs(engines):
     assert a["stats"]["chunks_saved_fused"] == 4 and a["stats"]["blobs_saved"] == 4 * LAYERS
     assert a["stats"]["save_errors"] == 0
     assert c["stats"]["chunks_saved_fused"] == 0 and c["stats"]["blobs_saved"] == 4 * LAYERS
-    assert len(engines["a_blobs"]) == 4 * LAYERS
+    assert len(engines["a_blobs"]) == 4 * (LAYERS + 1)  # and a manifest per chunk
     assert engines["a_blobs"].keys() == engines["c_blobs"].keys()
     for key, blob in engines["a_blobs"].items():
         assert blob == engines["c_blobs"][key], key
