@@ -67,7 +67,7 @@ bench-gate-selftest:
 # On a GPU machine with python3, torch and triton preinstalled (no venv, no
 # registry): CUDA tests + GPU benchmarks from the source tree.
 gpu-check:
-	PYTHONPATH=. $(PY) bench/gpu_check.py
+	PYTHONPATH=. $(PY) dev/gpu_check.py
 
 # Per-area targets (vLLM, LMCache, kernel audit, sanitizers) live in mk/*.mk.
 -include mk/*.mk

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py without a GPU: clean exit, and its harness exercised on CPU (Triton interpreter)."""
+"""dev/gpu_check.py without a GPU: clean exit, and its harness exercised on CPU (Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ if not _CUDA:
 os.environ.setdefault("KVCODEC_AUTOTUNE", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "gpu_check.py"
+SCRIPT = ROOT / "dev" / "gpu_check.py"
 
 
 def _load() -> ModuleType:
@@ -68,7 +68,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(name)
         return None
 sys.meta_path.insert(0, Block())
-sys.path.insert(0, {str(ROOT / "bench")!r})
+sys.path.insert(0, {str(ROOT / "dev")!r})
 import gpu_check
 gpu_check.ensure_kernels_importable()
 import kvcodec.kernels.quant_triton as qt
@@ -76,7 +76,9 @@ assert qt.__file__.endswith("kernels/quant_triton.py"), qt.__file__
 print("shim ok")
 """
     env = dict(_env(), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "shim ok" in proc.stdout
 
@@ -121,7 +123,8 @@ def test_benchmark_harness_on_cpu(tmp_path: Path) -> None:
     back = json.loads(path.read_text())
     assert back["checks_ok"] and back["tests_ok"] and len(back["bench"]) == len(rows)
     assert extra["errors"] == []
-    head = gc.autotuned_headline(dev, sizes, timer)  # (autotuning itself needs a GPU; here the heuristic runs)
+    # Autotuning itself needs a GPU; here the heuristic runs.
+    head = gc.autotuned_headline(dev, sizes, timer)
     assert [r.name.endswith("autotuned") for r in head] == [True] * 4
     # Over budget: optional parts are skipped and said so.
     rows2, _, extra2 = gc.run_benchmarks(dev, sizes, timer, budget_s=0.0)
@@ -130,7 +133,9 @@ def test_benchmark_harness_on_cpu(tmp_path: Path) -> None:
 
 def test_pytest_tier_reports_missing_or_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a)
+    )
     res = gc.run_pytest(["tests/kernels/test_cuda.py"], timeout_s=60)
     assert res == {"ran": False, "reason": "pytest is not installed (built-in checks cover the kernels)"}
     monkeypatch.undo()

@@ -1,10 +1,10 @@
-# Triton kernel targets (kernels/, kvcodec/tools/audit.py, kvcodec/tools/tune.py).
+# Triton kernel targets (kernels/, dev/kernel_audit.py, kvcodec/tools/tune.py, dev/gpu_check.py).
 # The audit compiles for NVIDIA GPUs ahead of time: no GPU needed, only triton
 # (its bundled ptxas and cuobjdump). TRITON_INTERPRET must be unset for it.
 
 .PHONY: kernel-audit kernel-audit-all kernel-audit-update kernel-audit-triton36 tune tune-dry-run
 
-AUDIT := env -u TRITON_INTERPRET $(BIN)/python -m kvcodec.tools.audit
+AUDIT := env -u TRITON_INTERPRET $(BIN)/python dev/kernel_audit.py
 
 # CI gate: the codec's launches on its headline workloads, sm_90, against
 # bench/kernel_budget.json (about a minute on 2 cores; seconds when Triton's cache is warm).
@@ -32,7 +32,7 @@ $(TRITON36_VENV)/bin/python:
 
 kernel-audit-triton36: $(TRITON36_VENV)/bin/python
 	env -u TRITON_INTERPRET $(TRITON36_VENV)/bin/python -c "import triton; print('triton', triton.__version__, triton.__file__)"
-	env -u TRITON_INTERPRET $(TRITON36_VENV)/bin/python -m kvcodec.tools.audit --json bench/results/kernel-audit-triton36.json
+	env -u TRITON_INTERPRET $(TRITON36_VENV)/bin/python dev/kernel_audit.py --json bench/results/kernel-audit-triton36.json
 
 # On a GPU: time every config, write the winners to the tuning file.
 tune:

@@ -18,10 +18,10 @@ import torch
 
 from ..format import ScaleScope
 from ..kernels.launch import is_recording
-from ..kernels.operands import PAYLOAD_ALIGN, check_scope, empty_payloads, payload_stride
+from ..kernels.operands import PAYLOAD_ALIGN, check_scope, empty_payloads
 from .base import Groups, NonFinitePolicy, TwoPass
 
-__all__ = ["BACKEND", "PAYLOAD_ALIGN", "TritonBackend", "payload_stride"]
+__all__ = ["BACKEND", "PAYLOAD_ALIGN", "TritonBackend"]
 
 
 def _quant() -> Any:

@@ -25,8 +25,10 @@ import torch
 from ..backends.triton import BACKEND as TRITON
 from ..backends.triton import PAYLOAD_ALIGN
 from ..errors import UnsupportedConfigError
-from ..format import Hashes, Header, HeaderPacker, ScaleScheme, ScaleScope
-from ..numerics import check_layers_amax, scale_shape
+from ..format import Hashes, Header, HeaderPacker, ScaleScope
+from ..numerics import check_layers_amax
+from .encode import plan_encode
+from .spec import EncodeSpec
 
 __all__ = ["BlockIds", "ChunkEncoder", "HostChunk", "PendingChunk"]
 
@@ -155,20 +157,25 @@ class ChunkEncoder:
         self._packers: dict[int, tuple[HeaderPacker, HostChunk]] = {}
 
     def header(self, num_tokens: int, *, chunk_id: int = -1, layer_id: int = -1) -> Header:
-        """The header every layer's blob of a ``num_tokens`` chunk carries (ids aside), as ``kvcodec.encode`` writes it."""
-        cv, ps = self.views, self.page_size
-        shape = scale_shape(self.scope, num_tokens, cv.heads, ps)
-        elems = num_tokens * cv.heads * cv.head_size
-        n_scales = 1
-        for s in shape:
-            n_scales *= s
-        return Header(
-            k_dtype=cv.dtype, v_dtype=self.fp8_dtype, scale_dtype=torch.float32, scale_scope=self.scope,
-            version=self.version, scale_scheme=ScaleScheme.COMPUTED, layer_id=layer_id, chunk_id=chunk_id,
-            chunk_size=num_tokens, page_size=-1 if ps is None else ps, kv_head_count=cv.heads,
-            head_dim=cv.head_size, scale_shape=shape, k_payload_len=elems * cv.dtype.itemsize,
-            v_payload_len=elems, scale_payload_len=4 * n_scales, hashes=self.hashes,
-        )  # fmt: skip
+        """The header every layer's blob of a ``num_tokens`` chunk carries (ids aside), as ``kvcodec.encode`` writes it.
+
+        Planned by the codec's own :func:`~kvcodec.codec.encode.plan_encode` over
+        data-free stand-ins of the chunk's K and V (one element, expanded), so
+        there is one place that builds a header from an encode's options.
+        """
+        cv = self.views
+        stand_in = torch.zeros((), dtype=cv.dtype).expand(num_tokens, cv.heads, cv.head_size)
+        spec = EncodeSpec(
+            scope=self.scope,
+            page_size=self.page_size,
+            hashes=self.hashes,
+            layer_id=layer_id,
+            chunk_id=chunk_id,
+            v_dtype=self.fp8_dtype,
+            allow_e5m2=True,
+            version=self.version,
+        )
+        return plan_encode(stand_in, stand_in, spec).header
 
     def geometry(self, num_tokens: int) -> tuple[HeaderPacker, HostChunk]:
         """The header packer and buffer geometry of a ``num_tokens`` chunk (cached)."""

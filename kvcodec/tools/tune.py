@@ -99,7 +99,9 @@ def _cases(shape: Shape, device: str) -> list[_Case]:
         scales = [Q.compute_scales(vs[i], scope, page_size=ps) for i in range(L)]
         qs = [Q.quantize(vs[i], scales[i], scope, page_size=ps) for i in range(L)]
         want = torch.stack([torch.cat([u8(ks[i]), u8(qs[i]), u8(scales[i])]) for i in range(L)])
-        want_v = torch.stack([u8(Q.dequantize(qs[i], scales[i], scope, page_size=ps, out_dtype=dt)) for i in range(L)])
+        want_v = torch.stack(
+            [u8(Q.dequantize(qs[i], scales[i], scope, page_size=ps, out_dtype=dt)) for i in range(L)]
+        )
         pays = operands.empty_payloads(L, want.shape[1], device)
         src = operands.empty_payloads(L, want.shape[1], device)
         src.copy_(want.to(device))
@@ -273,7 +275,12 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int)
     p.add_argument("--page-size", type=int)
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default=None)
-    p.add_argument("--out", type=Path, default=None, help="tuning file (default: $KVCODEC_TUNING_FILE or the user cache dir)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="tuning file (default: $KVCODEC_TUNING_FILE or the user cache dir)",
+    )
     p.add_argument("--dry-run", action="store_true",
                    help="check every config's output on tiny shapes, no timing, no file (CPU: TRITON_INTERPRET=1)")  # fmt: skip
     p.add_argument("--reps", type=int, default=50, help="do_bench milliseconds per config")
@@ -315,7 +322,11 @@ def run(args: argparse.Namespace) -> int:
         device = "cpu" if INTERPRET else "cuda"
     else:
         if INTERPRET or not torch.cuda.is_available():
-            why = "TRITON_INTERPRET is set" if INTERPRET else "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+            why = (
+                "TRITON_INTERPRET is set"
+                if INTERPRET
+                else "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+            )
             print(f"kvcodec tune needs a CUDA GPU to time kernels: {why}. "
                   "Use --dry-run (with TRITON_INTERPRET=1 on CPU) to check every config's correctness.",
                   file=sys.stderr)  # fmt: skip
@@ -350,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = _configure(argparse.ArgumentParser(prog="python -m kvcodec.tools.tune", description=__doc__.split("\n\n")[0]))
+    p = _configure(
+        argparse.ArgumentParser(prog="python -m kvcodec.tools.tune", description=__doc__.split("\n\n")[0])
+    )
     return run(p.parse_args(argv))
 
 

@@ -1,4 +1,4 @@
-"""The kernel audit (kvcodec.tools.audit) and kvcodec tune: parsing, rules, budget, and real AOT compiles.
+"""The kernel audit (dev/kernel_audit.py) and kvcodec tune: parsing, rules, budget, and real AOT compiles.
 
 The real compiles run in a subprocess without TRITON_INTERPRET (the test
 session sets it on machines without a GPU); they need triton and its
@@ -7,19 +7,34 @@ bundled cuobjdump, no GPU.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from kvcodec.tools import audit as A
 from tests.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
 BUDGET = ROOT / "bench" / "kernel_budget.json"
+AUDIT = ROOT / "dev" / "kernel_audit.py"
+
+
+def _load_audit() -> ModuleType:
+    """dev/kernel_audit.py, a developer tool outside the installed package, loaded by path."""
+    spec = importlib.util.spec_from_file_location("kvcodec_dev_kernel_audit", AUDIT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+A = _load_audit()
 
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                      /* 0x00000a00ff017b82 */
@@ -70,7 +85,9 @@ def test_rules() -> None:
     assert "compile failed" in A.check([rec(ok=False, error="boom")], None)[0].what
     assert "spills" in A.check([rec(spill_insts=2, local_bytes=16)], None)[0].what
     assert "no cvt" in A.check([rec(hw_fp8=True, encodes_fp8=True, fp8_cvt="")], None)[0].what
-    v = A.check([rec(hw_fp8=True, encodes_fp8=True, fp8_cvt="cvt.rn.satfinite.e4m3x2.f32", f16_step=True)], None)
+    v = A.check(
+        [rec(hw_fp8=True, encodes_fp8=True, fp8_cvt="cvt.rn.satfinite.e4m3x2.f32", f16_step=True)], None
+    )
     assert [x.what for x in v] == ["FP8 conversion rounds through fp16 (double rounding)"]
     assert "not vectorised" in A.check([rec(ld128=0)], None)[0].what
     assert A.check([rec(ld128=0, vec=False)], None) == []
@@ -126,7 +143,7 @@ def test_committed_budget_is_well_formed() -> None:
 def _run_audit(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "kvcodec.tools.audit", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, str(AUDIT), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
@@ -145,7 +162,9 @@ def test_audit_quick_real_compile(tmp_path: Path) -> None:
     recs = json.loads(out.read_text())["records"]
     assert len(recs) == 5 and all(r["ok"] for r in recs)
     enc = [r for r in recs if r["encodes_fp8"]]
-    assert enc and all(r["fp8_cvt"].startswith("cvt.rn.satfinite.e4m3x2.f32") and not r["f16_step"] for r in enc)
+    assert enc and all(
+        r["fp8_cvt"].startswith("cvt.rn.satfinite.e4m3x2.f32") and not r["f16_step"] for r in enc
+    )
     assert all(r["spill_insts"] == 0 and r["ld128"] > 0 for r in recs)
     # The integer emulation (sm_80's path) is what KVCODEC_HW_FP8=0 plans: no hardware cvt.
     proc = _run_audit("--quick", "--rules-only", "--json", str(out), env_extra={"KVCODEC_HW_FP8": "0"})
@@ -195,7 +214,9 @@ def test_tune_parser_registers_on_a_cli() -> None:
 
 
 @pytest.mark.interpreter
-def test_tune_dry_run_checks_every_config(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tune_dry_run_checks_every_config(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Under the interpreter every config of every kernel is run and compared with the reference."""
     pytest.importorskip("triton")
     from kvcodec.kernels.launch import INTERPRET
@@ -209,7 +230,12 @@ def test_tune_dry_run_checks_every_config(monkeypatch: pytest.MonkeyPatch, capsy
     shape = T.Shape(layers=2, tokens=8, heads=1, dim=16, page_size=4, block_size=4)
     results = T.tune(shape, "cpu", dry_run=True)
     kernels = {r.kernel for r in results}
-    assert {"_encode_groups_kernel", "_amax_tiles_kernel", "_quant_tiles_kernel", "_dequant_tiles_kernel"} <= kernels
+    assert {
+        "_encode_groups_kernel",
+        "_amax_tiles_kernel",
+        "_quant_tiles_kernel",
+        "_dequant_tiles_kernel",
+    } <= kernels
     assert all(r.checked >= 1 and not r.failed for r in results)
     # A config whose output is wrong is caught before any timing.
     real_cases = T._cases
@@ -252,7 +278,9 @@ def test_recording_plans_hardware_fp8_by_capability(monkeypatch: pytest.MonkeyPa
     from kvcodec.format import ScaleScope
 
     k = torch.zeros(2, 32, 2, 64, dtype=torch.float16)
-    pays = operands.empty_payloads(2, operands.payload_nbytes(k[0], k[0], ScaleScope.PER_PAGE_HEAD, 16), "cpu")
+    pays = operands.empty_payloads(
+        2, operands.payload_nbytes(k[0], k[0], ScaleScope.PER_PAGE_HEAD, 16), "cpu"
+    )
 
     def enc() -> None:
         fused_triton.encode_fused_layers(k, k, ScaleScope.PER_PAGE_HEAD, page_size=16, payloads=pays)
@@ -260,7 +288,8 @@ def test_recording_plans_hardware_fp8_by_capability(monkeypatch: pytest.MonkeyPa
     for cap, hw in (((8, 0), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
         (ln,) = _plan(launch.Target(False, 132, cap, "sim"), enc)
         assert ln.kwargs["HW_FP8"] is hw, cap
-        assert ln.kwargs["num_warps"] > 1 and ln.kwargs["BLOCK_T"] == 16  # CUDA planning, not the interpreter's
+        # CUDA planning, not the interpreter's:
+        assert ln.kwargs["num_warps"] > 1 and ln.kwargs["BLOCK_T"] == 16
     monkeypatch.setenv("KVCODEC_HW_FP8", "0")
     (ln,) = _plan(launch.H200, enc)
     assert ln.kwargs["HW_FP8"] is False
@@ -287,7 +316,8 @@ def test_padded_payloads_and_aligned_layer_tables() -> None:
             ks, aligned, ScaleScope.PER_TENSOR, payloads=operands.empty_payloads(3, nb, "cpu")))  # fmt: skip
         amax = next(ln for ln in lns if "TT" in ln.kwargs)
         assert amax.kwargs["K_TAB"] == want and amax.kwargs["V_TAB"] == 8
-        assert amax.kwargs["P_TAB"] == 0 and amax.kwargs["p_sl"] % 16 == 0  # padded stacked payloads: a stride
+        # Padded stacked payloads: a stride, no table.
+        assert amax.kwargs["P_TAB"] == 0 and amax.kwargs["p_sl"] % 16 == 0
 
 
 def test_launch_pins_fp_fusion_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,9 +22,12 @@ Against the budget (``bench/kernel_budget.json``, one section per Triton
 minor version) nothing may regress: registers, SASS instructions per
 element, narrow (< 32-bit) accesses, 128-bit accesses, shared memory.
 
-    python -m kvcodec.tools.audit            # sm_90, heuristic configs (about a minute)
-    python -m kvcodec.tools.audit --all      # sm_80, sm_90, sm_100 and every config of the tuning space
-    python -m kvcodec.tools.audit --update   # write this run's numbers as the budget
+    python dev/kernel_audit.py            # sm_90, heuristic configs (about a minute); make kernel-audit
+    python dev/kernel_audit.py --all      # sm_80, sm_90, sm_100 and every config of the tuning space
+    python dev/kernel_audit.py --update   # write this run's numbers as the budget
+
+A developer tool, not part of the installed package: it runs from the source
+tree against the installed ``kvcodec`` (``make install``).
 
 Exit status: 0 clean, 1 a rule broken or a regression, 2 cannot run here.
 """
@@ -60,7 +63,7 @@ __all__ = [
     "update_budget",
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BUDGET = ROOT / "bench" / "kernel_budget.json"
 BUDGET_FORMAT = "kvcodec-kernel-budget/1"
 SASS_SLACK = 1.02
@@ -108,9 +111,9 @@ def _listed_views(n: int, shape: tuple[int, ...], dtype: Any) -> list[Any]:
 def headline_workloads(quick: bool = False) -> list[Workload]:
     """The audited workloads (``quick``: a handful, for tests)."""
     import torch
+    from kvcodec.kernels import fused_triton, operands, quant_triton
 
     from kvcodec.format import ScaleScope
-    from kvcodec.kernels import fused_triton, operands, quant_triton
     from kvcodec.numerics import amax_to_scale, fp8_max
 
     L, T, H, D, PS = (HEADLINE[k] for k in ("layers", "tokens", "heads", "dim", "page_size"))
@@ -122,12 +125,17 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
     out: list[Workload] = []
 
     def nbytes(scope: ScaleScope, ps: int | None) -> int:
-        return operands.payload_nbytes(torch.empty(T, H, D, dtype=f16), torch.empty(T, H, D, dtype=f16), scope, ps)
+        return operands.payload_nbytes(
+            torch.empty(T, H, D, dtype=f16), torch.empty(T, H, D, dtype=f16), scope, ps
+        )
 
     for label, scope, ps in scopes:
+
         def enc_stacked(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ks, vs = torch.empty(L, T, H, D, dtype=f16), torch.empty(L, T, H, D, dtype=f16)
-            fused_triton.encode_fused_layers(ks, vs, scope, page_size=ps, payloads=operands.empty_payloads(L, nbytes(scope, ps), "cpu"))
+            fused_triton.encode_fused_layers(
+                ks, vs, scope, page_size=ps, payloads=operands.empty_payloads(L, nbytes(scope, ps), "cpu")
+            )
 
         def enc_listed(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ks, vs = _listed_views(L, (T, H, D), f16), _listed_views(L, (T, H, D), f16)
@@ -136,15 +144,21 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
 
         def dec_stacked(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ko, vo = torch.empty(L, T, H, D, dtype=f16), torch.empty(L, T, H, D, dtype=f16)
-            fused_triton.decode_fused_layers(operands.empty_payloads(L, nbytes(scope, ps), "cpu"), ko, vo, scope, page_size=ps)
+            fused_triton.decode_fused_layers(
+                operands.empty_payloads(L, nbytes(scope, ps), "cpu"), ko, vo, scope, page_size=ps
+            )
 
         def dec_listed(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             ko, vo = _listed_views(L, (T, H, D), f16), _listed_views(L, (T, H, D), f16)
-            fused_triton.decode_fused_layers(_listed_views(L, (nbytes(scope, ps),), torch.uint8), ko, vo, scope, page_size=ps)
+            fused_triton.decode_fused_layers(
+                _listed_views(L, (nbytes(scope, ps),), torch.uint8), ko, vo, scope, page_size=ps
+            )
 
         def enc_one(scope: ScaleScope = scope, ps: int | None = ps) -> None:
             k, v = torch.empty(T, H, D, dtype=f16), torch.empty(T, H, D, dtype=f16)
-            fused_triton.encode_fused(k, v, scope, page_size=ps, payload=torch.empty(nbytes(scope, ps), dtype=torch.uint8))
+            fused_triton.encode_fused(
+                k, v, scope, page_size=ps, payload=torch.empty(nbytes(scope, ps), dtype=torch.uint8)
+            )
 
         out += [Workload(f"encode {L}L stacked {label}", enc_stacked), Workload(f"encode {L}L listed {label}", enc_listed),
                 Workload(f"decode {L}L stacked {label}", dec_stacked), Workload(f"decode {L}L listed {label}", dec_listed),
@@ -154,7 +168,9 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
 
     def unfused() -> None:
         v = torch.empty(T, H, D, dtype=f16)
-        s = amax_to_scale(quant_triton.group_amax(v, ScaleScope.PER_PAGE_HEAD, page_size=PS), fp8_max(torch.float8_e4m3fn))
+        s = amax_to_scale(
+            quant_triton.group_amax(v, ScaleScope.PER_PAGE_HEAD, page_size=PS), fp8_max(torch.float8_e4m3fn)
+        )
         q = quant_triton.quantize(v, s, ScaleScope.PER_PAGE_HEAD, page_size=PS)
         quant_triton.dequantize(q, s, ScaleScope.PER_PAGE_HEAD, page_size=PS, out_dtype=f16)
 
@@ -178,9 +194,9 @@ def _vllm_views(layout: str, layers: int, blocks: int, heads: int, bs: int, c: i
 def vllm_workloads() -> list[Workload]:
     """The vLLM connector's fused gather+encode / decode+scatter over vLLM 0.33 layer views (headline chunk)."""
     import torch
+    from kvcodec.kernels import operands, vllm_triton
 
     from kvcodec.format import ScaleScope
-    from kvcodec.kernels import operands, vllm_triton
 
     L, T, H, D, PS = (HEADLINE[k] for k in ("layers", "tokens", "heads", "dim", "page_size"))
     f16, bs, nb = torch.float16, 16, 32
@@ -192,7 +208,10 @@ def vllm_workloads() -> list[Workload]:
         return operands.empty_payloads(L, operands.payload_nbytes(x, x, scope, ps), "cpu")
 
     def listed() -> list[Any]:  # separately allocated layers: an offset table
-        return [c.view(nb, bs, H, 2 * D).permute(0, 2, 1, 3) for c in _listed_views(L, (nb * bs * H * 2 * D,), f16)]
+        return [
+            c.view(nb, bs, H, 2 * D).permute(0, 2, 1, 3)
+            for c in _listed_views(L, (nb * bs * H * 2 * D,), f16)
+        ]
 
     def enc(layout: str, scope: ScaleScope, ps: int | None, sep: bool = False) -> Callable[[], None]:
         def run() -> None:
@@ -205,7 +224,9 @@ def vllm_workloads() -> list[Workload]:
     def dec(layout: str, scope: ScaleScope, ps: int | None) -> Callable[[], None]:
         def run() -> None:
             views = _vllm_views(layout, L, nb, H, bs, 2 * D, f16)
-            vllm_triton.decode_scatter_layers(pays(scope, ps), views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps)
+            vllm_triton.decode_scatter_layers(
+                pays(scope, ps), views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps
+            )
 
         return run
 
@@ -294,7 +315,11 @@ def collect_jobs(workloads: Sequence[Workload], archs: Sequence[int], all_config
                 name = jit.fn.__name__
                 kw = dict(ln.kwargs)
                 block_d = int(kw.get("BLOCK_D", 1))
-                cfgs = [configs.TileConfig(int(kw.get("BLOCK_T", kw.get("BLOCK", 1))), int(kw.get("num_warps", 4)))]
+                cfgs = [
+                    configs.TileConfig(
+                        int(kw.get("BLOCK_T", kw.get("BLOCK", 1))), int(kw.get("num_warps", 4))
+                    )
+                ]
                 if all_configs and "BLOCK_T" in kw:
                     cfgs = configs.config_space(configs.rows_covered(kw), block_d, name)
                 for cfg in cfgs:
@@ -346,7 +371,9 @@ _TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "uint
                  "int16": "i16", "int32": "i32", "int64": "i64"}  # fmt: skip
 
 
-def _specialise_fallback(jit: Any, kw: dict[str, Any], backend: Any, target: Any) -> tuple[Any, Any, dict[str, Any]]:
+def _specialise_fallback(
+    jit: Any, kw: dict[str, Any], backend: Any, target: Any
+) -> tuple[Any, Any, dict[str, Any]]:
     """Triton's documented CUDA specialisation, for versions whose binder differs."""
     from triton.compiler import ASTSource
 
@@ -497,7 +524,6 @@ def analyze(job: CompileJob, ptx: str, sass: str, res: str, shared: int, seconds
 def compile_job(job: CompileJob) -> Record:
     """Compile one job and measure it (never raises: a failed compile is a record)."""
     import triton
-
     from kvcodec.kernels import vllm_triton  # noqa: F401  (imports and registers every kernel)
     from kvcodec.kernels.tiles import JIT_KERNELS
 
@@ -513,9 +539,15 @@ def compile_job(job: CompileJob) -> Record:
         with tempfile.TemporaryDirectory() as tmp:
             cub = Path(tmp) / "k.cubin"
             cub.write_bytes(ck.asm["cubin"])
-            sass = subprocess.run([tool, "-sass", str(cub)], capture_output=True, text=True, check=True).stdout
-            res = subprocess.run([tool, "-res-usage", str(cub)], capture_output=True, text=True, check=True).stdout
-        return analyze(job, ck.asm["ptx"], sass, res, int(getattr(ck.metadata, "shared", 0)), time.perf_counter() - t0)
+            sass = subprocess.run(
+                [tool, "-sass", str(cub)], capture_output=True, text=True, check=True
+            ).stdout
+            res = subprocess.run(
+                [tool, "-res-usage", str(cub)], capture_output=True, text=True, check=True
+            ).stdout
+        return analyze(
+            job, ck.asm["ptx"], sass, res, int(getattr(ck.metadata, "shared", 0)), time.perf_counter() - t0
+        )
     except Exception as e:  # recorded, reported as a broken rule
         msg = f"{type(e).__name__}: {e}".strip().splitlines()
         return Record(key=job.key(), workload=job.workload, kernel=job.kernel, arch=job.arch, config=job.config,
@@ -568,7 +600,9 @@ def rule_violations(r: Record) -> list[Violation]:
     if not r.ok:
         return [Violation(r.key, f"compile failed: {r.error}")]
     if r.spill_insts or r.local_bytes:
-        v.append(Violation(r.key, f"spills: {r.spill_insts} local-memory instructions, {r.local_bytes} bytes"))
+        v.append(
+            Violation(r.key, f"spills: {r.spill_insts} local-memory instructions, {r.local_bytes} bytes")
+        )
     if r.hw_fp8 and r.encodes_fp8:
         if not r.fp8_cvt:
             v.append(Violation(r.key, "HW_FP8 planned but no cvt.rn.satfinite.*.f32 in the PTX"))
@@ -576,7 +610,9 @@ def rule_violations(r: Record) -> list[Violation]:
             v.append(Violation(r.key, "FP8 conversion rounds through fp16 (double rounding)"))
     stores = sum(r.stg.values())
     if r.vec and (r.ld128 == 0 or (stores and r.st128 == 0)):
-        v.append(Violation(r.key, f"hot path not vectorised: {r.ld128} 128-bit loads, {r.st128} 128-bit stores"))
+        v.append(
+            Violation(r.key, f"hot path not vectorised: {r.ld128} 128-bit loads, {r.st128} 128-bit stores")
+        )
     return v
 
 
@@ -644,9 +680,15 @@ def format_table(records: Sequence[Record], violations: Sequence[Violation]) -> 
     for r in records:
         mark = "!" if r.key in bad else " "
         if not r.ok:
-            lines.append(f"{mark}{r.workload:<43} {_short(r.kernel):<13} {r.arch:>3} {r.config:<12} COMPILE FAILED")
+            lines.append(
+                f"{mark}{r.workload:<43} {_short(r.kernel):<13} {r.arch:>3} {r.config:<12} COMPILE FAILED"
+            )
             continue
-        cvt = "-" if not r.encodes_fp8 else ("hw" + ("+f16!" if r.f16_step else "") if r.fp8_cvt else "int-emul")
+        cvt = (
+            "-"
+            if not r.encodes_fp8
+            else ("hw" + ("+f16!" if r.f16_step else "") if r.fp8_cvt else "int-emul")
+        )
         lines.append(
             f"{mark}{r.workload:<43} {_short(r.kernel):<13} {r.arch:>3} {r.config:<12} {r.regs:>4} "
             f"{r.spill_insts:>5} {r.shared:>6} {f'{r.ld128}/{r.ld_narrow}':>9} {f'{r.st128}/{r.st_narrow}':>9} "
@@ -676,16 +718,26 @@ def _can_run() -> str | None:
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="python -m kvcodec.tools.audit", description=__doc__.split("\n\n")[0])
-    p.add_argument("--all", action="store_true", help="sm_80, sm_90 and sm_100, every config of the tuning space")
-    p.add_argument("--arch", type=int, action="append", help="compute capability x10 (repeatable; default 90)")
-    p.add_argument("--configs", action="store_true", help="every config of the tuning space, not only the heuristic")
+    p = p or argparse.ArgumentParser(prog="python dev/kernel_audit.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--all", action="store_true", help="sm_80, sm_90 and sm_100, every config of the tuning space"
+    )
+    p.add_argument(
+        "--arch", type=int, action="append", help="compute capability x10 (repeatable; default 90)"
+    )
+    p.add_argument(
+        "--configs", action="store_true", help="every config of the tuning space, not only the heuristic"
+    )
     p.add_argument("--budget", type=Path, default=DEFAULT_BUDGET, help="budget file (default %(default)s)")
-    p.add_argument("--update", action="store_true", help="write this run's numbers as the budget for this Triton")
+    p.add_argument(
+        "--update", action="store_true", help="write this run's numbers as the budget for this Triton"
+    )
     p.add_argument("--rules-only", action="store_true", help="check the rules, not the budget")
     p.add_argument("--json", type=Path, help="write every record here")
     p.add_argument("--quick", action="store_true", help="a few workloads only (tests)")
-    p.add_argument("-j", "--jobs", type=int, default=None, help="compile processes (default 1; --all: all CPUs)")
+    p.add_argument(
+        "-j", "--jobs", type=int, default=None, help="compile processes (default 1; --all: all CPUs)"
+    )
     return p
 
 
@@ -729,7 +781,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("not updating the budget: some compiles failed")
             return 1
         args.budget.parent.mkdir(parents=True, exist_ok=True)
-        args.budget.write_text(json.dumps(update_budget(budget_all, records, triton.__version__), indent=1) + "\n")
+        args.budget.write_text(
+            json.dumps(update_budget(budget_all, records, triton.__version__), indent=1) + "\n"
+        )
         print(f"wrote the budget for triton {triton.__version__} to {args.budget}")
     n_bad = len({v.key for v in violations})
     print(f"kernel audit: {len(records)} compiles, {n_bad} with violations, {time.perf_counter() - t0:.0f} s")

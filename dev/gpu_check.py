@@ -3,7 +3,7 @@
 Run from the repository root on a machine with a CUDA GPU and python3, torch
 and triton installed (no package registry needed, no install step)::
 
-    PYTHONPATH=. python3 bench/gpu_check.py
+    PYTHONPATH=. python3 dev/gpu_check.py
 
 It runs, in this order, within about 6 minutes:
 
@@ -85,7 +85,9 @@ def ensure_kernels_importable() -> None:
     import kvcodec
 
     spec = importlib.util.spec_from_file_location(
-        "kvcodec.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+        "kvcodec.kernels",
+        ROOT / "kernels" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "kernels")],
     )
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load kernels from {ROOT / 'kernels'}")
@@ -123,7 +125,9 @@ class Timer:
         self.warmup = warmup
         self.reps = reps
         self._flush = (
-            torch.empty(flush_mb << 20, dtype=torch.uint8, device=device) if device.startswith("cuda") else None
+            torch.empty(flush_mb << 20, dtype=torch.uint8, device=device)
+            if device.startswith("cuda")
+            else None
         )
 
     def ms(self, fn: Callable[[], Any]) -> float:
@@ -225,7 +229,9 @@ def fp8_exhaustive(device: str, fp8: Any, path: str) -> bool:
             ref = x.clamp(-qmax, qmax).to(fp8).view(torch.uint8)
             if bool(((got != ref) & ~nan).any()):
                 i = int(((got != ref) & ~nan).nonzero()[0])
-                raise AssertionError(f"input bits {int(bits[i]) & 0xFFFFFFFF:#010x}: {int(got[i]):#04x} vs torch {int(ref[i]):#04x}")
+                raise AssertionError(
+                    f"input bits {int(bits[i]) & 0xFFFFFFFF:#010x}: {int(got[i]):#04x} vs torch {int(ref[i]):#04x}"
+                )
             want_nan = (0x7F | ((bits >> 24) & 0x80)).to(torch.uint8)
             if not torch.equal(got[nan], want_nan[nan]):
                 raise AssertionError("NaN inputs do not give 0x7F | sign")
@@ -286,7 +292,9 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
     def encode_decode(scope: ScaleScope, ps: int | None, strategy: str) -> bool:
         want = ref_payload(k, v, scope, ps)
         pay = torch.empty(want.numel(), dtype=torch.uint8, device=device)
-        fused_triton.encode_fused(k.to(device), v.to(device), scope, page_size=ps, payload=pay, strategy=strategy)  # type: ignore[arg-type]
+        fused_triton.encode_fused(
+            k.to(device), v.to(device), scope, page_size=ps, payload=pay, strategy=strategy
+        )  # type: ignore[arg-type]
         ko = torch.empty((t, h, d), dtype=torch.float16, device=device)
         vo = torch.empty_like(ko)
         fused_triton.decode_fused(pay, ko, vo, scope, page_size=ps)
@@ -298,11 +306,15 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
         """Fused gather+encode over one vLLM 0.33 layer view ([B, H, N, C], C = K | V) vs gathered rows."""
         nb, bs = (8, 4) if quick else (64, 16)
         cache = torch.randn(nb, bs, h, 2 * d, generator=g).half()
-        view = (cache if layout == "NHD" else cache.transpose(1, 2).contiguous().transpose(1, 2)).permute(0, 2, 1, 3)
+        view = (cache if layout == "NHD" else cache.transpose(1, 2).contiguous().transpose(1, 2)).permute(
+            0, 2, 1, 3
+        )
         tt = (nb // 2) * bs - 3
         ids = torch.randperm(nb, generator=g)[: -(-tt // bs)].tolist()
         rows = torch.stack([view[ids[t // bs], :, t % bs] for t in range(tt)])
-        want = ref_payload(rows[..., :d].contiguous(), rows[..., d:].contiguous(), ScaleScope.PER_PAGE_HEAD, 5)
+        want = ref_payload(
+            rows[..., :d].contiguous(), rows[..., d:].contiguous(), ScaleScope.PER_PAGE_HEAD, 5
+        )
         pays = operands.empty_payloads(1, want.numel(), device)
         vllm_triton.gather_encode_layers([view.to(device)], ids, num_tokens=tt, head_size=d,
                                          scope=ScaleScope.PER_PAGE_HEAD, page_size=5, payloads=pays)  # fmt: skip
@@ -356,7 +368,9 @@ def _copy_ms(timer: Timer, nbytes: int, device: str) -> float:
     return timer.ms(lambda: torch.empty_like(x).copy_(x))
 
 
-def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float = 1e9) -> tuple[list[Row], dict[str, float], dict[str, Any]]:
+def run_benchmarks(
+    device: str, sizes: Sizes, timer: Timer, *, budget_s: float = 1e9
+) -> tuple[list[Row], dict[str, float], dict[str, Any]]:
     """All benchmark rows, copy bandwidths by workload, and extra facts (skips past ``budget_s``)."""
     import torch
     from kvcodec.kernels import fused_triton, operands, vllm_triton
@@ -373,7 +387,9 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
                 ("per_layer_head single", LH, None, "single"), ("per_layer_head two_stage", LH, None, "two_stage"),
                 ("per_tensor", PTS, None, "auto")]  # fmt: skip
 
-    def measure(name: str, kind: str, fn: Callable[[], Any], c_ms: float, moved: int, target: float | None) -> None:
+    def measure(
+        name: str, kind: str, fn: Callable[[], Any], c_ms: float, moved: int, target: float | None
+    ) -> None:
         try:
             ms = timer.ms(fn)
         except Exception as e:  # record it, keep benchmarking the rest
@@ -399,7 +415,8 @@ def run_benchmarks(device: str, sizes: Sizes, timer: Timer, *, budget_s: float =
         if over_budget(f"chunk {label}"):
             continue
         nb = operands.payload_nbytes(ks[0], vs[0], scope, ps)
-        pays = operands.empty_payloads(L, nb, device)  # rows 16-byte aligned, as the codec should allocate them
+        # Rows 16-byte aligned, as the codec allocates them.
+        pays = operands.empty_payloads(L, nb, device)
         moved = in_bytes + pays.numel()  # read K+V, write payloads
         measure(f"encode {L}x{T} {label}", "encode",
                 lambda s=scope, p=ps, st=strat, pl=pays: fused_triton.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl, strategy=st),  # type: ignore[misc]
@@ -472,12 +489,21 @@ def autotuned_headline(device: str, sizes: Sizes, timer: Timer) -> list[Row]:
     in_bytes = 2 * ks.numel() * 2
     c_ms = _copy_ms(timer, in_bytes, device)
     rows = []
-    for label, scope, ps in (("per_page_head", ScaleScope.PER_PAGE_HEAD, PS), ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None)):
+    for label, scope, ps in (
+        ("per_page_head", ScaleScope.PER_PAGE_HEAD, PS),
+        ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None),
+    ):
         pays = operands.empty_payloads(L, operands.payload_nbytes(ks[0], vs[0], scope, ps), device)
         moved = in_bytes + pays.numel()
-        ms = timer.ms(lambda s=scope, p=ps, pl=pays: fused_triton.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl))  # type: ignore[misc]
+        ms = timer.ms(
+            lambda s=scope, p=ps, pl=pays: fused_triton.encode_fused_layers(
+                ks, vs, s, page_size=p, payloads=pl
+            )
+        )  # type: ignore[misc]
         rows.append(Row(f"encode {L}x{T} {label} autotuned", "encode", ms, c_ms, moved, TARGETS["encode"]))
-        ms = timer.ms(lambda s=scope, p=ps, pl=pays: fused_triton.decode_fused_layers(pl, ko, vo, s, page_size=p))  # type: ignore[misc]
+        ms = timer.ms(
+            lambda s=scope, p=ps, pl=pays: fused_triton.decode_fused_layers(pl, ko, vo, s, page_size=p)
+        )  # type: ignore[misc]
         rows.append(Row(f"decode {L}x{T} {label} autotuned", "decode", ms, c_ms, moved, TARGETS["decode"]))
     return rows
 
@@ -506,7 +532,11 @@ def tune_pass(device: str, out: Path, reps: int = 20) -> dict[str, Any]:
         return {"ok": not any(r.failed for r in results), "file": str(out), "s": round(time.perf_counter() - t0, 1),
                 "results": [asdict(r) for r in results]}  # fmt: skip
     except Exception as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000], "s": round(time.perf_counter() - t0, 1)}
+        return {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}"[:2000],
+            "s": round(time.perf_counter() - t0, 1),
+        }
 
 
 def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
@@ -615,7 +645,16 @@ def run_pytest_child(files: Sequence[str], summary_path: str) -> int:
                 if report.outcome == "failed":
                     failures.append(report.nodeid)
 
-    args = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(ROOT), *[str(ROOT / f) for f in files]]
+    args = [
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--rootdir",
+        str(ROOT),
+        *[str(ROOT / f) for f in files],
+    ]
     rc = int(pytest.main(args, plugins=[Collector()]))
     Path(summary_path).write_text(json.dumps({"rc": rc, **counts, "failures": failures[:50]}))
     return rc
@@ -640,7 +679,12 @@ def run_pytest(files: Sequence[str], timeout_s: float) -> dict[str, Any]:
             out = (e.stdout or b"") if isinstance(e.stdout, bytes) else (e.stdout or "").encode()
             tail = out.decode(errors="replace")[-3000:]
             rc = None
-        res: dict[str, Any] = {"ran": True, "rc": rc, "timed_out": rc is None, "s": round(time.perf_counter() - t0, 1)}
+        res: dict[str, Any] = {
+            "ran": True,
+            "rc": rc,
+            "timed_out": rc is None,
+            "s": round(time.perf_counter() - t0, 1),
+        }
         if summary.is_file():
             res.update(json.loads(summary.read_text()))
         res["tail"] = tail
@@ -708,10 +752,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help="JSON summary path")
     ap.add_argument("--skip-tests", action="store_true", help="skip the pytest tier")
     ap.add_argument("--test-timeout", type=float, default=180.0, help="seconds for the pytest tier")
-    ap.add_argument("--budget", type=float, default=320.0, help="seconds after which optional parts are skipped")
-    ap.add_argument("--autotune", action="store_true",
-                    help="autotune every benchmark (slow: one compile per config and shape)")
-    ap.add_argument("--device", default="cuda", help="device (cpu only as a smoke run under TRITON_INTERPRET=1)")
+    ap.add_argument(
+        "--budget", type=float, default=320.0, help="seconds after which optional parts are skipped"
+    )
+    ap.add_argument(
+        "--autotune",
+        action="store_true",
+        help="autotune every benchmark (slow: one compile per config and shape)",
+    )
+    ap.add_argument(
+        "--device", default="cuda", help="device (cpu only as a smoke run under TRITON_INTERPRET=1)"
+    )
     ap.add_argument("--quick", action="store_true", help="toy sizes (a smoke run of the harness)")
     ap.add_argument("--skip-tune", action="store_true", help="skip the kvcodec tune pass")
     ap.add_argument("--tuning-out", type=Path, default=TUNING, help="tuning file the tune pass writes")
@@ -725,7 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ok:
         print(f"gpu_check: cannot run: {why}. Nothing was checked. Run it on a machine with an NVIDIA GPU:",
               file=sys.stderr)  # fmt: skip
-        print("    PYTHONPATH=. python3 bench/gpu_check.py", file=sys.stderr)
+        print("    PYTHONPATH=. python3 dev/gpu_check.py", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     ensure_kernels_importable()
@@ -738,7 +789,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  check {'ok ' if c['ok'] else 'FAIL'} {c['check']} {c['error']}", flush=True)
     tests: dict[str, Any] = {"ran": False, "reason": "--skip-tests"}
     if not args.skip_tests:
-        tests = run_pytest(TEST_FILES, min(args.test_timeout, max(60.0, args.budget - 120 - (time.perf_counter() - t0))))
+        tests = run_pytest(
+            TEST_FILES, min(args.test_timeout, max(60.0, args.budget - 120 - (time.perf_counter() - t0)))
+        )
         if tests.get("ran"):
             print(f"  pytest: rc={tests.get('rc')} passed={tests.get('passed')} failed={tests.get('failed')} "
                   f"skipped={tests.get('skipped')} ({tests.get('s')} s)", flush=True)  # fmt: skip
