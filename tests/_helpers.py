@@ -1,14 +1,29 @@
-"""Test helpers shared by several test files: raw LMCKV blobs with any header field."""
+"""Test helpers shared by several test files: raw LMCKV blobs with any header field, test vectors."""
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from kvcodec.format import MAGIC
 
-__all__ = ["DEFAULT_PAIRS", "K", "S", "V", "pairs_blob", "raw_blob"]
+__all__ = ["DEFAULT_PAIRS", "K", "S", "V", "pairs_blob", "raw_blob", "read_vector", "vector_manifest"]
+
+
+def vector_manifest(folder: Path) -> list[dict[str, Any]]:
+    """The entries of ``folder/manifest.json`` (tests/vectors, or ../shared/vectors)."""
+    return json.loads((folder / "manifest.json").read_text())["vectors"]
+
+
+def read_vector(folder: Path, name: str) -> bytes:
+    """The bytes of ``name`` in ``folder``: a full file name, or a vector name (``.blob`` added)."""
+    path = folder / name
+    return (path if path.suffix else path.with_suffix(".blob")).read_bytes()
+
 
 _FIXED = struct.Struct("<8sHHHHHHqqqqqqq")
 _KEYS = (

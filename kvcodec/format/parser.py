@@ -173,10 +173,8 @@ def _check_layout_int(name: str, value: int, minimum: int) -> None:
         )
 
 
-def _read_fixed(r: _Reader) -> tuple[dict[str, Any], int]:
-    """Step 1: the fixed fields, each checked against its table or limit; also the scale dim count."""
-    (magic, version, scope_id, k_id, v_id, s_id, reserved, layer_id, chunk_id, chunk_size, page_size,
-     kv_head_count, head_dim, n_scale) = r.unpack(FIXED_HEADER, "fixed header")  # fmt: skip
+def _check_versioned_ids(magic: bytes, version: int, scope_id: int, scheme_id: int) -> None:
+    """Step 1a: magic, version, and the ids whose range depends on the version."""
     if magic != MAGIC:
         raise CorruptEncodedKVError(
             f"bad magic: expected {MAGIC!r}, found {bytes(magic)!r}", reason=Reason.BAD_MAGIC
@@ -192,14 +190,18 @@ def _read_fixed(r: _Reader) -> tuple[dict[str, Any], int]:
             f"unknown scale_scope id {scope_id} for header version {version}; expected 0..{int(max_scope)}",
             reason=Reason.UNKNOWN_SCOPE_ID,
         )
-    if version == 1 and reserved != 0:
+    if version == 1 and scheme_id != 0:
         raise CorruptEncodedKVError(
-            f"reserved field is {reserved}; expected 0 in version 1", reason=Reason.RESERVED_NONZERO
+            f"reserved field is {scheme_id}; expected 0 in version 1", reason=Reason.RESERVED_NONZERO
         )
-    if reserved not in (0, 1):
+    if scheme_id not in (0, 1):
         raise CorruptEncodedKVError(
-            f"unknown scale scheme {reserved}; expected 0 or 1", reason=Reason.UNKNOWN_SCHEME
+            f"unknown scale scheme {scheme_id}; expected 0 or 1", reason=Reason.UNKNOWN_SCHEME
         )
+
+
+def _check_ranges(n_scale: int, layer_id: int, chunk_id: int, layout: tuple[int, int, int, int]) -> None:
+    """Step 1b: the scale dim count, the ids and the layout fields, each within its limit."""
     if not 0 <= n_scale <= MAX_SCALE_DIMS:
         raise CorruptEncodedKVError(
             f"scale_shape_n={n_scale} out of range: expected 0..{MAX_SCALE_DIMS}",
@@ -210,17 +212,35 @@ def _read_fixed(r: _Reader) -> tuple[dict[str, Any], int]:
             f"layer_id={layer_id}, chunk_id={chunk_id}: expected -1 (unset) or >= 0",
             reason=Reason.FIELD_OUT_OF_RANGE,
         )
+    chunk_size, page_size, kv_head_count, head_dim = layout
     _check_layout_int("chunk_size", chunk_size, 0)
     _check_layout_int("page_size", page_size, 1)
     _check_layout_int("kv_head_count", kv_head_count, 1)
     _check_layout_int("head_dim", head_dim, 1)
-    fields = {
-        "k_dtype": id_to_dtype(k_id, "k_dtype"), "v_dtype": id_to_dtype(v_id, "v_dtype"),
-        "scale_dtype": id_to_dtype(s_id, "scale_dtype"), "scale_scope": ScaleScope(scope_id),
-        "version": version, "scale_scheme": ScaleScheme(reserved), "layer_id": layer_id, "chunk_id": chunk_id,
-        "chunk_size": chunk_size, "page_size": page_size, "kv_head_count": kv_head_count, "head_dim": head_dim,
-    }  # fmt: skip
-    return fields, n_scale
+
+
+def _read_fixed(r: _Reader) -> tuple[dict[str, Any], int]:
+    """Step 1: the fixed fields (FIXED_FIELDS order), each checked; also the scale dim count."""
+    values = r.unpack(FIXED_HEADER, "fixed header")
+    magic, version, scope_id, k_id, v_id, s_id, scheme_id, layer_id, chunk_id = values[:9]
+    layout, n_scale = values[9:13], values[13]
+    _check_versioned_ids(magic, version, scope_id, scheme_id)
+    _check_ranges(n_scale, layer_id, chunk_id, layout)
+    chunk_size, page_size, kv_head_count, head_dim = layout
+    return {
+        "k_dtype": id_to_dtype(k_id, "k_dtype"),
+        "v_dtype": id_to_dtype(v_id, "v_dtype"),
+        "scale_dtype": id_to_dtype(s_id, "scale_dtype"),
+        "scale_scope": ScaleScope(scope_id),
+        "version": version,
+        "scale_scheme": ScaleScheme(scheme_id),
+        "layer_id": layer_id,
+        "chunk_id": chunk_id,
+        "chunk_size": chunk_size,
+        "page_size": page_size,
+        "kv_head_count": kv_head_count,
+        "head_dim": head_dim,
+    }, n_scale
 
 
 def _read_sizes(r: _Reader, n_scale: int) -> dict[str, Any]:

@@ -1,23 +1,19 @@
-"""LMCKV format layer: the shared test vectors, one test per validation rule, zero copy, header v2."""
+"""LMCKV format layer: one test per validation rule, zero copy, header v2 (vectors: test_golden_vectors.py)."""
 
 from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
-import json
 import mmap
 import re
 import struct
 import tracemalloc
 import zlib
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 
-from kvcodec import errors
 from kvcodec.errors import CorruptEncodedKVError, UnsupportedConfigError
 from kvcodec.format import (
     MAGIC,
@@ -35,80 +31,11 @@ from kvcodec.format import (
     parse,
     serialize_header,
 )
-from tests.paths import SHARED_VECTORS
-
-# ----------------------------------------------------------------------------
-# Test vectors (../shared/vectors, never copied into the repo)
-# ----------------------------------------------------------------------------
-
-_VECTORS = SHARED_VECTORS
-
-
-def _manifest_params(kinds: Sequence[str]) -> list:
-    manifest = _VECTORS / "manifest.json"
-    if not manifest.is_file():
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no test vectors at {_VECTORS}"))]
-    entries = json.loads(manifest.read_text())["vectors"]
-    return [pytest.param(e, id=e["name"]) for e in entries if e["kind"] in kinds]
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-@pytest.mark.parametrize("entry", _manifest_params(("codec", "header")))
-def test_vector_parses_to_manifest_and_roundtrips(entry: dict, vector) -> None:
-    blob = vector(entry["name"])
-    assert hashlib.sha256(blob).hexdigest() == entry["blob_sha256"]
-    p = parse(blob, strict=True)
-    h = p.header
-    assert h.version == 1
-    assert h.scale_scope.name == entry["scale_scope"]
-    assert _dtype_name(h.k_dtype) == entry["k_dtype"]
-    assert _dtype_name(h.v_dtype) == entry["v_dtype"]
-    assert _dtype_name(h.scale_dtype) == entry["scale_dtype"]
-    for name in (
-        "layer_id",
-        "chunk_id",
-        "chunk_size",
-        "page_size",
-        "kv_head_count",
-        "head_dim",
-        "k_payload_len",
-        "v_payload_len",
-        "scale_payload_len",
-    ):
-        assert getattr(h, name) == entry[name], name
-    assert list(h.scale_shape) == entry["scale_shape"]
-    assert h.hashes.as_dict() == entry["hashes"]
-    assert p.crc == entry["payload_crc32"] == zlib.crc32(p.payload)
-    assert p.header_len == entry["header_len"] == header_size(h) == len(p.header_bytes)
-    assert p.trailing == 0 and p.unknown_hashes == ()
-    assert len(p.k) + len(p.v) + len(p.scales) == len(p.payload) == h.payload_len
-    # Parse, re-serialize: byte for byte.
-    assert serialize_header(p.header, [p.payload]) + bytes(p.payload) == blob
-    assert bytes(assemble(p.header, p.k, p.v, p.scales)) == blob
-    if entry["kind"] == "codec":
-        assert _dtype_name(h.k_dtype) == entry["input_dtype"]
-        tokens, heads, dim = entry["input_shape"]
-        assert (heads, dim) == (h.kv_head_count, h.head_dim) and h.num_tokens == tokens
-        # K is stored at its own dtype: bit for bit the input.
-        assert bytes(p.k) == vector(entry["name"] + ".k")
-
-
-@pytest.mark.parametrize("entry", _manifest_params(("corrupt",)))
-def test_corrupt_vector_refused(entry: dict, vector) -> None:
-    expected = getattr(errors, entry["expect_error"])
-    assert expected is CorruptEncodedKVError
-    with pytest.raises(expected):
-        parse(vector(entry["name"]))
-
+from tests._helpers import DEFAULT_PAIRS, K, S, V, pairs_blob, raw_blob
 
 # ----------------------------------------------------------------------------
 # A raw blob builder: any header field, valid or not, packed with struct
 # ----------------------------------------------------------------------------
-
-from tests._helpers import _KEYS, _VALUES, DEFAULT_PAIRS, K, S, V, pairs_blob, raw_blob  # noqa: E402
 
 
 def test_raw_blob_builder_matches_writer() -> None:
@@ -122,7 +49,7 @@ def test_raw_blob_builder_matches_writer() -> None:
         kv_head_count=2,
         head_dim=4,
         scale_shape=(2, 2),
-        hashes=Hashes(**dict(zip(_KEYS, _VALUES))),
+        hashes=Hashes(**{k.decode(): v.decode() for k, v in DEFAULT_PAIRS}),
     )
     assert raw_blob() == bytes(assemble(h, K, V, S))
     assert raw_blob(version=2) == bytes(assemble(h.replace(version=2), K, V, S))
@@ -283,9 +210,7 @@ def test_scale_dim_out_of_range(shape: tuple[int, ...], index: int, value: int) 
 def test_huge_scale_shape_product_does_not_allocate() -> None:
     tracemalloc.start()
     try:
-        with pytest.raises(
-            CorruptEncodedKVError, match=r"scale_shape .* describes more than \d+ scales"
-        ):
+        with pytest.raises(CorruptEncodedKVError, match=r"scale_shape .* describes more than \d+ scales"):
             parse(raw_blob(scale_shape=(1 << 40,) * 2))
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -358,9 +283,7 @@ def test_scale_payload_length_vs_scale_shape(kwargs: dict, needs: str) -> None:
 def test_k_v_element_counts_differ() -> None:
     with pytest.raises(
         CorruptEncodedKVError,
-        match=_rx(
-            "K holds 32 elements (64 bytes of float16) but V holds 24 (24 bytes of float8_e4m3fn)"
-        ),
+        match=_rx("K holds 32 elements (64 bytes of float16) but V holds 24 (24 bytes of float8_e4m3fn)"),
     ):
         parse(raw_blob(v=V[:24]))
 
@@ -847,10 +770,20 @@ def test_header_packer_equals_full_serialization(version: int) -> None:
 
     k, v, s = os.urandom(2 * 64), os.urandom(64), struct.pack("<2f", 0.5, 3.0)
     tmpl = Header(
-        k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.PER_LAYER_HEAD,
-        version=version, chunk_size=8, page_size=4, kv_head_count=2, head_dim=4, scale_shape=(2,),
-        k_payload_len=len(k), v_payload_len=len(v), scale_payload_len=len(s), hashes=Hashes(model_id="m"),
-    )  # fmt: skip
+        k_dtype=torch.float16,
+        v_dtype=torch.float8_e4m3fn,
+        scale_scope=ScaleScope.PER_LAYER_HEAD,
+        version=version,
+        chunk_size=8,
+        page_size=4,
+        kv_head_count=2,
+        head_dim=4,
+        scale_shape=(2,),
+        k_payload_len=len(k),
+        v_payload_len=len(v),
+        scale_payload_len=len(s),
+        hashes=Hashes(model_id="m"),
+    )
     packer = HeaderPacker(tmpl)
     for layer in (0, 5, 31):
         buf = bytearray(packer.size + len(k) + len(v) + len(s))
@@ -863,7 +796,9 @@ def test_header_packer_equals_full_serialization(version: int) -> None:
 
 
 def test_k_without_v_is_refused() -> None:
-    with pytest.raises(CorruptEncodedKVError, match=r"K holds 32 elements \(64 bytes of float16\) but V is empty"):
+    with pytest.raises(
+        CorruptEncodedKVError, match=r"K holds 32 elements \(64 bytes of float16\) but V is empty"
+    ):
         parse(raw_blob(v=b"", s=b""))
 
 
