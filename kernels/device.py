@@ -36,6 +36,7 @@ import triton.language as tl
 __all__ = [
     "abs_bits",
     "bf16_bits_rne",
+    "div_by_scale",
     "f32_to_fp8",
     "f32_to_fp8_byte",
     "fp8_byte_to_f32",
@@ -55,12 +56,14 @@ def f32_to_fp8_byte(
     BIAS: tl.constexpr,
     MAX_BITS: tl.constexpr,
     SAT: tl.constexpr,
+    FINITE: tl.constexpr = False,
 ):
     """fp32 → FP8 byte: saturate at ±max, round to nearest even, NaN → 0x7F | sign.
 
     Equals ``clamp(y, -max, max).to(fp8)`` in torch for every fp32 input
     (subnormals included). ``MANT``/``BIAS``: 3/7 for e4m3fn, 2/15 for e5m2;
     ``MAX_BITS`` the fp32 bits of the FP8 max, ``SAT`` the max's byte.
+    ``FINITE``: the caller knows ``y`` holds no NaN (no NaN select).
     """
     b = y.to(tl.int32, bitcast=True)
     sign = (b >> 24) & 0x80
@@ -69,20 +72,17 @@ def f32_to_fp8_byte(
     RB: tl.constexpr = (BIAS - 127) * (1 << 23) + (1 << (SH - 1)) - 1
     # Normal range: rebias the exponent and round the mantissa (ties to even).
     norm = (a + RB + ((a >> SH) & 1)) >> SH
-    # Subnormal range: round m * 2^(e-150) onto the FP8 subnormal step exactly.
-    e = a >> 23
-    m = (a & 0x7FFFFF) | 0x800000
-    SUB0: tl.constexpr = 150 - (BIAS - 1 + MANT)
-    sh = tl.minimum(tl.maximum(SUB0 - e, 1), 25)
-    qs = m >> sh
-    rem = m & ((1 << sh) - 1)
-    half = 1 << (sh - 1)
-    up = (rem > half) | ((rem == half) & ((qs & 1) == 1))
-    sub = qs + up.to(tl.int32)
+    # Subnormal range (|y| < 2^(1-BIAS)): one fp32 add of 2^k whose ulp is the FP8
+    # subnormal step rounds |y| onto that step (ties to even); the low bits count the steps.
+    STEP_EXP: tl.constexpr = 1 - BIAS - MANT
+    ALIGN: tl.constexpr = 2.0 ** (STEP_EXP + 23)
+    ALIGN_BITS: tl.constexpr = (STEP_EXP + 23 + 127) << 23
+    sub = (a.to(tl.float32, bitcast=True) + ALIGN).to(tl.int32, bitcast=True) - ALIGN_BITS
     MIN_NORM: tl.constexpr = (128 - BIAS) * (1 << 23)
     r = tl.where(a < MIN_NORM, sub, norm)
     r = tl.where(a >= MAX_BITS, SAT, r)
-    r = tl.where(a > 0x7F800000, 0x7F, r)
+    if not FINITE:
+        r = tl.where(a > 0x7F800000, 0x7F, r)
     return (r | sign).to(tl.uint8)
 
 
@@ -115,31 +115,40 @@ def f32_to_fp8(
     MAX_BITS: tl.constexpr,
     SAT: tl.constexpr,
     HW: tl.constexpr,
+    FINITE: tl.constexpr = False,
 ):
     """fp32 → FP8 byte like :func:`f32_to_fp8_byte`; ``HW`` uses the sm_89+ converter.
 
-    The hardware path converts ``|y|`` with ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``
+    The hardware path converts with ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``
     (PTX ISA: round to nearest even straight from fp32, one rounding; finite
-    results beyond ±MAX_NORM and ±Inf become ±MAX_NORM) and ORs the sign back,
-    which equals torch's ``clamp(y, -max, max).to(fp8)`` because both the
-    rounding and the clamp are symmetric in the sign. NaN is set to 0x7F | sign
-    explicitly, so the result never depends on the converter's NaN encoding.
+    results beyond ±MAX_NORM and ±Inf become ±MAX_NORM, the sign kept, -0 → 0x80),
+    which equals torch's ``clamp(y, -max, max).to(fp8)`` for every non-NaN input.
+    Without ``FINITE`` it converts ``|y|`` and ORs the sign back, NaN set to
+    0x7F | sign explicitly, so the result never depends on the converter's NaN
+    encoding; with ``FINITE`` (the caller refuses NaN groups: their bytes are
+    never used) it converts ``y`` itself.
     The kernel audit checks that the PTX holds that single ``cvt`` and no
     fp16 intermediate; tests/kernels/test_cuda.py checks all inputs on a GPU.
     """
     if HW:
-        b = y.to(tl.int32, bitcast=True)
-        a = b & 0x7FFFFFFF
-        sign = ((b >> 24) & 0x80).to(tl.uint8)
-        ay = a.to(tl.float32, bitcast=True)
-        if MANT == 3:
-            r = ay.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        if FINITE:
+            if MANT == 3:
+                out = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                out = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
         else:
-            r = ay.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        r = tl.where(a > 0x7F800000, 0x7F, r).to(tl.uint8)
-        out = r | sign
+            b = y.to(tl.int32, bitcast=True)
+            a = b & 0x7FFFFFFF
+            sign = ((b >> 24) & 0x80).to(tl.uint8)
+            ay = a.to(tl.float32, bitcast=True)
+            if MANT == 3:
+                r = ay.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                r = ay.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            r = tl.where(a > 0x7F800000, 0x7F, r).to(tl.uint8)
+            out = r | sign
     else:
-        out = f32_to_fp8_byte(y, MANT, BIAS, MAX_BITS, SAT)
+        out = f32_to_fp8_byte(y, MANT, BIAS, MAX_BITS, SAT, FINITE)
     return out
 
 
@@ -159,6 +168,36 @@ def fp8_to_f32(q, MANT: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
     else:
         r = fp8_byte_to_f32(q, MANT, BIAS)
     return r
+
+
+@triton.jit
+def div_by_scale(v, s, DIV: tl.constexpr):
+    """``v / s`` rounded like IEEE division (``div_rn``), with one reciprocal per scale.
+
+    ``s`` is one scale per group (a scalar, or a ``[rows, 1]`` column), so
+    ``r = div_rn(1, s)`` is computed once per group. ``DIV`` (picked on the host):
+
+    * 0: ``div_rn(v, s)`` per element (fp32 V and caller-given scales);
+    * 1: ``q = v * r`` corrected once with its residual, ``q - fma(q, s, -v) * r``
+      (two FMAs; written so that ``v = -0`` keeps its sign);
+    * 2: the same on ``v * f`` and ``s * f`` with ``f = 2^64`` for scales below
+      2^-64 (a bf16 group's scale goes down to 2^-149, whose reciprocal would
+      overflow); ``v / s == (v f) / (s f)`` exactly, and ``|v| <= 448 s`` cannot overflow.
+
+    tests/kernels/test_division_proof.py proves 1 (fp16) and 2 (bf16) equal to
+    ``div_rn`` for every value and the scales the codec makes.
+    """
+    if DIV == 0:
+        q = tl.math.div_rn(v, s)
+    else:
+        if DIV == 2:
+            f = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+            s = s * f
+            v = v * f
+        r = tl.math.div_rn(1.0, s)
+        q0 = v * r
+        q = tl.fma(-tl.fma(q0, s, -v), r, q0)
+    return q
 
 
 @triton.jit

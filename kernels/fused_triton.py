@@ -32,7 +32,7 @@ import triton.language as tl
 from ..errors import UnsupportedConfigError
 from ..numerics import ScaleScope, scale_shape
 from .configs import pow2
-from .device import abs_bits, f32_to_fp8, layer_off, row_off, store_elems, to_f32
+from .device import abs_bits, div_by_scale, f32_to_fp8, layer_off, row_off, store_elems, to_f32
 from .operands import (
     Layers,
     Rows,
@@ -44,6 +44,7 @@ from .operands import (
     check_scope,
     check_tensor3,
     dense_rows,
+    div_mode,
     dummy_table,
     fp8_constants,
     hw_fp8,
@@ -52,6 +53,7 @@ from .operands import (
     k_aligned,
     out_kind,
     out_view,
+    payload_aligned,
     payload_bytes,
     payload_layers,
     single,
@@ -94,13 +96,16 @@ def _encode_groups_kernel(
     D: tl.constexpr, KB: tl.constexpr, V_BF16: tl.constexpr,
     MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
     PAGED: tl.constexpr, K_TAB: tl.constexpr, V_TAB: tl.constexpr, P_TAB: tl.constexpr,
-    K_ALIGNED: tl.constexpr, ONE_TILE: tl.constexpr, HW_FP8: tl.constexpr,
+    K_ALIGNED: tl.constexpr, ONE_TILE: tl.constexpr, HW_FP8: tl.constexpr, DIV: tl.constexpr,
+    S_ALIGNED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One program per scale group (GT tokens x one head x one layer): absmax → scale → FP8.
 
     Also copies the group's K rows into the payload and writes the group's
-    scale bytes and absmax.
+    scale bytes and absmax. ``DIV``: how ``V / scale`` is rounded
+    (:func:`.device.div_by_scale`); the FP8 cast skips the NaN fix-up, since a
+    group holding NaN/Inf is refused on the host (its absmax says so).
     """
     g = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -129,7 +134,7 @@ def _encode_groups_kernel(
             store_elems(p_base, pidx, kv, m2, KB, K_ALIGNED)
         amax = tl.max(tl.max(abs_bits(v, False), axis=1), axis=0).to(tl.float32, bitcast=True)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
-        q = f32_to_fp8(tl.math.div_rn(v, scale), MANT, BIAS, MAX_BITS, SAT, HW_FP8)
+        q = f32_to_fp8(div_by_scale(v, scale, DIV), MANT, BIAS, MAX_BITS, SAT, HW_FP8, True)
         tl.store(q_base + pidx, q, mask=m2)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.int32)
@@ -157,14 +162,17 @@ def _encode_groups_kernel(
             v = to_f32(
                 tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16
             )
-            q = f32_to_fp8(tl.math.div_rn(v, scale), MANT, BIAS, MAX_BITS, SAT, HW_FP8)
+            q = f32_to_fp8(div_by_scale(v, scale, DIV), MANT, BIAS, MAX_BITS, SAT, HW_FP8, True)
             pidx = (t.to(tl.int64)[:, None] * H + h) * D + d64[None, :]
             tl.store(q_base + pidx, q, mask=m2)
     gi = g * H + h
     tl.store(amax_ptr + layer.to(tl.int64) * n_gt * H + gi, amax)
-    j = tl.arange(0, 4)
     sb = scale.to(tl.int32, bitcast=True)
-    tl.store(s_base + gi * 4 + j, ((sb >> (j * 8)) & 0xFF).to(tl.uint8))
+    if S_ALIGNED:
+        tl.store(s_base.to(tl.pointer_type(tl.int32)) + gi, sb)
+    else:
+        j = tl.arange(0, 4)
+        tl.store(s_base + gi * 4 + j, ((sb >> (j * 8)) & 0xFF).to(tl.uint8))
 
 
 def _one_tile(args: dict[str, Any]) -> bool:
@@ -238,12 +246,16 @@ def encode_rows(
         "p_sl": pay.stride, "D": g.dim, "KB": g.k_bytes, "V_BF16": v_bf16, "PAGED": g.table is not None,
         "K_TAB": k_has, "V_TAB": v_has, "P_TAB": p_has, "K_ALIGNED": k_aligned(pay, g.k_bytes),
     }  # fmt: skip
+    n_el = g.tokens * g.heads * g.dim
+    div = div_mode(torch.bfloat16 if v_bf16 else v.layers.base.dtype)
+    s_aligned = payload_aligned(pay, n_el * (g.k_bytes + 1), 4)
     per_page = g.scope == ScaleScope.PER_PAGE_HEAD
     gt = int(g.page_size) if per_page else g.tokens  # type: ignore[arg-type]
     n_gt = -(-g.tokens // gt)
     if _one_pass(g, strategy, layers, dev):
         amax = torch.empty((layers, n_gt, g.heads), dtype=torch.float32, device=dev)
-        common.update(amax_ptr=amax, GT=gt, n_gt=n_gt, qmax=fp.qmax, **fp.args(), HW_FP8=hw_fp8(dev))
+        common.update(amax_ptr=amax, GT=gt, n_gt=n_gt, qmax=fp.qmax, **fp.args(), HW_FP8=hw_fp8(dev), DIV=div,
+                      S_ALIGNED=s_aligned)  # fmt: skip
         launch_grid(
             "_encode_groups_kernel", min(gt, 256), block_d, lambda bt: (n_gt, g.heads, layers), common
         )
@@ -264,7 +276,7 @@ def encode_rows(
         **v.stride_args("v"), "o_st": g.heads * g.dim, "o_sh": g.dim, "o_sd": 1, "o_sl": pay.stride,
         "qmax": fp.qmax, "D": g.dim, "V_BF16": v_bf16, **fp.args(), "FROM_AMAX": True, "WRITE_SCALES": True,
         "SHARED_HEADS": per_tensor, "PAGED": g.table is not None, "V_TAB": v_has, "O_TAB": p_has,
-        "HW_FP8": hw_fp8(dev),
+        "HW_FP8": hw_fp8(dev), "DIV": div, "FINITE": True, "S_ALIGNED": s_aligned,
     }  # fmt: skip
     launch_tiles("_quant_tiles_kernel", g.tokens, block_d, g.heads, layers, kw2)
     return abits.view(torch.float32).view(layers, *shape)
@@ -292,6 +304,7 @@ def decode_rows(pay: Layers, ko: Rows, vo: Rows, g: ChunkGeometry, *, out_kind: 
         "D": g.dim, "KB": g.k_bytes, "MANT": fp.mant, "BIAS": fp.bias,
         "OUT_KIND": out_kind, "SCALE_BYTES": True, "K_ALIGNED": k_aligned(pay, g.k_bytes),
         "PAGED": g.table is not None, "Q_TAB": q_has, "VO_TAB": vo_has, "KO_TAB": ko_has, "HW_FP8": hw_fp8(dev),
+        "S_ALIGNED": payload_aligned(pay, n_el * (g.k_bytes + 1), 4),
     }  # fmt: skip
     launch_tiles("_dequant_tiles_kernel", g.tokens, pow2(g.dim), g.heads, pay.count, kw)
 

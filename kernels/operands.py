@@ -45,6 +45,7 @@ __all__ = [
     "check_scope",
     "check_tensor3",
     "dense_rows",
+    "div_mode",
     "dummy_table",
     "empty_payloads",
     "fp8_constants",
@@ -56,6 +57,7 @@ __all__ = [
     "n_scales",
     "out_kind",
     "out_view",
+    "payload_aligned",
     "payload_bytes",
     "payload_layers",
     "payload_nbytes",
@@ -421,7 +423,16 @@ def payload_layers(payloads: Sequence[torch.Tensor] | torch.Tensor, want: int) -
 
 def k_aligned(pay: Layers, kb: int) -> bool:
     """K elements of ``kb`` bytes land aligned in every payload (word stores instead of byte stores)."""
-    ok = pay.base.data_ptr() % kb == 0 and pay.stride % kb == 0
-    if pay.table is not None and ok and kb > 1:
-        ok = all(o % kb == 0 for o in pay.offsets)
-    return ok
+    return payload_aligned(pay, 0, kb)
+
+
+def payload_aligned(pay: Layers, offset: int, mult: int) -> bool:
+    """Byte ``offset`` of every layer's payload is a multiple of ``mult`` bytes in memory."""
+    if pay.base.data_ptr() % mult or pay.stride % mult or offset % mult:
+        return False
+    return pay.table is None or all(o % mult == 0 for o in pay.offsets)
+
+
+def div_mode(v_dtype: torch.dtype) -> int:
+    """The kernels' ``DIV`` for V of ``v_dtype`` (:func:`.device.div_by_scale`): one reciprocal per group where proven exact."""
+    return {torch.float16: 1, torch.bfloat16: 2}.get(v_dtype, 0)

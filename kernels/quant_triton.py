@@ -32,6 +32,7 @@ from .configs import pow2
 from .device import (
     abs_bits,
     bf16_bits_rne,
+    div_by_scale,
     f32_to_fp8,
     fp8_to_f32,
     layer_off,
@@ -143,6 +144,7 @@ def _quant_tiles_kernel(
     MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
     FROM_AMAX: tl.constexpr, WRITE_SCALES: tl.constexpr, SHARED_HEADS: tl.constexpr,
     PAGED: tl.constexpr, V_TAB: tl.constexpr, O_TAB: tl.constexpr, HW_FP8: tl.constexpr,
+    DIV: tl.constexpr, FINITE: tl.constexpr, S_ALIGNED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """FP8 bytes of ``V / scale`` for BLOCK_T tokens x one head.
@@ -172,7 +174,7 @@ def _quant_tiles_kernel(
         sc = tl.load(s_base + sidx, mask=tm, other=1.0)
     vrow = row_off(t, tm, tbl_ptr, v_st, v_sb, BS, PAGED)
     v = to_f32(tl.load(v_base + vrow[:, None] + h * v_sh + d64[None, :] * v_sd, mask=m2, other=0), V_BF16)
-    q = f32_to_fp8(tl.math.div_rn(v, sc[:, None]), MANT, BIAS, MAX_BITS, SAT, HW_FP8)
+    q = f32_to_fp8(div_by_scale(v, sc[:, None], DIV), MANT, BIAS, MAX_BITS, SAT, HW_FP8, FINITE)
     t64 = t.to(tl.int64)
     tl.store(o_base + t64[:, None] * o_st + h * o_sh + d64[None, :] * o_sd, q, mask=m2)
     if WRITE_SCALES:
@@ -183,8 +185,11 @@ def _quant_tiles_kernel(
         n_el = (layer.to(tl.int64) * 0 + T) * H * D  # T may be the constexpr 1
         sbits = sc.to(tl.int32, bitcast=True)
         s_out = o_base + n_el
-        for j in tl.static_range(4):
-            tl.store(s_out + sidx * 4 + j, ((sbits >> (8 * j)) & 0xFF).to(tl.uint8), mask=first)
+        if S_ALIGNED:
+            tl.store(s_out.to(tl.pointer_type(tl.int32)) + sidx, sbits, mask=first)
+        else:
+            for j in tl.static_range(4):
+                tl.store(s_out + sidx * 4 + j, ((sbits >> (8 * j)) & 0xFF).to(tl.uint8), mask=first)
 
 
 @triton.jit
@@ -197,7 +202,7 @@ def _dequant_tiles_kernel(
     D: tl.constexpr, KB: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     OUT_KIND: tl.constexpr, SCALE_BYTES: tl.constexpr, K_ALIGNED: tl.constexpr,
     PAGED: tl.constexpr, Q_TAB: tl.constexpr, VO_TAB: tl.constexpr, KO_TAB: tl.constexpr,
-    HW_FP8: tl.constexpr,
+    HW_FP8: tl.constexpr, S_ALIGNED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """``float(q) * scale`` cast to the output dtype for BLOCK_T tokens x one head.
@@ -224,9 +229,12 @@ def _dequant_tiles_kernel(
     sidx = (t // PS).to(tl.int64) * s_pg + h * s_hd
     if SCALE_BYTES:
         sb_base = q_base + s_off
-        sbits = tl.load(sb_base + sidx * 4, mask=tm, other=0).to(tl.int32)
-        for j in tl.static_range(1, 4):
-            sbits = sbits | (tl.load(sb_base + sidx * 4 + j, mask=tm, other=0).to(tl.int32) << (8 * j))
+        if S_ALIGNED:
+            sbits = tl.load(sb_base.to(tl.pointer_type(tl.int32)) + sidx, mask=tm, other=0)
+        else:
+            sbits = tl.load(sb_base + sidx * 4, mask=tm, other=0).to(tl.int32)
+            for j in tl.static_range(1, 4):
+                sbits = sbits | (tl.load(sb_base + sidx * 4 + j, mask=tm, other=0).to(tl.int32) << (8 * j))
         sc = sbits.to(tl.float32, bitcast=True)
     else:
         sc = tl.load(s_ptr + layer.to(tl.int64) * s_sl + sidx, mask=tm, other=1.0)
@@ -425,6 +433,7 @@ def quantize(
         "qmax": fp.qmax, "D": d, "V_BF16": v.dtype == torch.bfloat16, **fp.args(),
         "FROM_AMAX": False, "WRITE_SCALES": False,
         "SHARED_HEADS": False, "PAGED": False, "V_TAB": 0, "O_TAB": 0, "HW_FP8": hw_fp8(dev),
+        "DIV": 0, "FINITE": False, "S_ALIGNED": False,
     }  # fmt: skip
     launch_tiles("_quant_tiles_kernel", t, pow2(d), h, 1, kw)
     return out
@@ -468,7 +477,7 @@ def dequantize(
         "ko_st": 0, "ko_sh": 0, "ko_sd": 0, "ko_sb": 0, "ko_sl": 0,
         "D": d, "KB": 0, "MANT": fp.mant, "BIAS": fp.bias, "OUT_KIND": kind,
         "SCALE_BYTES": False, "K_ALIGNED": False, "PAGED": False,
-        "Q_TAB": 0, "VO_TAB": 0, "KO_TAB": 0, "HW_FP8": hw_fp8(dev),
+        "Q_TAB": 0, "VO_TAB": 0, "KO_TAB": 0, "HW_FP8": hw_fp8(dev), "S_ALIGNED": False,
     }  # fmt: skip
     launch_tiles("_dequant_tiles_kernel", t, pow2(d), h, 1, kw)
     return out
