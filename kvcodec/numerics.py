@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from .errors import Reason, UnsupportedConfigError
-from .format import ScaleScope, expected_scale_shape
+from .format import COMPUTED_SCOPES, FLOAT8_DTYPES, ScaleScope, expected_scale_shape
 
 __all__ = [
+    "COMPUTED_SCOPES",
     "FP8_DTYPES",
     "ZERO_SCALE",
     "NonFinitePolicy",
@@ -39,7 +40,8 @@ __all__ = [
     "token_scales",
 ]
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, d.name) for d in FLOAT8_DTYPES)
+"""The FP8 formats V may be stored in, as torch dtypes (format.FLOAT8_DTYPES)."""
 ZERO_SCALE = 1.0
 """The scale of an all-zero group (any nonzero value decodes zeros exactly)."""
 

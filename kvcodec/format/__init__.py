@@ -8,8 +8,18 @@ from __future__ import annotations
 
 from .buffer import as_bytes_view
 from .crc import CRC_BACKEND, crc32
-from .dtypes import DTYPE_TO_ID, FLOAT_INF_BITS, ID_TO_DTYPE, DType, as_dtype, dtype_to_id, id_to_dtype
+from .dtypes import (
+    DTYPE_TO_ID,
+    FLOAT8_DTYPES,
+    FLOAT_INF_BITS,
+    ID_TO_DTYPE,
+    DType,
+    as_dtype,
+    dtype_to_id,
+    id_to_dtype,
+)
 from .header import (
+    COMPUTED_SCOPES,
     FIXED_HEADER_LEN,
     HASH_KEYS,
     MAGIC,
@@ -18,6 +28,7 @@ from .header import (
     MAX_HASH_PAIRS,
     MAX_PAYLOAD_LEN,
     MAX_SCALE_DIMS,
+    SCOPE_NAMES,
     SUPPORTED_VERSIONS,
     Hashes,
     Header,
@@ -41,9 +52,11 @@ from .parser import (
 )
 
 __all__ = [
+    "COMPUTED_SCOPES",
     "CRC_BACKEND",
     "DTYPE_TO_ID",
     "FIXED_HEADER_LEN",
+    "FLOAT8_DTYPES",
     "FLOAT_INF_BITS",
     "HASH_KEYS",
     "ID_TO_DTYPE",
@@ -53,6 +66,7 @@ __all__ = [
     "MAX_HASH_PAIRS",
     "MAX_PAYLOAD_LEN",
     "MAX_SCALE_DIMS",
+    "SCOPE_NAMES",
     "SUPPORTED_VERSIONS",
     "DType",
     "Hashes",

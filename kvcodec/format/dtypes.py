@@ -15,6 +15,7 @@ from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 __all__ = [
     "BFLOAT16",
     "DTYPE_TO_ID",
+    "FLOAT8_DTYPES",
     "FLOAT8_E4M3FN",
     "FLOAT8_E5M2",
     "FLOAT16",
@@ -51,6 +52,9 @@ FLOAT64 = DType("float64", 8)
 UINT8 = DType("uint8", 1)
 FLOAT8_E4M3FN = DType("float8_e4m3fn", 1)
 FLOAT8_E5M2 = DType("float8_e5m2", 1)
+
+FLOAT8_DTYPES = (FLOAT8_E4M3FN, FLOAT8_E5M2)
+"""The FP8 formats V may be stored in (LMCache 0.5.6 writes e4m3fn only)."""
 
 #: LMCache's protocol table. Ids 1 and 2 both mean float16; writers emit 2.
 ID_TO_DTYPE: dict[int, DType] = {

@@ -24,6 +24,7 @@ from .crc import crc32
 from .dtypes import FLOAT32, DType, as_dtype, dtype_to_id
 
 __all__ = [
+    "COMPUTED_SCOPES",
     "CRC_FIELD",
     "FIXED_FIELDS",
     "FIXED_HEADER",
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_SCALE_DIMS",
     "PAYLOAD_LENS",
     "SCALE_DIM",
+    "SCOPE_NAMES",
     "SUPPORTED_VERSIONS",
     "Hashes",
     "Header",
@@ -133,6 +135,23 @@ class ScaleScope(IntEnum):
     PER_PAGE_HEAD = 2
     EXTERNAL = 3
     NONE = 4
+
+
+COMPUTED_SCOPES: tuple[ScaleScope, ...] = (
+    ScaleScope.PER_TENSOR,
+    ScaleScope.PER_LAYER_HEAD,
+    ScaleScope.PER_PAGE_HEAD,
+)
+"""The scopes whose scales encode computes from V and stores (their shapes: ``expected_scale_shape``)."""
+
+SCOPE_NAMES: dict[str, ScaleScope] = {
+    "per_tensor": ScaleScope.PER_TENSOR,
+    "per_layer_head": ScaleScope.PER_LAYER_HEAD,
+    "per_page_head": ScaleScope.PER_PAGE_HEAD,
+    "external": ScaleScope.EXTERNAL,
+    "raw": ScaleScope.NONE,
+}
+"""Each scope's name as users write it (``encode(scope=...)``, ``--scope``); ``raw``: FP8 at unit scale."""
 
 
 class ScaleScheme(IntEnum):

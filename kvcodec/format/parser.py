@@ -30,6 +30,7 @@ from ..errors import CorruptEncodedKVError, Reason
 from .buffer import as_bytes_view
 from .dtypes import FLOAT_INF_BITS, DType, id_to_dtype
 from .header import (
+    COMPUTED_SCOPES,
     CRC_FIELD,
     FIXED_HEADER,
     HASH_KEYS,
@@ -369,6 +370,9 @@ def expected_scale_shape(
     return None
 
 
+_SCALE_RANK = {scope: len(expected_scale_shape(scope, 1, 1, 1) or ()) for scope in COMPUTED_SCOPES}
+
+
 def check_consistency(h: Header) -> None:
     """Cross-field checks the reference reader lacks (raises CorruptEncodedKVError)."""
     k_el = _elements(h.k_payload_len, h.k_dtype, "K")
@@ -442,11 +446,10 @@ def check_consistency(h: Header) -> None:
             f"{h.scale_dtype} needs {expect_s} bytes",
             reason=Reason.BAD_SCALE_SHAPE,
         )
-    want_dims = {ScaleScope.PER_TENSOR: 0, ScaleScope.PER_LAYER_HEAD: 1, ScaleScope.PER_PAGE_HEAD: 2}
-    if len(h.scale_shape) != want_dims[h.scale_scope]:
+    if len(h.scale_shape) != _SCALE_RANK[h.scale_scope]:
         raise CorruptEncodedKVError(
             f"scale_shape {h.scale_shape} has {len(h.scale_shape)} dims; scope "
-            f"{h.scale_scope.name} needs {want_dims[h.scale_scope]}",
+            f"{h.scale_scope.name} needs {_SCALE_RANK[h.scale_scope]}",
             reason=Reason.BAD_SCALE_SHAPE,
         )
     if heads > 0 and h.scale_scope != ScaleScope.PER_TENSOR and h.scale_shape[-1] != heads:

@@ -810,3 +810,16 @@ def test_parse_accepts_a_cpu_tensor_without_copy() -> None:
     assert torch.frombuffer(p.payload, dtype=torch.uint8).data_ptr() == t.data_ptr() + p.header_len
     with pytest.raises(UnsupportedConfigError, match=r"contiguous|dense CPU tensor"):
         parse(t[::2])
+
+
+def test_the_scope_and_fp8_tables_agree_with_the_enums() -> None:
+    """One source for each table: names cover every scope once; computed scopes are those with a shape."""
+    from kvcodec import numerics
+    from kvcodec.format import COMPUTED_SCOPES, FLOAT8_DTYPES, ID_TO_DTYPE, SCOPE_NAMES, expected_scale_shape
+
+    assert sorted(SCOPE_NAMES.values()) == sorted(ScaleScope)
+    assert all(name == scope.name.lower() for name, scope in SCOPE_NAMES.items() if name != "raw")
+    assert COMPUTED_SCOPES == tuple(s for s in ScaleScope if expected_scale_shape(s, 4, 2, 2) is not None)
+    assert set(FLOAT8_DTYPES) <= set(ID_TO_DTYPE.values())
+    assert [str(d).removeprefix("torch.") for d in numerics.FP8_DTYPES] == [d.name for d in FLOAT8_DTYPES]
+    assert numerics.COMPUTED_SCOPES is COMPUTED_SCOPES
