@@ -20,7 +20,9 @@ def groups(scope: str, tokens: int, heads: int, page_size: int | None) -> list[t
         return [((slice(None), slice(h, h + 1)), (h,)) for h in range(heads)]
     ps = int(page_size)
     pages = (tokens + ps - 1) // ps
-    return [((slice(p * ps, (p + 1) * ps), slice(h, h + 1)), (p, h)) for p in range(pages) for h in range(heads)]
+    return [
+        ((slice(p * ps, (p + 1) * ps), slice(h, h + 1)), (p, h)) for p in range(pages) for h in range(heads)
+    ]
 
 
 def _scale_shape(scope: str, tokens: int, heads: int, page_size: int | None) -> tuple[int, ...]:
