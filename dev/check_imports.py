@@ -7,7 +7,8 @@ Two checks, standard library + import-linter only (no torch, nothing imported fr
   (``[tool.setuptools.package-dir]``), a mapping import-linter cannot see in the source
   tree, so the Python files are copied into one tree first.
 - ``private``: no module imports another module's underscore names, neither
-  ``from kvcodec.x import _y`` nor ``x._y`` on a kvcodec module bound by an import.
+  ``from kvcodec.x import _y`` nor ``x._y`` on a kvcodec module bound by an import
+  (the package's modules, and the scripts in ``dev/`` and ``bench/`` for what they use of it).
   Underscore *modules* (``kvcodec._cpu``, ``kvcodec.kernels._tl``) are the ``private_modules``
   contract's business: importable from inside their own package only.
 
@@ -123,10 +124,26 @@ def _check_attributes(pkg: Package, importer: str, tree: ast.Module) -> Iterator
             yield f"line {node.lineno}: reads private name {node.attr} of {bound[node.value.id]}"
 
 
-def private_name_violations(pkg: Package) -> list[str]:
-    """One line per import (or attribute read) of another module's underscore name."""
+SCRIPT_DIRS = ("dev", "bench")
+"""Folders of scripts outside the package that use it: held to the same rule."""
+
+
+def scripts(root: Path) -> dict[str, Path]:
+    """The Python files of :data:`SCRIPT_DIRS`, named ``dev.x`` / ``bench.y`` (they import kvcodec absolutely)."""
+    found = {}
+    for folder in SCRIPT_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            found[".".join(path.relative_to(root).with_suffix("").parts)] = path
+    return found
+
+
+def private_name_violations(pkg: Package, extra: dict[str, Path] | None = None) -> list[str]:
+    """One line per import (or attribute read) of another module's underscore name.
+
+    The package's modules are checked, and ``extra`` files (scripts) for their imports of the package.
+    """
     out: list[str] = []
-    for importer, path in sorted(pkg.modules.items()):
+    for importer, path in sorted({**pkg.modules, **(extra or {})}.items()):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
@@ -175,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown checks {sorted(unknown)}; expected layers and/or private")
     failed = False
     if "private" in args.checks:
-        violations = private_name_violations(Package.from_repo(args.root))
+        violations = private_name_violations(Package.from_repo(args.root), scripts(args.root))
         for line in violations:
             print(f"private-name: {line}")
         print(f"private names: {len(violations)} violation(s)")

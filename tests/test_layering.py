@@ -137,3 +137,13 @@ def test_the_checker_sees_the_package_as_installed() -> None:
 def test_the_package_keeps_its_import_rules(baseline: tuple[Path, str]) -> None:
     proc = _run(REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_a_script_reading_a_private_name_of_the_package_is_reported(tmp_path: Path) -> None:
+    check = _checker()
+    root = tmp_path / "repo"
+    _copy_package(root)
+    (root / "dev").mkdir()
+    (root / "dev" / "tool.py").write_text("from kvcodec.format.parser import _Reader\n")
+    found = check.private_name_violations(check.Package.from_repo(root), check.scripts(root))
+    assert found == ["dev.tool (line 1) imports private name _Reader from kvcodec.format.parser"]
