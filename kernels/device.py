@@ -239,8 +239,9 @@ def layer_off(layer, off_ptr, stride, TABLE: tl.constexpr):
 def row_off(t, tmask, tbl_ptr, s_tok, s_blk, BS, PAGED: tl.constexpr):
     """int64 offsets of token rows ``t``: dense ``t * s_tok`` or through a block table."""
     if PAGED:
-        # Token indices are int32 (chunks are far below 2^31 tokens): 32-bit div/mod by the
-        # runtime block size is a short inline sequence, 64-bit would call a slow subroutine.
+        # Token indices are int32 (chunks are far below 2^31 tokens) and the kernels take the
+        # block size as a constexpr (one compile per block size): div/mod by a power of two
+        # are a shift and a mask, by anything else a multiply-high.
         blk = tl.load(tbl_ptr + t // BS, mask=tmask, other=0).to(tl.int64)
         r = blk * s_blk + (t % BS).to(tl.int64) * s_tok
     else:

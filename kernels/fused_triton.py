@@ -88,7 +88,7 @@ STRATEGIES = ("auto", "single", "two_stage")
 @triton.jit
 def _encode_groups_kernel(
     k_ptr, v_ptr, pay_ptr, amax_ptr, tbl_ptr, k_ltab, v_ltab, p_ltab,
-    T, H, GT, n_gt, BS,
+    T, H, GT, n_gt, BS: tl.constexpr,
     k_st, k_sh, k_sd, k_sb, k_sl,
     v_st, v_sh, v_sd, v_sb, v_sl,
     p_sl,

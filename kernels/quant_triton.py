@@ -84,7 +84,7 @@ STAGE1_TOKENS: int | None = None
 @triton.jit
 def _amax_tiles_kernel(
     k_ptr, v_ptr, pay_ptr, abits_ptr, tbl_ptr, k_ltab, v_ltab, p_ltab,
-    T, H, TT, GT, n_gt, BS,
+    T, H, TT, GT, n_gt, BS: tl.constexpr,
     k_st, k_sh, k_sd, k_sb, k_sl,
     v_st, v_sh, v_sd, v_sb, v_sl,
     p_sl,
@@ -136,7 +136,7 @@ def _amax_tiles_kernel(
 @triton.jit
 def _quant_tiles_kernel(
     v_ptr, o_ptr, s_ptr, tbl_ptr, v_ltab, o_ltab,
-    T, H, PS, s_pg, s_hd, s_sl, BS, o_off,
+    T, H, PS, s_pg, s_hd, s_sl, BS: tl.constexpr, o_off,
     v_st, v_sh, v_sd, v_sb, v_sl,
     o_st, o_sh, o_sd, o_sl,
     qmax,
@@ -195,7 +195,7 @@ def _quant_tiles_kernel(
 @triton.jit
 def _dequant_tiles_kernel(
     q_ptr, s_ptr, vo_ptr, ko_ptr, tbl_ptr, q_ltab, vo_ltab, ko_ltab,
-    T, H, PS, s_pg, s_hd, s_off, s_sl, BS, q_off,
+    T, H, PS, s_pg, s_hd, s_off, s_sl, BS: tl.constexpr, q_off,
     q_st, q_sh, q_sd, q_sl,
     vo_st, vo_sh, vo_sd, vo_sb, vo_sl,
     ko_st, ko_sh, ko_sd, ko_sb, ko_sl,
