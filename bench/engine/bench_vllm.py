@@ -53,6 +53,9 @@ LOAD_HOOKS = ("start_load_kv", "wait_for_layer_load", "get_finished")
 PROMPT_LEN = 2049
 CHUNK = 256
 SLOW_MBPS = 200
+RELOOKUPS = 4
+"""Times a hit engine submits each timed prompt again (vLLM's own cache serves it; the connector's lookup
+still runs in full), for more samples of the lookup than the hits alone give."""
 ENGINE_ARGS = {
     "block_size": 32,
     "max_model_len": 4096,
@@ -72,7 +75,7 @@ class Prompts:
     """Token-id prompts, fixed by a seed: the same set goes through every configuration."""
 
     warmup: list[int]
-    """Cold in every saving engine (not counted); saved with the rest."""
+    """First in every engine that saves (not counted): short, as a first prefill here costs no more than later ones."""
     timed: list[list[int]]
     fresh_warmup: list[int]
     """The warm-up of engines that then hit: short (they compute one token per hit), never saved before."""
@@ -87,7 +90,7 @@ class Prompts:
             return [r.randrange(3, vocab) for _ in range(k)]
 
         return cls(
-            toks(length),
+            toks(300),
             [toks(length) for _ in range(n)],
             toks(300),
             [toks(128) for _ in range(4)],
@@ -134,12 +137,17 @@ def plan(models: dict[str, str], work: Path, p: Prompts, features: set[str]) -> 
     """Every engine of the run, in order (a hit engine reads the store its saving engine left)."""
     modes = ["sync", "async"] if {"async_save", "async_load"} <= features else ["sync"]
     cold = [ttft("warmup", [p.warmup]), ttft("cold", p.timed)]
-    hit = [ttft("warmup", [p.fresh_warmup]), ttft("hit", p.timed)]
+    hit = [ttft("warmup", [p.fresh_warmup]), ttft("hit", p.timed), ttft("relookup", p.timed * RELOOKUPS)]
+    # ExampleConnector saves the first (L-1)//32*32 tokens of a prompt but looks up the first (L-2)//32*32,
+    # so it never hits a prompt of 32k+1 tokens: its prompts get one more token (both then load 2048).
+    ex_timed = [[*q, 5] for q in p.timed]
+    ex_cold = [ttft("warmup", [p.warmup]), ttft("cold", ex_timed)]
+    ex_hit = [ttft("warmup", [p.fresh_warmup]), ttft("hit", ex_timed)]
     slow_env = {"KVCODEC_BENCH_STORE_MBPS": str(SLOW_MBPS)}
     kv = "TimedKvcodecConnector"
     engines = [Engine("none", models["main"], None, None, [*cold, ttft("own_hit", p.timed), decode_batch(p)])]
-    for mode in modes:
-        for store_kind, fsync, env in (("fast", False, {}), ("slow", True, slow_env)):
+    for store_kind, fsync, env in (("fast", False, {}), ("slow", True, slow_env)):
+        for mode in modes:  # sync and async side by side
             store = str(work / f"store-{mode}-{store_kind}")
             conn = {"class": kv, "extra": kvcodec_extra(store, fsync=fsync, mode=mode, features=features)}
             phases = [*cold, decode_batch(p)] if store_kind == "slow" else cold
@@ -151,8 +159,8 @@ def plan(models: dict[str, str], work: Path, p: Prompts, features: set[str]) -> 
     ex_store = str(work / "store-example")
     ex = {"class": "TimedExampleConnector", "extra": {"shared_storage_path": ex_store}}
     engines += [
-        Engine("example-save", models["main"], ex, ex_store, cold),
-        Engine("example-hit", models["main"], ex, ex_store, hit),
+        Engine("example-save", models["main"], ex, ex_store, ex_cold),
+        Engine("example-hit", models["main"], ex, ex_store, ex_hit),
     ]
     store32 = str(work / "store-32")
     conn32 = {"class": kv, "extra": kvcodec_extra(store32, fsync=False, mode=modes[-1], features=features)}
@@ -272,6 +280,7 @@ def cold_summary(rs: list[dict]) -> dict[str, Any]:
         "worker_hooks_per_step_s": med([hook_sum(r, WORKER_HOOKS) / r["steps"] for r in rs]),
         "wait_for_save_s": med([r["hooks"].get("wait_for_save", 0.0) for r in rs]),
         "settle_s": med([r["settle_s"] for r in rs]),
+        "cpu_s": med([r.get("cpu_s") for r in rs]),
     }
 
 
@@ -280,12 +289,22 @@ def hit_summary(rs: list[dict]) -> dict[str, Any]:
         "hit_ttft_s": med([r["ttft_s"] for r in rs]),
         "cached": [r["cached"] for r in rs],
         "load_hooks_s": med([hook_sum(r, LOAD_HOOKS) for r in rs]),
-        "lookup_s": med([r["hooks"].get("get_num_new_matched_tokens", 0.0) for r in rs]),
     }
 
 
+def lookup_summary(res: dict) -> dict[str, Any]:
+    """Every lookup of a full-length prompt in the engine (hits and re-lookups; not the short warm-up)."""
+    calls = [c for clock in res.get("clocks", []) for c in clock.get("lookups", [])]
+    longest = max((c["prompt"] for c in calls), default=0)
+    secs = [c["seconds"] for c in calls if c["prompt"] == longest]
+    if not secs:
+        return {}
+    return {"lookup_s": med(secs), "lookup_min_s": min(secs), "lookup_calls": len(secs)}
+
+
 def decode_summary(steps: list[dict]) -> dict[str, Any]:
-    after = [r["wall_s"] for r in steps[[r["saver_token"] for r in steps].index(True) + 1 :]]
+    flags = [r["saver_token"] for r in steps]
+    after = [r["wall_s"] for r in steps[flags.index(True) + 1 :]] if True in flags else []
     return {
         "steps": len(steps),
         "mean_step_s": statistics.fmean(r["wall_s"] for r in steps),
@@ -303,11 +322,11 @@ def summarize(res: dict) -> tuple[dict, list[Target]]:
         v = s[name] = {"counters": worker_counters(r)}
         if "cold" in phases:
             v |= cold_summary(phases["cold"]["rows"])
-            v["store_bytes_per_prompt"] = r["store"]["bytes"] / (1 + len(phases["cold"]["rows"]))
+            v["store_bytes_per_prompt"] = med([x.get("store_bytes_added") for x in phases["cold"]["rows"]])
         if "own_hit" in phases:
             v["own_hit_ttft_s"] = med([x["ttft_s"] for x in phases["own_hit"]["rows"]])
         if "hit" in phases:
-            v |= hit_summary(phases["hit"]["rows"])
+            v |= hit_summary(phases["hit"]["rows"]) | lookup_summary(r)
         if "decode_batch" in phases:
             v["decode_batch"] = decode_summary(phases["decode_batch"]["rows"]["steps"])
     return s, targets(s)
@@ -399,13 +418,17 @@ def targets(s: dict) -> list[Target]:
     )
     l12 = _get(s, "hit-async", "lookup_s") or _get(s, "hit-sync", "lookup_s")
     l32 = _get(s, "l32-hit", "lookup_s")
+    n12, n32 = (
+        _get(s, "hit-async", "lookup_calls") or _get(s, "hit-sync", "lookup_calls"),
+        _get(s, "l32-hit", "lookup_calls"),
+    )
     t.append(
         target(
             "6. lookup per prompt, 32 layers / 12 layers",
             l32,
             l12,
             1.25,
-            f"32 layers {fmt_ms(l32)}, 12 layers {fmt_ms(l12)}",
+            f"32 layers {fmt_ms(l32)}, 12 layers {fmt_ms(l12)} (medians of {n32} and {n12} calls)",
         )
     )
     return t
@@ -419,27 +442,30 @@ def fmt_mb(x: float | None) -> str:
     return "n/a" if x is None else f"{x / 1e6:.2f} MB"
 
 
+COLUMNS = (
+    ("cold TTFT", "cold_ttft_s"),
+    ("worker hooks / prompt", "worker_hooks_s"),
+    ("per step", "worker_hooks_per_step_s"),
+    ("writes settle after", "settle_s"),
+    ("CPU / prompt", "cpu_s"),
+    ("hit TTFT", "hit_ttft_s"),
+    ("vLLM's own hit", "own_hit_ttft_s"),
+    ("load hooks", "load_hooks_s"),
+    ("lookup", "lookup_s"),
+)
+"""The per-engine table: heading, summary key (seconds, medians over the timed prompts)."""
+
+
 def table(s: dict, ts: list[Target]) -> str:
     """Markdown: one row per engine, one per decode batch, one per target."""
     lines = [
-        "| engine | cold TTFT | worker hooks / prompt | per step | writes settle after | "
-        "hit TTFT (own hit) | load hooks | lookup | counters |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine | " + " | ".join(h for h, _ in COLUMNS) + " | counters |",
+        "|---" * (len(COLUMNS) + 2) + "|",
     ]
     for e, v in s.items():
-        cells = [
-            v.get("cold_ttft_s"),
-            v.get("worker_hooks_s"),
-            v.get("worker_hooks_per_step_s"),
-            v.get("settle_s"),
-            v.get("hit_ttft_s") or v.get("own_hit_ttft_s"),
-            v.get("load_hooks_s"),
-            v.get("lookup_s"),
-        ]
         counters = ", ".join(f"{k} {n}" for k, n in v["counters"].items() if n)
-        lines.append(
-            f"| {e} | " + " | ".join(fmt_ms(c).replace("n/a", "-") for c in cells) + f" | {counters} |"
-        )
+        cells = " | ".join(fmt_ms(v.get(k)).replace("n/a", "-") for _, k in COLUMNS)
+        lines.append(f"| {e} | {cells} | {counters} |")
     lines += [
         "",
         "| decode batch (4 decodes + a 2049-token prompt saving) | steps | mean step | max step | "
@@ -566,16 +592,12 @@ def main() -> None:
         f"async keys {'known' if 'async_save' in features else 'unknown (sync connector)'}",
         flush=True,
     )
-    res = {e.name: run_engine(e, work, args.timeout, os.pathsep.join(pythonpath)) for e in engines}
-    s, ts = summarize(res)
-    out = {
+    head = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
         **source_info(args.rev),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "wall_s": time.time() - t0,
-        "loadavg_start": load0,
-        "loadavg_end": loadavg(),
         "cpus": os.cpu_count(),
+        "loadavg_start": load0,
         "setup": {
             "prompt_tokens": length,
             "models": models,
@@ -585,16 +607,39 @@ def main() -> None:
             "timed_prompts": args.prompts,
             "connector_keys": sorted(features),
         },
+    }
+    res: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    for e in engines:
+        try:
+            res[e.name] = run_engine(e, work, args.timeout, os.pathsep.join(pythonpath))
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            failed[e.name] = str(err)[-3000:]
+            print(f"  {e.name:<13} FAILED: {str(err)[:300]}", flush=True)
+        s, ts = write_results(Path(args.out), head, res, failed, t0)
+    print(table(s, ts))
+    for name, err in failed.items():
+        print(f"engine {name} failed (its rows are missing):\n{err}")
+    print(
+        f"load average {load0} -> {loadavg()} on {os.cpu_count()} CPUs; {time.time() - t0:.0f} s; {args.out}"
+    )
+
+
+def write_results(out: Path, head: dict, res: dict, failed: dict, t0: float) -> tuple[dict, list[Target]]:
+    """The results JSON as far as the run got (rewritten after every engine, so a cut-off run leaves data)."""
+    s, ts = summarize(res)
+    doc = {
+        **head,
+        "wall_s": time.time() - t0,
+        "loadavg_end": loadavg(),
         "summary": s,
         "targets": [dataclasses.asdict(t) | {"verdict": t.verdict} for t in ts],
+        "failed": failed,
         "engines": res,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(table(s, ts))
-    print(
-        f"load average {load0} -> {out['loadavg_end']} on {os.cpu_count()} CPUs; {out['wall_s']:.0f} s; {args.out}"
-    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    return s, ts
 
 
 if __name__ == "__main__":

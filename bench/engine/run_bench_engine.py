@@ -14,7 +14,9 @@ tell when background writes have settled), ``engine`` (extra ``LLM`` arguments),
 - ``{"kind": "ttft", "name": ..., "prompts": [[ids]...]}``: each prompt alone,
   ``max_tokens=1``; per prompt the time to its first token, the steps it took, the
   cached tokens vLLM reports, the hook seconds per hook during those steps, then the
-  time until the store has settled (writes still running after the token).
+  time until the store has settled (writes still running after the token), and the
+  process's CPU seconds (all threads) until the token and until the store settled,
+  and the bytes the store grew by.
 - ``{"kind": "decode_batch", "name": ..., "decodes": [[ids]...], "saver": [ids],
   "after": n}``: the decodes run until each has a token, then the saver prompt
   joins; the wall time and hook seconds of every step from then until ``after``
@@ -79,7 +81,7 @@ def settle(root: str | None, timeout: float = 60.0) -> float:
             last, since = state, now
         elif not state[2] and now - since >= SETTLE_S:
             return since - t0
-        time.sleep(0.01)
+        time.sleep(0.02)
     return timeout
 
 
@@ -128,19 +130,21 @@ def _add_hooks(acc: dict[str, float], step: dict[str, float]) -> None:
 def run_ttft(st: Stepper, phase: dict, store: str | None) -> list[dict]:
     rows = []
     for prompt in phase["prompts"]:
-        t0 = time.perf_counter()
+        bytes0 = _store_state(store)[1]
+        t0, c0 = time.perf_counter(), time.process_time()
         rid = st.add(prompt, 1)
-        ttft, cached, steps, hooks = None, None, 0, {}
+        row: dict[str, Any] = {"ttft_s": None, "cached": None, "steps": 0, "hooks": {}}
         for outs, _, h in st.steps():
-            steps += 1
-            _add_hooks(hooks, h)
+            row["steps"] += 1
+            _add_hooks(row["hooks"], h)
             for o in outs:
-                if o.request_id == rid and ttft is None and o.outputs and o.outputs[0].token_ids:
-                    ttft = time.perf_counter() - t0
-                    cached = o.num_cached_tokens
-        rows.append(
-            {"ttft_s": ttft, "cached": cached, "steps": steps, "hooks": hooks, "settle_s": settle(store)}
-        )
+                if o.request_id == rid and row["ttft_s"] is None and o.outputs and o.outputs[0].token_ids:
+                    row["ttft_s"], row["cpu_ttft_s"] = time.perf_counter() - t0, time.process_time() - c0
+                    row["cached"] = o.num_cached_tokens
+        row["settle_s"] = settle(store)
+        row["cpu_s"] = time.process_time() - c0
+        row["store_bytes_added"] = _store_state(store)[1] - bytes0
+        rows.append(row)
     return rows
 
 

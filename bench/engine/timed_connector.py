@@ -76,6 +76,8 @@ class HookClock:
         self.calls = dict.fromkeys(WORKER_HOOKS + SCHEDULER_HOOKS, 0)
         self.stats: Any = None
         """The connector's own ``stats`` (read at snapshot time), when it keeps a dict of them."""
+        self.lookups: list[dict[str, Any]] = []
+        """Every ``get_num_new_matched_tokens`` call: seconds, prompt tokens, tokens computed locally, answer."""
 
     @contextmanager
     def timing(self, hook: str) -> Iterator[None]:
@@ -94,6 +96,7 @@ class HookClock:
             "seconds": dict(self.seconds),
             "calls": dict(self.calls),
             "stats": stats,
+            "lookups": list(self.lookups),
         }
 
 
@@ -186,8 +189,18 @@ class _HookTimer:
 
     # scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        t0 = time.perf_counter()
         with self.bench_clock.timing("get_num_new_matched_tokens"):
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[misc]
+            answer = super().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[misc]
+        self.bench_clock.lookups.append(
+            {
+                "seconds": time.perf_counter() - t0,
+                "prompt": len(request.prompt_token_ids or ()),
+                "local": num_computed_tokens,
+                "answer": answer[0],
+            }
+        )
+        return answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         with self.bench_clock.timing("update_state_after_alloc"):
