@@ -175,3 +175,26 @@ def test_parse_accepts_exactly_the_finite_positive_scales(
         with pytest.raises(CorruptEncodedKVError, match=rf"stored scale #{first_bad} ") as e:
             parse(blob)
         assert e.value.reason == Reason.BAD_SCALE
+
+
+@pytest.mark.parametrize("kind", ["NaN", "-Inf", "0", "negative"])
+def test_kvcodec_verify_refuses_a_bad_stored_scale(tmp_path, capsys, kind: str) -> None:
+    from kvcodec.tools.cli import main
+
+    bits = [ONE[FLOAT32]] * 4
+    bits[2] = BAD_BITS[FLOAT32][1][kind]
+    path = tmp_path / "bad.blob"
+    path.write_bytes(_blob(FLOAT32, bits, version=1))
+    assert main(["verify", str(path)]) != 0
+    assert "stored scale #2 (page 1, head 0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["NaN", "+Inf", "0", "negative"])
+def test_the_lmcache_compat_decode_refuses_a_bad_stored_scale(kind: str) -> None:
+    from kvcodec.integrations.lmcache import compat
+
+    bits = [ONE[FLOAT32]] * 4
+    bits[3] = BAD_BITS[FLOAT32][1][kind]
+    codec = compat.AsymK16V8Codec(scale_scope=compat.ScaleScope.PER_PAGE_HEAD)
+    with pytest.raises(compat.CorruptEncodedKVError):
+        codec.decode(codec.from_bytes(_blob(FLOAT32, bits, version=1)))
