@@ -29,7 +29,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: import-linter brings tomli
+    import tomli as tomllib
 
 __all__ = ["Package", "main", "private_name_violations", "run_lint_imports", "stage"]
 
