@@ -47,6 +47,7 @@ from .operands import (
     div_mode,
     dummy_table,
     fp8_constants,
+    hw_bf16,
     hw_fp8,
     int_view,
     interpreted,
@@ -304,7 +305,7 @@ def decode_rows(pay: Layers, ko: Rows, vo: Rows, g: ChunkGeometry, *, out_kind: 
         "D": g.dim, "KB": g.k_bytes, "MANT": fp.mant, "BIAS": fp.bias,
         "OUT_KIND": out_kind, "SCALE_BYTES": True, "K_ALIGNED": k_aligned(pay, g.k_bytes),
         "PAGED": g.table is not None, "Q_TAB": q_has, "VO_TAB": vo_has, "KO_TAB": ko_has, "HW_FP8": hw_fp8(dev),
-        "S_ALIGNED": payload_aligned(pay, n_el * (g.k_bytes + 1), 4),
+        "S_ALIGNED": payload_aligned(pay, n_el * (g.k_bytes + 1), 4), "HW_BF16": hw_bf16(dev),
     }  # fmt: skip
     launch_tiles("_dequant_tiles_kernel", g.tokens, pow2(g.dim), g.heads, pay.count, kw)
 

@@ -53,6 +53,11 @@ class Target:
         """True where the GPU converts fp32 <-> FP8 in hardware (sm_89 and later)."""
         return not self.interpret and self.capability >= (8, 9) and _hw_fp8_allowed()
 
+    @property
+    def hw_bf16(self) -> bool:
+        """True where fp32 -> bf16 is one hardware round-to-nearest-even convert (sm_80 and later)."""
+        return not self.interpret and self.capability >= (8, 0)
+
 
 H200 = Target(False, 132, (9, 0), "NVIDIA H200 (simulated)")
 """The headline target of the kernel audit."""

@@ -49,6 +49,7 @@ __all__ = [
     "dummy_table",
     "empty_payloads",
     "fp8_constants",
+    "hw_bf16",
     "hw_fp8",
     "int_view",
     "interpreted",
@@ -194,6 +195,11 @@ def interpreted(dev: torch.device) -> bool:
 def hw_fp8(dev: torch.device) -> bool:
     """Use the hardware FP8 converters (sm_89+; ``KVCODEC_HW_FP8=0`` turns them off)."""
     return current_target(dev).hw_fp8
+
+
+def hw_bf16(dev: torch.device) -> bool:
+    """Round fp32 to bf16 with the hardware convert (compiled CUDA on sm_80+; the interpreter truncates)."""
+    return current_target(dev).hw_bf16
 
 
 _DUMMY: dict[torch.device, torch.Tensor] = {}

@@ -52,6 +52,7 @@ from .operands import (
     dense_rows,
     dummy_table,
     fp8_constants,
+    hw_bf16,
     hw_fp8,
     interpreted,
     out_view,
@@ -202,7 +203,7 @@ def _dequant_tiles_kernel(
     D: tl.constexpr, KB: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     OUT_KIND: tl.constexpr, SCALE_BYTES: tl.constexpr, K_ALIGNED: tl.constexpr,
     PAGED: tl.constexpr, Q_TAB: tl.constexpr, VO_TAB: tl.constexpr, KO_TAB: tl.constexpr,
-    HW_FP8: tl.constexpr, S_ALIGNED: tl.constexpr,
+    HW_FP8: tl.constexpr, S_ALIGNED: tl.constexpr, HW_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """``float(q) * scale`` cast to the output dtype for BLOCK_T tokens x one head.
@@ -211,7 +212,8 @@ def _dequant_tiles_kernel(
     fp32 (``SCALE_BYTES``: little-endian bytes at ``q + s_off``); ``q`` starts
     ``q_off`` bytes past ``q_ptr``. With ``KB > 0`` the payload's K bytes at
     ``q_ptr`` are copied out too.
-    ``OUT_KIND``: 0 fp32, 1 fp16, 2 bf16 (stored as int16 bits).
+    ``OUT_KIND``: 0 fp32, 1 fp16, 2 bf16 (stored as int16 bits; ``HW_BF16``: rounded by the
+    hardware convert, else by integer ops: the same bits for every non-NaN value).
     """
     i = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -246,6 +248,8 @@ def _dequant_tiles_kernel(
         tl.store(vo, x, mask=m2)
     elif OUT_KIND == 1:
         tl.store(vo, x.to(tl.float16), mask=m2)
+    elif HW_BF16:
+        tl.store(vo, x.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=m2)
     else:
         tl.store(vo, bf16_bits_rne(x), mask=m2)
     if KB > 0:
@@ -477,7 +481,7 @@ def dequantize(
         "ko_st": 0, "ko_sh": 0, "ko_sd": 0, "ko_sb": 0, "ko_sl": 0,
         "D": d, "KB": 0, "MANT": fp.mant, "BIAS": fp.bias, "OUT_KIND": kind,
         "SCALE_BYTES": False, "K_ALIGNED": False, "PAGED": False,
-        "Q_TAB": 0, "VO_TAB": 0, "KO_TAB": 0, "HW_FP8": hw_fp8(dev), "S_ALIGNED": False,
+        "Q_TAB": 0, "VO_TAB": 0, "KO_TAB": 0, "HW_FP8": hw_fp8(dev), "S_ALIGNED": False, "HW_BF16": hw_bf16(dev),
     }  # fmt: skip
     launch_tiles("_dequant_tiles_kernel", t, pow2(d), h, 1, kw)
     return out
