@@ -476,16 +476,21 @@ _SAFE_LAST_BYTES = {
 }
 
 
-def check_stored_scales(h: Header, scales: memoryview) -> None:
+def check_stored_scales(h: Header, scales: Any) -> None:
     """Refuse stored scales encode never writes: NaN, ±Inf, zero or negative (:class:`CorruptEncodedKVError`).
 
-    ``scales`` is the blob's scale section (:attr:`ParsedBlob.scales`). Scale
-    dtypes without an IEEE Inf (none the codec writes) are left to the decoder.
-    Pure Python at C speed: one strided byte copy and one ``translate`` over
-    one byte per scale; whole values are read only when a last byte is unusual.
+    ``scales`` is the blob's scale section (:attr:`ParsedBlob.scales`, or any
+    buffer of those bytes). Scale dtypes without an IEEE Inf (none the codec
+    writes) are left to the decoder. Pure Python at C speed: one strided byte
+    copy and one ``translate`` over one byte per scale; whole values are read
+    only when a last byte is unusual.
     """
     inf = FLOAT_INF_BITS.get(h.scale_dtype)
-    if inf is None or not len(scales):
+    if inf is None:
+        return
+    if type(scales) is not memoryview or scales.format != "B":
+        scales = as_bytes_view(scales)
+    if not len(scales):
         return
     size = h.scale_dtype.itemsize
     if len(scales) % size:

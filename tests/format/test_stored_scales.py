@@ -198,3 +198,18 @@ def test_the_lmcache_compat_decode_refuses_a_bad_stored_scale(kind: str) -> None
     codec = compat.AsymK16V8Codec(scale_scope=compat.ScaleScope.PER_PAGE_HEAD)
     with pytest.raises(compat.CorruptEncodedKVError):
         codec.decode(codec.from_bytes(_blob(FLOAT32, bits, version=1)))
+
+
+def test_any_buffer_of_scale_bytes_is_checked() -> None:
+    h = Header(
+        k_dtype="float16", v_dtype="float8_e4m3fn", scale_dtype="float32", scale_scope=ScaleScope.PER_TENSOR
+    )
+    good, bad = struct.pack("<f", 0.5), struct.pack("<f", -0.5)
+    check_stored_scales(h, good)
+    check_stored_scales(h, memoryview(bytearray(good)).cast("f"))
+    for buf in (bad, bytearray(bad), memoryview(bad).cast("f")):
+        with pytest.raises(CorruptEncodedKVError, match="negative"):
+            check_stored_scales(h, buf)
+    with pytest.raises(CorruptEncodedKVError, match="not a whole number") as e:
+        check_stored_scales(h, b"\x00\x00\x80")
+    assert e.value.reason == Reason.BAD_SCALE_SHAPE
