@@ -1,5 +1,8 @@
 """The LMCKV byte format in pure Python: dtype ids, header model and writer, parser, CRC.
 
+The format itself, byte by byte, is ``docs/FORMAT.md`` (its tables are checked
+against the layouts, ids and limits named here).
+
 Imports neither torch nor kvcodec's C extension (a test proves it), so tools
 that only read headers stay light.
 """
