@@ -85,15 +85,8 @@ class Reason(str, Enum):
     """Something that is not a readable, contiguous bytes-like buffer."""
     BAD_HASH = "bad_hash"
     """A caller's hash value that cannot be written (unknown key, not str, too long)."""
-    BAD_KEY = "bad_key"
-    """A store key that cannot name a file."""
-    BAD_FILE = "bad_file"
-    """An input file that cannot be read as what it claims (e.g. a .npy header)."""
     LIMIT_EXCEEDED = "limit_exceeded"
     """A size over one of the codec's limits (elements per token, store max_bytes, ...)."""
-    BACKEND_UNAVAILABLE = "backend_unavailable"
-    CLOSED = "closed"
-    """The object (a store) was closed."""
 
     def __str__(self) -> str:
         return self.value

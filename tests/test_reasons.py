@@ -1,0 +1,138 @@
+"""Every ``kvcodec.Reason`` is reachable through the public API, each by the failure it names.
+
+A reason no call can produce would be dead vocabulary; a failure raised with the
+wrong reason would mislead callers that branch on it (as the LMCache compat
+layer does to choose LMCache's phrases).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec import CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError
+from kvcodec.format import Header, serialize_header
+from tests._helpers import DEFAULT_PAIRS, raw_blob
+
+
+def _kv() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 2, 4, generator=g).half(), torch.randn(8, 2, 4, generator=g).half()
+
+
+def _blob(**hashes: str) -> bytearray:
+    k, v = _kv()
+    return kvcodec.encode(k, v, scope="per_tensor", hashes=hashes or None)
+
+
+def _flipped_payload() -> bytes:
+    b = bytearray(_blob())
+    b[-1] ^= 1
+    return bytes(b)
+
+
+def _with_nan_v() -> torch.Tensor:
+    v = _kv()[1].clone()
+    v[3, 1, 2] = math.nan
+    return v
+
+
+def _shared_out() -> None:
+    out = torch.empty(8, 2, 4, dtype=torch.float16)
+    kvcodec.decode(_blob(), out_k=out, out_v=out)
+
+
+def _too_many_elements_per_token() -> bytes:
+    fields = {"scope": 0, "kv_head_count": 2**32, "head_dim": 2**32, "chunk_size": -1, "page_size": -1}
+    return raw_blob(**fields, scale_shape=(), k=b"", v=b"", s=b"\x00\x00\x80\x3f")
+
+
+_CORRUPT: dict[Reason, Callable[[], object]] = {
+    Reason.BAD_MAGIC: lambda: kvcodec.parse(raw_blob(magic=b"NOTLMCKV")),
+    Reason.UNSUPPORTED_VERSION: lambda: kvcodec.parse(raw_blob(version=99)),
+    Reason.UNKNOWN_DTYPE_ID: lambda: kvcodec.parse(raw_blob(k_id=99)),
+    Reason.UNKNOWN_SCOPE_ID: lambda: kvcodec.parse(raw_blob(scope=99)),
+    Reason.UNKNOWN_SCHEME: lambda: kvcodec.parse(raw_blob(version=2, reserved=99)),
+    Reason.RESERVED_NONZERO: lambda: kvcodec.parse(raw_blob(reserved=1)),
+    Reason.FIELD_OUT_OF_RANGE: lambda: kvcodec.parse(raw_blob(page_size=0)),
+    Reason.SCALE_RANK_OUT_OF_RANGE: lambda: kvcodec.parse(raw_blob(scale_shape_n=200)),
+    Reason.NEGATIVE_PAYLOAD_LEN: lambda: kvcodec.parse(raw_blob(k_len=-1)),
+    Reason.TRUNCATED_HEADER: lambda: kvcodec.parse(raw_blob()[:40]),
+    Reason.TRUNCATED_PAYLOAD: lambda: kvcodec.parse(raw_blob()[:-1]),
+    Reason.TRAILING_BYTES: lambda: kvcodec.parse(raw_blob(version=2, trailing=b"x")),
+    Reason.BAD_UTF8: lambda: kvcodec.parse(raw_blob(pairs=[(b"model_id", b"\xff\xfe")])),
+    Reason.BAD_HASH_TABLE: lambda: kvcodec.parse(raw_blob(pairs=[*DEFAULT_PAIRS, DEFAULT_PAIRS[0]])),
+    Reason.CRC_MISMATCH: lambda: kvcodec.parse(_flipped_payload()),
+    Reason.INCONSISTENT_PAYLOAD: lambda: kvcodec.parse(raw_blob(v=bytes(31))),
+    Reason.BAD_SCALE_SHAPE: lambda: kvcodec.parse(raw_blob(scale_shape=(3, 2), s=bytes(24))),
+    Reason.BAD_SCALE: lambda: kvcodec.decode(raw_blob(s=struct.pack("<4f", 0.5, math.nan, 2.0, 0.25))),
+    Reason.LIMIT_EXCEEDED: lambda: kvcodec.parse(_too_many_elements_per_token()),
+}
+_MISMATCH: dict[Reason, Callable[[], object]] = {
+    Reason.HASH_MISMATCH: lambda: kvcodec.decode(_blob(model_id="a"), expected_hashes={"model_id": "b"}),
+    Reason.HASH_MISSING: lambda: kvcodec.decode(
+        _blob(), expected_hashes={"model_id": "b"}, strict_hashes=True
+    ),
+}
+_CONFIG: dict[Reason, Callable[[], object]] = {
+    Reason.BAD_TYPE: lambda: kvcodec.encode([1.0], _kv()[1]),
+    Reason.BAD_VALUE: lambda: kvcodec.encode(*_kv(), layer_id=-5),
+    Reason.UNSUPPORTED_DTYPE: lambda: kvcodec.encode(_kv()[0].to(torch.int16), _kv()[1]),
+    Reason.NO_DTYPE_ID: lambda: serialize_header(Header(k_dtype=torch.int32, v_dtype="float8_e4m3fn"), crc=0),
+    Reason.BAD_SHAPE: lambda: kvcodec.encode(torch.zeros(8).half(), torch.zeros(8).half()),
+    Reason.BAD_SCOPE: lambda: kvcodec.encode(*_kv(), scope="bogus"),
+    Reason.BAD_SCALES: lambda: kvcodec.encode(*_kv(), scope="external", scales=torch.tensor(-1.0)),
+    Reason.MISSING_ARGUMENT: lambda: kvcodec.encode(*_kv(), scope="external"),
+    Reason.NONFINITE_V: lambda: kvcodec.encode(_kv()[0], _with_nan_v(), scope="per_tensor"),
+    Reason.OVERLAP: _shared_out,
+    Reason.BAD_OUTPUT: lambda: kvcodec.encode(*_kv(), scope="per_tensor", out=bytearray(8)),
+    Reason.BAD_DEVICE: lambda: kvcodec.decode(_blob(), device="bogus"),
+    Reason.BAD_BUFFER: lambda: kvcodec.parse("not a buffer"),
+    Reason.BAD_HASH: lambda: kvcodec.encode(*_kv(), hashes={"no_such_key": "x"}),
+}
+_DEFAULTS = {
+    Reason.CORRUPT: CorruptEncodedKVError,
+    Reason.MISMATCH: CodecMismatchError,
+    Reason.UNSUPPORTED: UnsupportedConfigError,
+}
+_CLASS_OF = {
+    **{r: CorruptEncodedKVError for r in _CORRUPT},
+    **{r: CodecMismatchError for r in _MISMATCH},
+    **{r: UnsupportedConfigError for r in _CONFIG},
+}
+_TRIGGERS = {**_CORRUPT, **_MISMATCH, **_CONFIG}
+
+
+def test_every_reason_has_a_trigger_or_is_a_class_default() -> None:
+    assert set(_TRIGGERS) | set(_DEFAULTS) == set(Reason)
+
+
+@pytest.mark.parametrize("reason", list(_TRIGGERS), ids=str)
+def test_each_failure_raises_its_reason(reason: Reason) -> None:
+    with pytest.raises(_CLASS_OF[reason]) as info:
+        _TRIGGERS[reason]()
+    assert info.value.reason is reason, repr(info.value)
+
+
+@pytest.mark.parametrize("reason", list(_DEFAULTS), ids=str)
+def test_class_default_reason(reason: Reason) -> None:
+    cls = _DEFAULTS[reason]
+    assert cls("message").reason is reason
+    assert cls("message", reason=Reason.OVERLAP).reason is Reason.OVERLAP
+    assert cls("message").args == ("message",)  # message-first constructors, as before
+
+
+def test_reasons_are_stable_strings_and_survive_pickling() -> None:
+    import pickle
+
+    e = CorruptEncodedKVError("payload CRC mismatch", reason="crc_mismatch")
+    assert e.reason is Reason.CRC_MISMATCH and e.reason == "crc_mismatch" and str(e.reason) == "crc_mismatch"
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is CorruptEncodedKVError and back.reason is Reason.CRC_MISMATCH and str(back) == str(e)
+    with pytest.raises(ValueError):
+        CorruptEncodedKVError("x", reason="no such reason")
