@@ -382,9 +382,8 @@ def _check_writable_header(h: Header) -> None:
     for name in ("k_payload_len", "v_payload_len", "scale_payload_len"):
         v = _as_int(name, getattr(h, name))
         if not 0 <= v <= MAX_PAYLOAD_LEN:
-            raise UnsupportedConfigError(
-                f"{name}={v} outside 0..{MAX_PAYLOAD_LEN}", reason=Reason.FIELD_OUT_OF_RANGE
-            )
+            reason = Reason.NEGATIVE_PAYLOAD_LEN if v < 0 else Reason.FIELD_OUT_OF_RANGE
+            raise UnsupportedConfigError(f"{name}={v} outside 0..{MAX_PAYLOAD_LEN}", reason=reason)
 
 
 class HeaderPacker:
