@@ -1,5 +1,7 @@
 """``kvcodec demo``: a Llama-3-8B-shaped KV cache through encode, a DirectoryStore and back.
 
+With ``--model PATH --text FILE`` the cache is a real model's, from a forward pass over the text.
+
 Arguments map one to one onto :class:`kvcodec.tools.demo.DemoConfig`;
 ``--min-sqnr-db`` must be finite (``nan`` would make every run pass).
 """
@@ -51,6 +53,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=2,
         help="header version of the blobs (default 2, sealed)",
     )
+    s.add_argument(
+        "--model", metavar="PATH",
+        help="real KV instead: a checkpoint folder or .gguf file read over --text (the quality extra); "
+        "layers, heads and head_dim come from the model, --tokens caps the text",
+    )  # fmt: skip
+    s.add_argument("--text", metavar="FILE", help="the text the --model reads")
     s.add_argument("--json", action="store_true")
     s.add_argument(
         "--progress",
@@ -70,8 +78,12 @@ def run(args: argparse.Namespace) -> int:
         head_dim=args.head_dim, page_size=args.page_size, scope=args.scope, dtype=args.dtype, store=args.store,
         keep=args.keep, seed=args.seed, sample=args.sample, fsync=args.fsync,
         threads=args.threads if args.threads is not None else 1, min_sqnr_db=args.min_sqnr_db,
-        progress=args.progress, version=args.version,
+        progress=args.progress, version=args.version, model=args.model, text=args.text,
     )  # fmt: skip
+    if args.model is not None:
+        from .realmodel import quiet_transformers
+
+        quiet_transformers()
     report = run_demo(config)
     print(json.dumps(report, indent=2) if args.json else format_demo(report))
     for failure in report["failures"]:

@@ -77,6 +77,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="kvcodec scopes to measure (default: per_page_head/16 per_layer_head per_tensor)",
     )  # fmt: skip
     m.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="model dtype")
+    m.add_argument(
+        "--kv-dtype", choices=("bf16", "fp16"),
+        help="KV cache dtype when narrower than the model's (e.g. an fp32 model with a bf16 cache)",
+    )  # fmt: skip
     m.add_argument("--plot", metavar="PNG", help="also draw the report (needs matplotlib)")
     m.add_argument(
         "--max-kl-ratio", type=_ratio, metavar="R",
@@ -134,7 +138,8 @@ def _run_model(args: argparse.Namespace) -> int:
 
     cfg = ModelQualityConfig(
         texts=tuple(args.text), prefix=args.prefix, score=args.score, greedy=args.greedy,
-        scopes=tuple(args.scopes), seed=args.seed, max_kl_ratio=args.max_kl_ratio, progress=args.progress,
+        scopes=tuple(args.scopes), kv_dtype=args.kv_dtype, seed=args.seed, max_kl_ratio=args.max_kl_ratio,
+        progress=args.progress,
     )  # fmt: skip
     cfg.validate()
     quiet_transformers()

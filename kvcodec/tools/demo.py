@@ -82,6 +82,7 @@ class SyntheticKVCache:
         self.layers, self.tokens, self.chunk_tokens = layers, tokens, chunk_tokens
         self.heads, self.head_dim, self.dtype, self.seed = heads, head_dim, dtype, seed
         self.chunks = -(-tokens // chunk_tokens)
+        self.hashes = MODEL_HASHES
         self._profiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def chunk_len(self, chunk: int) -> int:
@@ -163,6 +164,10 @@ class DemoConfig:
     progress: bool | None = None
     version: int = 2
     """Header version of the blobs: 2 (sealed) by default, 1 for LMCache-readable ones."""
+    model: str | os.PathLike[str] | None = None
+    """A checkpoint folder or .gguf file: real KV from a forward pass over ``text`` (the quality extra)."""
+    text: str | os.PathLike[str] | None = None
+    """The text the model reads (its first ``tokens`` tokens); needed with ``model``."""
 
     def validate(self) -> None:
         """Raise :class:`UnsupportedConfigError` for a setting the demo cannot run."""
@@ -187,9 +192,18 @@ class DemoConfig:
             raise UnsupportedConfigError(f"min_sqnr_db must be finite; got {self.min_sqnr_db!r}")
         if self.version not in (1, 2):
             raise UnsupportedConfigError(f"version must be 1 or 2; got {self.version!r}")
+        if (self.model is None) != (self.text is None):
+            raise UnsupportedConfigError("model and text go together")
 
-    def cache(self) -> SyntheticKVCache:
-        """The synthetic cache this config describes."""
+    def cache(self) -> Any:
+        """The cache this config describes: synthetic, or a real model's over ``text``."""
+        if self.model is not None:
+            from .realmodel import ModelKVCache
+
+            return ModelKVCache.from_text(
+                self.model, self.text, tokens=self.tokens, chunk_tokens=self.chunk_tokens,
+                dtype=_DTYPES[self.dtype],
+            )  # fmt: skip
         return SyntheticKVCache(
             layers=self.layers, tokens=self.tokens, chunk_tokens=self.chunk_tokens, heads=self.heads,
             head_dim=self.head_dim, dtype=_DTYPES[self.dtype], seed=self.seed,
@@ -233,11 +247,11 @@ def _put_chunk(
     k, v = cache.chunk(layer, c)
     t0 = time.perf_counter()
     blob = encode(
-        k, v, scope=cfg.scope, page_size=cfg.page_size, hashes=MODEL_HASHES, layer_id=layer, chunk_id=c,
+        k, v, scope=cfg.scope, page_size=cfg.page_size, hashes=cache.hashes, layer_id=layer, chunk_id=c,
         chunk_size=cfg.chunk_tokens, version=cfg.version,
     )  # fmt: skip
     t1 = time.perf_counter()
-    key = DirectoryStore.make_key(MODEL_HASHES, layer, c)
+    key = DirectoryStore.make_key(cache.hashes, layer, c)
     st.put(key, blob)
     t.t_put += time.perf_counter() - t1
     t.t_enc += t1 - t0
@@ -300,7 +314,7 @@ def _check_chunk(
         t0 = time.perf_counter()
         view = st.get(key)
         t1 = time.perf_counter()
-        d = decode(view, out_v_dtype=cache.dtype, expected_hashes=MODEL_HASHES, strict_hashes=True)
+        d = decode(view, out_v_dtype=cache.dtype, expected_hashes=cache.hashes, strict_hashes=True)
         t2 = time.perf_counter()
     except (CodecError, KeyError) as e:
         t.failures.append(f"layer {layer} chunk {c} ({key}): {type(e).__name__}: {e}")
@@ -332,11 +346,11 @@ def _read_pass(
             bar.update()
 
 
-def _check_gate(st: DirectoryStore, t: _Tally) -> None:
+def _check_gate(st: DirectoryStore, t: _Tally, hashes: Hashes) -> None:
     """The hash gate must refuse a blob when another model's identity is expected."""
     if not t.keys:
         return
-    wrong = Hashes(**{**MODEL_HASHES.as_dict(), "model_id": "meta-llama/Meta-Llama-3-70B"})
+    wrong = Hashes(**{**hashes.as_dict(), "model_id": hashes.model_id + "-other"})
     try:
         decode(st.get(t.keys[0, 0]), expected_hashes=wrong)
     except CodecMismatchError:
@@ -383,7 +397,7 @@ def _run_passes(cfg: DemoConfig, cache: SyntheticKVCache, root: str) -> _Tally:
             _write_pass(cfg, cache, st, t, bar)
             bar.set_description("read+verify")
             _read_pass(cfg, cache, st, t, bar)
-        _check_gate(st, t)
+        _check_gate(st, t, cache.hashes)
     return t
 
 
@@ -402,6 +416,7 @@ def run_demo(config: DemoConfig | None = None, **options: Any) -> dict[str, Any]
     cfg.validate()
     t_wall = time.perf_counter()
     cache = cfg.cache()
+    cfg = replace(cfg, layers=cache.layers, tokens=cache.tokens, heads=cache.heads, head_dim=cache.head_dim)
     with _torch_threads(cfg.threads), _store_root(cfg) as (root, is_temp):
         t = _run_passes(cfg, cache, root)
     kept = root if (not is_temp or cfg.keep) else None
@@ -427,7 +442,8 @@ def _report(
     _final_checks(cfg, t, n_blobs, sqnr)
     attn = [s["attn_rel_err"] for s in t.sampled]
     return {
-        "model": MODEL_HASHES.model_id,
+        "model": cache.hashes.model_id,
+        "source": "synthetic" if cfg.model is None else f"forward pass over {os.path.basename(cfg.text)}",
         "shape": {
             "layers": cfg.layers,
             "tokens": cfg.tokens,
@@ -517,8 +533,14 @@ def format_demo(r: dict[str, Any]) -> str:
         ("result", "PASS" if r["passed"] else "FAIL"),
     ]
     width = max(len(a) for a, _ in rows)
+    source = r.get("source", "synthetic")
+    what = (
+        f"{r['model']}-shaped KV cache (synthetic)"
+        if source == "synthetic"
+        else f"{r['model']} KV ({source})"
+    )
     title = (
-        f"kvcodec demo: {r['model']}-shaped KV cache (synthetic), {s['layers']} layers x "
+        f"kvcodec demo: {what}, {s['layers']} layers x "
         f"{s['tokens']} tokens x {s['kv_heads']} KV heads x {s['head_dim']} dims, {dt}\n"
         f"scope {r['scope']}, page_size {s['page_size']}, {s['chunk_tokens']}-token chunks, "
         f"header v{r.get('version', 1)}" + (f", store {r['store']}" if r["store"] else "")

@@ -36,7 +36,7 @@ from ..errors import Reason, UnsupportedConfigError
 from ..format import MAX_DIM
 from .progress import Progress, progress_enabled
 from .quality import sqnr_db
-from .realmodel import LoadedModel, forward, make_cache, prefix_cache, read_tokens
+from .realmodel import DTYPES, LoadedModel, forward, make_cache, prefix_cache, read_tokens
 
 __all__ = [
     "DEFAULT_SCOPES",
@@ -107,6 +107,8 @@ class ModelQualityConfig:
     greedy: int = 32
     """Tokens generated greedily from the prefix (plus its next text token)."""
     scopes: tuple[str, ...] = DEFAULT_SCOPES
+    kv_dtype: str | None = None
+    """The cache's dtype ("bf16", "fp16"); None: the model's own."""
     seed: int = 0
     max_kl_ratio: float | None = None
     """Fail when a kvcodec variant's mean KL exceeds this multiple of the FP8 K+V anchor's."""
@@ -122,6 +124,8 @@ class ModelQualityConfig:
         if self.greedy < 0:
             raise UnsupportedConfigError("greedy must be >= 0", reason=Reason.BAD_VALUE)
         variants_for(self.scopes)
+        if self.kv_dtype is not None and self.kv_dtype not in ("bf16", "fp16"):
+            raise UnsupportedConfigError(f"kv_dtype must be bf16 or fp16; got {self.kv_dtype!r}")
 
 
 # ----------------------------------------------------------------------------- the KV replacements
@@ -198,7 +202,7 @@ class Continuation:
 @torch.inference_mode()
 def continuation(loaded: LoadedModel, kv: KV, cont_ids: torch.Tensor) -> Continuation:
     """Feed ``cont_ids`` (``[1, n]``) after the cached prefix; log-probs of tokens 2..n."""
-    logits = forward(loaded, cont_ids, make_cache(kv)).logits[0, :-1]
+    logits = forward(loaded, cont_ids, make_cache(kv, loaded.dtype)).logits[0, :-1]
     return Continuation(torch.log_softmax(logits.float(), dim=-1), cont_ids[0, 1:])
 
 
@@ -213,7 +217,7 @@ class Greedy:
 @torch.inference_mode()
 def greedy_tokens(loaded: LoadedModel, kv: KV, first: torch.Tensor, n: int) -> Greedy:
     """Generate ``n`` tokens greedily after the cached prefix, starting by feeding ``first`` (``[1, 1]``)."""
-    cache, x = make_cache(kv), first
+    cache, x = make_cache(kv, loaded.dtype), first
     out = Greedy([], [])
     for _ in range(n):
         logits = forward(loaded, x, cache).logits[0, -1].float()
@@ -256,7 +260,7 @@ def _score_text(
     loaded: LoadedModel, cfg: ModelQualityConfig, path: str, variants: list[Variant], step: Callable[[], None]
 ) -> _TextResult:
     ids = read_tokens(loaded, path, cfg.prefix + max(cfg.score, 1))
-    kv = prefix_cache(loaded, ids[:, : cfg.prefix])
+    kv = prefix_cache(loaded, ids[:, : cfg.prefix], DTYPES[cfg.kv_dtype] if cfg.kv_dtype else None)
     cont_ids, first = ids[:, cfg.prefix : cfg.prefix + cfg.score], ids[:, cfg.prefix : cfg.prefix + 1]
     base = continuation(loaded, kv, cont_ids)
     base_greedy = greedy_tokens(loaded, kv, first, cfg.greedy)
@@ -336,6 +340,7 @@ def run_model_quality(loaded: LoadedModel, cfg: ModelQualityConfig) -> dict[str,
     return {
         "model": loaded.name,
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "kv_dtype": str(DTYPES[cfg.kv_dtype] if cfg.kv_dtype else loaded.dtype).removeprefix("torch."),
         "layers": loaded.layers,
         "prefix_tokens": cfg.prefix,
         "scored_tokens": cfg.score - 1,
@@ -367,7 +372,7 @@ def format_model_table(r: dict[str, Any]) -> str:
         f"{'K exact':>7}  greedy same (first divergence, exact run's top-2 gap)"
     )
     lines = [
-        f"kvcodec quality: {r['model']} in {r['dtype']}, {r['layers']} layers, {n} texts, prefix "
+        f"kvcodec quality: {r['model']} computing in {r['dtype']}, KV cache in {r['kv_dtype']}, {r['layers']} layers, {n} texts, prefix "
         f"{r['prefix_tokens']} tokens, {r['scored_tokens']} scored, {r['greedy_tokens']} greedy",
         f"exact KV: mean perplexity {ppl:.3f}",
         head,
@@ -400,7 +405,7 @@ def plot_report(r: dict[str, Any], path: str) -> bool:
     ax1.set_xscale("log")
     ax1.invert_yaxis()
     ax1.set_xlabel("mean KL(exact || variant), nats (log)")
-    ax1.set_title(f"{r['model']} ({r['dtype']}): next-token KL")
+    ax1.set_title(f"{r['model']} ({r['dtype']}, KV {r['kv_dtype']}): next-token KL")
     for s in r["variants"]:
         if all(x is not None for x in s["v_sqnr_db_per_layer"]):
             ax2.plot(s["v_sqnr_db_per_layer"], marker=".", label=s["name"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import os
 import shutil
 import sys
@@ -26,16 +27,19 @@ from typing import Any
 import torch
 
 from ..errors import Reason, UnsupportedConfigError
+from ..format import Hashes
 
 __all__ = [
     "DTYPES",
     "LoadedModel",
+    "ModelKVCache",
     "cache_root",
     "checkpoint_dir",
     "convert_gguf",
     "forward",
     "load_model",
     "make_cache",
+    "model_hashes",
     "model_kv",
     "output_cache",
     "prefix_cache",
@@ -162,17 +166,22 @@ def load_model(path: str | os.PathLike[str], dtype: str = "bf16") -> LoadedModel
     return LoadedModel(model, tok, Path(path).name, DTYPES[dtype])
 
 
-def read_tokens(loaded: LoadedModel, path: str | os.PathLike[str], count: int) -> torch.Tensor:
-    """The first ``count`` token ids of text file ``path`` (``[1, count]``), refusing a shorter text."""
+def read_tokens(
+    loaded: LoadedModel, path: str | os.PathLike[str], count: int, limit: int | None = None
+) -> torch.Tensor:
+    """The first ``limit`` (default ``count``) token ids of text file ``path``, ``[1, n]``.
+
+    A text shorter than ``limit`` gives all its tokens; one shorter than ``count`` is refused.
+    """
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     ids = loaded.tokenizer(text, return_tensors="pt").input_ids
     if ids.shape[1] < count:
         raise UnsupportedConfigError(
             f"{os.fspath(path)}: {ids.shape[1]} tokens, fewer than the {count} needed "
-            "(shorten --prefix/--score or pick a longer text)",
+            "(shorten --prefix/--score/--tokens or pick a longer text)",
             reason=Reason.BAD_VALUE,
         )
-    return ids[:, :count]
+    return ids[:, : max(count, limit or count)]
 
 
 def model_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -185,11 +194,12 @@ def model_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v in pairs]
 
 
-def make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """A new ``DynamicCache`` holding copies of ``kv`` (``[tokens, kv_heads, head_dim]`` per layer)."""
+def make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None = None) -> Any:
+    """A new ``DynamicCache`` holding copies of ``kv`` (``[tokens, kv_heads, head_dim]`` per layer) in ``dtype``."""
     cache = _transformers().DynamicCache()
     for i, (k, v) in enumerate(kv):
-        cache.update(k.transpose(0, 1).unsqueeze(0).clone(), v.transpose(0, 1).unsqueeze(0).clone(), i)
+        k4, v4 = (x.transpose(0, 1).unsqueeze(0).to(dtype=dtype, copy=True) for x in (k, v))
+        cache.update(k4, v4, i)
     return cache
 
 
@@ -213,7 +223,72 @@ def output_cache(out: Any) -> Any:
 
 
 @torch.inference_mode()
-def prefix_cache(loaded: LoadedModel, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Run ``ids`` (``[1, tokens]``) through the model and return its KV per layer."""
+def prefix_cache(
+    loaded: LoadedModel, ids: torch.Tensor, kv_dtype: torch.dtype | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run ``ids`` (``[1, tokens]``) through the model; its KV per layer, stored in ``kv_dtype`` if given.
+
+    A ``kv_dtype`` narrower than the model's is a cache that stores what an fp32 model computes in
+    bf16 or fp16 (the model reads it back widened, see :func:`make_cache`).
+    """
     out = forward(loaded, ids)
-    return [(k.contiguous(), v.contiguous()) for k, v in model_kv(output_cache(out))]
+    return [
+        (k.to(kv_dtype).contiguous(), v.to(kv_dtype).contiguous()) for k, v in model_kv(output_cache(out))
+    ]
+
+
+def _sha(data: str) -> str:
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def model_hashes(loaded: LoadedModel) -> Hashes:
+    """Identity hashes for blobs of ``loaded``'s KV: its name, config, vocabulary and RoPE settings."""
+    cfg = loaded.model.config
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None)}
+    vocab = json.dumps(sorted(loaded.tokenizer.get_vocab().items()))
+    return Hashes(
+        model_id=loaded.name,
+        model_revision_hash=_sha(cfg.to_json_string(use_diff=False))[:40],
+        tokenizer_hash="sha256:" + _sha(vocab),
+        rope_config_hash="sha256:" + _sha(json.dumps(rope, sort_keys=True, default=str)),
+        attention_backend="SDPA",
+        kv_layout="NHD",
+    )
+
+
+class ModelKVCache:
+    """A real model's KV cache over a text, served per (layer, chunk) like the demo's synthetic one.
+
+    The forward pass runs in fp32 (fast on CPUs without bf16 units); the cache keeps K and V in
+    ``dtype``, as a bf16 or fp16 KV cache would.
+    """
+
+    def __init__(
+        self, kv: list[tuple[torch.Tensor, torch.Tensor]], chunk_tokens: int, hashes: Hashes
+    ) -> None:
+        self.kv, self.chunk_tokens, self.hashes = kv, chunk_tokens, hashes
+        self.layers = len(kv)
+        self.tokens, self.heads, self.head_dim = kv[0][0].shape
+        self.dtype = kv[0][0].dtype
+        self.chunks = -(-self.tokens // chunk_tokens)
+
+    @classmethod
+    def from_text(
+        cls, model: str | os.PathLike[str], text: str | os.PathLike[str], *, tokens: int, chunk_tokens: int,
+        dtype: torch.dtype,
+    ) -> ModelKVCache:  # fmt: skip
+        """Load ``model``, read up to ``tokens`` tokens of ``text`` through it and keep their KV."""
+        loaded = load_model(model, "fp32")
+        ids = read_tokens(loaded, text, 2, limit=tokens)
+        return cls(prefix_cache(loaded, ids, dtype), chunk_tokens, model_hashes(loaded))
+
+    def chunk_len(self, chunk: int) -> int:
+        """Tokens in ``chunk`` (the last one may be partial)."""
+        return min(self.chunk_tokens, self.tokens - chunk * self.chunk_tokens)
+
+    def chunk(self, layer: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer over one chunk, ``[tokens, kv_heads, head_dim]``."""
+        k, v = self.kv[layer]
+        lo = chunk * self.chunk_tokens
+        hi = lo + self.chunk_len(chunk)
+        return k[lo:hi].contiguous(), v[lo:hi].contiguous()

@@ -22,6 +22,7 @@ from kvcodec.tools.demo import (
     format_demo,
     run_demo,
 )
+from tests.tools.test_quality import build_tiny_llama, write_texts
 
 SMALL: dict[str, Any] = {"layers": 4, "tokens": 512, "chunk_tokens": 128, "progress": False}
 
@@ -200,3 +201,39 @@ def test_nan_floor_no_longer_passes_everything() -> None:
     """A NaN floor made ``sqnr < floor`` always False, so every run passed; now it is refused."""
     with pytest.raises(UnsupportedConfigError, match="finite"):
         DemoConfig(min_sqnr_db=float("nan")).validate()
+
+
+# ----------------------------------------------------------------------------- a real (tiny) model's KV
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return write_texts(tmp_path_factory.mktemp("texts"))
+
+
+def test_demo_on_a_model_forward_pass(tiny_model: Path, texts: list[str]) -> None:
+    """--model: K and V come from a forward pass (shape from the model), K bit-exact through the store."""
+    r = run_demo(
+        model=str(tiny_model), text=texts[0], tokens=100, chunk_tokens=32, dtype="bf16", progress=False
+    )
+    assert r["passed"], r["failures"]
+    assert r["shape"] == {
+        "layers": 2, "tokens": 100, "chunk_tokens": 32, "chunks": 4, "kv_heads": 2, "head_dim": 16,
+        "page_size": 16,
+    }  # fmt: skip
+    assert r["k_exact"] == r["blobs"] == 8 and r["hash_gate_ok"]
+    assert r["model"] == tiny_model.name and "forward pass over" in r["source"]
+    assert 25 < r["v_sqnr_db"] < 45
+    assert "forward pass over" in format_demo(r)
+
+
+def test_demo_model_needs_text(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(UnsupportedConfigError, match="model and text go together"):
+        run_demo(model=str(tiny_model), progress=False)
+    assert main(["demo", "--model", str(tiny_model)]) == 1
+    assert "model and text go together" in capsys.readouterr().err

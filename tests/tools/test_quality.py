@@ -55,9 +55,8 @@ def test_metrics_sanity():
 # ----------------------------------------------------------------------------- a real (tiny) model
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama with random weights and a byte-level BPE tokenizer, saved as a checkpoint."""
+def build_tiny_llama(out: Path) -> Path:
+    """Save a 2-layer Llama with random weights and a byte-level BPE tokenizer in ``out``."""
     pytest.importorskip(
         "transformers", reason="kvcodec quality --model needs transformers (the quality extra)"
     )
@@ -76,7 +75,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
     )  # fmt: skip
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(cfg).save_pretrained(out)
     PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(out)
     return out
@@ -92,14 +90,23 @@ def _english(topic: str) -> str:
     return topics[topic]
 
 
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    d = tmp_path_factory.mktemp("texts")
+def write_texts(d: Path) -> list[str]:
+    """The :data:`TOPICS` as text files in ``d``."""
     paths = []
     for name in TOPICS:
         (d / f"{name}.txt").write_text(_english(name), encoding="utf-8")
         paths.append(str(d / f"{name}.txt"))
     return paths
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return write_texts(tmp_path_factory.mktemp("texts"))
 
 
 SMALL_RUN = ["--prefix", "48", "--score", "17", "--greedy", "4", "--no-progress"]
