@@ -67,6 +67,8 @@ def setup(request):
 
 
 def _info(benchmark, name, n):
+    if benchmark.stats is None:  # --benchmark-disable (plain pytest): the calls ran once, nothing was timed
+        return
     mean = benchmark.stats.stats.mean
     benchmark.extra_info.update(
         serde=name, stored_bytes=n, kv_bytes=KV_BYTES, ratio=round(n / KV_BYTES, 4),
