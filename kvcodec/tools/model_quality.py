@@ -39,6 +39,7 @@ from .quality import sqnr_db
 from .realmodel import DTYPES, LoadedModel, forward, make_cache, prefix_cache, read_tokens
 
 __all__ = [
+    "ANCHORS",
     "DEFAULT_SCOPES",
     "ModelQualityConfig",
     "Variant",
@@ -84,15 +85,22 @@ def parse_scope(spec: str) -> Variant:
     return Variant(f"kvcodec {label}", "kvcodec", scope, size)
 
 
-def variants_for(scopes: Sequence[str]) -> list[Variant]:
-    """The kvcodec variants for ``scopes``, then the FP8 anchors and the noise floor."""
-    out = [parse_scope(s) for s in scopes]
-    out += [
-        Variant("fp8 K+V per-tensor", "fp8_kv"),
-        Variant("fp8 K only per-tensor", "fp8_k"),
-        Variant("V < 1 unit (noise floor)", "v_ulp"),
+ANCHORS = {
+    "fp8_kv": Variant("fp8 K+V per-tensor", "fp8_kv"),
+    "fp8_k": Variant("fp8 K only per-tensor", "fp8_k"),
+    "v_ulp": Variant("V < 1 unit (noise floor)", "v_ulp"),
+}
+"""The comparisons beside kvcodec, by name (fp8_kv is always measured: the KL ratio is against it)."""
+
+
+def variants_for(scopes: Sequence[str], anchors: Sequence[str] = tuple(ANCHORS)) -> list[Variant]:
+    """The kvcodec variants for ``scopes``, then the FP8 K+V anchor and the other ``anchors`` asked for."""
+    unknown = sorted(set(anchors) - set(ANCHORS))
+    if unknown:
+        raise UnsupportedConfigError(f"unknown anchors {unknown}; expected some of {list(ANCHORS)}")
+    return [parse_scope(s) for s in scopes] + [
+        v for name, v in ANCHORS.items() if name == "fp8_kv" or name in anchors
     ]
-    return out
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,8 @@ class ModelQualityConfig:
     scopes: tuple[str, ...] = DEFAULT_SCOPES
     kv_dtype: str | None = None
     """The cache's dtype ("bf16", "fp16"); None: the model's own."""
+    anchors: tuple[str, ...] = tuple(ANCHORS)
+    """Which of :data:`ANCHORS` to measure besides kvcodec (fp8_kv always)."""
     seed: int = 0
     max_kl_ratio: float | None = None
     """Fail when a kvcodec variant's mean KL exceeds this multiple of the FP8 K+V anchor's."""
@@ -123,7 +133,7 @@ class ModelQualityConfig:
                 raise UnsupportedConfigError(f"{name} must be >= 2", reason=Reason.BAD_VALUE)
         if self.greedy < 0:
             raise UnsupportedConfigError("greedy must be >= 0", reason=Reason.BAD_VALUE)
-        variants_for(self.scopes)
+        variants_for(self.scopes, self.anchors)
         if self.kv_dtype is not None and self.kv_dtype not in ("bf16", "fp16"):
             raise UnsupportedConfigError(f"kv_dtype must be bf16 or fp16; got {self.kv_dtype!r}")
 
@@ -330,7 +340,7 @@ def _verdict(summaries: list[dict[str, Any]], cfg: ModelQualityConfig) -> list[s
 def run_model_quality(loaded: LoadedModel, cfg: ModelQualityConfig) -> dict[str, Any]:
     """Measure every variant on every text; a JSON-friendly report with ``passed`` and ``failures``."""
     cfg.validate()
-    variants = variants_for(cfg.scopes)
+    variants = variants_for(cfg.scopes, cfg.anchors)
     with Progress(
         len(cfg.texts) * (len(variants) + 1), "quality", enabled=progress_enabled(cfg.progress), unit="run"
     ) as bar:

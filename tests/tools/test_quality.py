@@ -138,9 +138,11 @@ def test_model_quality_command(tiny_model: Path, texts: list[str], tmp_path: Pat
 
 def test_model_quality_kl_bar_fails_loudly(tiny_model: Path, texts: list[str], capsys) -> None:
     argv = ["quality", "--model", str(tiny_model), "--text", texts[0], *SMALL_RUN, "--greedy", "0"]
-    assert main([*argv, "--scopes", "per_tensor", "--max-kl-ratio", "1e-9"]) == 1
+    assert main([*argv, "--scopes", "per_tensor", "--anchors", "v_ulp", "--max-kl-ratio", "1e-9"]) == 1
     cap = capsys.readouterr()
     assert "result: FAIL" in cap.out and "the FP8 K+V anchor's (bar 1e-09x)" in cap.err
+    # fp8_kv is measured even when not named (the ratio is against it); fp8_k was left out.
+    assert "fp8 K+V per-tensor" in cap.out and "noise floor" in cap.out and "fp8 K only" not in cap.out
 
 
 def test_cached_continuation_equals_one_pass(tiny_model: Path, texts: list[str]) -> None:
@@ -167,6 +169,7 @@ def test_cached_continuation_equals_one_pass(tiny_model: Path, texts: list[str])
         (["--model", "{model}", "--text", "{text}", "--scopes", "per_block"], 1, "scope must be one of"),
         (["--model", "{model}", "--text", "{text}", "--scopes", "per_page_head/0"], 1, "page size"),
         (["--model", "{model}", "--text", "{text}", "--max-kl-ratio", "nan"], 2, "positive finite"),
+        (["--model", "{model}", "--text", "{text}", "--anchors", "int8"], 2, "invalid choice"),
     ],
 )
 def test_model_quality_refusals(tiny_model, texts, tmp_path, capsys, argv, code, message) -> None:
