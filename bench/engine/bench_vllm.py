@@ -281,12 +281,14 @@ def cold_summary(rs: list[dict]) -> dict[str, Any]:
         "wait_for_save_s": med([r["hooks"].get("wait_for_save", 0.0) for r in rs]),
         "settle_s": med([r["settle_s"] for r in rs]),
         "cpu_s": med([r.get("cpu_s") for r in rs]),
+        "cpu_ttft_s": med([r.get("cpu_ttft_s") for r in rs]),
     }
 
 
 def hit_summary(rs: list[dict]) -> dict[str, Any]:
     return {
         "hit_ttft_s": med([r["ttft_s"] for r in rs]),
+        "hit_cpu_ttft_s": med([r.get("cpu_ttft_s") for r in rs]),
         "cached": [r["cached"] for r in rs],
         "load_hooks_s": med([hook_sum(r, LOAD_HOOKS) for r in rs]),
     }
@@ -303,13 +305,16 @@ def lookup_summary(res: dict) -> dict[str, Any]:
 
 
 def decode_summary(steps: list[dict]) -> dict[str, Any]:
+    """The decode batch's steps: all of them (the saver's prefill among them), and those from the saver's first token
+    on, which carry the decodes while an asynchronous save encodes and writes its chunks (a synchronous one wrote them
+    inside the prefill step)."""
     flags = [r["saver_token"] for r in steps]
-    after = [r["wall_s"] for r in steps[flags.index(True) + 1 :]] if True in flags else []
+    later = [r["wall_s"] for r in steps[flags.index(True) :]] if True in flags else []
     return {
         "steps": len(steps),
         "mean_step_s": statistics.fmean(r["wall_s"] for r in steps),
         "max_step_s": max(r["wall_s"] for r in steps),
-        "median_step_after_first_token_s": med(after),
+        "mean_step_from_first_token_s": statistics.fmean(later) if later else None,
         "worker_hooks_s": sum(hook_sum(r, WORKER_HOOKS) for r in steps),
     }
 
@@ -325,6 +330,7 @@ def summarize(res: dict) -> tuple[dict, list[Target]]:
             v["store_bytes_per_prompt"] = med([x.get("store_bytes_added") for x in phases["cold"]["rows"]])
         if "own_hit" in phases:
             v["own_hit_ttft_s"] = med([x["ttft_s"] for x in phases["own_hit"]["rows"]])
+            v["own_hit_cpu_ttft_s"] = med([x.get("cpu_ttft_s") for x in phases["own_hit"]["rows"]])
         if "hit" in phases:
             v |= hit_summary(phases["hit"]["rows"]) | lookup_summary(r)
         if "decode_batch" in phases:
@@ -366,7 +372,8 @@ def targets(s: dict) -> list[Target]:
                 a,
                 none,
                 1.05,
-                f"async {fmt_ms(a)}, sync {fmt_ms(b)}, none {fmt_ms(none)}",
+                f"async {fmt_ms(a)}, sync {fmt_ms(b)}, none {fmt_ms(none)}; CPU to the first token: "
+                + cpu_ratios(s, f"async-{st}", f"sync-{st}"),
             )
         )
     own = _get(s, "none", "own_hit_ttft_s")
@@ -379,21 +386,23 @@ def targets(s: dict) -> list[Target]:
                 above,
                 none,
                 0.05,
-                f"hit {fmt_ms(hit)}, vLLM's own hit {fmt_ms(own)}, recompute {fmt_ms(none)}",
+                f"hit {fmt_ms(hit)}, vLLM's own hit {fmt_ms(own)}, recompute {fmt_ms(none)}; "
+                + cpu_above(s, f"hit-{mode}"),
             )
         )
-    a, n = (
-        _get(s, "async-slow", "decode_batch", "mean_step_s"),
-        _get(s, "none", "decode_batch", "mean_step_s"),
+    a, n, sync = (
+        _get(s, e, "decode_batch", "mean_step_from_first_token_s")
+        for e in ("async-slow", "none", "sync-slow")
     )
-    sync = _get(s, "sync-slow", "decode_batch", "mean_step_s")
+    whole = [fmt_ms(_get(s, e, "decode_batch", "mean_step_s")) for e in ("async-slow", "sync-slow", "none")]
     t.append(
         target(
             "4. decode step while a prompt saves to the slow store, async / none",
             a,
             n,
             1.1,
-            f"async {fmt_ms(a)}, sync {fmt_ms(sync)}, none {fmt_ms(n)}",
+            f"steps from the saver's first token on: async {fmt_ms(a)}, sync {fmt_ms(sync)}, none {fmt_ms(n)}; "
+            f"every step, its prefill too: async {whole[0]}, sync {whole[1]}, none {whole[2]}",
         )
     )
     k, ex = _get(s, "hit-sync", "load_hooks_s"), _get(s, "example-hit", "load_hooks_s")
@@ -434,6 +443,28 @@ def targets(s: dict) -> list[Target]:
     return t
 
 
+def cpu_ratios(s: dict, a: str, b: str) -> str:
+    """Process CPU seconds to the first token (all threads), as a ratio to no connector: what load cannot skew."""
+    none = _get(s, "none", "cpu_ttft_s")
+    parts = [f"{e.split('-')[0]} {fmt_x(ratio(_get(s, e, 'cpu_ttft_s'), none))}" for e in (a, b)]
+    return ", ".join(parts) + " of none's"
+
+
+def cpu_above(s: dict, hit: str) -> str:
+    """The same in CPU seconds: (hit - vLLM's own hit) / recompute."""
+    h, own, none = (
+        _get(s, hit, "hit_cpu_ttft_s"),
+        _get(s, "none", "own_hit_cpu_ttft_s"),
+        _get(s, "none", "cpu_ttft_s"),
+    )
+    above = None if h is None or own is None else h - own
+    return f"in CPU seconds {fmt_x(ratio(above, none))}"
+
+
+def fmt_x(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}x"
+
+
 def fmt_ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 1e3:.1f} ms"
 
@@ -447,6 +478,7 @@ COLUMNS = (
     ("worker hooks / prompt", "worker_hooks_s"),
     ("per step", "worker_hooks_per_step_s"),
     ("writes settle after", "settle_s"),
+    ("CPU to 1st token", "cpu_ttft_s"),
     ("CPU / prompt", "cpu_s"),
     ("hit TTFT", "hit_ttft_s"),
     ("vLLM's own hit", "own_hit_ttft_s"),
@@ -469,7 +501,7 @@ def table(s: dict, ts: list[Target]) -> str:
     lines += [
         "",
         "| decode batch (4 decodes + a 2049-token prompt saving) | steps | mean step | max step | "
-        "median step after its first token | worker hooks |",
+        "mean step from its first token on | worker hooks |",
         "|---|---|---|---|---|---|",
     ]
     for e, v in s.items():
@@ -478,7 +510,7 @@ def table(s: dict, ts: list[Target]) -> str:
             ms = [
                 d["mean_step_s"],
                 d["max_step_s"],
-                d["median_step_after_first_token_s"],
+                d["mean_step_from_first_token_s"],
                 d["worker_hooks_s"],
             ]
             lines.append(f"| {e} | {d['steps']} | " + " | ".join(fmt_ms(x) for x in ms) + " |")
@@ -568,7 +600,13 @@ def main() -> None:
     ap.add_argument(
         "--rev", help="measure kvcodec as committed at this git revision (default: the working tree)"
     )
+    ap.add_argument(
+        "--summarize", metavar="JSON", help="only recompute and print the summary of a results file"
+    )
     args = ap.parse_args()
+    if args.summarize:
+        resummarize(Path(args.summarize))
+        return
     work = Path(args.work)
     if args.out is None:
         args.out = str(
@@ -622,6 +660,19 @@ def main() -> None:
         print(f"engine {name} failed (its rows are missing):\n{err}")
     print(
         f"load average {load0} -> {loadavg()} on {os.cpu_count()} CPUs; {time.time() - t0:.0f} s; {args.out}"
+    )
+
+
+def resummarize(path: Path) -> None:
+    """Recompute a results file's summary and targets from its engines' rows (rewritten in place), and print them."""
+    doc = json.loads(path.read_text())
+    s, ts = summarize(doc["engines"])
+    doc["summary"], doc["targets"] = s, [dataclasses.asdict(t) | {"verdict": t.verdict} for t in ts]
+    path.write_text(json.dumps(doc, indent=1))
+    print(table(s, ts))
+    print(
+        f"{doc['when']}, {doc['kvcodec']}; load average {doc['loadavg_start']} -> {doc['loadavg_end']}; "
+        f"{doc['wall_s']:.0f} s; failed: {sorted(doc['failed']) or 'none'}"
     )
 
 
