@@ -182,7 +182,10 @@ def test_misfiled_blobs_are_refused_and_recomputed(engines):
     mis = engines["misfiled"]
     st = mis["stats"]
     assert st["chunks_failed"] == 2, st
-    assert [o["cached"] for o in mis["outputs"]] == [CHUNK, 0, 2 * CHUNK]  # P0 keeps chunk 0; P1 recomputes
+    # P1 recomputes from its first token; P2's chunks are whole. (P0 loads chunk 0 and recomputes
+    # chunk 1, but vLLM 0.32 keeps the num_cached_tokens it counted before the failed load.)
+    assert [o["cached"] for o in mis["outputs"]][1:] == [0, 2 * CHUNK]
+    assert st["chunks_saved"] == 2  # the two refused chunks, recomputed and saved again
     _same_greedy(engines["async"]["outputs"][:3], mis["outputs"])
     log = (engines["tmp"] / "misfiled.log").read_text()
     assert "codec hash mismatch on 'kv_layout'" in log  # another prefix's blob

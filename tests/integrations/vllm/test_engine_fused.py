@@ -31,9 +31,8 @@ pytest.importorskip(
 pytest.importorskip("transformers", reason="needs transformers to write the tiny model")
 pytest.importorskip("triton", reason="the fused path needs Triton")
 
-from test_engine import MIN_COMPARED, _same_greedy
-
 from kvcodec.integrations.vllm.keys import prefix_hashes
+from tests.integrations.vllm.test_engine import MIN_COMPARED, _same_greedy
 
 pytestmark = pytest.mark.slow
 
