@@ -111,7 +111,9 @@ def test_config_refusals(extra, match):
      (0, "per_tensor"), (2, "per_page_head")],
 )  # fmt: skip
 def test_config_accepts_the_computed_scopes(scope, canonical):
-    cfg = KvcodecConfig.from_extra({"root": "/x", "scope": scope, "fsync": True, "model_id": "m", "max_bytes": 10})
+    cfg = KvcodecConfig.from_extra(
+        {"root": "/x", "scope": scope, "fsync": True, "model_id": "m", "max_bytes": 10}
+    )
     assert (cfg.scope, cfg.fsync, cfg.model_id, cfg.max_bytes) == (canonical, True, "m", 10)
 
 
@@ -136,7 +138,9 @@ def test_bad_config_fails_when_the_connector_is_built(tmp_path):
     from kvcodec.integrations.vllm.connector import KvcodecConnector
 
     for extra in ({"root": str(tmp_path), "scope": "bogus"}, {"root": str(tmp_path), "fsync": "no"}):
-        ktc = KVTransferConfig(kv_connector="KvcodecConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+        ktc = KVTransferConfig(
+            kv_connector="KvcodecConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        )
         vcfg = SimpleNamespace(kv_transfer_config=ktc)
         for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
             with pytest.raises(UnsupportedConfigError):
