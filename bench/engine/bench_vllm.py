@@ -227,6 +227,11 @@ def run_engine(e: Engine, work: Path, timeout: float, pythonpath: str) -> dict:
 # ----------------------------------------------------------------------------
 
 
+def med_or_none(xs: list[float | None], how: Any) -> float | None:
+    """``how`` of ``xs``, or None when any is missing (a run that did not record them)."""
+    return None if not xs or any(x is None for x in xs) else how(xs)
+
+
 def med(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -234,6 +239,13 @@ def med(xs: list[float]) -> float | None:
 
 def hook_sum(row: dict, hooks: tuple[str, ...]) -> float:
     return sum(row["hooks"].get(h, 0.0) for h in hooks)
+
+
+def hook_cpu(row: dict, hooks: tuple[str, ...]) -> float | None:
+    """CPU seconds of the step's thread inside ``hooks`` (None from a run that did not record them)."""
+    if not any(k.startswith("cpu:") for k in row["hooks"]):
+        return None
+    return sum(row["hooks"].get(f"cpu:{h}", 0.0) for h in hooks)
 
 
 def rows(res: dict, engine: str, phase: str) -> list[dict]:
@@ -278,6 +290,7 @@ def cold_summary(rs: list[dict]) -> dict[str, Any]:
         "cold_ttft_s": med([r["ttft_s"] for r in rs]),
         "worker_hooks_s": med([hook_sum(r, WORKER_HOOKS) for r in rs]),
         "worker_hooks_per_step_s": med([hook_sum(r, WORKER_HOOKS) / r["steps"] for r in rs]),
+        "worker_hooks_cpu_s": med([hook_cpu(r, WORKER_HOOKS) for r in rs]),
         "wait_for_save_s": med([r["hooks"].get("wait_for_save", 0.0) for r in rs]),
         "settle_s": med([r["settle_s"] for r in rs]),
         "cpu_s": med([r.get("cpu_s") for r in rs]),
@@ -315,6 +328,10 @@ def decode_summary(steps: list[dict]) -> dict[str, Any]:
         "mean_step_s": statistics.fmean(r["wall_s"] for r in steps),
         "max_step_s": max(r["wall_s"] for r in steps),
         "mean_step_from_first_token_s": statistics.fmean(later) if later else None,
+        "cpu_step_from_first_token_s": med_or_none(
+            [r["hooks"].get("cpu:step") for r in steps[flags.index(True) :]] if True in flags else [],
+            statistics.fmean,
+        ),
         "worker_hooks_s": sum(hook_sum(r, WORKER_HOOKS) for r in steps),
     }
 
@@ -360,7 +377,13 @@ def targets(s: dict) -> list[Target]:
                 a,
                 b,
                 0.05,
-                f"async {fmt_ms(a)}, sync {fmt_ms(b)}",
+                f"async {fmt_ms(a)}, sync {fmt_ms(b)}; their thread's CPU: "
+                + fmt_x(
+                    ratio(
+                        _get(s, f"async-{st}", "worker_hooks_cpu_s"),
+                        _get(s, f"sync-{st}", "worker_hooks_cpu_s"),
+                    )
+                ),
             )
         )
     none = _get(s, "none", "cold_ttft_s")
@@ -394,6 +417,7 @@ def targets(s: dict) -> list[Target]:
         _get(s, e, "decode_batch", "mean_step_from_first_token_s")
         for e in ("async-slow", "none", "sync-slow")
     )
+    cpu4 = [_get(s, e, "decode_batch", "cpu_step_from_first_token_s") for e in ("async-slow", "none")]
     whole = [fmt_ms(_get(s, e, "decode_batch", "mean_step_s")) for e in ("async-slow", "sync-slow", "none")]
     t.append(
         target(
@@ -402,7 +426,8 @@ def targets(s: dict) -> list[Target]:
             n,
             1.1,
             f"steps from the saver's first token on: async {fmt_ms(a)}, sync {fmt_ms(sync)}, none {fmt_ms(n)}; "
-            f"every step, its prefill too: async {whole[0]}, sync {whole[1]}, none {whole[2]}",
+            f"every step, its prefill too: async {whole[0]}, sync {whole[1]}, none {whole[2]}"
+            + f"; process CPU per step from the first token on: async/none {fmt_x(ratio(*cpu4))}",
         )
     )
     k, ex = _get(s, "hit-sync", "load_hooks_s"), _get(s, "example-hit", "load_hooks_s")
@@ -477,6 +502,7 @@ COLUMNS = (
     ("cold TTFT", "cold_ttft_s"),
     ("worker hooks / prompt", "worker_hooks_s"),
     ("per step", "worker_hooks_per_step_s"),
+    ("their thread's CPU", "worker_hooks_cpu_s"),
     ("writes settle after", "settle_s"),
     ("CPU to 1st token", "cpu_ttft_s"),
     ("CPU / prompt", "cpu_s"),
@@ -601,6 +627,9 @@ def main() -> None:
         "--rev", help="measure kvcodec as committed at this git revision (default: the working tree)"
     )
     ap.add_argument(
+        "--only", help="comma-separated engine names to run (default: all; a hit engine needs its saver)"
+    )
+    ap.add_argument(
         "--summarize", metavar="JSON", help="only recompute and print the summary of a results file"
     )
     args = ap.parse_args()
@@ -625,6 +654,8 @@ def main() -> None:
     models = make_models(work, args.smoke)
     length = 513 if args.smoke else PROMPT_LEN
     engines = plan(models, work, Prompts.make(args.prompts, length), features)
+    if args.only:
+        engines = [e for e in engines if e.name in args.only.split(",")]
     print(
         f"bench-vllm: {len(engines)} engines, {args.prompts} timed prompts of {length} tokens each; "
         f"async keys {'known' if 'async_save' in features else 'unknown (sync connector)'}",
