@@ -49,19 +49,32 @@ def redis_missing() -> str | None:
     return f"{', '.join(missing)} not found (Debian package redis-server)" if missing else None
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process has handed out: a port just closed can come back from the kernel, never twice from here."""
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(bus: bool = False) -> int:
-    """A free TCP port on 127.0.0.1 (with ``bus``, port + 10000 is free too, for Redis Cluster's bus)."""
-    for _ in range(100):
+    """A free TCP port on 127.0.0.1, never one handed out before in this process (with ``bus``, port + 10000
+    is free too, for Redis Cluster's bus)."""
+    for _ in range(1000):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if not bus:
-            return port
-        if port + 10000 < 65536:
-            with socket.socket() as s, contextlib.suppress(OSError):
-                s.bind(("127.0.0.1", port + 10000))
-                return port
-    raise RuntimeError("no free port pair found")
+        taken = {port, port + 10000} if bus else {port}
+        if taken & _HANDED_OUT or (bus and (port + 10000 > 65535 or not _bindable(port + 10000))):
+            continue
+        _HANDED_OUT.update(taken)
+        return port
+    raise RuntimeError("no free port found")
 
 
 def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
