@@ -630,6 +630,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         """Write every layer's blob of a chunk, then its manifest; count and log what fails."""
         t0 = time.perf_counter()
         suffix = chunk_suffix(spec.chunk, spec.chunk_hash, spec.parent_hash)
+        written = []
         try:
             for name, blob in blobs():
                 key = self._blob_key(
@@ -637,10 +638,13 @@ class KvcodecConnector(KVConnectorBase_V1):
                 )
                 if not self._store.contains(key):
                     self._store.put(key, blob)
+                    written.append(key)
                     self.counters.add(blobs_saved=1, bytes_written=len(blob))
             self._mark_saved(spec)
             self.counters.add(chunks_saved=1, chunks_saved_fused=int(fused))
         except StoreFullError as e:
+            for key in written:  # a chunk without all its layers can never be hit: give the room back
+                self._store.delete(key)
             self.counters.add(store_full=1)
             logger.debug("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
         except (CodecError, OSError) as e:

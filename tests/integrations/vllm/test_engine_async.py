@@ -73,7 +73,8 @@ def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
     )  # fmt: skip
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith('{"outputs"')]  # log lines may follow
+    return json.loads(line)
 
 
 def _blobs(store: Path) -> dict[str, bytes]:
@@ -209,6 +210,15 @@ def test_capped_store_keeps_serving_a_prompts_leading_chunks(engines):
     assert engines["capped_bytes"] <= engines["cap"]
     assert [o["cached"] for o in cap["outputs"]] == [0, 2 * CHUNK]
     assert cap["stats"]["store_full"] >= 2 and cap["stats"]["chunks_saved"] == 2
+    # A chunk refused part-way leaves none of its blobs behind.
+    assert sorted(k.split("-")[1] for k in _blobs(engines["tmp"] / "s-capped")) == [
+        "L0",
+        "L0",
+        "L1",
+        "L1",
+        "M",
+        "M",
+    ]
 
 
 def test_full_writer_queue_drops_saves_without_stalling(engines):
