@@ -19,6 +19,7 @@ COUNTERS = (
     "tokens_hit",
     "tokens_missed",
     "tokens_loaded",
+    "requests_loaded_async",
     "chunks_loaded",
     "chunks_loaded_fused",
     "chunks_failed",

@@ -7,7 +7,9 @@ comes through the connector. SPEC: ``model``, ``prompts`` (lists of token ids),
 ``model_id``, ``fused`` (the connector's fused-path mode), ``async_save``, ``async_load``,
 ``save_queue``, ``writer_threads``, ``max_bytes`` (connector keys), ``chunk_size``, ``block_size``,
 ``max_num_batched_tokens`` (small: chunked prefill), ``cwd`` (run from there: a relative ``model``),
-``slow_put_s`` (every store write sleeps that long first: a slow store), ``shutdown_timeout_s``
+``prefix_caching`` (false: vLLM's own prefix cache off, so a repeated prompt comes from the store),
+``repeat`` (run the prompts that many times, one after another), ``drain`` (wait for the connector's
+pending writes after each prompt), ``slow_put_s`` (every store write sleeps that long first: a slow store), ``shutdown_timeout_s``
 (how long the connector's shutdown drains pending writes; default: its own), ``log_stats`` (vLLM's
 stat loggers on; the ``vllm:kvcodec*`` Prometheus metrics are returned).
 After the prompts the connector is shut down (pending writes drained or abandoned) before its
@@ -75,14 +77,19 @@ def main(path: str) -> None:
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=spec.get("block_size", 32),
         max_model_len=2048, enforce_eager=True, max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0,
         kv_transfer_config=_transfer_config(spec), max_num_batched_tokens=spec.get("max_num_batched_tokens"),
-        disable_log_stats=not spec.get("log_stats", False),
+        disable_log_stats=not spec.get("log_stats", False), enable_prefix_caching=spec.get("prefix_caching", True),
     )  # fmt: skip
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=2
     )
     outs = []
-    for p in spec["prompts"]:  # one at a time: a later prompt may reuse an earlier one's chunks
+    # One at a time: a later prompt may reuse earlier chunks.
+    for p in spec["prompts"] * spec.get("repeat", 1):
         (o,) = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+        if spec.get("drain"):
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            assert get_kv_transfer_group().drain(120), "the connector's writes did not finish in 120 s"
         c = o.outputs[0]
         top2 = [sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in c.logprobs]
         outs.append({"cached": o.num_cached_tokens, "tokens": list(c.token_ids), "top2": top2})
