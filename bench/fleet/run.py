@@ -47,7 +47,7 @@ def _one(name: str, serde: dict | None, seqs: int, work: Path) -> dict:
         with h.lmcache_servers(work, {"A": adapter, "B": adapter}, l1_gb=1.0) as servers:
             stored, _ = h.run_client([h.Step("A", "store", servers["A"], None)], work, seqs, SHAPE_SPEC)
             objects = seqs * stored["A"]["chunks_per_seq"]
-            h.wait_keys(redis, objects)
+            h.wait_keys(redis, objects, writer=servers["A"])
             time.sleep(1.0)  # let the last SETs settle before reading used_memory
             values = redis.values()
             used = redis.used_memory() - empty
@@ -100,7 +100,7 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", type=int, default=6, help="sequences of 1024 tokens (4 objects each)")
+    ap.add_argument("--seqs", type=int, default=3, help="sequences of 1024 tokens (4 objects each)")
     ap.add_argument("--json", default="bench/results/fleet.json")
     args = ap.parse_args(argv)
     if why := h.redis_missing():

@@ -274,7 +274,7 @@ class LMCacheServer:
 
 @contextlib.contextmanager
 def lmcache_servers(
-    workdir: Path, adapters: dict[str, str], l1_gb: float = 0.2
+    workdir: Path, adapters: dict[str, str], l1_gb: float = 0.2, extra_args: tuple[str, ...] = ()
 ) -> Iterator[dict[str, LMCacheServer]]:
     """One ``kvcodec-lmcache server`` per entry of ``adapters`` (name -> L2 adapter JSON), started side by
     side on 127.0.0.1 (each a separate host's service), each stopped by its PID at the end."""
@@ -287,7 +287,7 @@ def lmcache_servers(
             cmd = [
                 *LAUNCHER, "server", "--host", "127.0.0.1", "--port", str(rpc), "--http-host", "127.0.0.1",
                 "--http-port", str(http), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
-                "--disable-observability", "--l2-adapter", adapter,
+                "--disable-observability", "--l2-adapter", adapter, *extra_args,
             ]  # fmt: skip
             with log.open("w") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -341,6 +341,9 @@ def run_client(
     return json.loads(out_json.read_text()), text
 
 
-def wait_keys(nodes: RedisNodes, count: int, timeout: float = 120) -> None:
+def wait_keys(
+    nodes: RedisNodes, count: int, timeout: float = 300, writer: LMCacheServer | None = None
+) -> None:
     """Wait until the deployment holds ``count`` keys (a server's L2 writes finish after its STORE replies)."""
-    _wait(lambda: nodes.key_count() >= count, timeout, f"{count} keys in redis {nodes.ports}")
+    log = writer.log if writer else None
+    _wait(lambda: nodes.key_count() >= count, timeout, f"{count} keys in redis {nodes.ports}", log=log)
