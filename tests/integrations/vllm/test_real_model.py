@@ -27,7 +27,13 @@ pytest.importorskip(
 )
 pytest.importorskip("transformers", reason="needs transformers for the model's tokenizer")
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("KVCODEC_TEST_REAL_MODEL") != "1",
+        reason="about 15 minutes of CPU: runs with `make test-vllm-real` (KVCODEC_TEST_REAL_MODEL=1)",
+    ),
+]
 
 ENGINE = Path(__file__).parent / "engine"
 CHUNK = 256
