@@ -631,7 +631,8 @@ def main() -> None:
         "--rev", help="measure kvcodec as committed at this git revision (default: the working tree)"
     )
     ap.add_argument(
-        "--only", help="comma-separated engine names to run (default: all; a hit engine needs its saver)"
+        "--only",
+        help="engine names to run, comma-separated, in that order (default: all; a hit engine needs its saver first)",
     )
     ap.add_argument(
         "--summarize", metavar="JSON", help="only recompute and print the summary of a results file"
@@ -659,7 +660,8 @@ def main() -> None:
     length = 513 if args.smoke else PROMPT_LEN
     engines = plan(models, work, Prompts.make(args.prompts, length), features)
     if args.only:
-        engines = [e for e in engines if e.name in args.only.split(",")]
+        by_name = {e.name: e for e in engines}
+        engines = [by_name[n] for n in args.only.split(",")]  # in the order given
     print(
         f"bench-vllm: {len(engines)} engines, {args.prompts} timed prompts of {length} tokens each; "
         f"async keys {'known' if 'async_save' in features else 'unknown (sync connector)'}",

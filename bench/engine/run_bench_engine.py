@@ -99,6 +99,8 @@ class Stepper:
         for clock in timed.CLOCKS if timed else []:
             for hook, s in clock.seconds.items():
                 total[hook] = total.get(hook, 0.0) + s
+            for hook, s in clock.cpu.items():
+                total[f"cpu:{hook}"] = total.get(f"cpu:{hook}", 0.0) + s
         return total
 
     def add(self, prompt: list[int], max_tokens: int) -> str:
@@ -112,14 +114,18 @@ class Stepper:
         return rid
 
     def steps(self) -> Iterator[tuple[list[Any], float, dict[str, float]]]:
-        """(outputs, wall seconds, hook seconds) per step while requests are unfinished."""
+        """(outputs, wall seconds, hook seconds) per step while requests are unfinished.
+
+        The hook seconds hold each hook's wall time, its thread's CPU time (``cpu:<hook>``) and the
+        whole process's CPU time during the step (``cpu:step``, every thread, the writers' too).
+        """
         while self.engine.has_unfinished_requests():
             h0 = self.hook_seconds()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = self.engine.step()
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             h1 = self.hook_seconds()
-            yield outs, wall, {k: h1[k] - h0.get(k, 0.0) for k in h1}
+            yield outs, wall, {**{k: h1[k] - h0.get(k, 0.0) for k in h1}, "cpu:step": cpu}
 
 
 def _add_hooks(acc: dict[str, float], step: dict[str, float]) -> None:

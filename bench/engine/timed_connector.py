@@ -74,6 +74,8 @@ class HookClock:
         self.role = role
         self.seconds = dict.fromkeys(WORKER_HOOKS + SCHEDULER_HOOKS, 0.0)
         self.calls = dict.fromkeys(WORKER_HOOKS + SCHEDULER_HOOKS, 0)
+        self.cpu = dict.fromkeys(WORKER_HOOKS + SCHEDULER_HOOKS, 0.0)
+        """CPU seconds of the calling thread inside each hook: the hook's own work, whatever else the machine runs."""
         self.stats: Any = None
         """The connector's own ``stats`` (read at snapshot time), when it keeps a dict of them."""
         self.lookups: list[dict[str, Any]] = []
@@ -81,11 +83,12 @@ class HookClock:
 
     @contextmanager
     def timing(self, hook: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self.seconds[hook] += time.perf_counter() - t0
+            self.cpu[hook] += time.thread_time() - c0
             self.calls[hook] += 1
 
     def snapshot(self) -> dict[str, Any]:
@@ -94,6 +97,7 @@ class HookClock:
             "connector": self.connector,
             "role": self.role,
             "seconds": dict(self.seconds),
+            "cpu": dict(self.cpu),
             "calls": dict(self.calls),
             "stats": stats,
             "lookups": list(self.lookups),
