@@ -209,7 +209,8 @@ def test_capped_store_keeps_serving_a_prompts_leading_chunks(engines):
     cap = engines["capped"]
     assert engines["capped_bytes"] <= engines["cap"]
     assert [o["cached"] for o in cap["outputs"]] == [0, 2 * CHUNK]
-    assert cap["stats"]["store_full"] >= 2 and cap["stats"]["chunks_saved"] == 2
+    # Two writer threads may finish chunk 2 before chunk 1; it goes again when chunk 1 needs the room.
+    assert cap["stats"]["store_full"] >= 2 and cap["stats"]["chunks_saved"] >= 2
     # A chunk refused part-way leaves none of its blobs behind.
     assert sorted(k.split("-")[1] for k in _blobs(engines["tmp"] / "s-capped")) == [
         "L0",
