@@ -52,6 +52,7 @@ from ...format import (
     ScaleScope,
     as_bytes_view,
     check_consistency,
+    check_stored_scales,
     header_size,
     parse,
 )
@@ -712,7 +713,7 @@ class AsymK16V8Codec:
                 f"buffer truncated mid-payload: payload is {len(payload)} bytes; the header declares {h.payload_len}",
                 reason=Reason.TRUNCATED_PAYLOAD,
             )
-        _check_decodable(h)
+        _check_decodable(h, payload)
         req = DecodeRequest(
             device=dev,
             out_v_dtype=None if out_v_dtype in (None, enc.v_dtype) else out_v_dtype,
@@ -727,8 +728,9 @@ class AsymK16V8Codec:
         return k, res.v, scales
 
 
-def _check_decodable(h: Header) -> None:
-    """The consistency deserialize_header leaves to decode (kvcodec's parser's final step)."""
+def _check_decodable(h: Header, payload: memoryview) -> None:
+    """What deserialize_header leaves to decode (kvcodec's parser's final steps): K, V and scale
+    lengths that describe one tensor, and stored scales encode could have written (finite, > 0)."""
     if h.v_dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
         raise UnsupportedConfigError(
             f"decode: blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V",
@@ -738,6 +740,8 @@ def _check_decodable(h: Header) -> None:
         check_consistency(h)
     except CorruptEncodedKVError as e:
         raise _lmcache_error(e) from None
+    scales_at = h.k_payload_len + h.v_payload_len
+    check_stored_scales(h, payload[scales_at : scales_at + h.scale_payload_len])
 
 
 def _encode_once(k: torch.Tensor, v: torch.Tensor, spec: EncodeSpec, fields: dict[str, int]) -> EncodedKV:
