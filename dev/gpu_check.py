@@ -11,7 +11,8 @@ It runs, in this order, within about 6 minutes:
    the GPU (need nothing beyond torch + triton);
 2. the pytest GPU tier (tests/kernels/test_cuda.py, tests/kernels/test_triton_quant.py,
    tests/kernels/test_triton_vllm.py (the vLLM connector's fused kernels), tests/integrations/vllm/test_fused.py, and
-   tests/kernels/test_fused_scale_underflow.py, on CUDA tensors) when pytest is
+   tests/kernels/test_fused_scale_underflow.py, tests/kernels/test_division_proof.py (the
+   one-reciprocal division on the hardware), on CUDA tensors) when pytest is
    installed;
 3. benchmarks, each against the device-to-device copy of the same bytes
    (``torch.empty_like(x).copy_(x)``) measured in the same run with CUDA
@@ -60,6 +61,7 @@ TEST_FILES = (
     "tests/kernels/test_triton_vllm.py",
     "tests/integrations/vllm/test_fused.py",
     "tests/kernels/test_fused_scale_underflow.py",
+    "tests/kernels/test_division_proof.py",
 )
 
 
