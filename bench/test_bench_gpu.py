@@ -43,8 +43,12 @@ def test_no_gpu_fails_clearly(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "cannot run: no CUDA GPU" in proc.stderr and "Nothing was checked" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -116,8 +120,15 @@ def test_benchmark_harness_on_cpu(tmp_path: Path) -> None:
     assert len(copy_bw) == 3
     host = extra["host"]
     assert host["layers"] == 2 and host["total_us"] > 0 and "ok" in host
-    summary = gc.summarize(device_name="cpu-interpreter", checks=[{"check": "x", "ok": True, "error": "", "s": 0}],
-                           tests={"ran": False}, rows=rows, copy_bw=copy_bw, extra=extra, elapsed_s=1.0)  # fmt: skip
+    summary = gc.summarize(
+        device_name="cpu-interpreter",
+        checks=[{"check": "x", "ok": True, "error": "", "s": 0}],
+        tests={"ran": False},
+        rows=rows,
+        copy_bw=copy_bw,
+        extra=extra,
+        elapsed_s=1.0,
+    )
     path = tmp_path / "s.json"
     path.write_text(json.dumps(summary))
     back = json.loads(path.read_text())
@@ -173,6 +184,13 @@ def test_benchmark_errors_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     rows, copy_bw, extra = gc.run_benchmarks(dev, gc.QUICK_SIZES, gc.Timer(dev, warmup=0, reps=1, flush_mb=1))
     assert any("compile failed" in e for e in extra["errors"])
     assert any(r.kind == "gather" for r in rows) and any(r.kind == "decode" for r in rows)
-    summary = gc.summarize(device_name="x", checks=[], tests={"ran": False}, rows=rows, copy_bw=copy_bw,
-                           extra=extra, elapsed_s=0.0)  # fmt: skip
+    summary = gc.summarize(
+        device_name="x",
+        checks=[],
+        tests={"ran": False},
+        rows=rows,
+        copy_bw=copy_bw,
+        extra=extra,
+        elapsed_s=0.0,
+    )
     assert summary["errors"] and not summary["ok"]

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 serde_mod = pytest.importorskip(
-    "lmcache.v1.distributed.serde", reason="LMCache 0.5.6 distributed storage not installed (make lmcache-full)"
+    "lmcache.v1.distributed.serde",
+    reason="LMCache 0.5.6 distributed storage not installed (make lmcache-full)",
 )
 from lmcache.v1.distributed.api import MemoryLayoutDesc  # noqa: E402
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
@@ -39,8 +40,9 @@ SERDES = {
 def _obj(shape, dtype, data=None):
     size = torch.Size(shape)
     raw = torch.zeros(size.numel() * dtype.itemsize, dtype=torch.uint8)
-    meta = MemoryObjMetadata(shape=size, dtype=dtype, address=0, phy_size=raw.numel(), ref_count=1,
-                             shapes=[size], dtypes=[dtype])  # fmt: skip
+    meta = MemoryObjMetadata(
+        shape=size, dtype=dtype, address=0, phy_size=raw.numel(), ref_count=1, shapes=[size], dtypes=[dtype]
+    )
     obj = TensorMemoryObj(raw, meta, None)
     if data is not None:
         obj.tensor.copy_(data)
@@ -71,9 +73,12 @@ def _info(benchmark, name, n):
         return
     mean = benchmark.stats.stats.mean
     benchmark.extra_info.update(
-        serde=name, stored_bytes=n, kv_bytes=KV_BYTES, ratio=round(n / KV_BYTES, 4),
+        serde=name,
+        stored_bytes=n,
+        kv_bytes=KV_BYTES,
+        ratio=round(n / KV_BYTES, 4),
         gb_per_s=round(BATCH * KV_BYTES / mean / 1e9, 3),
-    )  # fmt: skip
+    )
 
 
 def test_serialize(benchmark, setup):

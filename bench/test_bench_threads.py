@@ -39,14 +39,18 @@ CHUNK_T, LAYER_T, HEADS, DIM, PAGE = 256, 2048, 8, 128, 16
 
 def _kv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, HEADS, DIM, generator=g).half(), torch.randn(tokens, HEADS, DIM, generator=g).half()
+    return torch.randn(tokens, HEADS, DIM, generator=g).half(), torch.randn(
+        tokens, HEADS, DIM, generator=g
+    ).half()
 
 
 def _enc(kv: tuple[torch.Tensor, torch.Tensor]) -> bytearray:
     return encode(kv[0], kv[1], scope="per_page_head", page_size=PAGE)
 
 
-def _on_one_thread(worker: ThreadPoolExecutor, fn: Callable[[int], object], n: int) -> Callable[[], list[object]]:
+def _on_one_thread(
+    worker: ThreadPoolExecutor, fn: Callable[[int], object], n: int
+) -> Callable[[], list[object]]:
     """``[fn(i) for i in range(n)]`` as one task on a long-lived worker thread: the same kind of
     thread (and malloc arena: glibc trims the main thread's differently) as the pool's, without the
     pool's per-item hand-offs."""
@@ -107,7 +111,11 @@ def test_pool_of_two_scales(benchmark, buffers: str, chunk: str) -> None:
         faults = {"one_thread": _faults_per_chunk(serial), "pool_of_2": _faults_per_chunk(pooled)}
         item = _gil_free_item(med["one_thread"] / 64)
         ideal = interleaved(
-            {"one_thread": _on_one_thread(single, item, 64), "pool_of_2": lambda: list(pool.map(item, range(64)))}, rounds=15
+            {
+                "one_thread": _on_one_thread(single, item, 64),
+                "pool_of_2": lambda: list(pool.map(item, range(64))),
+            },
+            rounds=15,
         )
     finally:
         pool.shutdown()
@@ -147,7 +155,9 @@ def _matmul_thread() -> Iterator[None]:
 
 @contextmanager
 def _busy_process() -> Iterator[None]:
-    proc = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<300: pass"])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<300: pass"]
+    )
     try:
         yield
     finally:

@@ -45,8 +45,17 @@ def test_save_layer_chunk(benchmark, cache: torch.Tensor) -> None:
     save = lambda: encode_chunk(cache, IDS, CC, start=0, num_tokens=T, layer_id=0, chunk_id=0)  # noqa: E731
     k, v = gather_kv(cache, IDS, head_size=D, block_size=BS, num_tokens=T)
     blob = save()
-    assert bytes(blob) == bytes(encode(k, v, scope="per_page_head", page_size=16, hashes=decode(blob).header.hashes,
-                                       layer_id=0, chunk_id=0))  # fmt: skip
+    assert bytes(blob) == bytes(
+        encode(
+            k,
+            v,
+            scope="per_page_head",
+            page_size=16,
+            hashes=decode(blob).header.hashes,
+            layer_id=0,
+            chunk_id=0,
+        )
+    )
     benchmark(save)
     enc = lambda: encode(k, v, scope="per_page_head", page_size=16, layer_id=0, chunk_id=0)  # noqa: E731
     benchmark.extra_info.update(_info(interleaved({"save": save, "encode": enc}), "save", "encode"))

@@ -45,7 +45,14 @@ def test_blobs_byte_identical_to_lmcache(scope, dtype, seed):
     got = ours.to_bytes(ours.encode(k, v, hashes=hashes_kw, page_axis=page_axis, **fields))
     assert got == ref
     native = encode(
-        k, v, scope=scope.lower(), hashes=hashes_kw, layer_id=seed, chunk_id=7, chunk_size=pages * ps, version=1
+        k,
+        v,
+        scope=scope.lower(),
+        hashes=hashes_kw,
+        layer_id=seed,
+        chunk_id=7,
+        chunk_size=pages * ps,
+        version=1,
     )
     assert bytes(native) == ref
     # Each reads the other's blob.
@@ -62,13 +69,29 @@ def test_external_scope_with_attached_scales_identical():
     q = (v.float() / s.view(1, 1, 2, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
     ref_codec = lm.AsymK16V8Codec(scale_scope=lm.ScaleScope.EXTERNAL)
     ref = ref_codec.to_bytes(
-        ref_codec.encode(k, v, precomputed_v_quant=q, precomputed_v_scales=s, kv_head_count=2, head_dim=16,
-                       chunk_size=16, page_size=8)
+        ref_codec.encode(
+            k,
+            v,
+            precomputed_v_quant=q,
+            precomputed_v_scales=s,
+            kv_head_count=2,
+            head_dim=16,
+            chunk_size=16,
+            page_size=8,
+        )
     )
     ours = KvCompat(scale_scope=3)
     got = ours.to_bytes(
-        ours.encode(k, v, precomputed_v_quant=q, precomputed_v_scales=s, kv_head_count=2, head_dim=16,
-                       chunk_size=16, page_size=8)
+        ours.encode(
+            k,
+            v,
+            precomputed_v_quant=q,
+            precomputed_v_scales=s,
+            kv_head_count=2,
+            head_dim=16,
+            chunk_size=16,
+            page_size=8,
+        )
     )
     assert got == ref
 

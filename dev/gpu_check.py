@@ -284,8 +284,12 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     k = torch.randn(t, h, d, generator=g).half()
     v = (torch.randn(t, h, d, generator=g) * 5).half()
-    scopes = [(ScaleScope.PER_TENSOR, None), (ScaleScope.PER_LAYER_HEAD, None), (ScaleScope.PER_PAGE_HEAD, 16),
-              (ScaleScope.PER_PAGE_HEAD, 7)]  # fmt: skip
+    scopes = [
+        (ScaleScope.PER_TENSOR, None),
+        (ScaleScope.PER_LAYER_HEAD, None),
+        (ScaleScope.PER_PAGE_HEAD, 16),
+        (ScaleScope.PER_PAGE_HEAD, 7),
+    ]
 
     def ref_payload(kk: torch.Tensor, vv: torch.Tensor, scope: ScaleScope, ps: int | None) -> torch.Tensor:
         s = Q.compute_scales(vv, scope, page_size=ps)
@@ -318,20 +322,31 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
             rows[..., :d].contiguous(), rows[..., d:].contiguous(), ScaleScope.PER_PAGE_HEAD, 5
         )
         pays = operands.empty_payloads(1, want.numel(), device)
-        vllm_triton.gather_encode_layers([view.to(device)], ids, num_tokens=tt, head_size=d,
-                                         scope=ScaleScope.PER_PAGE_HEAD, page_size=5, payloads=pays)  # fmt: skip
+        vllm_triton.gather_encode_layers(
+            [view.to(device)],
+            ids,
+            num_tokens=tt,
+            head_size=d,
+            scope=ScaleScope.PER_PAGE_HEAD,
+            page_size=5,
+            payloads=pays,
+        )
         return torch.equal(pays[0].cpu(), want)
 
     if not quick:
         check("cast: all fp16/bf16 patterns, e4m3fn/e5m2, 4 scales", cast_all)
         for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
             for hw in fp8_paths(device):
-                check(f"fp8 conversion, all 2^32 fp32 patterns, {str(fp8).removeprefix('torch.')}, {hw}",
-                      lambda f=fp8, h=hw: fp8_exhaustive(device, f, h))  # fmt: skip
+                check(
+                    f"fp8 conversion, all 2^32 fp32 patterns, {str(fp8).removeprefix('torch.')}, {hw}",
+                    lambda f=fp8, h=hw: fp8_exhaustive(device, f, h),
+                )
     for scope, ps in scopes:
         for strategy in ("single", "two_stage"):
-            check(f"encode+decode {scope.name.lower()} ps={ps} {strategy}",
-                  lambda s=scope, p=ps, st=strategy: encode_decode(s, p, st))  # fmt: skip
+            check(
+                f"encode+decode {scope.name.lower()} ps={ps} {strategy}",
+                lambda s=scope, p=ps, st=strategy: encode_decode(s, p, st),
+            )
     for layout in ("NHD", "HND"):
         check(f"vLLM view gather + fused encode ({layout})", lambda lay=layout: vllm_views(lay))
     return out
@@ -358,8 +373,18 @@ class Sizes:
     host_iters: int = 200
 
 
-QUICK_SIZES = Sizes(layers=2, chunk_tokens=8, heads=2, head_dim=32, page_size=4, big_tokens=16,
-                   cache_blocks=8, block_size=4, gather_blocks=3, host_iters=2)  # fmt: skip
+QUICK_SIZES = Sizes(
+    layers=2,
+    chunk_tokens=8,
+    heads=2,
+    head_dim=32,
+    page_size=4,
+    big_tokens=16,
+    cache_blocks=8,
+    block_size=4,
+    gather_blocks=3,
+    host_iters=2,
+)
 """Toy sizes for a smoke run of the harness (``--quick``, the unit tests)."""
 
 
@@ -385,9 +410,13 @@ def run_benchmarks(
     extra: dict[str, Any] = {"skipped": [], "errors": []}
     L, T, H, D, PS = sizes.layers, sizes.chunk_tokens, sizes.heads, sizes.head_dim, sizes.page_size
     PH, LH, PTS = ScaleScope.PER_PAGE_HEAD, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_TENSOR
-    variants = [("per_page_head", PH, PS, "auto"), ("per_layer_head", LH, None, "auto"),
-                ("per_layer_head single", LH, None, "single"), ("per_layer_head two_stage", LH, None, "two_stage"),
-                ("per_tensor", PTS, None, "auto")]  # fmt: skip
+    variants = [
+        ("per_page_head", PH, PS, "auto"),
+        ("per_layer_head", LH, None, "auto"),
+        ("per_layer_head single", LH, None, "single"),
+        ("per_layer_head two_stage", LH, None, "two_stage"),
+        ("per_tensor", PTS, None, "auto"),
+    ]
 
     def measure(
         name: str, kind: str, fn: Callable[[], Any], c_ms: float, moved: int, target: float | None
@@ -420,13 +449,25 @@ def run_benchmarks(
         # Rows 16-byte aligned, as the codec allocates them.
         pays = operands.empty_payloads(L, nb, device)
         moved = in_bytes + pays.numel()  # read K+V, write payloads
-        measure(f"encode {L}x{T} {label}", "encode",
-                lambda s=scope, p=ps, st=strat, pl=pays: fused_triton.encode_fused_layers(ks, vs, s, page_size=p, payloads=pl, strategy=st),  # type: ignore[misc]
-                c_ms, moved, TARGETS["encode"] if strat == "auto" else None)  # fmt: skip
+        measure(
+            f"encode {L}x{T} {label}",
+            "encode",
+            lambda s=scope, p=ps, st=strat, pl=pays: fused_triton.encode_fused_layers(
+                ks, vs, s, page_size=p, payloads=pl, strategy=st
+            ),  # type: ignore[misc]
+            c_ms,
+            moved,
+            TARGETS["encode"] if strat == "auto" else None,
+        )
         if strat == "auto":
-            measure(f"decode {L}x{T} {label}", "decode",
-                    lambda s=scope, p=ps, pl=pays: fused_triton.decode_fused_layers(pl, ko, vo, s, page_size=p),  # type: ignore[misc]
-                    c_ms, moved, TARGETS["decode"])  # fmt: skip
+            measure(
+                f"decode {L}x{T} {label}",
+                "decode",
+                lambda s=scope, p=ps, pl=pays: fused_triton.decode_fused_layers(pl, ko, vo, s, page_size=p),  # type: ignore[misc]
+                c_ms,
+                moved,
+                TARGETS["decode"],
+            )
 
     # One large layer.
     if not over_budget("large layer"):
@@ -442,13 +483,25 @@ def run_benchmarks(
                 continue
             pay = torch.empty(operands.payload_nbytes(k1, v1, scope, ps), dtype=torch.uint8, device=device)
             moved = in_bytes + pay.numel()
-            measure(f"encode 1x{TB} {label}", "encode",
-                    lambda s=scope, p=ps, st=strat, pl=pay: fused_triton.encode_fused(k1, v1, s, page_size=p, payload=pl, strategy=st),  # type: ignore[misc]
-                    c_ms, moved, TARGETS["encode"] if strat == "auto" else None)  # fmt: skip
+            measure(
+                f"encode 1x{TB} {label}",
+                "encode",
+                lambda s=scope, p=ps, st=strat, pl=pay: fused_triton.encode_fused(
+                    k1, v1, s, page_size=p, payload=pl, strategy=st
+                ),  # type: ignore[misc]
+                c_ms,
+                moved,
+                TARGETS["encode"] if strat == "auto" else None,
+            )
             if strat == "auto":
-                measure(f"decode 1x{TB} {label}", "decode",
-                        lambda s=scope, p=ps, pl=pay: fused_triton.decode_fused(pl, k1o, v1o, s, page_size=p),  # type: ignore[misc]
-                        c_ms, moved, TARGETS["decode"])  # fmt: skip
+                measure(
+                    f"decode 1x{TB} {label}",
+                    "decode",
+                    lambda s=scope, p=ps, pl=pay: fused_triton.decode_fused(pl, k1o, v1o, s, page_size=p),  # type: ignore[misc]
+                    c_ms,
+                    moved,
+                    TARGETS["decode"],
+                )
 
     # vLLM connector's gather+encode from one big layer view, shuffled block ids.
     if not over_budget("vllm gather+encode"):
@@ -462,17 +515,30 @@ def run_benchmarks(
         copy_bw[f"gather {tok} tokens"] = 2 * in_bytes / (c_ms * 1e6)
         k0 = torch.empty((tok, H, D), dtype=torch.float16, device="meta")
         pays = operands.empty_payloads(1, operands.payload_nbytes(k0, k0, PH, PS), device)
-        measure(f"vllm gather+encode {GB} of {NBk} blocks per_page_head", "gather",
-                lambda: vllm_triton.gather_encode_layers(views, ids, num_tokens=tok, head_size=D, scope=PH,
-                                                         page_size=PS, payloads=pays),
-                c_ms, in_bytes + pays.numel(), TARGETS["gather"])  # fmt: skip
+        measure(
+            f"vllm gather+encode {GB} of {NBk} blocks per_page_head",
+            "gather",
+            lambda: vllm_triton.gather_encode_layers(
+                views, ids, num_tokens=tok, head_size=D, scope=PH, page_size=PS, payloads=pays
+            ),
+            c_ms,
+            in_bytes + pays.numel(),
+            TARGETS["gather"],
+        )
 
     try:
         extra["host"] = host_overhead(device, sizes)
     except Exception as e:
         extra["errors"].append(f"host overhead: {type(e).__name__}: {e}"[:2000])
-        extra["host"] = {"ok": False, "error": str(e)[:500], "layers": L, "launch_us": None, "headers_us": None,
-                         "headers_with_replace_us": None, "total_us": None}  # fmt: skip
+        extra["host"] = {
+            "ok": False,
+            "error": str(e)[:500],
+            "layers": L,
+            "launch_us": None,
+            "headers_us": None,
+            "headers_with_replace_us": None,
+            "total_us": None,
+        }
     extra["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return rows, copy_bw, extra
 
@@ -528,11 +594,22 @@ def tune_pass(device: str, out: Path, reps: int = 20) -> dict[str, Any]:
         for r in results:
             if r.best_us is not None:
                 bt, nw = r.best.split("x/")
-                table.put(gpu, triton.__version__, r.kernel, r.key, configs.TileConfig(int(bt), int(nw.rstrip("w"))),
-                          us=round(r.best_us, 2), default_us=round(r.default_us or 0.0, 2))  # fmt: skip
+                table.put(
+                    gpu,
+                    triton.__version__,
+                    r.kernel,
+                    r.key,
+                    configs.TileConfig(int(bt), int(nw.rstrip("w"))),
+                    us=round(r.best_us, 2),
+                    default_us=round(r.default_us or 0.0, 2),
+                )
         table.save(out)
-        return {"ok": not any(r.failed for r in results), "file": str(out), "s": round(time.perf_counter() - t0, 1),
-                "results": [asdict(r) for r in results]}  # fmt: skip
+        return {
+            "ok": not any(r.failed for r in results),
+            "file": str(out),
+            "s": round(time.perf_counter() - t0, 1),
+            "results": [asdict(r) for r in results],
+        }
     except Exception as e:
         return {
             "ok": False,
@@ -556,11 +633,22 @@ def host_overhead(device: str, sizes: Sizes) -> dict[str, Any]:
     pays = operands.empty_payloads(L, nb, device)
     n_el = T * H * D
     template = Header(
-        k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, scale_scope=scope,
-        layer_id=0, chunk_id=0, chunk_size=T, page_size=PS, kv_head_count=H, head_dim=D,
-        scale_shape=(-(-T // PS), H), k_payload_len=2 * n_el, v_payload_len=n_el,
-        scale_payload_len=nb - 3 * n_el, hashes=Hashes(model_id="m", kv_layout="flash_nhd"),
-    )  # fmt: skip
+        k_dtype=torch.float16,
+        v_dtype=torch.float8_e4m3fn,
+        scale_dtype=torch.float32,
+        scale_scope=scope,
+        layer_id=0,
+        chunk_id=0,
+        chunk_size=T,
+        page_size=PS,
+        kv_head_count=H,
+        head_dim=D,
+        scale_shape=(-(-T // PS), H),
+        k_payload_len=2 * n_el,
+        v_payload_len=n_el,
+        scale_payload_len=nb - 3 * n_el,
+        hashes=Hashes(model_id="m", kv_layout="flash_nhd"),
+    )
     hs = header_size(template)
     hbuf = bytearray(hs * L)
     views = [memoryview(hbuf)[i * hs : (i + 1) * hs] for i in range(L)]
@@ -776,8 +864,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ok, why = gpu_status() if args.device != "cpu" else (True, "cpu (smoke run)")
     if not ok:
-        print(f"gpu_check: cannot run: {why}. Nothing was checked. Run it on a machine with an NVIDIA GPU:",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu_check: cannot run: {why}. Nothing was checked. Run it on a machine with an NVIDIA GPU:",
+            file=sys.stderr,
+        )
         print("    PYTHONPATH=. python3 dev/gpu_check.py", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -795,8 +885,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             TEST_FILES, min(args.test_timeout, max(60.0, args.budget - 120 - (time.perf_counter() - t0)))
         )
         if tests.get("ran"):
-            print(f"  pytest: rc={tests.get('rc')} passed={tests.get('passed')} failed={tests.get('failed')} "
-                  f"skipped={tests.get('skipped')} ({tests.get('s')} s)", flush=True)  # fmt: skip
+            print(
+                f"  pytest: rc={tests.get('rc')} passed={tests.get('passed')} failed={tests.get('failed')} "
+                f"skipped={tests.get('skipped')} ({tests.get('s')} s)",
+                flush=True,
+            )
             if tests.get("rc") != 0:
                 print(tests.get("tail", ""))
         else:
@@ -829,11 +922,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for err in extra["errors"]:
         print(f"  ERROR {err}")
     host = extra["host"]
-    print(f"host CPU per {host['layers']}-layer chunk: launch {host['launch_us']} us + {host['layers']} headers "
-          f"{host['headers_us']} us (with Header.replace: {host['headers_with_replace_us']} us) = "
-          f"{host['total_us']} us (target < {HOST_TARGET_US:.0f} us: {'yes' if host['ok'] else 'NO'})")  # fmt: skip
-    summary = summarize(device_name=why, checks=checks, tests=tests, rows=rows, copy_bw=copy_bw, extra=extra,
-                        elapsed_s=time.perf_counter() - t0)  # fmt: skip
+    print(
+        f"host CPU per {host['layers']}-layer chunk: launch {host['launch_us']} us + {host['layers']} headers "
+        f"{host['headers_us']} us (with Header.replace: {host['headers_with_replace_us']} us) = "
+        f"{host['total_us']} us (target < {HOST_TARGET_US:.0f} us: {'yes' if host['ok'] else 'NO'})"
+    )
+    summary = summarize(
+        device_name=why,
+        checks=checks,
+        tests=tests,
+        rows=rows,
+        copy_bw=copy_bw,
+        extra=extra,
+        elapsed_s=time.perf_counter() - t0,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {args.out} (overall ok: {summary['ok']}, {summary['elapsed_s']} s)")

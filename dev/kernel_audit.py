@@ -118,8 +118,11 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
 
     L, T, H, D, PS = (HEADLINE[k] for k in ("layers", "tokens", "heads", "dim", "page_size"))
     f16 = torch.float16
-    scopes = [("per_page_head", ScaleScope.PER_PAGE_HEAD, PS), ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None),
-              ("per_tensor", ScaleScope.PER_TENSOR, None)]  # fmt: skip
+    scopes = [
+        ("per_page_head", ScaleScope.PER_PAGE_HEAD, PS),
+        ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None),
+        ("per_tensor", ScaleScope.PER_TENSOR, None),
+    ]
     if quick:
         scopes = scopes[:1]
     out: list[Workload] = []
@@ -160,9 +163,13 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
                 k, v, scope, page_size=ps, payload=torch.empty(nbytes(scope, ps), dtype=torch.uint8)
             )
 
-        out += [Workload(f"encode {L}L stacked {label}", enc_stacked), Workload(f"encode {L}L listed {label}", enc_listed),
-                Workload(f"decode {L}L stacked {label}", dec_stacked), Workload(f"decode {L}L listed {label}", dec_listed),
-                Workload(f"encode 1L {label}", enc_one)]  # fmt: skip
+        out += [
+            Workload(f"encode {L}L stacked {label}", enc_stacked),
+            Workload(f"encode {L}L listed {label}", enc_listed),
+            Workload(f"decode {L}L stacked {label}", dec_stacked),
+            Workload(f"decode {L}L listed {label}", dec_listed),
+            Workload(f"encode 1L {label}", enc_one),
+        ]
     if quick:
         return out
 
@@ -216,8 +223,9 @@ def vllm_workloads() -> list[Workload]:
     def enc(layout: str, scope: ScaleScope, ps: int | None, sep: bool = False) -> Callable[[], None]:
         def run() -> None:
             views = listed() if sep else _vllm_views(layout, L, nb, H, bs, 2 * D, f16)
-            vllm_triton.gather_encode_layers(views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps,
-                                    payloads=pays(scope, ps))  # fmt: skip
+            vllm_triton.gather_encode_layers(
+                views, ids, num_tokens=T, head_size=D, scope=scope, page_size=ps, payloads=pays(scope, ps)
+            )
 
         return run
 
@@ -231,9 +239,11 @@ def vllm_workloads() -> list[Workload]:
         return run
 
     out = [Workload(f"vllm encode {L}L {lay} per_page_head", enc(lay, PH, PS)) for lay in VLLM_LAYOUTS]
-    out += [Workload(f"vllm encode {L}L listed per_page_head", enc("LBNHC", PH, PS, sep=True)),
-            Workload(f"vllm encode {L}L LBNHC per_layer_head", enc("LBNHC", LH, None)),
-            Workload(f"vllm encode {L}L LBNHC per_tensor", enc("LBNHC", PT, None))]  # fmt: skip
+    out += [
+        Workload(f"vllm encode {L}L listed per_page_head", enc("LBNHC", PH, PS, sep=True)),
+        Workload(f"vllm encode {L}L LBNHC per_layer_head", enc("LBNHC", LH, None)),
+        Workload(f"vllm encode {L}L LBNHC per_tensor", enc("LBNHC", PT, None)),
+    ]
     out += [Workload(f"vllm decode {L}L {lay} per_page_head", dec(lay, PH, PS)) for lay in ("LBNHC", "LHBNC")]
     out.append(Workload(f"vllm decode {L}L LBNHC per_tensor", dec("LBNHC", PT, None)))
     return out
@@ -331,10 +341,16 @@ def collect_jobs(workloads: Sequence[Workload], archs: Sequence[int], all_config
                         spec[hname] = fn(spec)
                     tile = cfg.block_t * block_d if "BLOCK_T" in spec else int(spec.get("BLOCK", 1))
                     job = CompileJob(
-                        workload=w.name, kernel=name, arch=arch, config=f"{cfg.block_t}x{block_d}/{cfg.num_warps}w",
-                        elems_per_thread=tile / (32 * cfg.num_warps), hw_fp8=bool(spec.get("HW_FP8", False)),
-                        encodes_fp8="MAX_BITS" in spec, vec=w.vec, spec=_summarise_args(spec),
-                    )  # fmt: skip
+                        workload=w.name,
+                        kernel=name,
+                        arch=arch,
+                        config=f"{cfg.block_t}x{block_d}/{cfg.num_warps}w",
+                        elems_per_thread=tile / (32 * cfg.num_warps),
+                        hw_fp8=bool(spec.get("HW_FP8", False)),
+                        encodes_fp8="MAX_BITS" in spec,
+                        vec=w.vec,
+                        spec=_summarise_args(spec),
+                    )
                     if job.key() not in seen:
                         seen.add(job.key())
                         jobs.append(job)
@@ -367,8 +383,16 @@ def _specialise(jit: Any, spec: dict[str, Any], arch: int) -> tuple[Any, Any, di
         return _specialise_fallback(jit, kw, backend, target)
 
 
-_TRITON_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "uint8": "u8", "int8": "i8",
-                 "int16": "i16", "int32": "i32", "int64": "i64"}  # fmt: skip
+_TRITON_TYPES = {
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "uint8": "u8",
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+}
 
 
 def _specialise_fallback(
@@ -512,13 +536,31 @@ def analyze(job: CompileJob, ptx: str, sass: str, res: str, shared: int, seconds
     narrow = lambda d: sum(n for w, n in d.items() if int(w) < 32)  # noqa: E731
     wide = lambda d: sum(n for w, n in d.items() if int(w) >= 128)  # noqa: E731
     return Record(
-        key=job.key(), workload=job.workload, kernel=job.kernel, arch=job.arch, config=job.config, ok=True,
-        regs=r["regs"], local_bytes=r["local"] + r["stack"], spill_insts=s["spill_insts"], shared=shared,
-        sass=s["sass"], sass_per_elem=round(s["sass"] / max(job.elems_per_thread, 1e-9), 2),
-        ld128=wide(s["ldg"]), st128=wide(s["stg"]), ld_narrow=narrow(s["ldg"]), st_narrow=narrow(s["stg"]),
-        ldg=s["ldg"], stg=s["stg"], hw_fp8=job.hw_fp8, encodes_fp8=job.encodes_fp8, fp8_cvt=cvt, f16_step=f16,
-        vec=job.vec, seconds=round(seconds, 2),
-    )  # fmt: skip
+        key=job.key(),
+        workload=job.workload,
+        kernel=job.kernel,
+        arch=job.arch,
+        config=job.config,
+        ok=True,
+        regs=r["regs"],
+        local_bytes=r["local"] + r["stack"],
+        spill_insts=s["spill_insts"],
+        shared=shared,
+        sass=s["sass"],
+        sass_per_elem=round(s["sass"] / max(job.elems_per_thread, 1e-9), 2),
+        ld128=wide(s["ldg"]),
+        st128=wide(s["stg"]),
+        ld_narrow=narrow(s["ldg"]),
+        st_narrow=narrow(s["stg"]),
+        ldg=s["ldg"],
+        stg=s["stg"],
+        hw_fp8=job.hw_fp8,
+        encodes_fp8=job.encodes_fp8,
+        fp8_cvt=cvt,
+        f16_step=f16,
+        vec=job.vec,
+        seconds=round(seconds, 2),
+    )
 
 
 def compile_job(job: CompileJob) -> Record:
@@ -550,9 +592,19 @@ def compile_job(job: CompileJob) -> Record:
         )
     except Exception as e:  # recorded, reported as a broken rule
         msg = f"{type(e).__name__}: {e}".strip().splitlines()
-        return Record(key=job.key(), workload=job.workload, kernel=job.kernel, arch=job.arch, config=job.config,
-                      ok=False, error=" ".join(msg)[-400:], hw_fp8=job.hw_fp8, encodes_fp8=job.encodes_fp8,
-                      vec=job.vec, seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
+        return Record(
+            key=job.key(),
+            workload=job.workload,
+            kernel=job.kernel,
+            arch=job.arch,
+            config=job.config,
+            ok=False,
+            error=" ".join(msg)[-400:],
+            hw_fp8=job.hw_fp8,
+            encodes_fp8=job.encodes_fp8,
+            vec=job.vec,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
 
 
 def run_jobs(jobs: Sequence[CompileJob], workers: int, progress: bool = True) -> list[Record]:
@@ -674,8 +726,10 @@ def _short(kernel: str) -> str:
 def format_table(records: Sequence[Record], violations: Sequence[Violation]) -> str:
     """A fixed-width table, one row per compile (``!`` marks a row with a violation)."""
     bad = {v.key for v in violations}
-    head = (f"{'workload':<44} {'kernel':<13} {'sm':>3} {'config':<12} {'regs':>4} {'spill':>5} {'smem':>6} "
-            f"{'ld128/<32':>9} {'st128/<32':>9} {'sass/el':>7} {'fp8 cvt':<9}")  # fmt: skip
+    head = (
+        f"{'workload':<44} {'kernel':<13} {'sm':>3} {'config':<12} {'regs':>4} {'spill':>5} {'smem':>6} "
+        f"{'ld128/<32':>9} {'st128/<32':>9} {'sass/el':>7} {'fp8 cvt':<9}"
+    )
     lines = [head, "-" * len(head)]
     for r in records:
         mark = "!" if r.key in bad else " "
@@ -754,8 +808,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = args.jobs if args.jobs is not None else ((os.cpu_count() or 1) if args.all else 1)
     t0 = time.perf_counter()
     jobs = collect_jobs(headline_workloads(quick=args.quick), archs, all_cfg)
-    print(f"kernel audit: triton {triton.__version__}, {len(jobs)} compiles for sm_{'/sm_'.join(map(str, archs))}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"kernel audit: triton {triton.__version__}, {len(jobs)} compiles for sm_{'/sm_'.join(map(str, archs))}",
+        file=sys.stderr,
+    )
     records = run_jobs(jobs, workers)
     try:
         budget_all = load_budget(args.budget)
@@ -769,8 +825,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  VIOLATION {v.key}: {v.what}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"triton": triton.__version__, "records": [asdict(r) for r in records],
-                                         "violations": [asdict(v) for v in violations]}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "triton": triton.__version__,
+                    "records": [asdict(r) for r in records],
+                    "violations": [asdict(v) for v in violations],
+                },
+                indent=1,
+            )
+        )
     missing = [r.key for r in records if r.ok and section is not None and r.key not in section]
     if section is None and not args.rules_only:
         print(f"no budget for triton {triton.__version__} in {args.budget}: rules only (--update writes one)")

@@ -92,19 +92,50 @@ of 12 at its natural 38-40, without spills (the kernel audit checks); bf16 V (pr
 
 @triton.jit
 def _encode_groups_kernel(
-    k_ptr, v_ptr, pay_ptr, amax_ptr, tbl_ptr, k_ltab, v_ltab, p_ltab,
-    T, H, GT, n_gt, BS: tl.constexpr,
-    k_st, k_sh, k_sd, k_sb, k_sl,
-    v_st, v_sh, v_sd, v_sb, v_sl,
+    k_ptr,
+    v_ptr,
+    pay_ptr,
+    amax_ptr,
+    tbl_ptr,
+    k_ltab,
+    v_ltab,
+    p_ltab,
+    T,
+    H,
+    GT,
+    n_gt,
+    BS: tl.constexpr,
+    k_st,
+    k_sh,
+    k_sd,
+    k_sb,
+    k_sl,
+    v_st,
+    v_sh,
+    v_sd,
+    v_sb,
+    v_sl,
     p_sl,
     qmax,
-    D: tl.constexpr, KB: tl.constexpr, V_BF16: tl.constexpr,
-    MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, SAT: tl.constexpr,
-    PAGED: tl.constexpr, K_TAB: tl.constexpr, V_TAB: tl.constexpr, P_TAB: tl.constexpr,
-    K_ALIGNED: tl.constexpr, ONE_TILE: tl.constexpr, HW_FP8: tl.constexpr, DIV: tl.constexpr,
+    D: tl.constexpr,
+    KB: tl.constexpr,
+    V_BF16: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    SAT: tl.constexpr,
+    PAGED: tl.constexpr,
+    K_TAB: tl.constexpr,
+    V_TAB: tl.constexpr,
+    P_TAB: tl.constexpr,
+    K_ALIGNED: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    DIV: tl.constexpr,
     S_ALIGNED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One program per scale group (GT tokens x one head x one layer): absmax → scale → FP8.
 
     Also copies the group's K rows into the payload and writes the group's
@@ -245,12 +276,28 @@ def encode_rows(
     v_tab, v_has = table_args(v.layers, dummy)
     p_tab, p_has = table_args(pay, dummy)
     common = {
-        "k_ptr": k.layers.base, "v_ptr": v.layers.base, "pay_ptr": pay.base, "tbl_ptr": tbl,
-        "k_ltab": k_tab, "v_ltab": v_tab, "p_ltab": p_tab,
-        "T": g.tokens, "H": g.heads, "BS": g.block_size, **k.stride_args("k"), **v.stride_args("v"),
-        "p_sl": pay.stride, "D": g.dim, "KB": g.k_bytes, "V_BF16": v_bf16, "PAGED": g.table is not None,
-        "K_TAB": k_has, "V_TAB": v_has, "P_TAB": p_has, "K_ALIGNED": k_aligned(pay, g.k_bytes),
-    }  # fmt: skip
+        "k_ptr": k.layers.base,
+        "v_ptr": v.layers.base,
+        "pay_ptr": pay.base,
+        "tbl_ptr": tbl,
+        "k_ltab": k_tab,
+        "v_ltab": v_tab,
+        "p_ltab": p_tab,
+        "T": g.tokens,
+        "H": g.heads,
+        "BS": g.block_size,
+        **k.stride_args("k"),
+        **v.stride_args("v"),
+        "p_sl": pay.stride,
+        "D": g.dim,
+        "KB": g.k_bytes,
+        "V_BF16": v_bf16,
+        "PAGED": g.table is not None,
+        "K_TAB": k_has,
+        "V_TAB": v_has,
+        "P_TAB": p_has,
+        "K_ALIGNED": k_aligned(pay, g.k_bytes),
+    }
     n_el = g.tokens * g.heads * g.dim
     div = div_mode(torch.bfloat16 if v_bf16 else v.layers.base.dtype)
     s_aligned = payload_aligned(pay, n_el * (g.k_bytes + 1), 4)
@@ -259,8 +306,16 @@ def encode_rows(
     n_gt = -(-g.tokens // gt)
     if _one_pass(g, strategy, layers, dev):
         amax = torch.empty((layers, n_gt, g.heads), dtype=torch.float32, device=dev)
-        common.update(amax_ptr=amax, GT=gt, n_gt=n_gt, qmax=fp.qmax, **fp.args(), HW_FP8=hw_fp8(dev), DIV=div,
-                      S_ALIGNED=s_aligned)  # fmt: skip
+        common.update(
+            amax_ptr=amax,
+            GT=gt,
+            n_gt=n_gt,
+            qmax=fp.qmax,
+            **fp.args(),
+            HW_FP8=hw_fp8(dev),
+            DIV=div,
+            S_ALIGNED=s_aligned,
+        )
         if div == 1 and not interpreted(dev):
             common["maxnreg"] = GROUPS_MAXNREG
         launch_grid(
@@ -277,14 +332,40 @@ def encode_rows(
     launch_amax_tiles(common, g.tokens, tt, block_d, g.heads, layers)
     s_pg, s_hd = (0, 0) if per_tensor else ((g.heads, 1) if per_page else (0, 1))
     kw2 = {
-        "v_ptr": v.layers.base, "o_ptr": pay.base, "s_ptr": abits, "tbl_ptr": tbl, "v_ltab": v_tab, "o_ltab": p_tab,
-        "T": g.tokens, "H": g.heads, "PS": gt, "s_pg": s_pg, "s_hd": s_hd, "s_sl": n_gt * hh,
-        "BS": g.block_size, "o_off": g.tokens * g.heads * g.dim * g.k_bytes,
-        **v.stride_args("v"), "o_st": g.heads * g.dim, "o_sh": g.dim, "o_sd": 1, "o_sl": pay.stride,
-        "qmax": fp.qmax, "D": g.dim, "V_BF16": v_bf16, **fp.args(), "FROM_AMAX": True, "WRITE_SCALES": True,
-        "SHARED_HEADS": per_tensor, "PAGED": g.table is not None, "V_TAB": v_has, "O_TAB": p_has,
-        "HW_FP8": hw_fp8(dev), "DIV": div, "FINITE": True, "S_ALIGNED": s_aligned,
-    }  # fmt: skip
+        "v_ptr": v.layers.base,
+        "o_ptr": pay.base,
+        "s_ptr": abits,
+        "tbl_ptr": tbl,
+        "v_ltab": v_tab,
+        "o_ltab": p_tab,
+        "T": g.tokens,
+        "H": g.heads,
+        "PS": gt,
+        "s_pg": s_pg,
+        "s_hd": s_hd,
+        "s_sl": n_gt * hh,
+        "BS": g.block_size,
+        "o_off": g.tokens * g.heads * g.dim * g.k_bytes,
+        **v.stride_args("v"),
+        "o_st": g.heads * g.dim,
+        "o_sh": g.dim,
+        "o_sd": 1,
+        "o_sl": pay.stride,
+        "qmax": fp.qmax,
+        "D": g.dim,
+        "V_BF16": v_bf16,
+        **fp.args(),
+        "FROM_AMAX": True,
+        "WRITE_SCALES": True,
+        "SHARED_HEADS": per_tensor,
+        "PAGED": g.table is not None,
+        "V_TAB": v_has,
+        "O_TAB": p_has,
+        "HW_FP8": hw_fp8(dev),
+        "DIV": div,
+        "FINITE": True,
+        "S_ALIGNED": s_aligned,
+    }
     launch_tiles("_quant_tiles_kernel", g.tokens, block_d, g.heads, layers, kw2)
     return abits.view(torch.float32).view(layers, *shape)
 
@@ -302,17 +383,44 @@ def decode_rows(pay: Layers, ko: Rows, vo: Rows, g: ChunkGeometry, *, out_kind: 
     vo_tab, vo_has = table_args(vo.layers, dummy)
     ko_tab, ko_has = table_args(ko.layers, dummy)
     kw = {
-        "q_ptr": pay.base, "s_ptr": dummy, "vo_ptr": vo.layers.base, "ko_ptr": ko.layers.base,
-        "tbl_ptr": dummy if g.table is None else g.table, "q_ltab": q_tab, "vo_ltab": vo_tab, "ko_ltab": ko_tab,
-        "T": g.tokens, "H": g.heads, "PS": ps, "s_pg": s_pg, "s_hd": s_hd, "s_off": n_el, "s_sl": 0,
-        "BS": g.block_size, "q_off": n_el * g.k_bytes,
-        "q_st": g.heads * g.dim, "q_sh": g.dim, "q_sd": 1, "q_sl": pay.stride,
-        **vo.stride_args("vo"), **ko.stride_args("ko"),
-        "D": g.dim, "KB": g.k_bytes, "MANT": fp.mant, "BIAS": fp.bias,
-        "OUT_KIND": out_kind, "SCALE_BYTES": True, "K_ALIGNED": k_aligned(pay, g.k_bytes),
-        "PAGED": g.table is not None, "Q_TAB": q_has, "VO_TAB": vo_has, "KO_TAB": ko_has, "HW_FP8": hw_fp8(dev),
-        "S_ALIGNED": payload_aligned(pay, n_el * (g.k_bytes + 1), 4), "HW_BF16": hw_bf16(dev),
-    }  # fmt: skip
+        "q_ptr": pay.base,
+        "s_ptr": dummy,
+        "vo_ptr": vo.layers.base,
+        "ko_ptr": ko.layers.base,
+        "tbl_ptr": dummy if g.table is None else g.table,
+        "q_ltab": q_tab,
+        "vo_ltab": vo_tab,
+        "ko_ltab": ko_tab,
+        "T": g.tokens,
+        "H": g.heads,
+        "PS": ps,
+        "s_pg": s_pg,
+        "s_hd": s_hd,
+        "s_off": n_el,
+        "s_sl": 0,
+        "BS": g.block_size,
+        "q_off": n_el * g.k_bytes,
+        "q_st": g.heads * g.dim,
+        "q_sh": g.dim,
+        "q_sd": 1,
+        "q_sl": pay.stride,
+        **vo.stride_args("vo"),
+        **ko.stride_args("ko"),
+        "D": g.dim,
+        "KB": g.k_bytes,
+        "MANT": fp.mant,
+        "BIAS": fp.bias,
+        "OUT_KIND": out_kind,
+        "SCALE_BYTES": True,
+        "K_ALIGNED": k_aligned(pay, g.k_bytes),
+        "PAGED": g.table is not None,
+        "Q_TAB": q_has,
+        "VO_TAB": vo_has,
+        "KO_TAB": ko_has,
+        "HW_FP8": hw_fp8(dev),
+        "S_ALIGNED": payload_aligned(pay, n_el * (g.k_bytes + 1), 4),
+        "HW_BF16": hw_bf16(dev),
+    }
     launch_tiles("_dequant_tiles_kernel", g.tokens, pow2(g.dim), g.heads, pay.count, kw)
 
 

@@ -130,8 +130,9 @@ def prepare_views(layers: Sequence[torch.Tensor], head_size: int) -> CacheViews:
     vs = [x[..., head_size:] for x in views]
     vview = torch.int16 if x0.dtype == torch.bfloat16 else None
     nb, h, bs, _ = x0.shape
-    return CacheViews(_rows(ks, K_ELEM_VIEW[kb]), _rows(vs, vview), len(views), nb, h, bs, head_size,
-                      x0.dtype, x0.device)  # fmt: skip
+    return CacheViews(
+        _rows(ks, K_ELEM_VIEW[kb]), _rows(vs, vview), len(views), nb, h, bs, head_size, x0.dtype, x0.device
+    )
 
 
 def as_views(layers: Sequence[torch.Tensor] | CacheViews, head_size: int) -> CacheViews:

@@ -19,8 +19,12 @@ import gate  # noqa: E402
 
 
 def _results(**ratios: float) -> dict:
-    return {"benchmarks": [{"name": n, "extra_info": {"speedup_kvcodec_vs_yardstick": r, "kvcodec_ms": 1.0}}
-                           for n, r in ratios.items()]}  # fmt: skip
+    return {
+        "benchmarks": [
+            {"name": n, "extra_info": {"speedup_kvcodec_vs_yardstick": r, "kvcodec_ms": 1.0}}
+            for n, r in ratios.items()
+        ]
+    }
 
 
 def _write(tmp_path: Path, name: str, data: dict) -> Path:
@@ -31,10 +35,21 @@ def _write(tmp_path: Path, name: str, data: dict) -> Path:
 
 def test_gate_passes_noise_and_fails_real_drop(tmp_path, capsys):
     base = tmp_path / "baseline.json"
-    assert gate.main([str(_write(tmp_path, "a.json", _results(enc=0.20, dec=0.40))), "--baseline", str(base),
-                      "--update"]) == 0  # fmt: skip
-    assert json.loads(base.read_text()) == {"dec": {"speedup_kvcodec_vs_yardstick": 0.4},
-                                            "enc": {"speedup_kvcodec_vs_yardstick": 0.2}}  # fmt: skip
+    assert (
+        gate.main(
+            [
+                str(_write(tmp_path, "a.json", _results(enc=0.20, dec=0.40))),
+                "--baseline",
+                str(base),
+                "--update",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(base.read_text()) == {
+        "dec": {"speedup_kvcodec_vs_yardstick": 0.4},
+        "enc": {"speedup_kvcodec_vs_yardstick": 0.2},
+    }
     noisy = _write(tmp_path, "b.json", _results(enc=0.17, dec=0.45))  # -15%: noise
     assert gate.main([str(noisy), "--baseline", str(base)]) == 0
     slow = _write(tmp_path, "c.json", _results(enc=0.2 / 1.5, dec=0.45))  # 1.5x slower: a regression

@@ -81,7 +81,9 @@ class Backend(Protocol):
         in one pass (the C loops: one GIL release per chunk)."""
         ...
 
-    def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
+    ) -> torch.Tensor:
         """FP8 codes of ``v / scale`` (RNE, saturating) into ``out``, with the caller's scales."""
         ...
 
@@ -100,12 +102,19 @@ class TwoPass:
         """fp32 scales of ``v`` (NaN/Inf groups refused or skipped per ``nonfinite``)."""
         raise NotImplementedError
 
-    def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
+    ) -> torch.Tensor:
         """FP8 codes of ``v`` with the given scales."""
         raise NotImplementedError
 
     def encode_v(
-        self, v: torch.Tensor, groups: Groups, *, scale_dtype: torch.dtype, nonfinite: NonFinitePolicy,
+        self,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
         out: torch.Tensor,
     ) -> torch.Tensor:
         """Scales (as stored) and FP8 codes of ``v``; the codes use the stored scales, as LMCache's do."""
@@ -114,8 +123,15 @@ class TwoPass:
         return scales
 
     def encode_kv(
-        self, k: torch.Tensor, k_out: torch.Tensor, v: torch.Tensor, groups: Groups, *, scale_dtype: torch.dtype,
-        nonfinite: NonFinitePolicy, out: torch.Tensor,
+        self,
+        k: torch.Tensor,
+        k_out: torch.Tensor,
+        v: torch.Tensor,
+        groups: Groups,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        out: torch.Tensor,
     ) -> torch.Tensor:
         """K copied into ``k_out`` (on the calling thread), then :meth:`encode_v`."""
         copy_tensor(k_out, k)

@@ -201,8 +201,18 @@ class CpuBackend:
         t, h, _ = v.shape
         s32 = np.empty(scale_shape(groups.scope, t, h, page), np.float32)
         copy = _byte_copy(k, k_out)
-        _declined(_cpu.encode_v(_buf(v), _DTYPE[v.dtype], _SCOPE[groups.scope], page, _DTYPE[scale_dtype],
-                                _buf(out), s32, *copy))  # fmt: skip
+        _declined(
+            _cpu.encode_v(
+                _buf(v),
+                _DTYPE[v.dtype],
+                _SCOPE[groups.scope],
+                page,
+                _DTYPE[scale_dtype],
+                _buf(out),
+                s32,
+                *copy,
+            )
+        )
         if copy[0] is None and k is not None:
             copy_tensor(k_out, k)  # K strided: numpy's copy, still on this thread
         scales = torch.from_numpy(s32)
@@ -220,7 +230,9 @@ class CpuBackend:
         out: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`encode_v`, with K's bytes copied into ``k_out`` in the same C call (one GIL release)."""
-        return self.encode_v(v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out, k=k, k_out=k_out)
+        return self.encode_v(
+            v, groups, scale_dtype=scale_dtype, nonfinite=nonfinite, out=out, k=k, k_out=k_out
+        )
 
     def encode_host(
         self,
@@ -251,8 +263,19 @@ class CpuBackend:
             raise Declined("the payload does not hold exactly K, V's codes and the scales")
         q = np.frombuffer(payload, np.uint8, v_len, k_len).reshape(v.shape)
         k_src, k_dst = _buf(k).reshape(-1).view(np.uint8), np.frombuffer(payload, np.uint8, k_len)
-        _declined(_cpu.encode_v(_buf(v), _DTYPE[v.dtype], _SCOPE[groups.scope], page, _DTYPE[scale_dtype], q, s32,
-                                k_src, k_dst))  # fmt: skip
+        _declined(
+            _cpu.encode_v(
+                _buf(v),
+                _DTYPE[v.dtype],
+                _SCOPE[groups.scope],
+                page,
+                _DTYPE[scale_dtype],
+                q,
+                s32,
+                k_src,
+                k_dst,
+            )
+        )
         stored = s32 if scale_dtype == torch.float32 else s32.astype(np.float16)
         payload[k_len + v_len :] = stored.reshape(-1).view(np.uint8)
 

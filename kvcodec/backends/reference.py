@@ -159,7 +159,9 @@ def quantize(
     return out
 
 
-def _fp8_widen_div256(q: torch.Tensor, scratch: torch.Tensor, probe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fp8_widen_div256(
+    q: torch.Tensor, scratch: torch.Tensor, probe: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``float(q) / 256`` exactly, as an fp16 tensor, for e4m3fn, with three int16 operations.
 
     An e4m3fn code placed in an fp16's bits (sign to bit 15, exponent and
@@ -262,7 +264,9 @@ class ReferenceBackend(TwoPass):
         g = groups
         return compute_scales(v, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, nonfinite=nonfinite)
 
-    def quantize(self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor) -> torch.Tensor:
+    def quantize(
+        self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
+    ) -> torch.Tensor:
         """FP8 codes of ``v`` with the caller's scales."""
         g = groups
         return quantize(v, scales, g.scope, page_size=g.page_size, fp8_dtype=g.fp8_dtype, out=out)

@@ -236,10 +236,17 @@ class ChunkEncoder:
         direct = TRITON.writes_host_memory(dev)  # interpreter: the kernels write ``out`` itself
         staging = job.out if direct else torch.empty((g.layers, g.row_stride), dtype=torch.uint8, device=dev)
         amax = TRITON.gather_encode_layers(
-            self.views, job.block_ids, num_tokens=job.num_tokens, head_size=self.views.head_size, scope=self.scope,
-            page_size=self.page_size, fp8_dtype=self.fp8_dtype, payloads=g.payload_rows(staging),
-            block_size=self.block_size, start=job.start,
-        )  # fmt: skip
+            self.views,
+            job.block_ids,
+            num_tokens=job.num_tokens,
+            head_size=self.views.head_size,
+            scope=self.scope,
+            page_size=self.page_size,
+            fp8_dtype=self.fp8_dtype,
+            payloads=g.payload_rows(staging),
+            block_size=self.block_size,
+            start=job.start,
+        )
         if direct:
             return PendingChunk(self, g, job.packer, job.chunk_id, job.out, amax, None)
         amax_host = torch.empty(amax.shape, dtype=amax.dtype, pin_memory=dev.type == "cuda")

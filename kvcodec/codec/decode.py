@@ -267,9 +267,16 @@ def decode(
     if expected_hashes is not None:
         check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
     req = _request(
-        parsed.header, out_v_dtype=out_v_dtype, device=device, scales=scales, out_k=out_k, out_v=out_v,
-        shape=shape, copy=copy, backend=backend,
-    )  # fmt: skip
+        parsed.header,
+        out_v_dtype=out_v_dtype,
+        device=device,
+        scales=scales,
+        out_k=out_k,
+        out_v=out_v,
+        shape=shape,
+        copy=copy,
+        backend=backend,
+    )
     return decode_parsed(parsed.header, parsed.payload, req)
 
 

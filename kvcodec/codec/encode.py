@@ -515,9 +515,11 @@ def _planned(k: Any, v: Any, spec: EncodeSpec) -> tuple[EncodePlan, HeaderPacker
     ids, since a connector encodes the same layout for every layer of every chunk."""
     layout = spec.cache_key()
     kk, vk = (None if k is None else _tensor_key(k)), _tensor_key(v)
-    key = None if layout is None or vk is None or (k is not None and kk is None) else (
-        layout, kk, vk, os.environ.get("KVCODEC_BACKEND"), os.environ.get("TRITON_INTERPRET")
-    )  # fmt: skip
+    key = (
+        None
+        if layout is None or vk is None or (k is not None and kk is None)
+        else (layout, kk, vk, os.environ.get("KVCODEC_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+    )
     hit = _PLANS.get(key) if key is not None else None
     if hit is None:
         plan = plan_encode(k, v, spec)

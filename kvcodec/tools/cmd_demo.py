@@ -43,9 +43,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--sample", type=int, default=8, metavar="N", help="blobs to measure attention error on")
     s.add_argument("--fsync", action="store_true", help="fsync every put (durable, slower)")
     s.add_argument(
-        "--min-sqnr-db", type=finite_float, default=20.0, metavar="DB",
+        "--min-sqnr-db",
+        type=finite_float,
+        default=20.0,
+        metavar="DB",
         help="fail if V's SQNR is below (a finite number; default 20)",
-    )  # fmt: skip
+    )
     s.add_argument(
         "--version",
         type=int,
@@ -54,10 +57,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="header version of the blobs (default 2, sealed)",
     )
     s.add_argument(
-        "--model", metavar="PATH",
+        "--model",
+        metavar="PATH",
         help="real KV instead: a checkpoint folder or .gguf file read over --text (the quality extra); "
         "layers, heads and head_dim come from the model, --tokens caps the text",
-    )  # fmt: skip
+    )
     s.add_argument("--text", metavar="FILE", help="the text the --model reads")
     s.add_argument("--json", action="store_true")
     s.add_argument(
@@ -74,12 +78,26 @@ def run(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, format_demo, run_demo
 
     config = DemoConfig(
-        layers=args.layers, tokens=args.tokens, chunk_tokens=args.chunk_tokens, heads=args.heads,
-        head_dim=args.head_dim, page_size=args.page_size, scope=args.scope, dtype=args.dtype, store=args.store,
-        keep=args.keep, seed=args.seed, sample=args.sample, fsync=args.fsync,
-        threads=args.threads if args.threads is not None else 1, min_sqnr_db=args.min_sqnr_db,
-        progress=args.progress, version=args.version, model=args.model, text=args.text,
-    )  # fmt: skip
+        layers=args.layers,
+        tokens=args.tokens,
+        chunk_tokens=args.chunk_tokens,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        page_size=args.page_size,
+        scope=args.scope,
+        dtype=args.dtype,
+        store=args.store,
+        keep=args.keep,
+        seed=args.seed,
+        sample=args.sample,
+        fsync=args.fsync,
+        threads=args.threads if args.threads is not None else 1,
+        min_sqnr_db=args.min_sqnr_db,
+        progress=args.progress,
+        version=args.version,
+        model=args.model,
+        text=args.text,
+    )
     if args.model is not None:
         from .realmodel import quiet_transformers
 

@@ -73,27 +73,38 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     m.add_argument("--greedy", type=_non_negative, default=32, metavar="N", help="greedy tokens compared")
     m.add_argument(
-        "--scopes", nargs="+", default=list(_DEFAULT_SCOPES), metavar="SCOPE[/PAGE]",
+        "--scopes",
+        nargs="+",
+        default=list(_DEFAULT_SCOPES),
+        metavar="SCOPE[/PAGE]",
         help="kvcodec scopes to measure (default: per_page_head/16 per_layer_head per_tensor)",
-    )  # fmt: skip
+    )
     m.add_argument(
-        "--anchors", nargs="+", choices=("fp8_kv", "fp8_k", "v_ulp"), default=["fp8_kv", "fp8_k", "v_ulp"],
+        "--anchors",
+        nargs="+",
+        choices=("fp8_kv", "fp8_k", "v_ulp"),
+        default=["fp8_kv", "fp8_k", "v_ulp"],
         help="comparisons beside kvcodec: plain FP8 K+V (always), FP8 K only, V moved < 1 unit (noise floor)",
-    )  # fmt: skip
+    )
     m.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="model dtype")
     m.add_argument(
-        "--kv-dtype", choices=("bf16", "fp16"),
+        "--kv-dtype",
+        choices=("bf16", "fp16"),
         help="KV cache dtype when narrower than the model's (e.g. an fp32 model with a bf16 cache)",
-    )  # fmt: skip
+    )
     m.add_argument("--plot", metavar="PNG", help="also draw the report (needs matplotlib)")
     m.add_argument(
-        "--max-kl-ratio", type=_ratio, metavar="R",
+        "--max-kl-ratio",
+        type=_ratio,
+        metavar="R",
         help="exit 1 if a kvcodec scope's mean KL is above R x the FP8 K+V anchor's",
-    )  # fmt: skip
+    )
     m.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="progress bar on stderr (default: only when stderr is a terminal)",
-    )  # fmt: skip
+    )
     return s
 
 
@@ -141,10 +152,17 @@ def _run_model(args: argparse.Namespace) -> int:
     from .realmodel import load_model, quiet_transformers
 
     cfg = ModelQualityConfig(
-        texts=tuple(args.text), prefix=args.prefix, score=args.score, greedy=args.greedy,
-        scopes=tuple(args.scopes), kv_dtype=args.kv_dtype, anchors=tuple(args.anchors), seed=args.seed, max_kl_ratio=args.max_kl_ratio,
+        texts=tuple(args.text),
+        prefix=args.prefix,
+        score=args.score,
+        greedy=args.greedy,
+        scopes=tuple(args.scopes),
+        kv_dtype=args.kv_dtype,
+        anchors=tuple(args.anchors),
+        seed=args.seed,
+        max_kl_ratio=args.max_kl_ratio,
         progress=args.progress,
-    )  # fmt: skip
+    )
     cfg.validate()
     quiet_transformers()
     report = run_model_quality(load_model(args.model, args.dtype), cfg)

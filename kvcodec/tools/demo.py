@@ -201,13 +201,21 @@ class DemoConfig:
             from .realmodel import ModelKVCache
 
             return ModelKVCache.from_text(
-                self.model, self.text, tokens=self.tokens, chunk_tokens=self.chunk_tokens,
+                self.model,
+                self.text,
+                tokens=self.tokens,
+                chunk_tokens=self.chunk_tokens,
                 dtype=_DTYPES[self.dtype],
-            )  # fmt: skip
+            )
         return SyntheticKVCache(
-            layers=self.layers, tokens=self.tokens, chunk_tokens=self.chunk_tokens, heads=self.heads,
-            head_dim=self.head_dim, dtype=_DTYPES[self.dtype], seed=self.seed,
-        )  # fmt: skip
+            layers=self.layers,
+            tokens=self.tokens,
+            chunk_tokens=self.chunk_tokens,
+            heads=self.heads,
+            head_dim=self.head_dim,
+            dtype=_DTYPES[self.dtype],
+            seed=self.seed,
+        )
 
 
 MAX_CHUNK_ELEMENTS = 1 << 26
@@ -247,9 +255,16 @@ def _put_chunk(
     k, v = cache.chunk(layer, c)
     t0 = time.perf_counter()
     blob = encode(
-        k, v, scope=cfg.scope, page_size=cfg.page_size, hashes=cache.hashes, layer_id=layer, chunk_id=c,
-        chunk_size=cfg.chunk_tokens, version=cfg.version,
-    )  # fmt: skip
+        k,
+        v,
+        scope=cfg.scope,
+        page_size=cfg.page_size,
+        hashes=cache.hashes,
+        layer_id=layer,
+        chunk_id=c,
+        chunk_size=cfg.chunk_tokens,
+        version=cfg.version,
+    )
     t1 = time.perf_counter()
     key = DirectoryStore.make_key(cache.hashes, layer, c)
     st.put(key, blob)
@@ -299,10 +314,16 @@ def _measure_v(t: _Tally, v: torch.Tensor, v_hat: torch.Tensor) -> None:
 
 def _sample(t: _Tally, layer: int, c: int, v: torch.Tensor, v_hat: torch.Tensor) -> None:
     sq, mx, med = v_metrics(v, v_hat)
-    t.sampled.append({
-        "layer": layer, "chunk": c, "sqnr_db": sq, "max_rel_err": mx, "median_rel_err": med,
-        "attn_rel_err": attention_error(v, v_hat),
-    })  # fmt: skip
+    t.sampled.append(
+        {
+            "layer": layer,
+            "chunk": c,
+            "sqnr_db": sq,
+            "max_rel_err": mx,
+            "median_rel_err": med,
+            "attn_rel_err": attention_error(v, v_hat),
+        }
+    )
 
 
 def _check_chunk(

@@ -274,9 +274,14 @@ class ModelKVCache:
 
     @classmethod
     def from_text(
-        cls, model: str | os.PathLike[str], text: str | os.PathLike[str], *, tokens: int, chunk_tokens: int,
+        cls,
+        model: str | os.PathLike[str],
+        text: str | os.PathLike[str],
+        *,
+        tokens: int,
+        chunk_tokens: int,
         dtype: torch.dtype,
-    ) -> ModelKVCache:  # fmt: skip
+    ) -> ModelKVCache:
         """Load ``model``, read up to ``tokens`` tokens of ``text`` through it and keep their KV."""
         loaded = load_model(model, "fp32")
         ids = read_tokens(loaded, text, 2, limit=tokens)

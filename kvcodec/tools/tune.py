@@ -93,9 +93,11 @@ def _cases(shape: Shape, device: str) -> list[_Case]:
         return x.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
 
     cases: list[_Case] = []
-    for label, scope, ps in (("per_page_head", ScaleScope.PER_PAGE_HEAD, PS),
-                             ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None),
-                             ("per_tensor", ScaleScope.PER_TENSOR, None)):  # fmt: skip
+    for label, scope, ps in (
+        ("per_page_head", ScaleScope.PER_PAGE_HEAD, PS),
+        ("per_layer_head", ScaleScope.PER_LAYER_HEAD, None),
+        ("per_tensor", ScaleScope.PER_TENSOR, None),
+    ):
         scales = [Q.compute_scales(vs[i], scope, page_size=ps) for i in range(L)]
         qs = [Q.quantize(vs[i], scales[i], scope, page_size=ps) for i in range(L)]
         want = torch.stack([torch.cat([u8(ks[i]), u8(qs[i]), u8(scales[i])]) for i in range(L)])
@@ -111,16 +113,27 @@ def _cases(shape: Shape, device: str) -> list[_Case]:
             pays.fill_(0xAB)
             fused_triton.encode_fused_layers(kd, vd, scope, page_size=ps, payloads=pays)
 
-        def dec(scope: ScaleScope = scope, ps: int | None = ps, src: torch.Tensor = src,
-                ko: torch.Tensor = ko, vo: torch.Tensor = vo) -> None:  # fmt: skip
+        def dec(
+            scope: ScaleScope = scope,
+            ps: int | None = ps,
+            src: torch.Tensor = src,
+            ko: torch.Tensor = ko,
+            vo: torch.Tensor = vo,
+        ) -> None:
             ko.zero_()
             vo.zero_()
             fused_triton.decode_fused_layers(src, ko, vo, scope, page_size=ps)
 
         cases.append(_Case(f"encode {label}", enc, lambda p=pays, w=want: torch.equal(p.cpu(), w)))
-        cases.append(_Case(f"decode {label}", dec,
-                           lambda ko=ko, vo=vo, w=want_v: torch.equal(ko.cpu(), ks)
-                           and torch.equal(torch.stack([u8(vo[i]) for i in range(L)]), w)))  # fmt: skip
+        cases.append(
+            _Case(
+                f"decode {label}",
+                dec,
+                lambda ko=ko, vo=vo, w=want_v: (
+                    torch.equal(ko.cpu(), ks) and torch.equal(torch.stack([u8(vo[i]) for i in range(L)]), w)
+                ),
+            )
+        )
 
     cases.append(_vllm_case(shape, device, g))
     return cases
@@ -154,8 +167,9 @@ def _vllm_case(shape: Shape, device: str, g: Any) -> _Case:
 
     def enc() -> None:
         pays.fill_(0xAB)
-        vllm_triton.gather_encode_layers(views, ids, num_tokens=T, head_size=D, scope=ScaleScope.PER_PAGE_HEAD,
-                                         page_size=PS, payloads=pays)  # fmt: skip
+        vllm_triton.gather_encode_layers(
+            views, ids, num_tokens=T, head_size=D, scope=ScaleScope.PER_PAGE_HEAD, page_size=PS, payloads=pays
+        )
 
     return _Case("vllm encode per_page_head", enc, lambda: torch.equal(pays.cpu(), want_t))
 
@@ -227,11 +241,18 @@ def tune(shape: Shape, device: str, *, dry_run: bool = False, reps: int = 50) ->
             timings[cfg] = _time_launch(case, name, cfg, device, reps)
         timed = {c: t for c, t in timings.items() if t is not None}
         best = min(timed, key=lambda c: timed[c], default=None)
-        results.append(TuneResult(
-            kernel=name, key=key, default=_fmt(default), best=_fmt(best) if best else "-",
-            default_us=timed.get(default), best_us=timed.get(best) if best else None,
-            checked=len(timings), failed=failed,
-        ))  # fmt: skip
+        results.append(
+            TuneResult(
+                kernel=name,
+                key=key,
+                default=_fmt(default),
+                best=_fmt(best) if best else "-",
+                default_us=timed.get(default),
+                best_us=timed.get(best) if best else None,
+                checked=len(timings),
+                failed=failed,
+            )
+        )
     print(file=sys.stderr)
     return results
 
@@ -261,8 +282,10 @@ def format_results(results: Sequence[TuneResult], dry_run: bool) -> str:
         sp = f"{r.default_us / r.best_us:.2f}x" if r.default_us and r.best_us else "-"
         du = f"{r.default_us:.1f}" if r.default_us else "-"
         bu = f"{r.best_us:.1f}" if r.best_us else "-"
-        lines.append(f"{r.kernel.strip('_'):<22} {r.key:<44} {r.default:>9} {du:>8} {r.best:>9} {bu:>8} {sp:>7} "
-                     f"{r.checked:>7}")  # fmt: skip
+        lines.append(
+            f"{r.kernel.strip('_'):<22} {r.key:<44} {r.default:>9} {du:>8} {r.best:>9} {bu:>8} {sp:>7} "
+            f"{r.checked:>7}"
+        )
         lines += [f"    FAILED {f}" for f in r.failed]
     return "\n".join(lines)
 
@@ -281,16 +304,22 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="tuning file (default: $KVCODEC_TUNING_FILE or the user cache dir)",
     )
-    p.add_argument("--dry-run", action="store_true",
-                   help="check every config's output on tiny shapes, no timing, no file (CPU: TRITON_INTERPRET=1)")  # fmt: skip
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every config's output on tiny shapes, no timing, no file (CPU: TRITON_INTERPRET=1)",
+    )
     p.add_argument("--reps", type=int, default=50, help="do_bench milliseconds per config")
     return p
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``tune`` on the ``kvcodec`` CLI's subparsers (``func`` = :func:`run`)."""
-    p = subparsers.add_parser("tune", help="tune the Triton kernels' launch configs on this GPU",
-                              description=__doc__.split("\n\n")[0])  # fmt: skip
+    p = subparsers.add_parser(
+        "tune",
+        help="tune the Triton kernels' launch configs on this GPU",
+        description=__doc__.split("\n\n")[0],
+    )
     _configure(p)
     p.set_defaults(func=run)
     return p
@@ -298,8 +327,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _shape(args: argparse.Namespace) -> Shape:
     base = DRY_RUN_SHAPE if args.dry_run and args.model is None else PRESETS[args.model or "llama-3-8b"]
-    over = {"layers": args.layers, "tokens": args.tokens, "heads": args.heads, "dim": args.head_dim,
-            "page_size": args.page_size, "dtype": args.dtype}  # fmt: skip
+    over = {
+        "layers": args.layers,
+        "tokens": args.tokens,
+        "heads": args.heads,
+        "dim": args.head_dim,
+        "page_size": args.page_size,
+        "dtype": args.dtype,
+    }
     return Shape(**{**base.__dict__, **{k: v for k, v in over.items() if v is not None}})
 
 
@@ -316,8 +351,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.dry_run:
         if not INTERPRET and not torch.cuda.is_available():
-            print("kvcodec tune --dry-run: no CUDA GPU; set TRITON_INTERPRET=1 to check the configs on CPU",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "kvcodec tune --dry-run: no CUDA GPU; set TRITON_INTERPRET=1 to check the configs on CPU",
+                file=sys.stderr,
+            )
             return 2
         device = "cpu" if INTERPRET else "cuda"
     else:
@@ -327,9 +364,11 @@ def run(args: argparse.Namespace) -> int:
                 if INTERPRET
                 else "no CUDA GPU is visible (torch.cuda.is_available() is False)"
             )
-            print(f"kvcodec tune needs a CUDA GPU to time kernels: {why}. "
-                  "Use --dry-run (with TRITON_INTERPRET=1 on CPU) to check every config's correctness.",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"kvcodec tune needs a CUDA GPU to time kernels: {why}. "
+                "Use --dry-run (with TRITON_INTERPRET=1 on CPU) to check every config's correctness.",
+                file=sys.stderr,
+            )
             return 2
         device = "cuda"
     shape = _shape(args)
@@ -338,8 +377,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_results(results, args.dry_run))
     bad = [r for r in results if r.failed]
     if args.dry_run:
-        print(f"dry run: {sum(r.checked for r in results)} configs correct, "
-              f"{sum(len(r.failed) for r in results)} failed")  # fmt: skip
+        print(
+            f"dry run: {sum(r.checked for r in results)} configs correct, "
+            f"{sum(len(r.failed) for r in results)} failed"
+        )
         return 1 if bad else 0
     import triton
 
@@ -352,8 +393,15 @@ def run(args: argparse.Namespace) -> int:
         if r.best_us is None:
             continue
         bt, nw = r.best.split("x/")
-        table.put(gpu, triton.__version__, r.kernel, r.key, configs.TileConfig(int(bt), int(nw.rstrip("w"))),
-                  us=round(r.best_us, 2), default_us=round(r.default_us or 0.0, 2))  # fmt: skip
+        table.put(
+            gpu,
+            triton.__version__,
+            r.kernel,
+            r.key,
+            configs.TileConfig(int(bt), int(nw.rstrip("w"))),
+            us=round(r.best_us, 2),
+            default_us=round(r.default_us or 0.0, 2),
+        )
     table.save(path)
     configs.reload_tuning()
     print(f"wrote {len(table)} entries to {path}")

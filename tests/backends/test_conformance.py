@@ -25,7 +25,15 @@ SCOPES = ["per_tensor", "per_layer_head", "per_page_head"]
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # (tokens, heads, head_dim, page_size): one token, partial last page, one head,
 # head_dim 1/33/256, page 1, a page larger than the chunk.
-SHAPES = [(1, 1, 8, 4), (37, 2, 16, 16), (20, 1, 256, 8), (12, 3, 48, 1), (5, 3, 33, 2), (9, 2, 1, 64), (64, 8, 128, 16)]
+SHAPES = [
+    (1, 1, 8, 4),
+    (37, 2, 16, 16),
+    (20, 1, 256, 8),
+    (12, 3, 48, 1),
+    (5, 3, 33, 2),
+    (9, 2, 1, 64),
+    (64, 8, 128, 16),
+]
 SMALL = SHAPES[:2]  # the interpreter pays ~10 ms per Triton program
 
 
@@ -48,7 +56,11 @@ def _cases() -> list:
         marks = [pytest.mark.interpreter] if be == "triton" else []
         for shape in SMALL if be == "triton" else SHAPES:
             for scope in SCOPES:
-                out.append(pytest.param(be, shape, scope, id=f"{be}-{scope}-{'x'.join(map(str, shape))}", marks=marks))
+                out.append(
+                    pytest.param(
+                        be, shape, scope, id=f"{be}-{scope}-{'x'.join(map(str, shape))}", marks=marks
+                    )
+                )
     return out
 
 

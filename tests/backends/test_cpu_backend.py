@@ -174,8 +174,10 @@ def test_strided_inputs_and_outputs(level: int) -> None:
     sb, qb = _encode(R, v.contiguous(), g)
     assert _same(s, sb) and _same(out, qb)
     perm = torch.empty(2, 30, 64, dtype=E4M3).permute(1, 0, 2)  # heads outer in memory
-    assert _same(C.quantize(v[::2], s[::2].contiguous()[:4], Groups(S.PER_PAGE_HEAD, 4), out=perm[:15]),
-                 R.quantize(v[::2], s[::2].contiguous()[:4], Groups(S.PER_PAGE_HEAD, 4), out=_q((15, 2, 64))))  # fmt: skip
+    assert _same(
+        C.quantize(v[::2], s[::2].contiguous()[:4], Groups(S.PER_PAGE_HEAD, 4), out=perm[:15]),
+        R.quantize(v[::2], s[::2].contiguous()[:4], Groups(S.PER_PAGE_HEAD, 4), out=_q((15, 2, 64))),
+    )
     dst = torch.zeros(2, 30, 2, 64, dtype=torch.bfloat16)[1]
     C.dequantize(qb, sb, g, out=dst)
     assert _same(dst, R.dequantize(qb, sb, g, out=torch.empty(30, 2, 64, dtype=torch.bfloat16)))
@@ -662,8 +664,16 @@ def test_fuzz_dequantize(q: torch.Tensor, data: st.DataObject) -> None:
     n_scales=st.integers(0, 12),
     out_same=st.booleans(),
 )
-def test_fuzz_c_buffers(shape: tuple[int, int, int], strides: tuple[int, int, int], item: int, offset: int, op: str,
-                        codes: tuple[int, int, int, int], n_scales: int, out_same: bool) -> None:  # fmt: skip
+def test_fuzz_c_buffers(
+    shape: tuple[int, int, int],
+    strides: tuple[int, int, int],
+    item: int,
+    offset: int,
+    op: str,
+    codes: tuple[int, int, int, int],
+    n_scales: int,
+    out_same: bool,
+) -> None:
     """Raw buffers of any strides, item sizes and offsets into C: a reason, None, or UnsupportedConfigError.
 
     The buffers are valid memory (numpy views made big enough), so under

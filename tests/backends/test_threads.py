@@ -43,7 +43,9 @@ _POOL = textwrap.dedent(
 
 
 def test_a_pool_of_four_starts_no_threads_beyond_its_own() -> None:
-    proc = subprocess.run([sys.executable, "-c", _POOL], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _POOL], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     before, during = map(int, proc.stdout.split())
     assert during - before <= 4, f"{before} threads before, {during} with a pool of 4"

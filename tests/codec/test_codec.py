@@ -415,8 +415,12 @@ def test_unset_layout_blob_decodes_flat_or_with_shape():
     k, v = _kv(8, 2, 4, seed=4)
     s = reference.compute_scales(v, ScaleScope.PER_LAYER_HEAD)
     q = reference.quantize(v, s, ScaleScope.PER_LAYER_HEAD)
-    h = Header(k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.PER_LAYER_HEAD,
-               scale_shape=(2,))  # LMCache's default: layout fields unset  # fmt: skip
+    h = Header(
+        k_dtype=torch.float16,
+        v_dtype=torch.float8_e4m3fn,
+        scale_scope=ScaleScope.PER_LAYER_HEAD,
+        scale_shape=(2,),
+    )  # LMCache's default: layout fields unset
     blob = assemble(h, k.numpy().tobytes(), q.view(torch.uint8).numpy().tobytes(), s.numpy().tobytes())
     raw = decode(blob)
     assert raw.k.shape == (64,) and raw.v.shape == (64,)
@@ -469,8 +473,14 @@ def test_external_scales_fp16_float_and_conflicts():
     assert torch.equal(dq, decode(blob).v.float() * s.half().float().view(1, 2, 1))  # the scales encode used
     blob1 = encode(k, v, scope="external", scales=0.02)  # a plain float works
     assert decode(blob1, out_v_dtype=torch.float32, scales=0.02).v.shape == (8, 2, 8)
-    stored = encode(k, None, scope="external", precomputed_v_quant=decode(blob).v, precomputed_v_scales=s,
-                    store_scales=True)  # fmt: skip
+    stored = encode(
+        k,
+        None,
+        scope="external",
+        precomputed_v_quant=decode(blob).v,
+        precomputed_v_scales=s,
+        store_scales=True,
+    )
     with raises_reason(UnsupportedConfigError, Reason.BAD_SCALES):
         decode(stored, out_v_dtype=torch.float32, scales=s * 2)
     assert decode(stored, out_v_dtype=torch.float32, scales=s).v.shape == (8, 2, 8)
@@ -480,9 +490,18 @@ def test_v2_unit_scheme_with_any_scope_decodes():
     from kvcodec.format import Header, assemble
 
     q = torch.arange(64, dtype=torch.uint8).view(torch.float8_e4m3fn).view(8, 2, 4)
-    h = Header(k_dtype=torch.float16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.PER_PAGE_HEAD,
-               version=2, scale_scheme=ScaleScheme.UNIT, chunk_size=8, page_size=4, kv_head_count=2,
-               head_dim=4, scale_shape=(2, 2))  # fmt: skip
+    h = Header(
+        k_dtype=torch.float16,
+        v_dtype=torch.float8_e4m3fn,
+        scale_scope=ScaleScope.PER_PAGE_HEAD,
+        version=2,
+        scale_scheme=ScaleScheme.UNIT,
+        chunk_size=8,
+        page_size=4,
+        kv_head_count=2,
+        head_dim=4,
+        scale_shape=(2, 2),
+    )
     blob = assemble(h, b"", q.view(torch.uint8).numpy().tobytes(), b"")
     assert torch.equal(decode(blob, out_v_dtype=torch.float32).v, q.float())
 

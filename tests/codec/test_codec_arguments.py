@@ -72,13 +72,23 @@ def test_bad_encode_arguments_are_config_errors(kwargs: dict, make) -> None:
         lambda k, v: encode(k, v, scope="per_tensor", head_axis=1.0),
         lambda k, v: encode(k, v, scope="per_tensor", backend=5),
         lambda k, v: decode(encode(k, v, scope="per_tensor"), backend=3),
-        lambda k, v: decode(encode(k, v, scope="per_tensor"), out_v_dtype=torch.float16, shape=(0, 2**62, 2**62)),
+        lambda k, v: decode(
+            encode(k, v, scope="per_tensor"), out_v_dtype=torch.float16, shape=(0, 2**62, 2**62)
+        ),
         lambda k, v: decode(encode(k, v, scope="per_tensor"), shape=(0, 2**70, 1)),
         lambda k, v: kvcodec.backend_info("bogus"),
     ],
-    ids=["version-float", "head_axis-str", "head_axis-float", "backend-int", "decode-backend-int",
-         "shape-overflow", "shape-huge", "backend_info-bogus"],
-)  # fmt: skip
+    ids=[
+        "version-float",
+        "head_axis-str",
+        "head_axis-float",
+        "backend-int",
+        "decode-backend-int",
+        "shape-overflow",
+        "shape-huge",
+        "backend_info-bogus",
+    ],
+)
 def test_argument_escapes_are_config_errors(call) -> None:
     k, v = _kv()
     with pytest.raises(UnsupportedConfigError):

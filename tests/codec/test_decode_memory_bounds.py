@@ -84,9 +84,16 @@ def test_boundary_headers_only_raise_codec_errors(
         n_scales *= d
     s = bytes(4 * n_scales) if 0 <= n_scales <= 64 else bytes(8)  # a scale payload that can match
     blob = raw_blob(
-        scope=scope, chunk_size=chunk, page_size=page, kv_head_count=heads, head_dim=dim,
-        scale_shape=shape, k=bytes(2 * n_el), v=bytes(n_el), s=s,
-    )  # fmt: skip
+        scope=scope,
+        chunk_size=chunk,
+        page_size=page,
+        kv_head_count=heads,
+        head_dim=dim,
+        scale_shape=shape,
+        k=bytes(2 * n_el),
+        v=bytes(n_el),
+        s=s,
+    )
     try:
         out = decode(blob, out_v_dtype=torch.float16 if dequant else None)
     except CodecError:
@@ -101,9 +108,16 @@ def test_boundary_headers_only_raise_codec_errors(
 def test_boundary_fields_that_decode_hold_only_the_bytes_present(page: int, chunk: int) -> None:
     """Cases of the property above that must get past the parser and dequantize."""
     blob = raw_blob(
-        scope=2, chunk_size=chunk, page_size=page, kv_head_count=2, head_dim=2, scale_shape=(1, 2),
-        k=bytes(16), v=bytes(8), s=torch.tensor([1.0, 2.0]).numpy().tobytes(),
-    )  # fmt: skip
+        scope=2,
+        chunk_size=chunk,
+        page_size=page,
+        kv_head_count=2,
+        head_dim=2,
+        scale_shape=(1, 2),
+        k=bytes(16),
+        v=bytes(8),
+        s=torch.tensor([1.0, 2.0]).numpy().tobytes(),
+    )
     out = decode(blob, out_v_dtype=torch.float16)
     assert out.v.shape == (2, 2, 2) and out.k.shape == (2, 2, 2)
 
@@ -124,7 +138,11 @@ _PROPERTY_UNDER_RLIMIT = textwrap.dedent(
 def test_boundary_headers_stay_within_a_fixed_memory_bound() -> None:
     """The property above, run with the address space capped at +256 MiB: a header-driven allocation fails it."""
     proc = subprocess.run(
-        [sys.executable, "-c", _PROPERTY_UNDER_RLIMIT], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", _PROPERTY_UNDER_RLIMIT],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -17,9 +17,16 @@ from tests.raises import raises_reason
 
 def test_overflowing_dimensions_are_refused_by_parse() -> None:
     blob = raw_blob(
-        scope=0, kv_head_count=2**32, head_dim=2**32, chunk_size=-1, page_size=-1,
-        scale_shape=(), k=b"", v=b"", s=b"\x00\x00\x80\x3f",
-    )  # fmt: skip
+        scope=0,
+        kv_head_count=2**32,
+        head_dim=2**32,
+        chunk_size=-1,
+        page_size=-1,
+        scale_shape=(),
+        k=b"",
+        v=b"",
+        s=b"\x00\x00\x80\x3f",
+    )
     with raises_reason(CorruptEncodedKVError, Reason.LIMIT_EXCEEDED):
         parse(blob)
 

@@ -18,13 +18,43 @@ from tests._helpers import raw_blob
 
 # dtype -> (LMCKV id, bits of each bad kind)
 BAD_BITS = {
-    FLOAT32: (4, {"NaN": 0x7FC0_0000, "+Inf": 0x7F80_0000, "-Inf": 0xFF80_0000, "0": 0, "-0": 0x8000_0000,
-                  "negative": 0xBF80_0000, "negative NaN": 0xFFC0_0001}),
-    FLOAT16: (2, {"NaN": 0x7E00, "+Inf": 0x7C00, "-Inf": 0xFC00, "0": 0, "-0": 0x8000, "negative": 0xBC00,
-                  "negative NaN": 0xFE01}),
-    BFLOAT16: (3, {"NaN": 0x7FC0, "+Inf": 0x7F80, "-Inf": 0xFF80, "0": 0, "-0": 0x8000, "negative": 0xBF80,
-                   "negative NaN": 0xFFC1}),
-}  # fmt: skip
+    FLOAT32: (
+        4,
+        {
+            "NaN": 0x7FC0_0000,
+            "+Inf": 0x7F80_0000,
+            "-Inf": 0xFF80_0000,
+            "0": 0,
+            "-0": 0x8000_0000,
+            "negative": 0xBF80_0000,
+            "negative NaN": 0xFFC0_0001,
+        },
+    ),
+    FLOAT16: (
+        2,
+        {
+            "NaN": 0x7E00,
+            "+Inf": 0x7C00,
+            "-Inf": 0xFC00,
+            "0": 0,
+            "-0": 0x8000,
+            "negative": 0xBC00,
+            "negative NaN": 0xFE01,
+        },
+    ),
+    BFLOAT16: (
+        3,
+        {
+            "NaN": 0x7FC0,
+            "+Inf": 0x7F80,
+            "-Inf": 0xFF80,
+            "0": 0,
+            "-0": 0x8000,
+            "negative": 0xBF80,
+            "negative NaN": 0xFFC1,
+        },
+    ),
+}
 ONE = {FLOAT32: 0x3F80_0000, FLOAT16: 0x3C00, BFLOAT16: 0x3F80, FLOAT64: 0x3FF0_0000_0000_0000}
 # Every scope that stores scales, as (scope id, scale_shape) over raw_blob's 4 tokens x 2 heads, page 2.
 SCOPES = {
@@ -124,10 +154,35 @@ def test_every_16_bit_pattern_is_judged_as_struct_reads_it(dtype: DType) -> None
 
 
 # fp32 and fp64 patterns near every boundary: zero, subnormals, the last-byte edges, the largest finite, Inf, NaN.
-EDGES_32 = [0, 1, 0x007F_FFFF, 0x0080_0000, 0x00FF_FFFF, 0x0100_0000, 0x7EFF_FFFF, 0x7F00_0000, 0x7F7F_FFFF,
-            0x7F80_0000, 0x7F80_0001, 0x7FFF_FFFF, 0x8000_0000, 0x8000_0001, 0xFF80_0000, 0xFFFF_FFFF]  # fmt: skip
-EDGES_64 = [0, 1, 0x00FF_FFFF_FFFF_FFFF, 0x0100_0000_0000_0000, 0x7FEF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000,
-            0x7FF8_0000_0000_0000, 0x8000_0000_0000_0000, 0xBFF0_0000_0000_0000]  # fmt: skip
+EDGES_32 = [
+    0,
+    1,
+    0x007F_FFFF,
+    0x0080_0000,
+    0x00FF_FFFF,
+    0x0100_0000,
+    0x7EFF_FFFF,
+    0x7F00_0000,
+    0x7F7F_FFFF,
+    0x7F80_0000,
+    0x7F80_0001,
+    0x7FFF_FFFF,
+    0x8000_0000,
+    0x8000_0001,
+    0xFF80_0000,
+    0xFFFF_FFFF,
+]
+EDGES_64 = [
+    0,
+    1,
+    0x00FF_FFFF_FFFF_FFFF,
+    0x0100_0000_0000_0000,
+    0x7FEF_FFFF_FFFF_FFFF,
+    0x7FF0_0000_0000_0000,
+    0x7FF8_0000_0000_0000,
+    0x8000_0000_0000_0000,
+    0xBFF0_0000_0000_0000,
+]
 
 
 @pytest.mark.parametrize(

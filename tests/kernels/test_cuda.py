@@ -58,8 +58,15 @@ def test_cast_exhaustive_cuda(dtype: torch.dtype, fp8: torch.dtype) -> None:
     pats = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     if dtype == torch.float32:
         g = torch.Generator().manual_seed(0)
-        x = torch.cat([pats.view(torch.float16).float(), pats.view(torch.bfloat16).float(),
-                       torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32)])  # fmt: skip
+        x = torch.cat(
+            [
+                pats.view(torch.float16).float(),
+                pats.view(torch.bfloat16).float(),
+                torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int32).view(
+                    torch.float32
+                ),
+            ]
+        )
     else:
         x = pats.view(dtype)
     xd = x.to(DEV)
@@ -137,8 +144,10 @@ def test_head_dims_cuda(d: int) -> None:
         q = quant_triton.quantize(vd, s.to(DEV), scope, page_size=ps)
         assert same(q, Q.quantize(v, s, scope, page_size=ps))
         for od in (torch.float16, torch.bfloat16, torch.float32):
-            assert same(quant_triton.dequantize(q, s.to(DEV), scope, page_size=ps, out_dtype=od),
-                        Q.dequantize(q.cpu(), s, scope, page_size=ps, out_dtype=od))  # fmt: skip
+            assert same(
+                quant_triton.dequantize(q, s.to(DEV), scope, page_size=ps, out_dtype=od),
+                Q.dequantize(q.cpu(), s, scope, page_size=ps, out_dtype=od),
+            )
 
 
 def test_autotuned_paths_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -564,5 +564,9 @@ def test_subnormal_values() -> None:
         fused_triton.encode_fused(k.to(DEVICE), v.to(DEVICE), scope, page_size=ps, payload=pay)
         assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
         q = Q.quantize(v, s, scope, page_size=ps)
-        assert_bytes_equal(quant_triton.dequantize(q.to(DEVICE), s.to(DEVICE), scope, page_size=ps, out_dtype=torch.bfloat16),
-                           Q.dequantize(q, s, scope, page_size=ps, out_dtype=torch.bfloat16))  # fmt: skip
+        assert_bytes_equal(
+            quant_triton.dequantize(
+                q.to(DEVICE), s.to(DEVICE), scope, page_size=ps, out_dtype=torch.bfloat16
+            ),
+            Q.dequantize(q, s, scope, page_size=ps, out_dtype=torch.bfloat16),
+        )

@@ -31,8 +31,9 @@ PH = ScaleScope.PER_PAGE_HEAD
 LAYOUTS = ("LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
 
 
-def vllm_views(layout: str, layers: int, blocks: int, heads: int, bs: int, c: int, dtype: torch.dtype,
-               seed: int = 0) -> list[torch.Tensor]:  # fmt: skip
+def vllm_views(
+    layout: str, layers: int, blocks: int, heads: int, bs: int, c: int, dtype: torch.dtype, seed: int = 0
+) -> list[torch.Tensor]:
     """Per-layer ``[B, H, N, C]`` views of one allocation in ``layout``'s physical order, random values."""
     size = {"L": layers, "B": blocks, "N": bs, "H": heads, "C": c}
     g = torch.Generator().manual_seed(seed)
@@ -56,8 +57,9 @@ def gather_ref(view: torch.Tensor, ids: list[int], t: int, d: int) -> tuple[torc
 
 
 def ref_blob(k: torch.Tensor, v: torch.Tensor, scope: ScaleScope, ps: int | None, **kw: object) -> bytes:
-    return bytes(kvcodec.encode(k.cpu(), v.cpu(), scope=scope, page_size=ps, backend="torch",
-                                **{"version": 1, **kw}))  # fmt: skip
+    return bytes(
+        kvcodec.encode(k.cpu(), v.cpu(), scope=scope, page_size=ps, backend="torch", **{"version": 1, **kw})
+    )
 
 
 def ref_payload(k: torch.Tensor, v: torch.Tensor, scope: ScaleScope, ps: int | None) -> bytes:
@@ -74,8 +76,19 @@ def shuffled(n: int, nb: int, seed: int) -> list[int]:
     return [int(i) for i in torch.randperm(nb, generator=g)[:n]]
 
 
-def encode_case(layout: str, dtype: torch.dtype, scope: ScaleScope, ps: int | None, *, bs: int, t: int,
-                layers: int = 2, h: int = 2, d: int = 16, seed: int = 0) -> None:  # fmt: skip
+def encode_case(
+    layout: str,
+    dtype: torch.dtype,
+    scope: ScaleScope,
+    ps: int | None,
+    *,
+    bs: int,
+    t: int,
+    layers: int = 2,
+    h: int = 2,
+    d: int = 16,
+    seed: int = 0,
+) -> None:
     nb = -(-t // bs) + 2
     views = vllm_views(layout, layers, nb, h, bs, 2 * d, dtype, seed)
     ids = shuffled(-(-t // bs), nb, seed)
@@ -112,8 +125,9 @@ def test_encode_fp32_cache_and_e5m2() -> None:
     ids = [3, 0]
     k0, v0 = gather_ref(views[0], ids, t, d)
     pays = operands.empty_payloads(2, operands.payload_nbytes(k0, v0, LH), DEVICE)
-    vllm_triton.gather_encode_layers(views, ids, num_tokens=t, head_size=d, scope=LH, payloads=pays,
-                            fp8_dtype=torch.float8_e5m2)  # fmt: skip
+    vllm_triton.gather_encode_layers(
+        views, ids, num_tokens=t, head_size=d, scope=LH, payloads=pays, fp8_dtype=torch.float8_e5m2
+    )
     for i in range(2):
         k, v = gather_ref(views[i], ids, t, d)
         blob = ref_blob(k, v, LH, None, v_dtype=torch.float8_e5m2, allow_e5m2=True)
@@ -130,15 +144,26 @@ def test_separate_allocations_and_kernel_blocks() -> None:
     view_ids = [4, 5, 0, 1]
     k0, v0 = gather_ref(a, view_ids, t, d)
     pays = operands.empty_payloads(2, operands.payload_nbytes(k0, v0, PH, 4), DEVICE)
-    vllm_triton.gather_encode_layers(views, sched, num_tokens=t, head_size=d, scope=PH, page_size=4, payloads=pays,
-                            block_size=16)  # fmt: skip
+    vllm_triton.gather_encode_layers(
+        views, sched, num_tokens=t, head_size=d, scope=PH, page_size=4, payloads=pays, block_size=16
+    )
     for i, view in enumerate(views):
         k, v = gather_ref(view, view_ids, t, d)
         assert payload_bytes(pays[i]) == ref_payload(k, v, PH, 4)
 
 
-def decode_case(layout: str, dtype: torch.dtype, scope: ScaleScope, ps: int | None, *, bs: int, t: int,
-                layers: int = 2, h: int = 2, d: int = 16) -> None:  # fmt: skip
+def decode_case(
+    layout: str,
+    dtype: torch.dtype,
+    scope: ScaleScope,
+    ps: int | None,
+    *,
+    bs: int,
+    t: int,
+    layers: int = 2,
+    h: int = 2,
+    d: int = 16,
+) -> None:
     nb = -(-t // bs) + 2
     src = vllm_views("LBNHC", layers, nb, h, bs, 2 * d, dtype, seed=11)
     src_ids = list(range(-(-t // bs)))
@@ -200,8 +225,11 @@ def test_cuda_planning_replayed(scope: ScaleScope, ps: int | None) -> None:
     ids = [5, 2, 7]
     k0, v0 = gather_ref(views[0], ids, t, d)
     pays = operands.empty_payloads(layers, operands.payload_nbytes(k0, v0, scope, ps), DEVICE)
-    launches = _as_planned_for_cuda(lambda: vllm_triton.gather_encode_layers(
-        views, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps, payloads=pays))  # fmt: skip
+    launches = _as_planned_for_cuda(
+        lambda: vllm_triton.gather_encode_layers(
+            views, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps, payloads=pays
+        )
+    )
     kw = launches[0].kwargs  # type: ignore[attr-defined]
     assert kw["K_ALIGNED"] and kw["num_warps"] > 1 and kw["PAGED"]
     assert kw["K_TAB"] == 8 and kw["V_TAB"] == 8
@@ -210,8 +238,11 @@ def test_cuda_planning_replayed(scope: ScaleScope, ps: int | None) -> None:
     for i in range(layers):
         assert payload_bytes(pays[i]) == ref_payload(*gather_ref(views[i], ids, t, d), scope, ps)
     dst = [torch.zeros_like(x) for x in views]
-    dec = _as_planned_for_cuda(lambda: vllm_triton.decode_scatter_layers(
-        pays, dst, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps))  # fmt: skip
+    dec = _as_planned_for_cuda(
+        lambda: vllm_triton.decode_scatter_layers(
+            pays, dst, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps
+        )
+    )
     kw = dec[0].kwargs  # type: ignore[attr-defined]
     assert kw["K_ALIGNED"] and kw["num_warps"] > 1 and kw["PAGED"] and kw["VO_TAB"] == 8
     for i in range(layers):
@@ -227,8 +258,9 @@ def test_chunk_encoder_blobs_equal_encode(version: int) -> None:
     d, h, bs, t, layers = 16, 2, 16, 24, 3
     views = vllm_views("BLHNC", layers, 4, h, bs, 2 * d, torch.bfloat16, seed=31)
     hashes = {"model_id": "tiny", "kv_layout": "BLHNC"}
-    enc = ChunkEncoder(views, head_size=d, scope=PH, page_size=16, version=version, hashes=hashes,
-                          layer_ids=[4, 5, 6])  # fmt: skip
+    enc = ChunkEncoder(
+        views, head_size=d, scope=PH, page_size=16, version=version, hashes=hashes, layer_ids=[4, 5, 6]
+    )
     out = enc.host_buffer(t)
     assert out.shape[1] % 16 == 0 and enc.geometry(t)[1].payload_offset % 16 == 0
     ids = [2, 0]

@@ -252,10 +252,27 @@ def test_encode_decode_npy_roundtrip(tmp_path: Path, capsys: pytest.CaptureFixtu
     np.save(tmp_path / "k.npy", k.numpy())
     np.save(tmp_path / "v.npy", v.float().numpy())  # V may be fp32
     blob = tmp_path / "x.blob"
-    rc = main([
-        "encode", "--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy"), "--out", str(blob),
-        "--page-size", "16", "--layer-id", "7", "--chunk-id", "3", "--model-id", "m", "--kv-layout", "NHD",
-    ])  # fmt: skip
+    rc = main(
+        [
+            "encode",
+            "--k",
+            str(tmp_path / "k.npy"),
+            "--v",
+            str(tmp_path / "v.npy"),
+            "--out",
+            str(blob),
+            "--page-size",
+            "16",
+            "--layer-id",
+            "7",
+            "--chunk-id",
+            "3",
+            "--model-id",
+            "m",
+            "--kv-layout",
+            "NHD",
+        ]
+    )
     assert rc == 0
     assert f"wrote {blob}" in capsys.readouterr().out
     h = parse(blob.read_bytes()).header
@@ -286,10 +303,23 @@ def test_encode_decode_safetensors_bf16(tmp_path: Path, capsys: pytest.CaptureFi
     src = tmp_path / "kv.safetensors"
     save_file({"keys": k, "values": v}, str(src))
     blob = tmp_path / "x.blob"
-    rc = main([
-        "encode", "--k", str(src), "--k-name", "keys", "--v-name", "values", "--out", str(blob),
-        "--scope", "per_layer_head", "--version", "2",
-    ])  # fmt: skip
+    rc = main(
+        [
+            "encode",
+            "--k",
+            str(src),
+            "--k-name",
+            "keys",
+            "--v-name",
+            "values",
+            "--out",
+            str(blob),
+            "--scope",
+            "per_layer_head",
+            "--version",
+            "2",
+        ]
+    )
     assert rc == 0
     h = parse(blob.read_bytes()).header
     assert h.version == 2 and str(h.k_dtype) == "bfloat16" and h.scale_shape == (4,)
@@ -316,10 +346,19 @@ def test_encode_v_only_and_external_scales(tmp_path: Path) -> None:
     np.save(tmp_path / "v.npy", v.numpy())
     np.save(tmp_path / "s.npy", np.full((4,), 0.01, dtype=np.float32))
     blob = tmp_path / "x.blob"
-    rc = main([
-        "encode", "--v", str(tmp_path / "v.npy"), "--out", str(blob), "--scope", "external",
-        "--scales", str(tmp_path / "s.npy"),
-    ])  # fmt: skip
+    rc = main(
+        [
+            "encode",
+            "--v",
+            str(tmp_path / "v.npy"),
+            "--out",
+            str(blob),
+            "--scope",
+            "external",
+            "--scales",
+            str(tmp_path / "s.npy"),
+        ]
+    )
     assert rc == 0
     h = parse(blob.read_bytes()).header
     assert h.k_payload_len == 0 and h.scale_payload_len == 0 and h.scale_scope.name == "EXTERNAL"

@@ -223,9 +223,14 @@ def test_demo_on_a_model_forward_pass(tiny_model: Path, texts: list[str]) -> Non
     )
     assert r["passed"], r["failures"]
     assert r["shape"] == {
-        "layers": 2, "tokens": 100, "chunk_tokens": 32, "chunks": 4, "kv_heads": 2, "head_dim": 16,
+        "layers": 2,
+        "tokens": 100,
+        "chunk_tokens": 32,
+        "chunks": 4,
+        "kv_heads": 2,
+        "head_dim": 16,
         "page_size": 16,
-    }  # fmt: skip
+    }
     assert r["k_exact"] == r["blobs"] == 8 and r["hash_gate_ok"]
     assert r["model"] == tiny_model.name and "forward pass over" in r["source"]
     assert 25 < r["v_sqnr_db"] < 45

@@ -51,9 +51,24 @@ SASS = """
 
 
 def rec(**kw: object) -> A.Record:
-    base = dict(key="w | k | sm_90 | 16x128/4w", workload="w", kernel="_k", arch=90, config="16x128/4w", ok=True,
-                regs=40, shared=4096, sass=700, sass_per_elem=43.8, ld128=4, st128=3, ld_narrow=0, st_narrow=1,
-                ldg={"128": 4}, stg={"128": 3, "8": 1})  # fmt: skip
+    base = dict(
+        key="w | k | sm_90 | 16x128/4w",
+        workload="w",
+        kernel="_k",
+        arch=90,
+        config="16x128/4w",
+        ok=True,
+        regs=40,
+        shared=4096,
+        sass=700,
+        sass_per_elem=43.8,
+        ld128=4,
+        st128=3,
+        ld_narrow=0,
+        st_narrow=1,
+        ldg={"128": 4},
+        stg={"128": 3, "8": 1},
+    )
     base.update(kw)
     return A.Record(**base)  # type: ignore[arg-type]
 
@@ -96,12 +111,26 @@ def test_rules() -> None:
 
 def test_budget_regressions() -> None:
     r = rec()
-    budget = {r.key: {"regs": 40, "sass_per_elem": 43.8, "ld_narrow": 0, "st_narrow": 1, "shared": 4096,
-                      "ld128": 4, "st128": 3}}  # fmt: skip
+    budget = {
+        r.key: {
+            "regs": 40,
+            "sass_per_elem": 43.8,
+            "ld_narrow": 0,
+            "st_narrow": 1,
+            "shared": 4096,
+            "ld128": 4,
+            "st128": 3,
+        }
+    }
     assert A.check([r], budget) == []
     assert A.check([rec(sass_per_elem=43.8 * 1.01)], budget) == []  # within the 2% slack
-    cases = {"regs": rec(regs=41), "sass_per_elem": rec(sass_per_elem=46.0), "st_narrow": rec(st_narrow=5),
-             "st128": rec(st128=2), "shared": rec(shared=8192)}  # fmt: skip
+    cases = {
+        "regs": rec(regs=41),
+        "sass_per_elem": rec(sass_per_elem=46.0),
+        "st_narrow": rec(st_narrow=5),
+        "st128": rec(st128=2),
+        "shared": rec(shared=8192),
+    }
     for metric, bad in cases.items():
         v = A.check([bad], budget)
         assert len(v) == 1 and v[0].what.startswith(metric), (metric, v)
@@ -109,8 +138,11 @@ def test_budget_regressions() -> None:
 
 
 def test_update_budget_roundtrip(tmp_path: Path) -> None:
-    b = A.update_budget({"format": A.BUDGET_FORMAT, "triton": {"3.6": {"version": "3.6.0", "records": {"x": {}}}}},
-                        [rec(), rec(key="failed", ok=False)], "3.9.1")  # fmt: skip
+    b = A.update_budget(
+        {"format": A.BUDGET_FORMAT, "triton": {"3.6": {"version": "3.6.0", "records": {"x": {}}}}},
+        [rec(), rec(key="failed", ok=False)],
+        "3.9.1",
+    )
     assert set(b["triton"]) == {"3.6", "3.9"}
     sec = A.budget_section(b, "3.9.0")
     assert sec is not None and list(sec) == [rec().key] and sec[rec().key]["regs"] == 40
@@ -143,8 +175,9 @@ def test_committed_budget_is_well_formed() -> None:
 def _run_audit(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, str(AUDIT), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(AUDIT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_audit_refuses_the_interpreter() -> None:
@@ -193,8 +226,14 @@ def test_tune_without_gpu_says_so() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kvcodec.tools.tune"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcodec.tools.tune"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -312,8 +351,12 @@ def test_padded_payloads_and_aligned_layer_tables() -> None:
     skewed = [buf[o : o + T * H * D].view(T, H, D) for o in (0, 4097, 3 * 4096 + 8)]
     nb = operands.payload_nbytes(aligned[0], aligned[0], ScaleScope.PER_TENSOR, None)
     for ks, want in ((aligned, 8), (skewed, 1)):
-        lns = _plan(launch.H200, lambda ks=ks: fused_triton.encode_fused_layers(
-            ks, aligned, ScaleScope.PER_TENSOR, payloads=operands.empty_payloads(3, nb, "cpu")))  # fmt: skip
+        lns = _plan(
+            launch.H200,
+            lambda ks=ks: fused_triton.encode_fused_layers(
+                ks, aligned, ScaleScope.PER_TENSOR, payloads=operands.empty_payloads(3, nb, "cpu")
+            ),
+        )
         amax = next(ln for ln in lns if "TT" in ln.kwargs)
         assert amax.kwargs["K_TAB"] == want and amax.kwargs["V_TAB"] == 8
         # Padded stacked payloads: a stride, no table.

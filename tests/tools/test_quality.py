@@ -71,9 +71,15 @@ def build_tiny_llama(out: Path) -> Path:
     )
     tk.train_from_iterator([_english(name) for name in TOPICS], trainer)
     cfg = LlamaConfig(
-        vocab_size=tk.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=tk.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
     PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(out)

@@ -119,8 +119,13 @@ class CodecHashes:
     kv_layout: str = ""
 
     _CHECK_ORDER: ClassVar[tuple[str, ...]] = (
-        "model_id", "model_revision_hash", "tokenizer_hash", "rope_config_hash", "attention_backend", "kv_layout",
-    )  # fmt: skip
+        "model_id",
+        "model_revision_hash",
+        "tokenizer_hash",
+        "rope_config_hash",
+        "attention_backend",
+        "kv_layout",
+    )
 
 
 @dataclass
@@ -227,12 +232,17 @@ def _header_of(enc: EncodedKV) -> Header:
     if enc._blob is not None:
         h = enc._blob[2]
         if (
-            enc.k_payload_len == h.k_payload_len and enc.v_payload_len == h.v_payload_len
-            and enc.scale_payload_len == h.scale_payload_len and enc.layer_id == h.layer_id
-            and enc.chunk_size == h.chunk_size and enc.kv_head_count == h.kv_head_count
-            and enc.head_dim == h.head_dim and enc.page_size == h.page_size
-            and tuple(enc.scale_shape) == h.scale_shape and int(enc.scale_scope) == h.scale_scope
-        ):  # fmt: skip
+            enc.k_payload_len == h.k_payload_len
+            and enc.v_payload_len == h.v_payload_len
+            and enc.scale_payload_len == h.scale_payload_len
+            and enc.layer_id == h.layer_id
+            and enc.chunk_size == h.chunk_size
+            and enc.kv_head_count == h.kv_head_count
+            and enc.head_dim == h.head_dim
+            and enc.page_size == h.page_size
+            and tuple(enc.scale_shape) == h.scale_shape
+            and int(enc.scale_scope) == h.scale_scope
+        ):
             return h
     return _to_header(enc)
 
@@ -589,21 +599,42 @@ class AsymK16V8Codec:
             raise UnsupportedConfigError(
                 "compute_v_scales(PER_PAGE_HEAD) requires page_axis", reason=Reason.MISSING_ARGUMENT
             )
-        given = {"chunk_size": chunk_size, "page_size": page_size, "kv_head_count": kv_head_count,
-                 "head_dim": head_dim}  # fmt: skip
+        given = {
+            "chunk_size": chunk_size,
+            "page_size": page_size,
+            "kv_head_count": kv_head_count,
+            "head_dim": head_dim,
+        }
         pp_axis = page_axis if scope == ScaleScope.PER_PAGE_HEAD else None
         if not _token_major(v, head_axis, pp_axis):
             return self._encode_caller_layout(
-                k, v, scope, hashes, layer_id, chunk_id, given, head_axis, page_axis,
-                precomputed_v_scales, precomputed_v_quant,
-            )  # fmt: skip
+                k,
+                v,
+                scope,
+                hashes,
+                layer_id,
+                chunk_id,
+                given,
+                head_axis,
+                page_axis,
+                precomputed_v_scales,
+                precomputed_v_quant,
+            )
         spec = EncodeSpec(
-            scope=scope, head_axis=head_axis, page_axis=pp_axis, hashes=hashes, layer_id=layer_id,
-            chunk_id=chunk_id, v_dtype=self.fp8_dtype, scale_dtype=self.scale_dtype, version=1,
-            precomputed_v_quant=precomputed_v_quant, precomputed_v_scales=precomputed_v_scales,
+            scope=scope,
+            head_axis=head_axis,
+            page_axis=pp_axis,
+            hashes=hashes,
+            layer_id=layer_id,
+            chunk_id=chunk_id,
+            v_dtype=self.fp8_dtype,
+            scale_dtype=self.scale_dtype,
+            version=1,
+            precomputed_v_quant=precomputed_v_quant,
+            precomputed_v_scales=precomputed_v_scales,
             # LMCache stores attached scales whatever the scope.
             store_scales=True if precomputed_v_quant is not None else None,
-        )  # fmt: skip
+        )
         return _encode_once(k, v, spec, {n: val for n, val in given.items() if val != -1})
 
     def _encode_caller_layout(
@@ -640,10 +671,16 @@ class AsymK16V8Codec:
             )
         parts = [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy() for t in (k, q, scales)]
         h = Header(
-            k_dtype=k.dtype, v_dtype=self.fp8_dtype, scale_dtype=self.scale_dtype, scale_scope=scope,
-            layer_id=layer_id, chunk_id=chunk_id, scale_shape=tuple(scales.shape),
-            hashes=Hashes.coerce(hashes), **given,
-        )  # fmt: skip
+            k_dtype=k.dtype,
+            v_dtype=self.fp8_dtype,
+            scale_dtype=self.scale_dtype,
+            scale_scope=scope,
+            layer_id=layer_id,
+            chunk_id=chunk_id,
+            scale_shape=tuple(scales.shape),
+            hashes=Hashes.coerce(hashes),
+            **given,
+        )
         return _from_parsed(_parse_own(_assemble(h, *parts)), hashes)
 
     def _quantize_caller_layout(
@@ -773,13 +810,26 @@ def _encode_once(k: torch.Tensor, v: torch.Tensor, spec: EncodeSpec, fields: dic
     mv = memoryview(blob)
     pv = mv[hs:]
     return EncodedKV(
-        k_dtype=k.dtype, v_dtype=spec.v_dtype, scale_dtype=spec.scale_dtype, scale_scope=h.scale_scope,
+        k_dtype=k.dtype,
+        v_dtype=spec.v_dtype,
+        scale_dtype=spec.scale_dtype,
+        scale_scope=h.scale_scope,
         hashes=spec.hashes if isinstance(spec.hashes, CodecHashes) else CodecHashes(**h.hashes.as_dict()),
-        layer_id=h.layer_id, chunk_id=h.chunk_id, chunk_size=h.chunk_size, page_size=h.page_size,
-        kv_head_count=h.kv_head_count, head_dim=h.head_dim, scale_shape=h.scale_shape,
-        k_payload_len=h.k_payload_len, v_payload_len=h.v_payload_len, scale_payload_len=h.scale_payload_len,
-        payload=pv, header_bytes=bytes(mv[:hs]), version=1, _blob=(blob, pv, h),
-    )  # fmt: skip
+        layer_id=h.layer_id,
+        chunk_id=h.chunk_id,
+        chunk_size=h.chunk_size,
+        page_size=h.page_size,
+        kv_head_count=h.kv_head_count,
+        head_dim=h.head_dim,
+        scale_shape=h.scale_shape,
+        k_payload_len=h.k_payload_len,
+        v_payload_len=h.v_payload_len,
+        scale_payload_len=h.scale_payload_len,
+        payload=pv,
+        header_bytes=bytes(mv[:hs]),
+        version=1,
+        _blob=(blob, pv, h),
+    )
 
 
 def _check_fields(h: Header) -> None:
@@ -793,9 +843,17 @@ def _check_fields(h: Header) -> None:
 
 
 _INT_FIELDS = (
-    "layer_id", "chunk_id", "chunk_size", "page_size", "kv_head_count", "head_dim",
-    "k_payload_len", "v_payload_len", "scale_payload_len", "version",
-)  # fmt: skip
+    "layer_id",
+    "chunk_id",
+    "chunk_size",
+    "page_size",
+    "kv_head_count",
+    "head_dim",
+    "k_payload_len",
+    "v_payload_len",
+    "scale_payload_len",
+    "version",
+)
 
 
 def _is_int(x: Any) -> bool:
@@ -914,15 +972,32 @@ def _parse_own(blob: Any) -> ParsedBlob:
 _SUBMODULES: dict[str, tuple[str, ...]] = {
     "errors": ("CodecError", "CodecMismatchError", "CorruptEncodedKVError", "UnsupportedConfigError"),
     "encoded_kv": (
-        "CODEC_MAGIC", "CODEC_MAGIC_LEN", "_FIXED_HEADER_LEN", "CodecVersion", "ScaleScope", "ScaleScheme",
-        "CodecHashes", "EncodedKV", "serialize_header", "deserialize_header", "encoded_kv_header_size",
-        "CorruptEncodedKVError", "UnsupportedConfigError",
+        "CODEC_MAGIC",
+        "CODEC_MAGIC_LEN",
+        "_FIXED_HEADER_LEN",
+        "CodecVersion",
+        "ScaleScope",
+        "ScaleScheme",
+        "CodecHashes",
+        "EncodedKV",
+        "serialize_header",
+        "deserialize_header",
+        "encoded_kv_header_size",
+        "CorruptEncodedKVError",
+        "UnsupportedConfigError",
     ),
     "asym_k16_v8": (
-        "AsymK16V8Codec", "compute_v_scales", "quantize_v_fp8", "dequantize_v_fp8", "_ZERO_SCALE_SENTINEL",
-        "CodecHashes", "EncodedKV", "ScaleScope", "ScaleScheme",
+        "AsymK16V8Codec",
+        "compute_v_scales",
+        "quantize_v_fp8",
+        "dequantize_v_fp8",
+        "_ZERO_SCALE_SENTINEL",
+        "CodecHashes",
+        "EncodedKV",
+        "ScaleScope",
+        "ScaleScheme",
     ),
-}  # fmt: skip
+}
 
 
 def _real_lmcache_installed() -> bool:

@@ -227,9 +227,13 @@ class _Codec:
         got = self._specs.get(lay)
         if got is None:
             spec = kvcodec.EncodeSpec(
-                scope=self.cfg.scope, page_size=self.cfg.page_size, hashes=self.cfg.hashes_for(lay),
-                version=1, chunk_id=-1, layer_id=-1,
-            )  # fmt: skip
+                scope=self.cfg.scope,
+                page_size=self.cfg.page_size,
+                hashes=self.cfg.hashes_for(lay),
+                version=1,
+                chunk_id=-1,
+                layer_id=-1,
+            )
             ghost = torch.empty((), dtype=lay.dtype).expand(lay.layers * lay.tokens, lay.heads, lay.head_dim)
             got = self._specs[lay] = (spec, kvcodec.encoded_size(ghost, ghost, spec))
         return got
@@ -311,9 +315,12 @@ class KvcodecDeserializer(Deserializer):
         target = t if t.is_contiguous() else torch.empty(lay.shape, dtype=lay.dtype)
         kv = _as(target, lay.dtype, (2, lay.layers * lay.tokens, lay.heads, lay.head_dim))
         kvcodec.decode(
-            blob.numpy(), out_k=kv[0], out_v=kv[1], expected_hashes=self._c.cfg.hashes_for(lay),
+            blob.numpy(),
+            out_k=kv[0],
+            out_v=kv[1],
+            expected_hashes=self._c.cfg.hashes_for(lay),
             strict_hashes=True,
-        )  # fmt: skip
+        )
         if target is not t:  # a strided destination is filled through a contiguous copy
             t.copy_(_as(target, t.dtype, tuple(t.shape)))
 

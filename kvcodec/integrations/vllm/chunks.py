@@ -110,9 +110,16 @@ def _fp8_view(x: torch.Tensor, fp8: FP8Scales) -> torch.Tensor:
 
 
 def encode_chunk(
-    cache: torch.Tensor, block_ids: Sequence[int], cc: ChunkCodec, *, start: int, num_tokens: int,
-    layer_id: int, chunk_id: int, chunk_hash: str = "",
-) -> bytearray:  # fmt: skip
+    cache: torch.Tensor,
+    block_ids: Sequence[int],
+    cc: ChunkCodec,
+    *,
+    start: int,
+    num_tokens: int,
+    layer_id: int,
+    chunk_id: int,
+    chunk_hash: str = "",
+) -> bytearray:
     """Encode tokens ``start .. start + num_tokens`` of one layer cache into a blob (bound to ``chunk_hash``)."""
     k, v = gather_kv(
         cache, block_ids, head_size=cc.head_size, block_size=cc.block_size, start=start, num_tokens=num_tokens
@@ -129,9 +136,11 @@ def encode_kv(
     copies ``wait_for_save`` made, so both write the same bytes."""
     dim = max(k.shape[-1], v.shape[-1])
     common: dict[str, Any] = {
-        "hashes": blob_identity(cc, k.shape[-1], v.shape[-1], chunk_hash), "layer_id": layer_id,
-        "chunk_id": chunk_id, "version": cc.version,
-    }  # fmt: skip
+        "hashes": blob_identity(cc, k.shape[-1], v.shape[-1], chunk_hash),
+        "layer_id": layer_id,
+        "chunk_id": chunk_id,
+        "version": cc.version,
+    }
     if cc.fp8 is None:
         if k.element_size() == 1:
             raise UnsupportedConfigError(f"a {k.dtype} cache needs its FP8 scales (FP8Scales)")
@@ -143,10 +152,15 @@ def encode_kv(
     vq = _fp8_view(v, cc.fp8)
     per_head = vs.numel() > 1
     return encode(
-        _pad(k16, dim), None, precomputed_v_quant=_pad(vq.view(torch.uint8), dim).view(vq.dtype),
-        precomputed_v_scales=vs if per_head else vs[0], scope="per_layer_head" if per_head else "per_tensor",
-        v_dtype=vq.dtype, allow_e5m2=vq.dtype == torch.float8_e5m2, **common,
-    )  # fmt: skip
+        _pad(k16, dim),
+        None,
+        precomputed_v_quant=_pad(vq.view(torch.uint8), dim).view(vq.dtype),
+        precomputed_v_scales=vs if per_head else vs[0],
+        scope="per_layer_head" if per_head else "per_tensor",
+        v_dtype=vq.dtype,
+        allow_e5m2=vq.dtype == torch.float8_e5m2,
+        **common,
+    )
 
 
 def _check_tokens(x: torch.Tensor | None, tokens: int, heads: int, dim: int) -> torch.Tensor:
@@ -160,9 +174,14 @@ def _check_tokens(x: torch.Tensor | None, tokens: int, heads: int, dim: int) -> 
 
 
 def decode_chunk(
-    blob: Any, cache: torch.Tensor, cc: ChunkCodec, *, num_tokens: int, chunk_hash: str = "",
+    blob: Any,
+    cache: torch.Tensor,
+    cc: ChunkCodec,
+    *,
+    num_tokens: int,
+    chunk_hash: str = "",
     ids: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode a blob into K and V in the cache's dtype, ready for :func:`~.layout.scatter_kv`.
 
     Nothing is written to the cache here: a blob of another model or chunk
@@ -219,9 +238,15 @@ def _fp8_v(v: torch.Tensor, scales: torch.Tensor | None, fp8: FP8Scales, heads: 
 
 
 def load_chunk(
-    blob: Any, cache: torch.Tensor, block_ids: Sequence[int], cc: ChunkCodec, *, start: int, num_tokens: int,
+    blob: Any,
+    cache: torch.Tensor,
+    block_ids: Sequence[int],
+    cc: ChunkCodec,
+    *,
+    start: int,
+    num_tokens: int,
     skip: int = 0,
-) -> None:  # fmt: skip
+) -> None:
     """Decode and write a blob's tokens into the cache; the first ``skip`` tokens are left alone."""
     k, v = decode_chunk(blob, cache, cc, num_tokens=num_tokens)
     scatter_kv(

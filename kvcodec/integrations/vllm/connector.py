@@ -247,9 +247,15 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._loader = BackgroundPool("loader", threads=1, capacity=1 << 30)
         self.shutdown_timeout_s = SHUTDOWN_DRAIN_S
         """How long ``shutdown`` drains pending writes before abandoning them."""
-        logger.info("KvcodecConnector(%s): store %s, chunk_size %d, scope %s, async save %s / load %s",
-                    role.name, self._cfg.root, self._cfg.chunk_size, self._cfg.scope, self._cfg.async_save,
-                    self._cfg.async_load)  # fmt: skip
+        logger.info(
+            "KvcodecConnector(%s): store %s, chunk_size %d, scope %s, async save %s / load %s",
+            role.name,
+            self._cfg.root,
+            self._cfg.chunk_size,
+            self._cfg.scope,
+            self._cfg.async_save,
+            self._cfg.async_load,
+        )
 
     @property
     def stats(self) -> dict[str, float]:
@@ -315,9 +321,13 @@ class KvcodecConnector(KVConnectorBase_V1):
         if num_external_tokens > 0 and hit is not None:
             start, _, hashes = hit
             self._to_load[request.request_id] = LoadSpec(
-                request.request_id, start, start + num_external_tokens, hashes, list(blocks.get_block_ids()[0]),
+                request.request_id,
+                start,
+                start + num_external_tokens,
+                hashes,
+                list(blocks.get_block_ids()[0]),
                 background=self._cfg.async_load,
-            )  # fmt: skip
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvcodecMetadata(loads=list(self._to_load.values()))
@@ -372,9 +382,16 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._hits.pop(rid, None)
         look = self._lookups.pop(rid, None)
         if look is not None:
-            logger.debug("kvcodec: request %s: prompt %d tokens, %d from vLLM's cache, %d from the store "
-                         "(%s), %d chunks to save", rid, look.prompt, look.local, look.hit,
-                         "async" if self._cfg.async_load else "sync", look.saves)  # fmt: skip
+            logger.debug(
+                "kvcodec: request %s: prompt %d tokens, %d from vLLM's cache, %d from the store "
+                "(%s), %d chunks to save",
+                rid,
+                look.prompt,
+                look.local,
+                look.hit,
+                "async" if self._cfg.async_load else "sync",
+                look.saves,
+            )
         return False, None
 
     # ------------------------------------------------------------ worker side
@@ -396,9 +413,13 @@ class KvcodecConnector(KVConnectorBase_V1):
                 )
             self._caches[name] = cache
             self._codecs[name] = ChunkCodec(
-                head_size=geo.head_size, block_size=geo.block_size, model_dtype=model_dtype, scope=self._cfg.scope,
-                page_size=self._cfg.page_size, hashes=self._hashes[rank],
-            )  # fmt: skip
+                head_size=geo.head_size,
+                block_size=geo.block_size,
+                model_dtype=model_dtype,
+                scope=self._cfg.scope,
+                page_size=self._cfg.page_size,
+                hashes=self._hashes[rank],
+            )
         self._build_fused()
 
     def _build_fused(self) -> None:
@@ -438,8 +459,11 @@ class KvcodecConnector(KVConnectorBase_V1):
                 self._loader.submit(lambda spec=spec: self._prepare_background(spec))
             else:
                 self._apply(self._prepare(spec))
-        self.counters.add(tokens_hit=meta.tokens_hit, tokens_missed=meta.tokens_missed,
-                          start_load_kv_seconds=time.perf_counter() - t0)  # fmt: skip
+        self.counters.add(
+            tokens_hit=meta.tokens_hit,
+            tokens_missed=meta.tokens_missed,
+            start_load_kv_seconds=time.perf_counter() - t0,
+        )
 
     def _prepare_background(self, spec: LoadSpec) -> None:
         result = self._prepare(spec)
@@ -458,8 +482,13 @@ class KvcodecConnector(KVConnectorBase_V1):
                 result.chunks.append(self._prepare_chunk(spec, c, first - c * cs))
             except (CodecError, KeyError, OSError) as e:
                 result.failed_at = first
-                logger.warning("kvcodec: request %s chunk %d not loaded (%s); recomputed from token %d",
-                               spec.req_id, c, e, first)  # fmt: skip
+                logger.warning(
+                    "kvcodec: request %s chunk %d not loaded (%s); recomputed from token %d",
+                    spec.req_id,
+                    c,
+                    e,
+                    first,
+                )
                 break
         self.counters.add(load_seconds=time.perf_counter() - t0)
         return result
@@ -527,8 +556,15 @@ class KvcodecConnector(KVConnectorBase_V1):
             return
         for name, (k, v) in p.kv.items():
             cc = self._codecs[name]
-            scatter_kv(self._caches[name], spec.block_ids, k[p.skip :], v[p.skip :], head_size=cc.head_size,
-                       block_size=cc.block_size, start=p.chunk * cs + p.skip)  # fmt: skip
+            scatter_kv(
+                self._caches[name],
+                spec.block_ids,
+                k[p.skip :],
+                v[p.skip :],
+                head_size=cc.head_size,
+                block_size=cc.block_size,
+                start=p.chunk * cs + p.skip,
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Synchronous loads finish in ``start_load_kv``; background ones in ``get_finished``."""
@@ -603,14 +639,24 @@ class KvcodecConnector(KVConnectorBase_V1):
         for name in self._layers:
             if name in self._caches:
                 cc = self._codec(name)
-                k, v = gather_kv(self._caches[name], spec.block_ids, head_size=cc.head_size,
-                                 block_size=cc.block_size, start=spec.chunk * cs, num_tokens=cs)  # fmt: skip
+                k, v = gather_kv(
+                    self._caches[name],
+                    spec.block_ids,
+                    head_size=cc.head_size,
+                    block_size=cc.block_size,
+                    start=spec.chunk * cs,
+                    num_tokens=cs,
+                )
                 gathered[name] = (k, v, cc)
 
         def encoded() -> Iterator[tuple[str, Any]]:
             for name, (k, v, cc) in gathered.items():
-                yield name, encode_kv(k, v, cc, layer_id=self._layers[name], chunk_id=spec.chunk,
-                                      chunk_hash=spec.chunk_hash)  # fmt: skip
+                yield (
+                    name,
+                    encode_kv(
+                        k, v, cc, layer_id=self._layers[name], chunk_id=spec.chunk, chunk_hash=spec.chunk_hash
+                    ),
+                )
 
         return lambda: self._write_chunk(spec, encoded, fused=False)
 
@@ -625,8 +671,14 @@ class KvcodecConnector(KVConnectorBase_V1):
         torch.cuda.current_stream(side.device).wait_stream(side)
         return pending
 
-    def _write_chunk(self, spec: SaveSpec, blobs: Callable[[], Iterable[tuple[str, Any]]], *, fused: bool,
-                     release: torch.Tensor | None = None) -> None:  # fmt: skip
+    def _write_chunk(
+        self,
+        spec: SaveSpec,
+        blobs: Callable[[], Iterable[tuple[str, Any]]],
+        *,
+        fused: bool,
+        release: torch.Tensor | None = None,
+    ) -> None:
         """Write every layer's blob of a chunk, then its manifest; count and log what fails."""
         t0 = time.perf_counter()
         suffix = chunk_suffix(spec.chunk, spec.chunk_hash, spec.parent_hash)
@@ -672,9 +724,15 @@ class KvcodecConnector(KVConnectorBase_V1):
         cc = next(iter(self._codecs.values()))
         hashes = blob_identity(cc, self._geo.head_size, self._geo.head_size_v, spec.chunk_hash)
         header = Header(
-            k_dtype=torch.bfloat16, v_dtype=torch.float8_e4m3fn, scale_scope=ScaleScope.EXTERNAL, version=2,
-            layer_id=-1, chunk_id=spec.chunk, chunk_size=self._cfg.chunk_size, hashes=Hashes.coerce(hashes),
-        )  # fmt: skip
+            k_dtype=torch.bfloat16,
+            v_dtype=torch.float8_e4m3fn,
+            scale_scope=ScaleScope.EXTERNAL,
+            version=2,
+            layer_id=-1,
+            chunk_id=spec.chunk,
+            chunk_size=self._cfg.chunk_size,
+            hashes=Hashes.coerce(hashes),
+        )
         return assemble(header)
 
     # ------------------------------------------------------------ lifecycle and metrics
@@ -701,6 +759,11 @@ class KvcodecConnector(KVConnectorBase_V1):
         return KvcodecStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KvcodecPromMetrics:  # fmt: skip
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvcodecPromMetrics:
         return KvcodecPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

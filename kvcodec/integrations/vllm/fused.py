@@ -156,8 +156,11 @@ def _check_geometry(p: ParsedBlob, tokens: int, heads: int, dim: int, dtype: tor
         raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
     if not h.k_payload_len and h.v_payload_len:
         raise UnsupportedConfigError("the blob holds no K; a vLLM cache needs both K and V")
-    shape = (h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim) if (
-        h.kv_head_count > 0 and h.head_dim > 0) else (h.v_payload_len,)  # fmt: skip
+    shape = (
+        (h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim)
+        if (h.kv_head_count > 0 and h.head_dim > 0)
+        else (h.v_payload_len,)
+    )
     if shape != (tokens, heads, dim):
         raise UnsupportedConfigError(f"the blob holds {shape}; this cache needs ({tokens}, {heads}, {dim})")
     if to_torch(h.k_dtype) != dtype:
@@ -278,8 +281,15 @@ class FusedLayers:
         The blobs are views of a reused host buffer: valid until the next save."""
         return list(zip(self.names, self.launch(block_ids, chunk, chunk_size, chunk_hash).wait()))
 
-    def launch(self, block_ids: Sequence[int], chunk: int, chunk_size: int, chunk_hash: str = "",
-               out: torch.Tensor | None = None, stream: Any = None) -> Any:  # fmt: skip
+    def launch(
+        self,
+        block_ids: Sequence[int],
+        chunk: int,
+        chunk_size: int,
+        chunk_hash: str = "",
+        out: torch.Tensor | None = None,
+        stream: Any = None,
+    ) -> Any:
         """Start the gather+encode of a chunk into ``out`` (a fresh host buffer from :meth:`host_buffer`;
         default: the reused one) on ``stream`` (CUDA; default: the current one); the returned pending
         chunk's ``wait()`` (any thread) waits for its event and seals the blobs."""
@@ -355,9 +365,14 @@ class FusedLayers:
         return dev[:, :n]
 
     def load(
-        self, blobs: Mapping[str, Any], block_ids: Sequence[int], chunk: int, chunk_size: int, skip: int = 0,
+        self,
+        blobs: Mapping[str, Any],
+        block_ids: Sequence[int],
+        chunk: int,
+        chunk_size: int,
+        skip: int = 0,
         chunk_hash: str = "",
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Check every layer's blob, then write chunk ``chunk`` of every layer, from its token ``skip``
         on (the first ``skip`` stay as vLLM computed them), in one launch.
 
@@ -378,10 +393,17 @@ class FusedLayers:
         if not 0 <= skip < chunk_size or (plan.page_size is not None and skip % plan.page_size):
             return False
         self._vt.decode_scatter_layers(
-            self._upload(parsed, skip, plan.page_size), self.views, block_ids, num_tokens=chunk_size - skip,
-            head_size=self.cc.head_size, scope=plan.scope, page_size=plan.page_size, fp8_dtype=plan.fp8,
-            block_size=self.cc.block_size, start=chunk * chunk_size + skip,
-        )  # fmt: skip
+            self._upload(parsed, skip, plan.page_size),
+            self.views,
+            block_ids,
+            num_tokens=chunk_size - skip,
+            head_size=self.cc.head_size,
+            scope=plan.scope,
+            page_size=plan.page_size,
+            fp8_dtype=plan.fp8,
+            block_size=self.cc.block_size,
+            start=chunk * chunk_size + skip,
+        )
         return True
 
 
@@ -443,6 +465,13 @@ def load_layers(
         )
         pending.append((name, cc, k_v))
     for name, cc, (k, v) in pending:
-        scatter_kv(caches[name], req.block_ids, k[req.skip :], v[req.skip :], head_size=cc.head_size,
-                   block_size=cc.block_size, start=req.start + req.skip)  # fmt: skip
+        scatter_kv(
+            caches[name],
+            req.block_ids,
+            k[req.skip :],
+            v[req.skip :],
+            head_size=cc.head_size,
+            block_size=cc.block_size,
+            start=req.start + req.skip,
+        )
     return False

@@ -74,8 +74,12 @@ class KvcodecConfig:
     def __post_init__(self) -> None:
         """Check every field, so a bad config stops the engine at start, not every chunk save."""
         object.__setattr__(self, "root", _check_root(self.root))
-        for name, top in (("chunk_size", MAX_DIM), ("page_size", MAX_DIM), ("save_queue", 1 << 20),
-                          ("writer_threads", 64)):  # fmt: skip
+        for name, top in (
+            ("chunk_size", MAX_DIM),
+            ("page_size", MAX_DIM),
+            ("save_queue", 1 << 20),
+            ("writer_threads", 64),
+        ):
             val = getattr(self, name)
             if not _is_int(val) or not 1 <= val <= top:
                 raise UnsupportedConfigError(f"{name} must be an int in 1..{top}; got {val!r}")

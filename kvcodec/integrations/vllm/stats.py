@@ -94,8 +94,13 @@ class KvcodecStats(KVConnectorStats):
 class KvcodecPromMetrics(KVConnectorPromMetrics):
     """Prometheus counters ``vllm:kvcodec_<name>_total`` and the gauge ``vllm:kvcodec_writer_queue_depth``."""
 
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {name: self._make(self._counter_cls, name) for name in COUNTERS}
         self._gauges = {

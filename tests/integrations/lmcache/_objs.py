@@ -6,7 +6,9 @@ import torch
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
 
-def memory_obj(shape: tuple[int, ...], dtype: torch.dtype, data: torch.Tensor | None = None) -> TensorMemoryObj:
+def memory_obj(
+    shape: tuple[int, ...], dtype: torch.dtype, data: torch.Tensor | None = None
+) -> TensorMemoryObj:
     """A TensorMemoryObj over fresh CPU memory, as LMCache's L1 hands to serdes."""
     size = torch.Size(shape)
     raw = torch.zeros(size.numel() * dtype.itemsize, dtype=torch.uint8)

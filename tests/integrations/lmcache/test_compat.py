@@ -72,13 +72,28 @@ def test_defaults_and_e5m2(lm):
 def test_signatures_match_lmcache():
     sig = inspect.signature
     assert list(sig(compat.AsymK16V8Codec.encode).parameters) == [
-        "self", "k", "v", "hashes", "layer_id", "chunk_id", "chunk_size", "page_size",
-        "kv_head_count", "head_dim", "head_axis", "page_axis", "precomputed_v_scales",
+        "self",
+        "k",
+        "v",
+        "hashes",
+        "layer_id",
+        "chunk_id",
+        "chunk_size",
+        "page_size",
+        "kv_head_count",
+        "head_dim",
+        "head_axis",
+        "page_axis",
+        "precomputed_v_scales",
         "precomputed_v_quant",
-    ]  # fmt: skip
+    ]
     assert list(sig(compat.AsymK16V8Codec.decode).parameters) == [
-        "self", "enc", "out_k_dtype", "out_v_dtype", "device",
-    ]  # fmt: skip
+        "self",
+        "enc",
+        "out_k_dtype",
+        "out_v_dtype",
+        "device",
+    ]
     assert list(sig(compat.compute_v_scales).parameters) == [
         "v",
         "scope",
@@ -87,8 +102,13 @@ def test_signatures_match_lmcache():
         "page_axis",
     ]
     assert list(sig(compat.dequantize_v_fp8).parameters) == [
-        "q", "scales", "scope", "out_dtype", "head_axis", "page_axis",
-    ]  # fmt: skip
+        "q",
+        "scales",
+        "scope",
+        "out_dtype",
+        "head_axis",
+        "page_axis",
+    ]
     assert compat.CodecHashes._CHECK_ORDER[0] == "model_id" and len(compat.CodecHashes._CHECK_ORDER) == 6
 
 
@@ -418,8 +438,9 @@ def test_caller_layout_per_page_head_fields_checked():
         v5, v5, page_axis=0, head_axis=2, page_size=4, kv_head_count=2, head_dim=16, chunk_size=12
     )
     s = codec.decode(enc)[2]
-    want = compat.dequantize_v_fp8(codec.decode(enc)[1].reshape(v5.shape), s, _PPH, out_dtype=torch.float32,
-                                   head_axis=2, page_axis=0)  # fmt: skip
+    want = compat.dequantize_v_fp8(
+        codec.decode(enc)[1].reshape(v5.shape), s, _PPH, out_dtype=torch.float32, head_axis=2, page_axis=0
+    )
     assert torch.equal(_kvcodec_v(codec.to_bytes(enc)), want.reshape(12, 2, 16))
     # Without head fields kvcodec's decoder cannot regroup, so LMCache's header stays as given.
     assert codec.encode(v, v, page_axis=0, head_axis=1, page_size=16).page_size == 16
@@ -510,8 +531,10 @@ def test_primitives_honour_the_backend_choice(call, monkeypatch):
     monkeypatch.delenv("KVCODEC_BACKEND")
     got = call()
     if isinstance(got, torch.Tensor):
-        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got, ref.view(torch.uint8)
-                           if ref.element_size() == 1 else ref)  # fmt: skip
+        assert torch.equal(
+            got.view(torch.uint8) if got.element_size() == 1 else got,
+            ref.view(torch.uint8) if ref.element_size() == 1 else ref,
+        )
     else:
         assert compat.AsymK16V8Codec().to_bytes(got) == compat.AsymK16V8Codec().to_bytes(ref)
 

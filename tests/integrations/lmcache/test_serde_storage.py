@@ -151,8 +151,11 @@ def test_unservable_layouts_refused_clearly(shape, dtype, match):
 
 
 def _storage_manager(base: Path, model: str) -> StorageManager:
-    adapter = {"type": "fs", "base_path": str(base),
-               "serde": {"type": "kvcodec", "head_dim": HEAD_DIM, "page_size": 16, "model": model}}  # fmt: skip
+    adapter = {
+        "type": "fs",
+        "base_path": str(base),
+        "serde": {"type": "kvcodec", "head_dim": HEAD_DIM, "page_size": 16, "model": model},
+    }
     parser = argparse.ArgumentParser()
     add_storage_manager_args(parser)
     args = parser.parse_args(

@@ -31,13 +31,34 @@ def _port() -> int:
 
 def _server(base: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
     rpc, http = _port(), _port()
-    adapter = {"type": "fs", "base_path": str(base), "serde": {"type": "kvcodec", "head_dim": 128, "model": "bench"}}
+    adapter = {
+        "type": "fs",
+        "base_path": str(base),
+        "serde": {"type": "kvcodec", "head_dim": 128, "model": "bench"},
+    }
     proc = subprocess.Popen(
-        [*LAUNCHER, "server", "--host", "127.0.0.1", "--port", str(rpc), "--http-host", "127.0.0.1",
-         "--http-port", str(http), "--l1-size-gb", "0.5", "--eviction-policy", "LRU", "--disable-observability",
-         "--l2-adapter", json.dumps(adapter)],
-        stdout=log.open("w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            *LAUNCHER,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rpc),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(http),
+            "--l1-size-gb",
+            "0.5",
+            "--eviction-policy",
+            "LRU",
+            "--disable-observability",
+            "--l2-adapter",
+            json.dumps(adapter),
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 90
     while "Uvicorn running" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -49,12 +70,31 @@ def _server(base: Path, log: Path) -> tuple[subprocess.Popen, int, int]:
 
 def _bench(rpc: int, http: int) -> str:
     out = subprocess.run(
-        [*LAUNCHER, "bench", "server", "--mode", "cpu", "--transfer-mode", "lmcache_driven",
-         "--rpc-url", f"tcp://127.0.0.1:{rpc}", "--url", f"http://127.0.0.1:{http}",
-         "--kvcache-shape-spec", "(2,128,16,8,128):bfloat16:4", "--num-tokens", "512", "--end", "3",
-         "--interval", "0.2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            *LAUNCHER,
+            "bench",
+            "server",
+            "--mode",
+            "cpu",
+            "--transfer-mode",
+            "lmcache_driven",
+            "--rpc-url",
+            f"tcp://127.0.0.1:{rpc}",
+            "--url",
+            f"http://127.0.0.1:{http}",
+            "--kvcache-shape-spec",
+            "(2,128,16,8,128):bfloat16:4",
+            "--num-tokens",
+            "512",
+            "--end",
+            "3",
+            "--interval",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout + out.stderr
 
@@ -97,7 +137,9 @@ def test_lmcache_server_with_kvcodec_serde(tmp_path):
     # i.e. through the kvcodec deserializer (LMCache logs where each prefetched key came from).
     lookups = re.findall(r"LOOKUP: (\d+)/(\d+) chunks hit", out_b)
     assert lookups and all(a == b != "0" for a, b in lookups), out_b[-3000:]
-    prefetches = re.findall(r"Prefetch request completed.*?(\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\)", log_b)
+    prefetches = re.findall(
+        r"Prefetch request completed.*?(\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\)", log_b
+    )
     assert prefetches, log_b[-3000:]
     assert all(kept == asked for kept, asked, _, _ in prefetches)
     assert int(prefetches[0][3]) == int(prefetches[0][1]) > 0  # the first (cold) prefetch: every key from L2

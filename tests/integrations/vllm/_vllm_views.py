@@ -27,22 +27,35 @@ class Views:
 
 
 def make_views(
-    layout: str, *, layers: int = 2, num_blocks: int = 9, heads: int = 2, head_size: int = 8,
-    head_size_v: int | None = None, block_size: int = 4, dtype: torch.dtype = torch.bfloat16,
-    kernel_block_size: int | None = None, seed: int = 0,
-) -> Views:  # fmt: skip
+    layout: str,
+    *,
+    layers: int = 2,
+    num_blocks: int = 9,
+    heads: int = 2,
+    head_size: int = 8,
+    head_size_v: int | None = None,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    kernel_block_size: int | None = None,
+    seed: int = 0,
+) -> Views:
     """All ``layers`` layers' views over one random allocation, as the engine makes them."""
     lay = KVCacheLayout[layout]
     spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=heads, head_size=head_size,
-        head_size_v=head_size_v or head_size, dtype=dtype,
-    )  # fmt: skip
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_size=head_size,
+        head_size_v=head_size_v or head_size,
+        dtype=dtype,
+    )
     layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, layers, lay)
     size = spec.page_size_bytes * num_blocks * layers
     tensor = KVCacheTensor(
-        size=size, layers=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
-        layer_stride=layer_stride, block_stride=block_stride,
-    )  # fmt: skip
+        size=size,
+        layers=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=g)
     if dtype.is_floating_point and dtype.itemsize > 1:  # finite values only: byte noise may be NaN

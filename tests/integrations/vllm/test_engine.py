@@ -62,9 +62,12 @@ def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
     path = tmp / f"spec-{name}.json"
     path.write_text(json.dumps({"model": model, "prompts": PROMPTS, "max_tokens": 8, **spec}))
     proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)], capture_output=True, text=True, timeout=600,
+        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )  # fmt: skip
+    )
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

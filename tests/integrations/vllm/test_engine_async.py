@@ -68,9 +68,12 @@ def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
     path = tmp / f"spec-{name}.json"
     path.write_text(json.dumps({"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **spec}))
     proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)], capture_output=True, text=True, timeout=900,
+        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )  # fmt: skip
+    )
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith('{"outputs"')]  # log lines may follow
@@ -121,9 +124,15 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     res["capped_bytes"] = sum(len(b) for b in _blobs(tmp / "s-capped").values())
 
     res["slow"] = _run(
-        tmp, "slow", model, store=str(tmp / "s-slow"), slow_put_s=SLOW_PUT_S, save_queue=1, writer_threads=1,
+        tmp,
+        "slow",
+        model,
+        store=str(tmp / "s-slow"),
+        slow_put_s=SLOW_PUT_S,
+        save_queue=1,
+        writer_threads=1,
         shutdown_timeout_s=0,
-    )  # fmt: skip
+    )
     return res
 
 

@@ -58,9 +58,12 @@ def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
     path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)], capture_output=True, text=True, timeout=600,
+        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env=env,
-    )  # fmt: skip
+    )
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -35,8 +35,9 @@ TABLE = [7, 2, 5, 0, 3, 8]
 """Odd, shuffled block ids: chunk 1 of 8 tokens is blocks 5 and 0."""
 
 
-def _phys(layout: str, *, dtype: torch.dtype, blocks: int = NB, bs: int = BS, c: int = 2 * D,
-          seed: int = 0) -> torch.Tensor:  # fmt: skip
+def _phys(
+    layout: str, *, dtype: torch.dtype, blocks: int = NB, bs: int = BS, c: int = 2 * D, seed: int = 0
+) -> torch.Tensor:
     size = {"L": L, "B": blocks, "N": bs, "H": H, "C": c}
     g = torch.Generator().manual_seed(seed)
     x = torch.randn([size[a] for a in layout], generator=g) * 3
@@ -70,8 +71,9 @@ def _fused(caches: dict[str, torch.Tensor], cc: ChunkCodec) -> FusedLayers:
     return fused
 
 
-def _ref_blobs(caches: dict[str, torch.Tensor], cc: ChunkCodec, chunk: int, cs: int,
-               table: list[int] = TABLE) -> dict[str, bytes]:  # fmt: skip
+def _ref_blobs(
+    caches: dict[str, torch.Tensor], cc: ChunkCodec, chunk: int, cs: int, table: list[int] = TABLE
+) -> dict[str, bytes]:
     ids = _ids(caches)
     return {
         n: bytes(encode_chunk(v, table, cc, start=chunk * cs, num_tokens=cs, layer_id=ids[n], chunk_id=chunk))
@@ -144,8 +146,9 @@ def test_save_refuses_nan_like_the_per_layer_path() -> None:
 # ----------------------------------------------------------------------------
 
 
-def _load_both(layout: str, dtype: torch.dtype, blobs: dict[str, bytes], cc: ChunkCodec, req: ChunkLoad,
-               *, seed: int = 9) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:  # fmt: skip
+def _load_both(
+    layout: str, dtype: torch.dtype, blobs: dict[str, bytes], cc: ChunkCodec, req: ChunkLoad, *, seed: int = 9
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """(original, after the fused path, after the per-layer path) of one allocation, and whether it was fused."""
     orig = _phys(layout, dtype=dtype, seed=seed)
     a, b = orig.clone(), orig.clone()

@@ -107,9 +107,14 @@ def test_config_refusals(extra, match):
 
 @pytest.mark.parametrize(
     ("scope", "canonical"),
-    [("per_tensor", "per_tensor"), ("PER_LAYER_HEAD", "per_layer_head"), ("per_page_head", "per_page_head"),
-     (0, "per_tensor"), (2, "per_page_head")],
-)  # fmt: skip
+    [
+        ("per_tensor", "per_tensor"),
+        ("PER_LAYER_HEAD", "per_layer_head"),
+        ("per_page_head", "per_page_head"),
+        (0, "per_tensor"),
+        (2, "per_page_head"),
+    ],
+)
 def test_config_accepts_the_computed_scopes(scope, canonical):
     cfg = KvcodecConfig.from_extra(
         {"root": "/x", "scope": scope, "fsync": True, "model_id": "m", "max_bytes": 10}

@@ -48,9 +48,15 @@ def cases(draw):
 
 def _views(c):
     return make_views(
-        c["layout"], layers=c["layers"], num_blocks=c["num_blocks"], heads=c["heads"], head_size=c["head_size"],
-        head_size_v=c["head_size_v"], block_size=c["block_size"], dtype=c["dtype"],
-    )  # fmt: skip
+        c["layout"],
+        layers=c["layers"],
+        num_blocks=c["num_blocks"],
+        heads=c["heads"],
+        head_size=c["head_size"],
+        head_size_v=c["head_size_v"],
+        block_size=c["block_size"],
+        dtype=c["dtype"],
+    )
 
 
 def _oracle_rows(v, layer, table, start, n):
@@ -67,9 +73,13 @@ def test_gather_matches_slot_by_slot(c):
     v = _views(c)
     layer = c["layer"] % c["layers"]
     k, v_ = gather_kv(
-        v.views[layer], c["table"], head_size=c["head_size"], block_size=c["block_size"],
-        start=c["start"], num_tokens=c["num_tokens"],
-    )  # fmt: skip
+        v.views[layer],
+        c["table"],
+        head_size=c["head_size"],
+        block_size=c["block_size"],
+        start=c["start"],
+        num_tokens=c["num_tokens"],
+    )
     n, hs = c["num_tokens"], c["head_size"]
     assert k.shape == (n, c["heads"], hs) and v_.shape == (n, c["heads"], c["head_size_v"])
     assert k.is_contiguous() and v_.is_contiguous() and k.dtype == c["dtype"]

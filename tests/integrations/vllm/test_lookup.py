@@ -31,9 +31,11 @@ def _connector(root: Path, layers: int, **extra: object) -> KvcodecConnector:
     hf = SimpleNamespace(to_dict=lambda: {"rope_theta": 1e4}, quantization_config=None)
     mc = SimpleNamespace(model="m", revision=None, dtype=torch.bfloat16, hf_config=hf, quantization=None)
     vcfg = SimpleNamespace(
-        kv_transfer_config=ktc, model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto"),
+        kv_transfer_config=ktc,
+        model_config=mc,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )  # fmt: skip
+    )
     spec = SimpleNamespace(num_kv_heads=2, head_size=64, head_size_v=64, dtype=torch.bfloat16, block_size=16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     kv_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names)])
@@ -41,8 +43,14 @@ def _connector(root: Path, layers: int, **extra: object) -> KvcodecConnector:
 
 
 def _request(tokens: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(request_id="r", prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
-                           mm_features=None, cache_salt=None)  # fmt: skip
+    return SimpleNamespace(
+        request_id="r",
+        prompt_token_ids=tokens,
+        prompt_embeds=None,
+        lora_request=None,
+        mm_features=None,
+        cache_salt=None,
+    )
 
 
 @pytest.mark.parametrize("layers", [2, 32])

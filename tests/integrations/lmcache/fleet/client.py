@@ -98,9 +98,17 @@ def _load(client: ServerBenchClient, seqs: int, ref_path: str) -> dict:
 
 def _run_step(step: dict, seqs: int, shape_spec: str) -> dict:
     config = BenchConfig(
-        rpc_url=step["rpc_url"], http_url=step["http_url"], mode="cpu", transfer_mode="lmcache_driven", tp_size=1,
-        use_mla=False, num_tokens=NUM_TOKENS, kvcache_shape_spec=shape_spec, num_blocks=512, block_size=16,
-    )  # fmt: skip
+        rpc_url=step["rpc_url"],
+        http_url=step["http_url"],
+        mode="cpu",
+        transfer_mode="lmcache_driven",
+        tp_size=1,
+        use_mla=False,
+        num_tokens=NUM_TOKENS,
+        kvcache_shape_spec=shape_spec,
+        num_blocks=512,
+        block_size=16,
+    )
     client = ServerBenchClient(config, print)
     client.start()
     try:

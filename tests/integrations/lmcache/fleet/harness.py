@@ -171,11 +171,28 @@ class RedisNodes:
 
 def _redis_args(port: int, workdir: Path) -> list[str]:
     return [
-        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-        "--dir", str(workdir), "--save", "", "--appendonly", "no", "--daemonize", "no",
-        "--logfile", str(workdir / f"redis-{port}.log"),
-        "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru",
-    ]  # fmt: skip
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--protected-mode",
+        "yes",
+        "--dir",
+        str(workdir),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "no",
+        "--logfile",
+        str(workdir / f"redis-{port}.log"),
+        "--maxmemory",
+        "1gb",
+        "--maxmemory-policy",
+        "allkeys-lru",
+    ]
 
 
 def _ping(port: int) -> bool:
@@ -231,10 +248,19 @@ def redis_cluster(workdir: Path, n: int = 3) -> Iterator[RedisNodes]:
     """A Redis Cluster of ``n`` masters (no replicas) on 127.0.0.1, joined by ``redis-cli --cluster create``."""
     with _redis_procs(workdir, n, cluster=True) as ports:
         out = subprocess.run(
-            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-             "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
         _wait(lambda: _cluster_ok(ports), 60, "redis cluster state ok")
@@ -285,10 +311,25 @@ def lmcache_servers(
             rpc, http = free_port(), free_port()
             log = workdir / f"server-{name}.log"
             cmd = [
-                *LAUNCHER, "server", "--host", "127.0.0.1", "--port", str(rpc), "--http-host", "127.0.0.1",
-                "--http-port", str(http), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
-                "--disable-observability", "--l2-adapter", adapter, *extra_args,
-            ]  # fmt: skip
+                *LAUNCHER,
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(rpc),
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(http),
+                "--l1-size-gb",
+                str(l1_gb),
+                "--eviction-policy",
+                "LRU",
+                "--disable-observability",
+                "--l2-adapter",
+                adapter,
+                *extra_args,
+            ]
             with log.open("w") as f:
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             servers[name] = LMCacheServer(proc, rpc, http, log)
@@ -324,10 +365,15 @@ def run_client(
 ) -> tuple[dict, str]:
     """Run LMCache's bench client (one process) through ``steps``; returns the summary by step name, and its output."""
     plan = [
-        {"name": s.name, "action": s.action, "rpc_url": s.server.rpc_url, "http_url": s.server.http_url,
-         "ref": str(s.ref) if s.ref else None}
+        {
+            "name": s.name,
+            "action": s.action,
+            "rpc_url": s.server.rpc_url,
+            "http_url": s.server.http_url,
+            "ref": str(s.ref) if s.ref else None,
+        }
         for s in steps
-    ]  # fmt: skip
+    ]
     tag = "-".join(s.name for s in steps)
     plan_path, out_json = workdir / f"plan-{tag}.json", workdir / f"summary-{tag}.json"
     plan_path.write_text(json.dumps(plan))

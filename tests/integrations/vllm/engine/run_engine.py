@@ -74,11 +74,20 @@ def main(path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=spec.get("block_size", 32),
-        max_model_len=2048, enforce_eager=True, max_num_seqs=4, kv_cache_memory_bytes=64 << 20, seed=0,
-        kv_transfer_config=_transfer_config(spec), max_num_batched_tokens=spec.get("max_num_batched_tokens"),
-        disable_log_stats=not spec.get("log_stats", False), enable_prefix_caching=spec.get("prefix_caching", True),
-    )  # fmt: skip
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=spec.get("block_size", 32),
+        max_model_len=2048,
+        enforce_eager=True,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+        kv_transfer_config=_transfer_config(spec),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+        disable_log_stats=not spec.get("log_stats", False),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+    )
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=2
     )
