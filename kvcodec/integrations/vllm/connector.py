@@ -466,10 +466,17 @@ class KvcodecConnector(KVConnectorBase_V1):
         )
 
     def _prepare_background(self, spec: LoadSpec) -> None:
-        result = self._prepare(spec)
-        self.counters.add(requests_loaded_async=1)
+        """The loader's job: whatever happens, the request reaches ``get_finished`` (failed: recomputed)."""
+        try:
+            result = self._prepare(spec)
+        except Exception:  # a bug or resource failure outside one chunk's read: recompute it all
+            logger.exception(
+                "kvcodec: request %s not loaded; recomputed from token %d", spec.req_id, spec.start
+            )
+            result = _LoadResult(spec, [], failed_at=spec.start)
         with self._lock:
             self._ready.append(result)
+        self.counters.add(requests_loaded_async=1)
 
     def _prepare(self, spec: LoadSpec) -> _LoadResult:
         """Read and check every chunk of a load (stopping at the first that fails); nothing is written."""
@@ -480,14 +487,16 @@ class KvcodecConnector(KVConnectorBase_V1):
             first = max(spec.start, c * cs)
             try:
                 result.chunks.append(self._prepare_chunk(spec, c, first - c * cs))
-            except (CodecError, KeyError, OSError) as e:
+            except Exception as e:  # any failure (not only a bad blob) means: recompute from here
                 result.failed_at = first
                 logger.warning(
-                    "kvcodec: request %s chunk %d not loaded (%s); recomputed from token %d",
+                    "kvcodec: request %s chunk %d not loaded (%s: %s); recomputed from token %d",
                     spec.req_id,
                     c,
+                    type(e).__name__,
                     e,
                     first,
+                    exc_info=not isinstance(e, (CodecError, KeyError, OSError)),
                 )
                 break
         self.counters.add(load_seconds=time.perf_counter() - t0)
@@ -538,9 +547,16 @@ class KvcodecConnector(KVConnectorBase_V1):
         for p in result.chunks:
             try:
                 self._write_prepared(spec, p)
-            except (CodecError, OSError) as e:
+            except Exception as e:  # the blocks from here on are reported, so vLLM recomputes them
                 failed_at = p.chunk * cs + p.skip
-                logger.warning("kvcodec: request %s chunk %d not written (%s)", spec.req_id, p.chunk, e)
+                logger.warning(
+                    "kvcodec: request %s chunk %d not written (%s: %s)",
+                    spec.req_id,
+                    p.chunk,
+                    type(e).__name__,
+                    e,
+                    exc_info=not isinstance(e, (CodecError, OSError)),
+                )
                 break
             self.counters.add(chunks_loaded=1, tokens_loaded=p.tokens)
         if failed_at is not None:
@@ -609,9 +625,8 @@ class KvcodecConnector(KVConnectorBase_V1):
                 continue
             try:
                 job = self._save_job(spec)
-            except (CodecError, OSError) as e:
-                self.counters.add(save_errors=1)
-                logger.warning("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
+            except Exception as e:  # a save is optional: count and log it, the step goes on
+                self._save_failed(spec, e)
                 continue
             if not self._cfg.async_save:
                 job()
@@ -699,15 +714,26 @@ class KvcodecConnector(KVConnectorBase_V1):
                 self._store.delete(key)
             self.counters.add(store_full=1)
             logger.debug("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
-        except (CodecError, OSError) as e:
-            self.counters.add(save_errors=1)
-            logger.warning("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
+        except Exception as e:  # any failure: counted and logged here, never left to the pool
+            self._save_failed(spec, e)
         finally:
             if release is not None:
                 self._host_bufs.append(release)
             with self._lock:
                 self._inflight.discard(suffix)
             self.counters.add(save_seconds=time.perf_counter() - t0)
+
+    def _save_failed(self, spec: SaveSpec, e: Exception) -> None:
+        """Count and log one chunk not saved (a traceback for what is neither a codec nor an I/O error)."""
+        self.counters.add(save_errors=1)
+        logger.warning(
+            "kvcodec: request %s chunk %d not saved (%s: %s)",
+            spec.req_id,
+            spec.chunk,
+            type(e).__name__,
+            e,
+            exc_info=not isinstance(e, (CodecError, OSError)),
+        )
 
     def _mark_saved(self, spec: SaveSpec) -> None:
         """The chunk's manifest, once this rank's blobs (and, with TP, every rank's marker) are written."""

@@ -1,0 +1,185 @@
+"""Background jobs that fail in unexpected ways (no engine): a load job's exception reaches vLLM as a
+failed load of the request's blocks (recomputed) and the request is still reported; a save job's is
+counted and logged and stalls neither the writer nor ``drain``. The connector's worker side is driven
+directly: CPU caches registered, metadata bound, the hooks called as vLLM's model runner calls them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from kvcodec.integrations.vllm import connector as connector_mod
+from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
+from kvcodec.integrations.vllm.keys import prefix_hashes
+from kvcodec.store import DirectoryStore
+
+CHUNK = 32
+BLOCK = 16
+HEADS = 2
+HEAD = 64
+LAYERS = 2
+TOKENS = list(range(5, 5 + 2 * CHUNK))
+HASHES = prefix_hashes(TOKENS, CHUNK)
+BLOCK_IDS = [3, 1, 4, 0]
+"""Two chunks of two 16-token blocks each."""
+
+
+def _worker(root: Path, **extra: object) -> KvcodecConnector:
+    ktc = KVTransferConfig(
+        kv_connector="KvcodecConnector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"root": str(root), "chunk_size": CHUNK, "fused": "off", **extra},
+    )
+    hf = SimpleNamespace(to_dict=lambda: {"rope_theta": 1e4}, quantization_config=None)
+    mc = SimpleNamespace(model="m", revision=None, dtype=torch.bfloat16, hf_config=hf, quantization=None)
+    vcfg = SimpleNamespace(
+        kv_transfer_config=ktc,
+        model_config=mc,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+    spec = SimpleNamespace(
+        num_kv_heads=HEADS, head_size=HEAD, head_size_v=HEAD, dtype=torch.bfloat16, block_size=BLOCK
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    kv_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names)])
+    conn = KvcodecConnector(vcfg, KVConnectorRole.WORKER, kv_config)
+    g = torch.Generator().manual_seed(0)
+    caches = {n: torch.randn(8, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16) for n in names}
+    conn.register_kv_caches(caches)
+    return conn
+
+
+def _save_both_chunks(conn: KvcodecConnector) -> None:
+    saves = [SaveSpec("w", c, HASHES[c], HASHES[c - 1] if c else None, BLOCK_IDS) for c in range(2)]
+    conn.bind_connector_metadata(KvcodecMetadata(saves=saves))
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    assert conn.drain(60), "the writer did not go idle"
+
+
+def _load(conn: KvcodecConnector, req_id: str = "r") -> tuple[set[str] | None, set[int]]:
+    """One background load of both chunks into other blocks; the hooks vLLM calls until it is received."""
+    spec = LoadSpec(req_id, 0, 2 * CHUNK, HASHES, [7, 6, 5, 2], background=True)
+    conn.bind_connector_metadata(KvcodecMetadata(loads=[spec]))
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    conn.clear_connector_metadata()
+    errors: set[int] = set()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        _, received = conn.get_finished(set())
+        errors |= conn.get_block_ids_with_load_errors()
+        if received:
+            return received, errors
+        time.sleep(0.01)
+    return None, errors
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("a bug"), MemoryError(), OSError(5, "EIO")])
+def test_a_failing_read_is_a_load_error_and_the_request_finishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, exc: BaseException
+) -> None:
+    conn = _worker(tmp_path)
+    _save_both_chunks(conn)
+    second = conn._blob_key(0, 1, 1, HASHES[1], HASHES[0])
+    real_get = DirectoryStore.get
+
+    def get(self: DirectoryStore, key: str) -> bytes:
+        if key == second:
+            raise exc
+        return real_get(self, key)
+
+    monkeypatch.setattr(DirectoryStore, "get", get)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
+        received, errors = _load(conn)
+    assert received == {"r"}, "the request was never reported received"
+    assert errors == {5, 2}, "chunk 1's blocks must be recomputed, chunk 0's kept"
+    assert conn.stats["chunks_failed"] == 1 and conn.stats["chunks_loaded"] == 1
+    lines = [r for r in caplog.records if "request r chunk 1 not loaded" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    conn.shutdown()
+
+
+def test_a_failing_load_job_fails_the_whole_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception outside any one chunk (here: the job's own bookkeeping) still reports every block."""
+    conn = _worker(tmp_path)
+    _save_both_chunks(conn)
+
+    def broken(self: KvcodecConnector, spec: LoadSpec) -> None:
+        raise KeyError("a stats counter")
+
+    monkeypatch.setattr(KvcodecConnector, "_prepare", broken)
+    received, errors = _load(conn)
+    assert received == {"r"}
+    assert errors == {7, 6, 5, 2}
+    assert conn.stats["chunks_failed"] == 1 and conn.stats["chunks_loaded"] == 0
+    conn.shutdown()
+
+
+def test_a_failing_write_into_the_cache_is_a_load_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = _worker(tmp_path)
+    _save_both_chunks(conn)
+    real = connector_mod.scatter_kv
+    calls = []
+
+    def scatter(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) > LAYERS:  # chunk 1's first layer
+            raise ValueError("a bug")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(connector_mod, "scatter_kv", scatter)
+    received, errors = _load(conn)
+    assert received == {"r"} and errors == {5, 2}
+    assert conn.stats["chunks_failed"] == 1
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failing_store_write_is_counted_and_nothing_stalls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, async_save: bool
+) -> None:
+    conn = _worker(tmp_path, async_save=async_save, writer_threads=1)
+
+    def put(self: DirectoryStore, key: str, blob: object) -> None:
+        raise RuntimeError("a bug in the store")
+
+    monkeypatch.setattr(DirectoryStore, "put", put)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
+        _save_both_chunks(conn)
+    assert conn.stats["save_errors"] == 2 and conn.stats["chunks_saved"] == 0
+    assert sum("not saved (RuntimeError" in r.getMessage() for r in caplog.records) == 2
+    assert not conn._inflight
+    monkeypatch.undo()
+    _save_both_chunks(conn)  # the writer still works, and the chunks were not left marked in flight
+    assert conn.stats["chunks_saved"] == 2
+    t0 = time.perf_counter()
+    conn.shutdown()
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_failing_gather_is_counted_and_the_step_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = _worker(tmp_path)
+
+    def gather(*args: object, **kwargs: object) -> None:
+        raise IndexError("a bug")
+
+    monkeypatch.setattr(connector_mod, "gather_kv", gather)
+    _save_both_chunks(conn)
+    assert conn.stats["save_errors"] == 2 and conn.stats["chunks_saved"] == 0
+    conn.shutdown()
