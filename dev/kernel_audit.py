@@ -111,7 +111,7 @@ def _listed_views(n: int, shape: tuple[int, ...], dtype: Any) -> list[Any]:
 def headline_workloads(quick: bool = False) -> list[Workload]:
     """The audited workloads (``quick``: a handful, for tests)."""
     import torch
-    from kvcodec.kernels import fused_triton, operands, quant_triton
+    from kvcodec.kernels import dequant_triton, fused_triton, operands, quant_triton
 
     from kvcodec.format import ScaleScope
     from kvcodec.numerics import amax_to_scale, fp8_max
@@ -179,7 +179,7 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
             quant_triton.group_amax(v, ScaleScope.PER_PAGE_HEAD, page_size=PS), fp8_max(torch.float8_e4m3fn)
         )
         q = quant_triton.quantize(v, s, ScaleScope.PER_PAGE_HEAD, page_size=PS)
-        quant_triton.dequantize(q, s, ScaleScope.PER_PAGE_HEAD, page_size=PS, out_dtype=f16)
+        dequant_triton.dequantize(q, s, ScaleScope.PER_PAGE_HEAD, page_size=PS, out_dtype=f16)
 
     out.append(Workload("unfused amax+quantize+dequantize per_page_head", unfused))
     return out + vllm_workloads()

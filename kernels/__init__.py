@@ -5,9 +5,11 @@ those around them). Importing this package does not import Triton; the
 kernel modules do, and are loaded only when the Triton backend (or the vLLM
 connector's fused path) asks for them:
 
-* :mod:`.quant_triton`: the quantize kernels (group absmax, FP8 codes,
-  dequantize) and their unfused launchers, bit-exact with the torch
-  reference (:mod:`kvcodec.backends.reference`);
+* :mod:`.quant_triton`: the quantize kernels (group absmax, FP8 codes)
+  and their unfused launchers, bit-exact with the torch reference
+  (:mod:`kvcodec.backends.reference`);
+* :mod:`.dequant_triton`: the dequantize kernel (also the fused decode)
+  and its unfused launcher;
 * :mod:`.fused_triton`: the fused encode/decode of a chunk's payload
   ``K ‖ FP8(V) ‖ scales``, one or all layers per launch;
 * :mod:`.vllm_triton`: the fused gather+encode and decode+scatter over

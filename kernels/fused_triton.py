@@ -8,8 +8,9 @@ are enough groups to fill the GPU) takes one pass per group
 per_layer_head otherwise) a two-stage reduction (the quantize kernels of
 :mod:`.quant_triton`: atomic absmax with the K copy, then scale + cast). The
 group absmax is returned so the caller can refuse NaN/Inf groups without a
-device sync here. Fused decode is the dequantize kernel reading the payload
-(scales as bytes) and copying K out too.
+device sync here. Fused decode is the dequantize kernel of
+:mod:`.dequant_triton` reading the payload (scales as bytes) and copying K
+out too.
 
 :func:`encode_rows` / :func:`decode_rows` take operands as
 :class:`~.operands.Rows` (dense, or paged through a block table), so the
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from ..errors import UnsupportedConfigError
 from ..numerics import ScaleScope, scale_shape
+from . import dequant_triton  # noqa: F401  (registers _dequant_tiles_kernel: the fused decode)
 from .configs import pow2
 from .device import abs_bits, div_by_scale, f32_to_fp8, layer_off, row_off, store_elems, to_f32
 from .operands import (

@@ -5,16 +5,15 @@
   which copies K on the way);
 * ``_quant_tiles_kernel``: FP8 codes of ``V / scale`` (stage 2 of the fused
   encode, writing the scale bytes too);
-* ``_dequant_tiles_kernel``: ``float(q) * scale`` to fp16/bf16/fp32 (the
-  fused decode too, copying K out of the payload);
 * ``_quant_1d_kernel``: FP8 codes of a flat tensor with one scale (cast tests).
 
 The launchers (:func:`group_amax`, :func:`compute_scales`, :func:`quantize`,
-:func:`dequantize`, :func:`quantize_1d`) share the reference's semantics
-(:mod:`kvcodec.backends.reference`). Inputs are ``[tokens, heads,
-head_dim]`` tensors of any strides (never copied to contiguous); offsets are
-int64, so pools above 2^31 elements work. Scale groups: whole tensor, one
-head, or one page x one head (a partial last page over the tokens it holds).
+:func:`quantize_1d`) share the reference's semantics
+(:mod:`kvcodec.backends.reference`); the dequantize kernel and launcher are
+in :mod:`.dequant_triton`. Inputs are ``[tokens, heads, head_dim]`` tensors
+of any strides (never copied to contiguous); offsets are int64, so pools
+above 2^31 elements work. Scale groups: whole tensor, one head, or one page
+x one head (a partial last page over the tokens it holds).
 Argument names: see :mod:`kvcodec.kernels.device`.
 """
 
@@ -31,12 +30,9 @@ from ..numerics import ScaleScope, amax_to_scale, check_finite_amax, fp8_max, sc
 from .configs import pow2
 from .device import (
     abs_bits,
-    bf16_bits_rne,
     div_by_scale,
     f32_to_fp8,
-    fp8_to_f32,
     layer_off,
-    load_elems,
     row_off,
     store_elems,
     to_f32,
@@ -46,16 +42,13 @@ from .operands import (
     V_DTYPES,
     bits16,
     check_device,
-    check_fp8,
     check_scope,
     check_tensor3,
     dense_rows,
     dummy_table,
     fp8_constants,
-    hw_bf16,
     hw_fp8,
     interpreted,
-    out_view,
     single,
     sm_count,
 )
@@ -64,9 +57,9 @@ from .tiles import launch_grid, launch_tiles, register, register_plain
 __all__ = [
     "STAGE1_TOKENS",
     "compute_scales",
-    "dequantize",
     "group_amax",
     "launch_amax_tiles",
+    "prep_scales",
     "quantize",
     "quantize_1d",
     "scale_strides",
@@ -252,110 +245,6 @@ def _quant_tiles_kernel(
 
 
 @triton.jit
-def _dequant_tiles_kernel(
-    q_ptr,
-    s_ptr,
-    vo_ptr,
-    ko_ptr,
-    tbl_ptr,
-    q_ltab,
-    vo_ltab,
-    ko_ltab,
-    T,
-    H,
-    PS,
-    s_pg,
-    s_hd,
-    s_off,
-    s_sl,
-    BS: tl.constexpr,
-    q_off,
-    q_st,
-    q_sh,
-    q_sd,
-    q_sl,
-    vo_st,
-    vo_sh,
-    vo_sd,
-    vo_sb,
-    vo_sl,
-    ko_st,
-    ko_sh,
-    ko_sd,
-    ko_sb,
-    ko_sl,
-    D: tl.constexpr,
-    KB: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    OUT_KIND: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
-    K_ALIGNED: tl.constexpr,
-    PAGED: tl.constexpr,
-    Q_TAB: tl.constexpr,
-    VO_TAB: tl.constexpr,
-    KO_TAB: tl.constexpr,
-    HW_FP8: tl.constexpr,
-    S_ALIGNED: tl.constexpr,
-    HW_BF16: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """``float(q) * scale`` cast to the output dtype for BLOCK_T tokens x one head.
-
-    ``q`` is FP8 bytes (payload V region or any strided tensor); scales are
-    fp32 (``SCALE_BYTES``: little-endian bytes at ``q + s_off``); ``q`` starts
-    ``q_off`` bytes past ``q_ptr``. With ``KB > 0`` the payload's K bytes at
-    ``q_ptr`` are copied out too.
-    ``OUT_KIND``: 0 fp32, 1 fp16, 2 bf16 (stored as int16 bits; ``HW_BF16``: rounded by the
-    hardware convert, else by integer ops: the same bits for every non-NaN value).
-    """
-    i = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    layer = tl.program_id(2)
-    p_base = q_ptr + layer_off(layer, q_ltab, q_sl, Q_TAB)
-    q_base = p_base + q_off
-    vo_base = vo_ptr + layer_off(layer, vo_ltab, vo_sl, VO_TAB)
-    t = i * BLOCK_T + tl.arange(0, BLOCK_T)
-    tm = t < T
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    d64 = d.to(tl.int64)
-    m2 = tm[:, None] & dm[None, :]
-    t64 = t.to(tl.int64)
-    sidx = (t // PS).to(tl.int64) * s_pg + h * s_hd
-    if SCALE_BYTES:
-        sb_base = q_base + s_off
-        if S_ALIGNED:
-            sbits = tl.load(sb_base.to(tl.pointer_type(tl.int32)) + sidx, mask=tm, other=0)
-        else:
-            sbits = tl.load(sb_base + sidx * 4, mask=tm, other=0).to(tl.int32)
-            for j in tl.static_range(1, 4):
-                sbits = sbits | (tl.load(sb_base + sidx * 4 + j, mask=tm, other=0).to(tl.int32) << (8 * j))
-        sc = sbits.to(tl.float32, bitcast=True)
-    else:
-        sc = tl.load(s_ptr + layer.to(tl.int64) * s_sl + sidx, mask=tm, other=1.0)
-    qb = tl.load(q_base + t64[:, None] * q_st + h * q_sh + d64[None, :] * q_sd, mask=m2, other=0)
-    x = fp8_to_f32(qb, MANT, BIAS, HW_FP8) * sc[:, None]
-    vrow = row_off(t, tm, tbl_ptr, vo_st, vo_sb, BS, PAGED)
-    vo = vo_base + vrow[:, None] + h * vo_sh + d64[None, :] * vo_sd
-    if OUT_KIND == 0:
-        tl.store(vo, x, mask=m2)
-    elif OUT_KIND == 1:
-        tl.store(vo, x.to(tl.float16), mask=m2)
-    elif HW_BF16:
-        tl.store(vo, x.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=m2)
-    else:
-        tl.store(vo, bf16_bits_rne(x), mask=m2)
-    if KB > 0:
-        ko_base = ko_ptr + layer_off(layer, ko_ltab, ko_sl, KO_TAB)
-        pidx = (t64[:, None] * H + h) * D + d64[None, :]
-        kv = load_elems(p_base, pidx, m2, KB, K_ALIGNED)
-        krow = row_off(t, tm, tbl_ptr, ko_st, ko_sb, BS, PAGED)
-        tl.store(ko_base + krow[:, None] + h * ko_sh + d64[None, :] * ko_sd, kv, mask=m2)
-
-
-@triton.jit
 def _quant_1d_kernel(
     x_ptr,
     s_ptr,
@@ -379,7 +268,6 @@ def _quant_1d_kernel(
 
 register("_amax_tiles_kernel", _amax_tiles_kernel)
 register("_quant_tiles_kernel", _quant_tiles_kernel)
-register("_dequant_tiles_kernel", _dequant_tiles_kernel)
 register_plain("_quant_1d_kernel", _quant_1d_kernel)
 
 
@@ -510,7 +398,7 @@ def scale_strides(scope: ScaleScope, t: int, h: int, page_size: int | None) -> t
     return int(page_size), h, 1  # type: ignore[arg-type]
 
 
-def _prep_scales(
+def prep_scales(
     scales: torch.Tensor, scope: ScaleScope, t: int, h: int, page_size: int | None, dev: torch.device
 ) -> torch.Tensor:
     """The caller's scales as a contiguous fp32 tensor on ``dev`` (shape-checked)."""
@@ -545,7 +433,7 @@ def quantize(
             f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}"
         )
     check_device(v, out)
-    s = _prep_scales(scales, scope, t, h, page_size, dev)
+    s = prep_scales(scales, scope, t, h, page_size, dev)
     if v.numel() == 0:
         return out
     ps, s_pg, s_hd = scale_strides(scope, t, h, page_size)
@@ -592,86 +480,6 @@ def quantize(
         "S_ALIGNED": False,
     }
     launch_tiles("_quant_tiles_kernel", t, pow2(d), h, 1, kw)
-    return out
-
-
-def dequantize(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    scope: ScaleScope,
-    *,
-    page_size: int | None = None,
-    out_dtype: torch.dtype = torch.float16,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``float(q) * scale`` cast to ``out_dtype`` (or written into ``out``, any strides)."""
-    check_tensor3("q", q)
-    check_fp8(q)
-    scope = check_scope(scope, page_size)
-    fp = fp8_constants(q.dtype)
-    t, h, d = q.shape
-    dev = check_device(q)
-    if out is None:
-        out = torch.empty((t, h, d), dtype=out_dtype, device=dev)
-    elif tuple(out.shape) != (t, h, d):
-        raise UnsupportedConfigError(f"out is {tuple(out.shape)}; expected {(t, h, d)}")
-    check_device(q, out)
-    s = _prep_scales(scales, scope, t, h, page_size, dev)
-    if q.numel() == 0:
-        return out
-    ov, kind = out_view(out)
-    ps, s_pg, s_hd = scale_strides(scope, t, h, page_size)
-    q8 = q.view(torch.uint8)
-    dummy = dummy_table(dev)
-    qs, vos = q8.stride(), ov.stride()
-    kw = {
-        "q_ptr": q8,
-        "s_ptr": s,
-        "vo_ptr": ov,
-        "ko_ptr": dummy,
-        "tbl_ptr": dummy,
-        "q_ltab": dummy,
-        "vo_ltab": dummy,
-        "ko_ltab": dummy,
-        "T": t,
-        "H": h,
-        "PS": ps,
-        "s_pg": s_pg,
-        "s_hd": s_hd,
-        "s_off": 0,
-        "s_sl": 0,
-        "BS": 1,
-        "q_off": 0,
-        "q_st": qs[0],
-        "q_sh": qs[1],
-        "q_sd": qs[2],
-        "q_sl": 0,
-        "vo_st": vos[0],
-        "vo_sh": vos[1],
-        "vo_sd": vos[2],
-        "vo_sb": 0,
-        "vo_sl": 0,
-        "ko_st": 0,
-        "ko_sh": 0,
-        "ko_sd": 0,
-        "ko_sb": 0,
-        "ko_sl": 0,
-        "D": d,
-        "KB": 0,
-        "MANT": fp.mant,
-        "BIAS": fp.bias,
-        "OUT_KIND": kind,
-        "SCALE_BYTES": False,
-        "K_ALIGNED": False,
-        "PAGED": False,
-        "Q_TAB": 0,
-        "VO_TAB": 0,
-        "KO_TAB": 0,
-        "HW_FP8": hw_fp8(dev),
-        "S_ALIGNED": False,
-        "HW_BF16": hw_bf16(dev),
-    }
-    launch_tiles("_dequant_tiles_kernel", t, pow2(d), h, 1, kw)
     return out
 
 

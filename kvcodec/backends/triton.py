@@ -30,6 +30,12 @@ def _quant() -> Any:
     return quant_triton
 
 
+def _dequant() -> Any:
+    from ..kernels import dequant_triton
+
+    return dequant_triton
+
+
 def _fused() -> Any:
     from ..kernels import fused_triton
 
@@ -66,7 +72,7 @@ class TritonBackend(TwoPass):
     ) -> torch.Tensor:
         """``float(q) * scale`` into ``out``."""
         g = groups
-        return _quant().dequantize(q, scales, g.scope, page_size=g.page_size, out_dtype=out.dtype, out=out)
+        return _dequant().dequantize(q, scales, g.scope, page_size=g.page_size, out_dtype=out.dtype, out=out)
 
     # Fused lane: the codec's encode / encode_layers.
 

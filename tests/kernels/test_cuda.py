@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 require_kernels()
 
-from kvcodec.kernels import configs, fused_triton, operands, quant_triton, vllm_triton  # noqa: E402
+from kvcodec.kernels import configs, dequant_triton, fused_triton, operands, quant_triton, vllm_triton  # noqa: E402
 
 from kvcodec.format import ScaleScope  # noqa: E402
 
@@ -145,7 +145,7 @@ def test_head_dims_cuda(d: int) -> None:
         assert same(q, Q.quantize(v, s, scope, page_size=ps))
         for od in (torch.float16, torch.bfloat16, torch.float32):
             assert same(
-                quant_triton.dequantize(q, s.to(DEV), scope, page_size=ps, out_dtype=od),
+                dequant_triton.dequantize(q, s.to(DEV), scope, page_size=ps, out_dtype=od),
                 Q.dequantize(q.cpu(), s, scope, page_size=ps, out_dtype=od),
             )
 
@@ -281,7 +281,7 @@ def test_fp8_decode_every_byte(fp8: torch.dtype, path: str, monkeypatch: pytest.
     for s in (1.0, 0.5, 3.0, 1.0 / 3.0, 2.0**-20, 2.0**-133, 7.25e4):
         st = torch.tensor(s, dtype=torch.float32)
         for od in (torch.float16, torch.bfloat16, torch.float32):
-            got = quant_triton.dequantize(q.to(DEV), st.to(DEV), PTS, out_dtype=od)
+            got = dequant_triton.dequantize(q.to(DEV), st.to(DEV), PTS, out_dtype=od)
             ref = Q.dequantize(q.to(DEV), st.to(DEV), PTS, out_dtype=od)
             assert torch.equal(u8(got[num]), u8(ref[num])), (s, od)
             assert bool(torch.isnan(got[~num].float()).all())

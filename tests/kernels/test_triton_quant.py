@@ -14,7 +14,7 @@ from tests.kernels.conftest import DEVICE, KERNEL_MARKS, reference_ops, require_
 
 require_kernels()
 
-from kvcodec.kernels import configs, fused_triton, operands, quant_triton, tiles  # noqa: E402
+from kvcodec.kernels import configs, dequant_triton, fused_triton, operands, quant_triton, tiles  # noqa: E402
 
 from kvcodec.errors import UnsupportedConfigError  # noqa: E402
 from kvcodec.format import ScaleScope  # noqa: E402
@@ -169,7 +169,7 @@ def test_scales_quantize_dequantize(scope: ScaleScope, ps: int | None, vdtype: t
     assert_bytes_equal(q, q_ref)
     for od in (torch.float16, torch.bfloat16, torch.float32):
         d_ref = Q.dequantize(q_ref, s_ref, scope, page_size=ps, out_dtype=od)
-        d = quant_triton.dequantize(q, s, scope, page_size=ps, out_dtype=od)
+        d = dequant_triton.dequantize(q, s, scope, page_size=ps, out_dtype=od)
         assert d.dtype == od
         assert_bytes_equal(d, d_ref)
 
@@ -218,7 +218,7 @@ def test_noncontiguous_inputs_and_outputs() -> None:
             assert_bytes_equal(out, q_ref)
             d_ref = Q.dequantize(q_ref, s_ref, scope, page_size=ps, out_dtype=torch.bfloat16)
             dout = torch.empty((t, 2 * h, d), dtype=torch.bfloat16, device=DEVICE)[:, ::2]
-            quant_triton.dequantize(out, s_ref.to(DEVICE), scope, page_size=ps, out=dout)
+            dequant_triton.dequantize(out, s_ref.to(DEVICE), scope, page_size=ps, out=dout)
             assert_bytes_equal(dout, d_ref)
 
 
@@ -234,7 +234,7 @@ def test_e5m2(scope: ScaleScope, ps: int | None) -> None:
     assert q.dtype == E5
     assert_bytes_equal(q, q_ref)
     assert_bytes_equal(
-        quant_triton.dequantize(q, s_ref.to(DEVICE), scope, page_size=ps),
+        dequant_triton.dequantize(q, s_ref.to(DEVICE), scope, page_size=ps),
         Q.dequantize(q_ref, s_ref, scope, page_size=ps),
     )
     pay = new_payload(operands.payload_nbytes(k, v, scope, ps))
@@ -506,7 +506,7 @@ def test_validation_errors() -> None:
     with pytest.raises(UnsupportedConfigError, match="differ"):
         fused_triton.encode_fused(v, v[:3], PT, payload=new_payload(10))
     with pytest.raises(UnsupportedConfigError, match="not FP8"):
-        quant_triton.dequantize(v, torch.tensor(1.0), PT)
+        dequant_triton.dequantize(v, torch.tensor(1.0), PT)
     with pytest.raises(UnsupportedConfigError, match="nonfinite"):
         quant_triton.compute_scales(v, PT, nonfinite="ignore")  # type: ignore[arg-type]
 
@@ -565,7 +565,7 @@ def test_subnormal_values() -> None:
         assert_bytes_equal(pay, ref_payload(k, v, scope, ps))
         q = Q.quantize(v, s, scope, page_size=ps)
         assert_bytes_equal(
-            quant_triton.dequantize(
+            dequant_triton.dequantize(
                 q.to(DEVICE), s.to(DEVICE), scope, page_size=ps, out_dtype=torch.bfloat16
             ),
             Q.dequantize(q, s, scope, page_size=ps, out_dtype=torch.bfloat16),
