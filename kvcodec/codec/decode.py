@@ -20,6 +20,7 @@ import torch
 from .. import backends
 from ..errors import Reason, UnsupportedConfigError
 from ..format import (
+    COMPUTED_SCOPES,
     MAX_DIM,
     MAX_ELEMENTS,
     Header,
@@ -32,7 +33,7 @@ from ..format import (
 from ..hostmem import byte_span, copy_tensor, overlaps_buffer, owned_copy
 from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
-from .encode import COMPUTED_SCOPES, as_scales, external_scope
+from .encode import as_scales, external_scope
 from .layout import check_hashes
 
 __all__ = ["DecodeRequest", "DecodedKV", "decode", "decode_parsed"]

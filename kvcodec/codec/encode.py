@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from .. import backends
+from ..env import triton_interpret
 from ..errors import Reason, UnsupportedConfigError
 from ..format import (
+    COMPUTED_SCOPES,
     Hashes,
     Header,
     HeaderPacker,
@@ -38,7 +40,6 @@ from .layout import normalize_layout, resolve_scope
 from .spec import EncodeSpec
 
 __all__ = [
-    "COMPUTED_SCOPES",
     "EncodePlan",
     "as_scales",
     "encode",
@@ -49,9 +50,6 @@ __all__ = [
     "seal",
     "write_payload",
 ]
-
-COMPUTED_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
-"""Scopes whose scales are computed from V and stored in the blob."""
 
 
 @dataclass
@@ -518,7 +516,7 @@ def _planned(k: Any, v: Any, spec: EncodeSpec) -> tuple[EncodePlan, HeaderPacker
     key = (
         None
         if layout is None or vk is None or (k is not None and kk is None)
-        else (layout, kk, vk, os.environ.get("KVCODEC_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+        else (layout, kk, vk, os.environ.get("KVCODEC_BACKEND"), triton_interpret())
     )
     hit = _PLANS.get(key) if key is not None else None
     if hit is None:

@@ -13,11 +13,13 @@ import json
 import sys
 from typing import Any
 
+from ..format import SCOPE_NAMES, ScaleScope
 from .common import EXIT_FAILURE, EXIT_OK, PROG, escape_text, finite_float, page_size, positive
 
 __all__ = ["add_parser", "run"]
 
-_SCOPES = ("per_page_head", "per_tensor", "per_layer_head", "raw")  # demo.SCOPES, without importing torch
+# demo.SCOPES (every scope but external: the demo has no scales to pass), without importing torch
+_SCOPES = tuple(name for name, scope in SCOPE_NAMES.items() if scope != ScaleScope.EXTERNAL)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

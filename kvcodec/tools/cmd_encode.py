@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..format import SCOPE_NAMES
 from .common import (
     EXIT_OK,
     EXIT_USAGE,
@@ -27,7 +28,7 @@ from .files import load_safetensors, load_tensor, require_files, write_atomic
 
 __all__ = ["SCOPES", "add_parser", "run"]
 
-SCOPES = ("per_page_head", "per_tensor", "per_layer_head", "external", "raw")
+SCOPES = tuple(SCOPE_NAMES)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ import torch
 
 from ..codec import decode, encode
 from ..errors import CodecError, CodecMismatchError, UnsupportedConfigError
-from ..format import MAX_DIM, Hashes, parse
+from ..format import MAX_DIM, SCOPE_NAMES, Hashes, ScaleScope, parse
 from ..store import DirectoryStore
 from .progress import Progress, progress_enabled
 from .quality import attention_error, v_metrics
@@ -61,7 +61,7 @@ MODEL_HASHES = Hashes(
 """Identity hashes the demo writes and expects back (synthetic but well-formed)."""
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-SCOPES = ("per_page_head", "per_tensor", "per_layer_head", "raw")
+SCOPES = tuple(name for name, scope in SCOPE_NAMES.items() if scope != ScaleScope.EXTERNAL)
 """The scopes the demo can run (external needs scales it has no source for)."""
 
 

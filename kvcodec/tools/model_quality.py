@@ -33,7 +33,7 @@ import torch
 
 from ..codec import decode, encode
 from ..errors import Reason, UnsupportedConfigError
-from ..format import MAX_DIM
+from ..format import COMPUTED_SCOPES, MAX_DIM, SCOPE_NAMES
 from .progress import Progress, progress_enabled
 from .quality import sqnr_db
 from .realmodel import DTYPES, LoadedModel, forward, make_cache, prefix_cache, read_tokens
@@ -54,7 +54,7 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 DEFAULT_SCOPES = ("per_page_head/16", "per_layer_head", "per_tensor")
-_KVCODEC_SCOPES = ("per_page_head", "per_layer_head", "per_tensor")
+_KVCODEC_SCOPES = tuple(name for name, scope in SCOPE_NAMES.items() if scope in COMPUTED_SCOPES)
 
 
 @dataclass(frozen=True)

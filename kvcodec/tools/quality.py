@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..codec import decode, encode
+from ..format import COMPUTED_SCOPES, SCOPE_NAMES
 
 __all__ = [
     "QualityRow",
@@ -25,7 +26,8 @@ __all__ = [
 ]
 
 DISTRIBUTIONS = ("gaussian", "student_t3", "outlier_channels")
-SCOPES = ("per_tensor", "per_layer_head", "per_page_head")
+SCOPES = tuple(name for name, scope in SCOPE_NAMES.items() if scope in COMPUTED_SCOPES)
+"""The scopes measured: those whose scales encode computes from V."""
 
 
 @dataclass(frozen=True)

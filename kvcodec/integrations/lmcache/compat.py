@@ -45,6 +45,7 @@ from ...codec.encode import seal, write_payload
 from ...errors import CodecError, CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ...format import (
     FIXED_HEADER_LEN,
+    FLOAT8_DTYPES,
     MAGIC,
     Hashes,
     Header,
@@ -538,7 +539,7 @@ class AsymK16V8Codec:
         scale_dtype: torch.dtype = torch.float32,
         scale_scope: ScaleScope = ScaleScope.PER_TENSOR,
     ):
-        if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if fp8_dtype not in FP8_DTYPES:
             raise UnsupportedConfigError(
                 f"AsymK16V8Codec: fp8_dtype must be float8_e4m3fn (or e5m2 reserved); got {fp8_dtype}",
                 reason=Reason.UNSUPPORTED_DTYPE,
@@ -768,7 +769,7 @@ class AsymK16V8Codec:
 def _check_decodable(h: Header, payload: memoryview) -> None:
     """What deserialize_header leaves to decode (kvcodec's parser's final steps): K, V and scale
     lengths that describe one tensor, and stored scales encode could have written (finite, > 0)."""
-    if h.v_dtype.name not in ("float8_e4m3fn", "float8_e5m2"):
+    if h.v_dtype not in FLOAT8_DTYPES:
         raise UnsupportedConfigError(
             f"decode: blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V",
             reason=Reason.UNSUPPORTED_DTYPE,

@@ -36,7 +36,7 @@ import kvcodec
 
 from ...codec.layout import resolve_scope
 from ...errors import UnsupportedConfigError
-from ...format import Hashes, ScaleScope
+from ...format import COMPUTED_SCOPES, Hashes
 
 try:
     from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
@@ -112,7 +112,7 @@ class KvcodecSerdeConfig:
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise UnsupportedConfigError(f"kvcodec serde option {name} must be an int >= 1; got {val!r}")
         scope = resolve_scope(cfg.scope)
-        if scope not in (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD):
+        if scope not in COMPUTED_SCOPES:
             raise UnsupportedConfigError(
                 f"kvcodec serde scope {cfg.scope!r}: expected per_page_head, per_layer_head or per_tensor"
             )

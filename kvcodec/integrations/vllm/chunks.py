@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvcodec import CodecMismatchError, UnsupportedConfigError, decode, encode
+from kvcodec.numerics import FP8_DTYPES
 
 from .layout import gather_kv, scatter_kv
 
@@ -31,12 +32,11 @@ __all__ = [
     "FP8Scales",
     "blob_identity",
     "check_ids",
+    "check_k_exact",
     "decode_chunk",
     "encode_chunk",
     "load_chunk",
 ]
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,14 @@ def check_ids(layer_id: int, chunk_id: int, want_layer: int, want_chunk: int) ->
         )
 
 
+def check_k_exact(blob_k: torch.dtype, cache: torch.dtype) -> None:
+    """Refuse a blob whose K dtype is not the 16-bit cache's: K loads bit-exact or not at all."""
+    if blob_k != cache:
+        raise UnsupportedConfigError(
+            f"the blob's K is {blob_k} but the cache is {cache}: K must load bit-exact"
+        )
+
+
 def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.shape[-1] == dim:
         return x
@@ -102,7 +110,7 @@ def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _fp8_view(x: torch.Tensor, fp8: FP8Scales) -> torch.Tensor:
-    if fp8.dtype not in _FP8:
+    if fp8.dtype not in FP8_DTYPES:
         raise UnsupportedConfigError(f"FP8 cache dtype must be float8_e4m3fn or float8_e5m2; got {fp8.dtype}")
     if x.element_size() != 1:
         raise UnsupportedConfigError(f"an FP8 cache holds 1-byte values; this one is {x.dtype}")
@@ -206,10 +214,7 @@ def decode_chunk(
     k = _check_tokens(res.k, num_tokens, heads, dim)
     v = _check_tokens(res.v, num_tokens, heads, dim)
     if fp8 is None:
-        if k.dtype != cache.dtype:
-            raise UnsupportedConfigError(
-                f"the blob's K is {k.dtype} but the cache is {cache.dtype}: K must load bit-exact"
-            )
+        check_k_exact(k.dtype, cache.dtype)
         return k[..., :dk], v[..., :dv]
     return _fp8_k(k[..., :dk], fp8, heads), _fp8_v(v[..., :dv], res.scales, fp8, heads)
 

@@ -43,10 +43,10 @@ import torch
 from kvcodec import ParsedBlob, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes, parse
 from kvcodec.codec import resolve_scope, to_torch
 from kvcodec.env import triton_interpret
-from kvcodec.format import Hashes, HeaderPacker
-from kvcodec.numerics import scale_shape
+from kvcodec.format import COMPUTED_SCOPES, Hashes, HeaderPacker
+from kvcodec.numerics import FP8_DTYPES, scale_shape
 
-from .chunks import ChunkCodec, blob_identity, check_ids, decode_chunk
+from .chunks import ChunkCodec, blob_identity, check_ids, check_k_exact, decode_chunk
 from .layout import scatter_kv
 
 __all__ = ["FUSED_MODES", "ChunkLoad", "Eligibility", "FusedLayers", "eligibility", "load_layers"]
@@ -55,8 +55,6 @@ FUSED_MODES = ("auto", "on", "off")
 """``auto``: CUDA caches that qualify; ``on``: required (CPU caches run in Triton's interpreter); ``off``."""
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 PREFIX_HASH_LEN = 32
 """Hex digits of a connector chunk's prefix hash (:func:`~.keys.prefix_hashes`)."""
 
@@ -94,7 +92,7 @@ def _cache_refusal(views: Sequence[torch.Tensor], cc: ChunkCodec) -> str | None:
             return "the layers' views differ in shape, strides, dtype or device"
     if cc.block_size % x0.shape[2]:
         return f"block_size {cc.block_size} is not a multiple of the views' {x0.shape[2]} slots per block"
-    if resolve_scope(cc.scope) not in _SCOPES:
+    if resolve_scope(cc.scope) not in COMPUTED_SCOPES:
         return f"scope {cc.scope}: the kernels compute per_tensor, per_layer_head and per_page_head scales"
     return None
 
@@ -152,7 +150,7 @@ class _Plan:
 def _check_geometry(p: ParsedBlob, tokens: int, heads: int, dim: int, dtype: torch.dtype) -> None:
     """Refuse a blob this cache cannot take, with the errors :func:`~.chunks.decode_chunk` raises."""
     h = p.header
-    if to_torch(h.v_dtype) not in _FP8:
+    if to_torch(h.v_dtype) not in FP8_DTYPES:
         raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
     if not h.k_payload_len and h.v_payload_len:
         raise UnsupportedConfigError("the blob holds no K; a vLLM cache needs both K and V")
@@ -163,17 +161,14 @@ def _check_geometry(p: ParsedBlob, tokens: int, heads: int, dim: int, dtype: tor
     )
     if shape != (tokens, heads, dim):
         raise UnsupportedConfigError(f"the blob holds {shape}; this cache needs ({tokens}, {heads}, {dim})")
-    if to_torch(h.k_dtype) != dtype:
-        raise UnsupportedConfigError(
-            f"the blob's K is {to_torch(h.k_dtype)} but the cache is {dtype}: K must load bit-exact"
-        )
+    check_k_exact(to_torch(h.k_dtype), dtype)
 
 
 def _plan(p: ParsedBlob, tokens: int, heads: int) -> _Plan | None:
     """The kernels' decode of one checked blob, or None when only the per-layer path decodes it."""
     h = p.header
     if (
-        h.scale_scope not in _SCOPES
+        h.scale_scope not in COMPUTED_SCOPES
         or h.scale_scheme != ScaleScheme.COMPUTED
         or str(h.scale_dtype) != "float32"
     ):

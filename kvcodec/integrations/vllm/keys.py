@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from kvcodec import ScaleScope, UnsupportedConfigError
+from kvcodec import UnsupportedConfigError
 from kvcodec.codec import resolve_scope
+from kvcodec.format import COMPUTED_SCOPES
 from kvcodec.format.header import MAX_DIM, MAX_HASH_STR
 
 __all__ = [
@@ -41,10 +42,6 @@ _HASH_DOMAIN = b"kvcodec.vllm.prefix.v1\x00"
 # ----------------------------------------------------------------------------
 # Configuration and identity
 # ----------------------------------------------------------------------------
-
-
-_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
-"""The scopes a connector can write: scales computed from V (not external, not raw)."""
 
 
 @dataclass(frozen=True)
@@ -167,9 +164,9 @@ def _scope_name(scope: Any) -> str:
     if not isinstance(scope, str) and not _is_int(scope):
         raise UnsupportedConfigError(f"scope must be a scope name; got {scope!r}")
     sc = resolve_scope(scope)
-    if sc not in _SCOPES:
+    if sc not in COMPUTED_SCOPES:
         raise UnsupportedConfigError(
-            f"scope {scope!r} cannot be written by the connector; use one of {[s.name.lower() for s in _SCOPES]}"
+            f"scope {scope!r} cannot be written by the connector; use one of {[s.name.lower() for s in COMPUTED_SCOPES]}"
         )
     return sc.name.lower()
 
