@@ -10,7 +10,8 @@ It runs, in this order, within about 6 minutes:
 1. built-in equality checks of the kernels against the torch reference on
    the GPU (need nothing beyond torch + triton);
 2. the pytest GPU tier (tests/kernels/test_cuda.py, tests/kernels/test_triton_quant.py,
-   tests/kernels/test_triton_vllm.py (the vLLM connector's fused kernels), tests/integrations/vllm/test_fused.py, and
+   tests/kernels/test_triton_vllm.py (the vLLM connector's fused kernels), tests/integrations/vllm/test_fused.py,
+   tests/integrations/vllm/test_fused_async.py (its side-stream save and load), and
    tests/kernels/test_fused_scale_underflow.py, tests/kernels/test_division_proof.py (the
    one-reciprocal division on the hardware), on CUDA tensors) when pytest is
    installed;
@@ -60,6 +61,7 @@ TEST_FILES = (
     "tests/kernels/test_triton_quant.py",
     "tests/kernels/test_triton_vllm.py",
     "tests/integrations/vllm/test_fused.py",
+    "tests/integrations/vllm/test_fused_async.py",
     "tests/kernels/test_fused_scale_underflow.py",
     "tests/kernels/test_division_proof.py",
 )
