@@ -489,6 +489,7 @@ class KvcodecConnector(KVConnectorBase_V1):
                 result.chunks.append(self._prepare_chunk(spec, c, first - c * cs))
             except Exception as e:  # any failure (not only a bad blob) means: recompute from here
                 result.failed_at = first
+                self._forget_chunk(spec, c)
                 logger.warning(
                     "kvcodec: request %s chunk %d not loaded (%s: %s); recomputed from token %d",
                     spec.req_id,
@@ -530,6 +531,16 @@ class KvcodecConnector(KVConnectorBase_V1):
             }
         return _Prepared(c, skip, cs - skip, blobs, kv)
 
+    def _forget_chunk(self, spec: LoadSpec, c: int) -> None:
+        """Delete a chunk's manifest after its load failed: vLLM looks the request up again before it
+        recomputes, and a chunk still marked present would be loaded (and fail) again, forever. The
+        recomputed chunk is saved again (its blobs that are still there are not rewritten)."""
+        parent = spec.chunk_hashes[c - 1] if c else None
+        try:
+            self._store.delete(self._manifest_key(c, spec.chunk_hashes[c], parent))
+        except Exception as e:  # nothing more to do: the failure is already reported
+            logger.warning("kvcodec: request %s chunk %d: manifest not removed (%s)", spec.req_id, c, e)
+
     @contextlib.contextmanager
     def _deleting_bad(self, keys: list[str]) -> Iterator[None]:
         """Delete every file of the chunk when one blob is damaged, another model's or misfiled."""
@@ -549,6 +560,7 @@ class KvcodecConnector(KVConnectorBase_V1):
                 self._write_prepared(spec, p)
             except Exception as e:  # the blocks from here on are reported, so vLLM recomputes them
                 failed_at = p.chunk * cs + p.skip
+                self._forget_chunk(spec, p.chunk)
                 logger.warning(
                     "kvcodec: request %s chunk %d not written (%s: %s)",
                     spec.req_id,

@@ -108,6 +108,9 @@ def test_a_failing_read_is_a_load_error_and_the_request_finishes(
     assert conn.stats["chunks_failed"] == 1 and conn.stats["chunks_loaded"] == 1
     lines = [r for r in caplog.records if "request r chunk 1 not loaded" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    # Chunk 1 no longer looks present (vLLM's next lookup of the request must not load it again).
+    assert conn._store.contains(conn._manifest_key(0, HASHES[0], None))
+    assert not conn._store.contains(conn._manifest_key(1, HASHES[1], HASHES[0]))
     conn.shutdown()
 
 
@@ -145,6 +148,7 @@ def test_a_failing_write_into_the_cache_is_a_load_error(
     received, errors = _load(conn)
     assert received == {"r"} and errors == {5, 2}
     assert conn.stats["chunks_failed"] == 1
+    assert not conn._store.contains(conn._manifest_key(1, HASHES[1], HASHES[0]))
     conn.shutdown()
 
 

@@ -9,8 +9,9 @@ comes through the connector. SPEC: ``model``, ``prompts`` (lists of token ids),
 ``max_num_batched_tokens`` (small: chunked prefill), ``cwd`` (run from there: a relative ``model``),
 ``prefix_caching`` (false: vLLM's own prefix cache off, so a repeated prompt comes from the store),
 ``repeat`` (run the prompts that many times, one after another), ``drain`` (wait for the connector's
-pending writes after each prompt), ``slow_put_s`` (every store write sleeps that long first: a slow store), ``shutdown_timeout_s``
-(how long the connector's shutdown drains pending writes; default: its own), ``log_stats`` (vLLM's
+pending writes after each prompt), ``slow_put_s`` (every store write sleeps that long first: a slow store),
+``fail_get`` (every store read of a key containing that text raises RuntimeError: a bug in the read
+path), ``shutdown_timeout_s`` (how long the connector's shutdown drains pending writes; default: its own), ``log_stats`` (vLLM's
 stat loggers on; the ``vllm:kvcodec*`` Prometheus metrics are returned).
 After the prompts the connector is shut down (pending writes drained or abandoned) before its
 counters are read. Output (last stdout line):
@@ -58,6 +59,20 @@ def _slow_store(seconds: float) -> None:
     DirectoryStore.put = slow_put
 
 
+def _failing_get(part: str) -> None:
+    """Every store read of a key containing ``part`` raises, as a bug (not a bad blob) would."""
+    from kvcodec.store import DirectoryStore
+
+    get = DirectoryStore.get
+
+    def failing_get(self, key):
+        if part in key:
+            raise RuntimeError(f"injected read failure for {key}")
+        return get(self, key)
+
+    DirectoryStore.get = failing_get
+
+
 def _metrics(llm) -> dict:
     """The kvcodec Prometheus metrics vLLM's stat loggers recorded: name -> value."""
     return {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "kvcodec" in m.name}
@@ -70,6 +85,8 @@ def main(path: str) -> None:
         os.chdir(spec["cwd"])
     if spec.get("slow_put_s"):
         _slow_store(spec["slow_put_s"])
+    if spec.get("fail_get"):
+        _failing_get(spec["fail_get"])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
