@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Any
 
 from .errors import CorruptEncodedKVError, UnsupportedConfigError
-from .format import HASH_KEYS, Hashes, as_bytes_view, parse
+from .format import HASH_KEYS, Hashes, ParsedBlob, as_bytes_view, parse
 
 try:  # POSIX: flock tells a live writer's temp file from a dead one's.
     import fcntl
@@ -132,6 +132,22 @@ def _open_regular(path: str) -> tuple[int, os.stat_result] | None:
         os.close(fd)
         return None
     return fd, st
+
+
+def _read_file(fd: int, size: int) -> bytearray:
+    """The first ``size`` bytes of ``fd`` in a new bytearray (shorter if the file is: parse then
+    finds it truncated)."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    with view:
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                break
+            got += n
+    if got < size:
+        del buf[got:]
+    return buf
 
 
 def _lstat(path: str) -> os.stat_result | None:
@@ -471,14 +487,36 @@ class DirectoryStore:
         """
         validate_key(key)
         self._check_open()
+        return self._get(key, whole=False).blob
+
+    def get_parsed(self, key: str) -> ParsedBlob:
+        """The blob under ``key`` read into memory and parsed once, its CRC verified (whatever ``verify``).
+
+        For a reader that decodes the blob at once (the vLLM connector's loads):
+        :func:`~kvcodec.decode` takes the :class:`~kvcodec.format.ParsedBlob` as
+        it is, so the blob is parsed once instead of twice and read with one
+        ``read`` into a private, writable ``bytearray`` (K can be viewed in
+        place) instead of faulting in an mmap page by page. Misses and damage
+        are reported as by :meth:`get`: ``KeyError``, or
+        :class:`CorruptEncodedKVError` after the file is quarantined (a CRC
+        mismatch included).
+        """
+        validate_key(key)
+        self._check_open()
+        return self._get(key, whole=True)
+
+    def _get(self, key: str, *, whole: bool) -> ParsedBlob:
         for attempt in range(3):
-            view = self._read(key, retry=attempt < 2)
-            if view is not None:
-                return view
+            parsed = self._read(key, retry=attempt < 2, whole=whole)
+            if parsed is not None:
+                return parsed
         raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
-    def _read(self, key: str, *, retry: bool) -> memoryview | None:
-        """One ``get`` attempt; None when a damaged file was replaced meanwhile (and ``retry``)."""
+    def _read(self, key: str, *, retry: bool, whole: bool) -> ParsedBlob | None:
+        """One read attempt; None when a damaged file was replaced meanwhile (and ``retry``).
+
+        ``whole``: read the file into a bytearray and verify the CRC (:meth:`get_parsed`); else map it
+        copy-on-write and verify the CRC only with ``verify`` (:meth:`get`)."""
         path = self._path(key)
         opened = _open_regular(path)
         if opened is None:
@@ -490,12 +528,16 @@ class DirectoryStore:
             if st.st_size == 0:
                 reason = "file is empty"
             else:
-                mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+                mm = (
+                    _read_file(fd, st.st_size)
+                    if whole
+                    else mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+                )
                 try:
-                    parsed = parse(mm, verify_crc=self._verify)
+                    parsed = parse(mm, verify_crc=whole or self._verify)
                 except CorruptEncodedKVError as e:
                     reason = str(e)
-                if reason is not None:  # outside the handler, so parse's views are released
+                if reason is not None and not whole:  # outside the handler, so parse's views are released
                     try:
                         mm.close()
                     except BufferError:  # pragma: no cover - a view still alive; GC frees it
@@ -519,7 +561,7 @@ class DirectoryStore:
                 self._record(key, stamp, st.st_size)
         finally:
             os.close(fd)
-        return parsed.blob
+        return parsed
 
     def contains(self, key: str) -> bool:
         """Whether a regular file exists for ``key`` (not verified: ``get`` may still find it corrupt).

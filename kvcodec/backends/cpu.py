@@ -29,7 +29,7 @@ from ..hostmem import copy_tensor
 from ..numerics import NonFinitePolicy, ScaleScope, scale_shape
 from .base import Declined, Groups
 
-__all__ = ["AVAILABLE", "BACKEND", "REASON", "CpuBackend"]
+__all__ = ["AVAILABLE", "BACKEND", "REASON", "CpuBackend", "scatter_dequantize", "scatter_rows"]
 
 try:
     from .. import _cpu  # type: ignore[attr-defined]
@@ -304,3 +304,78 @@ class CpuBackend:
 
 BACKEND = CpuBackend()
 """The one instance the dispatcher uses."""
+
+
+# ----------------------------------------------------------------------------
+# Rows into a paged cache view (the vLLM connector's loads)
+# ----------------------------------------------------------------------------
+
+
+def _cache_refusal(cache: torch.Tensor, dtypes: object) -> str | None:
+    """Why C cannot write the 4-D cache view (None when it can; C checks strides and overlaps)."""
+    if type(cache) not in _PLAIN or cache.device.type != "cpu" or cache.layout != torch.strided:
+        return "the cache is not a strided CPU tensor"
+    if cache.dim() != 4 or cache.dtype not in dtypes or cache.requires_grad:  # type: ignore[operator]
+        return f"the cache is not a 4-D {dtypes} view without grad"
+    return None
+
+
+def _runs(runs: np.ndarray) -> np.ndarray:
+    if runs.dtype != np.int64 or runs.ndim != 2 or runs.shape[1] != 4:
+        raise UnsupportedConfigError(f"runs must be an int64 [R, 4] array; got {runs.dtype} {runs.shape}")
+    return np.ascontiguousarray(runs)
+
+
+_ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32, torch.uint8)
+"""Row dtypes :func:`scatter_rows` copies (bytes as they are)."""
+
+
+def scatter_rows(src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> str | None:
+    """Copy ``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view.
+
+    ``runs`` rows are ``(block, first slot, first src token, tokens)``: token ``t + j`` goes to
+    ``cache[block, :, slot + j, col : col + D]``. Returns None when done, or why C declined
+    (nothing written; the caller copies another way). A run outside the view or ``src`` raises.
+    """
+    if _cpu is None:
+        return REASON
+    why = _rows_refusal(src, _ROW_DTYPES, "src") or _cache_refusal(cache, (src.dtype,))
+    if why is not None:
+        return why
+    return _cpu.scatter_rows(_buf(src), _buf(cache), col, _runs(runs))
+
+
+def scatter_dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    groups: Groups,
+    cache: torch.Tensor,
+    col: int,
+    runs: np.ndarray,
+) -> str | None:
+    """:meth:`CpuBackend.dequantize` of the ``runs``' rows of ``codes`` straight into a cache view.
+
+    As :func:`scatter_rows`, with ``float(code) * scale`` (the scale of the row's group, by its token
+    in ``codes``) written in the cache's dtype, bit-exact with the reference. Returns None when done,
+    or why C declined: then nothing is written (NaN codes, non-finite scales, a layout C does not take).
+    """
+    page = _page(groups)
+    if isinstance(page, str):
+        return page
+    why = (
+        _rows_refusal(codes, _DECODE[0], "codes")
+        or _scales_refusal(scales, groups, codes.shape, page)
+        or _cache_refusal(cache, _DECODE[1])
+    )
+    if why is not None:
+        return why
+    return _cpu.scatter_dequant(
+        _buf(codes),
+        _scales32(scales),
+        _SCOPE[groups.scope],
+        page,
+        _buf(cache),
+        col,
+        _DTYPE[cache.dtype],
+        _runs(runs),
+    )

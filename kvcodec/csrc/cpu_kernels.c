@@ -427,9 +427,9 @@ static void rethrow(const char *fn) {
 
 /* Bytes spanned by the elements (non-negative strides): 1 + sum((n_i - 1) * stride_i)
  * item sizes; 0 when empty, -1 on overflow. */
-static Py_ssize_t span_of(const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize) {
+static Py_ssize_t span_of(int nd, const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize) {
     Py_ssize_t span = itemsize;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < nd; i++) {
         if (shape[i] == 0) return 0;
         Py_ssize_t step;
         if (__builtin_mul_overflow(shape[i] - 1, strides[i], &step) || __builtin_add_overflow(span, step, &span))
@@ -440,10 +440,10 @@ static Py_ssize_t span_of(const Py_ssize_t *shape, const Py_ssize_t *strides, Py
 
 /* Whether no two elements share a byte: the dimensions of extent > 1, by
  * increasing stride, each step past the whole of the previous one. */
-static int no_self_overlap(const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize) {
-    Py_ssize_t n[3], s[3];
+static int no_self_overlap(int nd, const Py_ssize_t *shape, const Py_ssize_t *strides, Py_ssize_t itemsize) {
+    Py_ssize_t n[4], s[4];
     int k = 0;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < nd; i++)
         if (shape[i] > 1) {
             int j = k++;
             while (j > 0 && s[j - 1] > strides[i]) {
@@ -491,7 +491,7 @@ static int get_arr(PyObject *obj, Py_ssize_t itemsize, int writable, const char 
     for (int i = 0; i < 3; i++)
         if (v->strides[i] < 0 || v->strides[i] % itemsize) w = "a buffer has a negative stride or one not a multiple of its item size";
     if (!w) {
-        Py_ssize_t span = span_of(v->shape, v->strides, itemsize);
+        Py_ssize_t span = span_of(3, v->shape, v->strides, itemsize);
         if (span < 0 || (uintptr_t)v->buf > UINTPTR_MAX - (uintptr_t)span) {
             snprintf(msg, sizeof msg, "%s: extents times strides overflow", name);
             return fail(fn, msg);
@@ -501,7 +501,7 @@ static int get_arr(PyObject *obj, Py_ssize_t itemsize, int writable, const char 
             w = "a buffer's head_dim is not contiguous";
         else if ((uintptr_t)v->buf % (uintptr_t)itemsize)
             w = "a buffer is not aligned to its elements";
-        else if (writable && !no_self_overlap(v->shape, v->strides, itemsize))
+        else if (writable && !no_self_overlap(3, v->shape, v->strides, itemsize))
             w = "an output has elements sharing memory";
     }
     if (!*why) *why = w;
@@ -806,6 +806,190 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     return result(&b, why);
 }
 
+/* ------------------------------------------------------ scatter into a cache */
+/* A vLLM layer cache view [N blocks, H heads, S slots, C = K and V widths] and the runs of a chunk's
+ * tokens in it: (view block, first slot, first source token, tokens) as int64 quadruples. K rows are
+ * copied (scatter_rows) and V's codes dequantized (scatter_dequant) straight into the view, one call
+ * per layer: no token-major staging copy and no per-run Python. Every run is checked against the
+ * view and the source before any row is written. */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+    char *base;
+    Py_ssize_t N, H, S, C;
+    Py_ssize_t sn, sh, ss; /* strides in bytes */
+    char *lo, *hi;
+} Cache4;
+
+/* Take a writable [N, H, S, C] buffer of `itemsize`-byte elements. -1: error raised; 0: taken, *why
+ * set when the loops cannot take its layout. */
+static int get_cache(PyObject *obj, Py_ssize_t itemsize, const char *fn, Cache4 *c, const char **why) {
+    if (PyObject_GetBuffer(obj, &c->view, PyBUF_RECORDS) < 0) return rethrow(fn), -1;
+    c->held = 1;
+    Py_buffer *v = &c->view;
+    if (v->ndim != 4 || !v->shape || !v->strides) return fail(fn, "the cache must be a 4-d [blocks, heads, slots, width] buffer");
+    if (v->itemsize != itemsize) return fail(fn, "the cache's item size is not the rows'");
+    c->base = c->lo = c->hi = (char *)v->buf;
+    c->N = v->shape[0];
+    c->H = v->shape[1];
+    c->S = v->shape[2];
+    c->C = v->shape[3];
+    c->sn = v->strides[0];
+    c->sh = v->strides[1];
+    c->ss = v->strides[2];
+    const char *w = NULL;
+    for (int i = 0; i < 4; i++)
+        if (v->strides[i] < 0 || v->strides[i] % itemsize) w = "the cache has a negative stride or one not a multiple of its item size";
+    if (!w) {
+        Py_ssize_t span = span_of(4, v->shape, v->strides, itemsize);
+        if (span < 0 || (uintptr_t)v->buf > UINTPTR_MAX - (uintptr_t)span) return fail(fn, "the cache's extents times strides overflow");
+        c->hi = c->lo + span;
+        if (c->C > 1 && v->strides[3] != itemsize)
+            w = "the cache's width is not contiguous";
+        else if ((uintptr_t)v->buf % (uintptr_t)itemsize)
+            w = "the cache is not aligned to its elements";
+        else if (!no_self_overlap(4, v->shape, v->strides, itemsize))
+            w = "the cache has elements sharing memory";
+    }
+    if (!*why) *why = w;
+    return 0;
+}
+
+/* Take the runs (C-contiguous int64, a multiple of 4 values) and check each against the source rows
+ * `src` and the cache, and the columns col .. col + D against the cache's width. -1: error raised. */
+static int take_runs(PyObject *obj, const char *fn, const Arr *src, const Cache4 *c, Py_ssize_t col, Py_buffer *r) {
+    if (PyObject_GetBuffer(obj, r, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return rethrow(fn), -1;
+    const char *f = r->format ? r->format : "B";
+    int i64 = r->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0 || strcmp(f, "<q") == 0 || strcmp(f, "=q") == 0);
+    if (!i64 || r->len % 32) return PyBuffer_Release(r), fail(fn, "runs must be int64 quadruples (block, slot, token, count)");
+    if (src->H != c->H) return PyBuffer_Release(r), fail(fn, "the rows' heads are not the cache's");
+    if (col < 0 || src->D > c->C || col > c->C - src->D) return PyBuffer_Release(r), fail(fn, "the columns do not fit the cache's width");
+    const int64_t *q = (const int64_t *)r->buf;
+    for (Py_ssize_t i = 0; i < r->len / 8; i += 4) {
+        int64_t b = q[i], s = q[i + 1], t = q[i + 2], n = q[i + 3];
+        if (b < 0 || b >= c->N || s < 0 || t < 0 || n < 0 || n > c->S - s || n > src->T - t)
+            return PyBuffer_Release(r), fail(fn, "a run lies outside the cache or the rows");
+    }
+    return 0;
+}
+
+static int cache_overlaps(const Cache4 *c, const Arr *a) { return a->held && a->lo < a->hi && c->lo < a->hi && a->lo < c->hi; }
+
+static void copy_runs(const Arr *src, const Cache4 *c, Py_ssize_t col, const int64_t *q, Py_ssize_t nq) {
+    size_t row = (size_t)(src->D * src->view.itemsize);
+    char *dst0 = c->base + col * c->view.itemsize;
+    for (Py_ssize_t i = 0; i < nq; i += 4)
+        for (Py_ssize_t h = 0; h < src->H; h++)
+            for (int64_t j = 0; j < q[i + 3]; j++)
+                memcpy(dst0 + q[i] * c->sn + h * c->sh + (q[i + 1] + j) * c->ss,
+                       src->base + (q[i + 2] + j) * src->st + h * src->sh, row);
+}
+
+/* scatter_rows(src, cache, col, runs) -> None, or why numpy must take it: src [T, H, D] rows into
+ * columns col .. col + D of the cache view, run by run. */
+static PyObject *py_scatter_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char *fn = "scatter_rows";
+    PyObject *so, *co, *ro;
+    Py_ssize_t col;
+    Arr src;
+    Cache4 c;
+    Py_buffer r;
+    const char *why = NULL;
+    memset(&src, 0, sizeof src);
+    memset(&c, 0, sizeof c);
+    if (parse(args, fn, "OOnO", &so, &co, &col, &ro)) return NULL;
+    PyObject *ret = NULL;
+    Py_buffer probe;
+    if (PyObject_GetBuffer(so, &probe, PyBUF_RECORDS_RO) < 0) return rethrow(fn), NULL;
+    Py_ssize_t item = probe.itemsize;
+    PyBuffer_Release(&probe);
+    if (get_arr(so, item, 0, fn, "the rows", &src, &why) < 0 || get_cache(co, item, fn, &c, &why) < 0) goto done;
+    if (take_runs(ro, fn, &src, &c, col, &r) < 0) goto done;
+    if (!why && cache_overlaps(&c, &src)) why = "the cache overlaps the rows";
+    if (!why) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_runs(&src, &c, col, (const int64_t *)r.buf, r.len / 8);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&r);
+    ret = why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
+done:
+    if (src.held) PyBuffer_Release(&src.view);
+    if (c.held) PyBuffer_Release(&c.view);
+    return ret;
+}
+
+/* Whether any of the rows holds a NaN code. */
+static int rows_have_nan(const Arr *q, nan_fn has_nan) {
+    for (Py_ssize_t t = 0; t < q->T; t++)
+        for (Py_ssize_t h = 0; h < q->H; h++)
+            if (has_nan((const uint8_t *)q->base + t * q->st + h * q->sh, q->D)) return 1;
+    return 0;
+}
+
+/* scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs) -> None, or why the reference
+ * must take it: float(q) * scale of the run's rows into columns col .. col + D of the cache view. NaN
+ * codes anywhere in q or non-finite scales: nothing written. */
+static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char *fn = "scatter_dequant";
+    PyObject *qo, *so, *co, *ro;
+    int scope, odt;
+    Py_ssize_t page, col;
+    Arr q, s;
+    Cache4 c;
+    Py_buffer r;
+    const char *why = NULL;
+    memset(&q, 0, sizeof q);
+    memset(&s, 0, sizeof s);
+    memset(&c, 0, sizeof c);
+    if (parse(args, fn, "OOinOniO", &qo, &so, &scope, &page, &co, &col, &odt, &ro) || check_dtype(fn, odt) ||
+        check_scope(fn, scope, page))
+        return NULL;
+    PyObject *ret = NULL;
+    if (get_arr(qo, 1, 0, fn, "the codes", &q, &why) < 0) goto done;
+    Py_ssize_t ng = groups_of(q.T, q.H, scope, page);
+    if (ng < 0) {
+        fail(fn, "too many scale groups");
+        goto done;
+    }
+    if (get_scales(so, ng, 0, fn, &s, &why) < 0 || get_cache(co, DT_SIZE[odt], fn, &c, &why) < 0) goto done;
+    if (take_runs(ro, fn, &q, &c, col, &r) < 0) goto done;
+    if (!why && (cache_overlaps(&c, &q) || cache_overlaps(&c, &s))) why = "the cache overlaps the codes or the scales";
+    if (!why) {
+        int simd = kv_simd;
+        deq_fn deq = pick_deq(odt, simd);
+        const int64_t *rq = (const int64_t *)r.buf;
+        Py_ssize_t nq = r.len / 8;
+        const float *sc = (const float *)s.base;
+        Py_BEGIN_ALLOW_THREADS
+        if (!scales_ok(sc, ng, 0))
+            why = "scales must be finite";
+        else if (rows_have_nan(&q, pick_nan(simd)))
+            why = "q holds NaN codes";
+        else {
+            char *dst0 = c.base + col * c.view.itemsize;
+            for (Py_ssize_t i = 0; i < nq; i += 4)
+                for (Py_ssize_t h = 0; h < q.H; h++)
+                    for (int64_t j = 0; j < rq[i + 3]; j++) {
+                        Py_ssize_t t = (Py_ssize_t)(rq[i + 2] + j);
+                        deq((const uint8_t *)q.base + t * q.st + h * q.sh, q.D, sc[group_of(scope, page, q.H, t, h)],
+                            dst0 + rq[i] * c.sn + h * c.sh + (rq[i + 1] + j) * c.ss);
+                    }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&r);
+    ret = why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
+done:
+    if (q.held) PyBuffer_Release(&q.view);
+    if (s.held) PyBuffer_Release(&s.view);
+    if (c.held) PyBuffer_Release(&c.view);
+    return ret;
+}
+
 /* ---------------------------------------------------------------- misc */
 
 /* empty_bytearray(n): a bytearray of n bytes, not zeroed (the caller writes them all). */
@@ -874,6 +1058,11 @@ static PyMethodDef methods[] = {
      "quantize(v, v_dtype, scales, scope, page, q) -> None or reason: e4m3 codes of V / scale."},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(q, scales, scope, page, out, out_dtype) -> None or reason: float(q) * scale."},
+    {"scatter_rows", py_scatter_rows, METH_VARARGS,
+     "scatter_rows(src, cache, col, runs) -> None or reason: [T, H, D] rows into a [N, H, S, C] cache view."},
+    {"scatter_dequant", py_scatter_dequant, METH_VARARGS,
+     "scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs) -> None or reason: dequantized rows "
+     "into a cache view."},
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
     {"bytes_to_fill", py_bytes_to_fill, METH_VARARGS, "bytes_to_fill(n): (bytes, its writable view), uninitialised."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, -1 read only."},

@@ -16,26 +16,43 @@ is never read at other widths.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvcodec import CodecMismatchError, UnsupportedConfigError, decode, encode
+from kvcodec import (
+    CodecMismatchError,
+    ParsedBlob,
+    UnsupportedConfigError,
+    check_hashes,
+    decode,
+    encode,
+    parse,
+)
+from kvcodec.backends import Groups, call, select
+from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
+from kvcodec.backends.cpu import scatter_dequantize, scatter_rows
+from kvcodec.codec import to_torch
+from kvcodec.format import Hashes, ScaleScheme, ScaleScope
 from kvcodec.numerics import FP8_DTYPES
 
-from .layout import gather_kv, scatter_kv
+from .layout import ChunkSlots, chunk_slots, gather_kv, scatter_kv
 
 __all__ = [
     "ChunkCodec",
     "FP8Scales",
+    "LayerChunk",
+    "PreparedChunk",
     "blob_identity",
     "check_ids",
     "check_k_exact",
     "decode_chunk",
     "encode_chunk",
     "load_chunk",
+    "read_chunk",
+    "write_chunk",
 ]
 
 
@@ -262,4 +279,191 @@ def load_chunk(
         head_size=cc.head_size,
         block_size=cc.block_size,
         start=start + skip,
+    )
+
+
+# ----------------------------------------------------------------------------
+# A whole chunk (every layer): read and check, then write
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerChunk:
+    """One layer's chunk, checked and ready to write: K as stored, V decoded or as its FP8 codes."""
+
+    codec: ChunkCodec
+    k: torch.Tensor
+    """``[T, H, head_size]`` in the cache's dtype (a view into the blob where it can be)."""
+    v: torch.Tensor
+    """``[T, H, head_size_v]``: in the cache's dtype, or e4m3 codes (a view into the blob) when
+    ``groups`` is set, dequantized by :func:`write_chunk` straight into the cache."""
+    scales: torch.Tensor | None = None
+    """The codes' scales, as stored (``groups`` set)."""
+    groups: Groups | None = None
+
+
+@dataclass(frozen=True)
+class PreparedChunk:
+    """Every layer's blob of one chunk, read and checked by :func:`read_chunk`; nothing written yet."""
+
+    chunk_id: int
+    num_tokens: int
+    layers: dict[str, LayerChunk]
+
+
+_C_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
+_C_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def read_chunk(
+    blobs: Mapping[str, Any],
+    caches: Mapping[str, torch.Tensor],
+    codecs: Mapping[str, ChunkCodec],
+    layer_ids: Mapping[str, int],
+    *,
+    chunk_id: int,
+    num_tokens: int,
+    chunk_hash: str = "",
+) -> PreparedChunk:
+    """Check every layer's blob of chunk ``chunk_id`` as :func:`decode_chunk` does, writing nothing.
+
+    ``blobs`` maps a layer name to its blob: a :class:`~kvcodec.format.ParsedBlob`
+    whose CRC was verified (:meth:`~kvcodec.store.DirectoryStore.get_parsed`), or
+    any buffer (parsed here, CRC included). Each is refused, with
+    :func:`decode_chunk`'s errors, unless it carries the codec's identity bound
+    to ``chunk_hash`` (strict), header ids ``(layer_ids[name], chunk_id)`` and
+    the cache's geometry and dtypes (K bit-exact; FP8 caches only lossless).
+    Blobs are parsed once and not decoded here where :func:`write_chunk` can
+    dequantize V straight into the cache (CPU 16-bit caches, e4m3 V): K and V's
+    codes stay views into the blobs. May run on a background thread.
+    """
+    identities: dict[tuple[int, int, int], Hashes] = {}
+    layers = {}
+    for name, blob in blobs.items():
+        parsed = blob if isinstance(blob, ParsedBlob) else parse(blob)
+        cache, cc = caches[name], codecs[name]
+        ids = (layer_ids[name], chunk_id)
+        layers[name] = _codes_of(
+            parsed, cache, cc, num_tokens, _identity(identities, cc, cache, chunk_hash), ids
+        )
+        if layers[name] is None:  # anything else: decoded now, by the general path (which names any refusal)
+            k, v = decode_chunk(parsed, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
+            layers[name] = LayerChunk(cc, k, v)
+    return PreparedChunk(chunk_id, num_tokens, layers)
+
+
+def _identity(
+    memo: dict[tuple[int, int, int], Hashes], cc: ChunkCodec, cache: torch.Tensor, chunk_hash: str
+) -> Hashes:
+    """:func:`blob_identity` for this codec and cache, built once per chunk (layers share codecs' hashes)."""
+    dk = cc.head_size
+    dv = cache.shape[3] - dk if cache.dim() == 4 else -1
+    key = (id(cc.hashes), dk, dv)
+    if key not in memo:
+        memo[key] = Hashes.coerce(blob_identity(cc, dk, dv, chunk_hash))
+    return memo[key]
+
+
+def _codes_of(
+    p: ParsedBlob,
+    cache: torch.Tensor,
+    cc: ChunkCodec,
+    tokens: int,
+    identity: Hashes,
+    ids: tuple[int, int],
+) -> LayerChunk | None:
+    """The blob as K and V's codes for :func:`write_chunk`, after the identity and id checks; None
+    when this is not the plain case (CPU 16-bit cache, e4m3 V at the cache's exact geometry, C)."""
+    h = p.header
+    check_hashes(h.hashes, identity, strict=True)
+    check_ids(h.layer_id, h.chunk_id, *ids)
+    if not (
+        C_AVAILABLE
+        and cc.fp8 is None
+        and cache.device.type == "cpu"
+        and cache.dim() == 4
+        and cache.dtype in _C_CACHE_DTYPES
+        and tokens > 0
+    ):
+        return None
+    heads, dk = cache.shape[1], cc.head_size
+    per_token = heads * dk
+    plain = (
+        cache.shape[3] == 2 * dk
+        and (h.kv_head_count, h.head_dim) == (heads, dk)
+        and to_torch(h.k_dtype) == cache.dtype
+        and to_torch(h.v_dtype) == torch.float8_e4m3fn
+        and h.k_payload_len == tokens * per_token * cache.element_size()
+        and h.v_payload_len == tokens * per_token
+        and h.scale_scheme == ScaleScheme.COMPUTED
+        and h.scale_scope in _C_SCOPES
+        and h.scale_payload_len > 0
+        and (h.scale_scope != ScaleScope.PER_PAGE_HEAD or h.page_size > 0)
+    )
+    if not plain:
+        return None
+    shape = (tokens, heads, dk)
+    k = torch.frombuffer(p.k, dtype=torch.uint8).view(cache.dtype).view(shape)
+    codes = torch.frombuffer(p.v, dtype=torch.uint8).view(torch.float8_e4m3fn).view(shape)
+    scales = torch.frombuffer(bytearray(p.scales), dtype=torch.uint8).view(to_torch(h.scale_dtype))
+    page = h.page_size if h.scale_scope == ScaleScope.PER_PAGE_HEAD else None
+    groups = Groups(h.scale_scope, page, torch.float8_e4m3fn)
+    return LayerChunk(cc, k, codes, scales.reshape(h.scale_shape), groups)
+
+
+def write_chunk(
+    chunk: PreparedChunk,
+    caches: Mapping[str, torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    *,
+    start: int,
+    skip: int = 0,
+) -> None:
+    """Write a :func:`read_chunk` result into every layer's cache: the chunk's tokens ``skip ..``
+    go to request tokens ``start + skip ..`` (``start``: the chunk's first token; the first ``skip``
+    stay as vLLM computed them). Writes the bytes :func:`load_chunk` writes. The slots are computed
+    once for all layer views of one geometry, and all of them before the first write (bad block ids
+    raise with nothing written). On a CPU cache, K is copied and V dequantized by one C call each.
+    """
+    if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip <= chunk.num_tokens:
+        raise UnsupportedConfigError(f"skip must be an int in 0..{chunk.num_tokens}; got {skip!r}")
+    n = chunk.num_tokens - skip
+    memo: dict[tuple[int, int, int], ChunkSlots] = {}
+    plan = []
+    for name, layer in chunk.layers.items():
+        cache = caches[name]
+        key = (cache.shape[0], cache.shape[2], layer.codec.block_size) if cache.dim() == 4 else (-1, -1, -1)
+        if key not in memo:
+            memo[key] = chunk_slots(
+                cache, block_ids, block_size=layer.codec.block_size, start=start + skip, num_tokens=n
+            )
+        plan.append((cache, layer, memo[key]))
+    for cache, layer, slots in plan:
+        _write_layer(cache, layer, block_ids, slots, start, skip)
+
+
+def _write_layer(
+    cache: torch.Tensor, layer: LayerChunk, block_ids: Any, slots: ChunkSlots, start: int, skip: int
+) -> None:
+    """One layer: C's two calls (K's rows, V dequantized in place) where C takes them, else V decoded
+    first (as :func:`decode_chunk` does) and both scattered by :func:`~.layout.scatter_kv`."""
+    cc, v = layer.codec, layer.v
+    if layer.groups is not None:
+        runs = slots.runs_array(shift=skip)
+        if (
+            scatter_rows(layer.k, cache, 0, runs) is None
+            and scatter_dequantize(v, layer.scales, layer.groups, cache, cc.head_size, runs) is None
+        ):
+            return
+        v = torch.empty(v.shape, dtype=cache.dtype)  # C declined (NaN codes, a layout): rewrite both
+        call(select(None, cache.device), "dequantize", layer.v, layer.scales, layer.groups, out=v)
+    scatter_kv(
+        cache,
+        block_ids,
+        layer.k[skip:],
+        v[skip:],
+        head_size=cc.head_size,
+        block_size=cc.block_size,
+        start=start + skip,
+        slots=slots,
     )

@@ -15,8 +15,9 @@ attention backend splits a scheduler block into smaller kernel blocks, the
 view's block axis counts kernel blocks (``num_blocks * ratio`` of
 ``block_size / ratio`` slots); that is handled too.
 
-CPU caches are copied block by block with numpy (one thread, the GIL
-released); other devices use torch's advanced indexing (one gather kernel).
+CPU caches are written by C row copies (one call per view, the GIL released;
+numpy block by block where C declines a layout), and gathered with numpy block
+by block; other devices use torch's advanced indexing (one gather kernel).
 1-byte (FP8 or uint8-backed) caches are moved as bytes, since some devices
 lack FP8 indexing.
 """
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from kvcodec import UnsupportedConfigError
+from kvcodec.backends.cpu import scatter_rows
 
 __all__ = ["ChunkSlots", "chunk_slots", "gather_kv", "scatter_kv", "split_kv"]
 
@@ -65,6 +67,20 @@ class ChunkSlots:
     """``(view block, first slot, first token of the run, tokens)`` per piece, in token order."""
     block_ids: tuple[int, ...]
     """The scheduler block ids the run touches, in token order."""
+    view_shape: tuple[int, int] = (0, 0)
+    """``(view blocks, slots per view block)`` of the views these slots were computed for: any layer
+    view of that geometry takes the same slots (:func:`scatter_kv`'s ``slots``)."""
+    num_tokens: int = 0
+
+    def fits(self, cache: torch.Tensor, num_tokens: int) -> bool:
+        """Whether these slots place ``num_tokens`` tokens in ``cache`` (same view geometry)."""
+        return self.view_shape == (cache.shape[0], cache.shape[2]) and self.num_tokens == num_tokens
+
+    def runs_array(self, shift: int = 0) -> np.ndarray:
+        """:attr:`runs` as an int64 ``[R, 4]`` array, source tokens shifted by ``shift``."""
+        out = np.array(self.runs, dtype=np.int64).reshape(-1, 4)
+        out[:, 2] += shift
+        return out
 
     def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """View block and slot of every token (int64 tensors on ``device``), for advanced indexing."""
@@ -81,9 +97,9 @@ def _as_id_list(block_ids: BlockIds) -> list[int]:
             raise UnsupportedConfigError(
                 f"block_ids must be a 1-D integer tensor; got {block_ids.dim()}-D {block_ids.dtype}"
             )
-        return [int(i) for i in block_ids.tolist()]
+        return block_ids.tolist()
     ids = list(block_ids)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not set(map(type, ids)) <= {int}:  # exactly int: bool and other int subclasses are refused
         raise UnsupportedConfigError("block_ids must be a sequence of ints")
     return ids
 
@@ -129,7 +145,7 @@ def chunk_slots(
         n = min(kbs - inner % kbs, num_tokens - t)
         runs.append((ids[blk] * ratio + inner // kbs, inner % kbs, t, n))
         t += n
-    return ChunkSlots(tuple(runs), tuple(used))
+    return ChunkSlots(tuple(runs), tuple(used), (cache.shape[0], kbs), num_tokens)
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -204,10 +220,13 @@ def scatter_kv(
     head_size: int,
     block_size: int,
     start: int = 0,
+    slots: ChunkSlots | None = None,
 ) -> None:
     """Write token-major ``k`` ``[T, H, head_size]`` and ``v`` ``[T, H, head_size_v]`` into the cache.
 
     Token ``i`` goes to request token ``start + i``; other slots are untouched.
+    ``slots``: :func:`chunk_slots` of these tokens, computed once for every layer
+    view of the same geometry (one that does not fit this view is recomputed).
     """
     kc, vc = split_kv(cache, head_size)
     t = k.shape[0] if k.dim() == 3 else -1
@@ -216,11 +235,15 @@ def scatter_kv(
             raise UnsupportedConfigError(
                 f"{name} must be [T, H={c.shape[1]}, {c.shape[3]}] with T shared by k and v; got {tuple(x.shape)}"
             )
-    s = chunk_slots(cache, block_ids, block_size=block_size, start=start, num_tokens=t)
+    s = slots
+    if s is None or not s.fits(cache, t):
+        s = chunk_slots(cache, block_ids, block_size=block_size, start=start, num_tokens=t)
     srcs = [(_source(x, c, name), c) for name, x, c in (("k", k, kc), ("v", v, vc))]
     if cache.device.type == "cpu":
-        for x, c in srcs:
-            _scatter_host(_host_array(c), _host_array(x), s)
+        runs = s.runs_array()
+        for (x, c), col in zip(srcs, (0, head_size)):
+            if scatter_rows(x, _bytes(cache), col, runs) is not None:  # a layout C declines: numpy
+                _scatter_host(_host_array(c), _host_array(x), s)
         return
     block, slot = s.index(cache.device)
     for x, c in srcs:
