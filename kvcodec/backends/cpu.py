@@ -19,6 +19,7 @@ have written the rows before one holding NaN. The extension is optional (built a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,16 @@ from ..hostmem import copy_tensor
 from ..numerics import NonFinitePolicy, ScaleScope, scale_shape
 from .base import Declined, Groups
 
-__all__ = ["AVAILABLE", "BACKEND", "REASON", "CpuBackend", "scatter_dequantize", "scatter_rows"]
+__all__ = [
+    "AVAILABLE",
+    "BACKEND",
+    "REASON",
+    "BlobRows",
+    "CpuBackend",
+    "scatter_blob_rows",
+    "scatter_dequantize",
+    "scatter_rows",
+]
 
 try:
     from .. import _cpu  # type: ignore[attr-defined]
@@ -378,4 +388,45 @@ def scatter_dequantize(
         col,
         _DTYPE[cache.dtype],
         _runs(runs),
+    )
+
+
+@dataclass(frozen=True)
+class BlobRows:
+    """One blob's K and V codes as :func:`scatter_blob_rows` reads them: numpy views, no torch."""
+
+    k: np.ndarray
+    """uint8 ``[T, H, Dk * itemsize]``: K's bytes, row by row (any alignment)."""
+    codes: np.ndarray
+    """uint8 ``[T, H, D]``: V's e4m3 codes."""
+    scales: np.ndarray
+    """float32, C-contiguous: V's scales (``groups``' shape)."""
+    groups: Groups
+
+
+def scatter_blob_rows(rows: BlobRows, cache: torch.Tensor, v_col: int, runs: np.ndarray) -> str | None:
+    """A blob's K rows (to columns ``0 ..``) and V dequantized (to columns ``v_col ..``) into a
+    ``[N, H, S, C]`` cache view of K's dtype, in one C pass over ``runs`` (see :func:`scatter_rows`).
+
+    Bit-exact with :meth:`CpuBackend.dequantize` and a copy of K. Returns None when done, or why C
+    declined, with nothing written (NaN codes, a layout C does not take). A run outside the view,
+    or rows that do not fit it, raise.
+    """
+    page = _page(rows.groups)
+    if isinstance(page, str):
+        return page
+    why = _cache_refusal(cache, _DECODE[1])
+    if why is not None:
+        return why
+    return _cpu.scatter_dequant(
+        rows.codes,
+        rows.scales,
+        _SCOPE[rows.groups.scope],
+        page,
+        _buf(cache),
+        v_col,
+        _DTYPE[cache.dtype],
+        _runs(runs),
+        rows.k,
+        0,
     )

@@ -858,17 +858,18 @@ static int get_cache(PyObject *obj, Py_ssize_t itemsize, const char *fn, Cache4 
 
 /* Take the runs (C-contiguous int64, a multiple of 4 values) and check each against the source rows
  * `src` and the cache, and the columns col .. col + D against the cache's width. -1: error raised. */
-static int take_runs(PyObject *obj, const char *fn, const Arr *src, const Cache4 *c, Py_ssize_t col, Py_buffer *r) {
+static int take_runs(PyObject *obj, const char *fn, Py_ssize_t T, Py_ssize_t H, Py_ssize_t D, const Cache4 *c,
+                     Py_ssize_t col, Py_buffer *r) {
     if (PyObject_GetBuffer(obj, r, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return rethrow(fn), -1;
     const char *f = r->format ? r->format : "B";
     int i64 = r->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0 || strcmp(f, "<q") == 0 || strcmp(f, "=q") == 0);
     if (!i64 || r->len % 32) return PyBuffer_Release(r), fail(fn, "runs must be int64 quadruples (block, slot, token, count)");
-    if (src->H != c->H) return PyBuffer_Release(r), fail(fn, "the rows' heads are not the cache's");
-    if (col < 0 || src->D > c->C || col > c->C - src->D) return PyBuffer_Release(r), fail(fn, "the columns do not fit the cache's width");
+    if (H != c->H) return PyBuffer_Release(r), fail(fn, "the rows' heads are not the cache's");
+    if (col < 0 || D > c->C || col > c->C - D) return PyBuffer_Release(r), fail(fn, "the columns do not fit the cache's width");
     const int64_t *q = (const int64_t *)r->buf;
     for (Py_ssize_t i = 0; i < r->len / 8; i += 4) {
         int64_t b = q[i], s = q[i + 1], t = q[i + 2], n = q[i + 3];
-        if (b < 0 || b >= c->N || s < 0 || t < 0 || n < 0 || n > c->S - s || n > src->T - t)
+        if (b < 0 || b >= c->N || s < 0 || t < 0 || n < 0 || n > c->S - s || n > T - t)
             return PyBuffer_Release(r), fail(fn, "a run lies outside the cache or the rows");
     }
     return 0;
@@ -906,7 +907,7 @@ static PyObject *py_scatter_rows(PyObject *self, PyObject *args) {
     Py_ssize_t item = probe.itemsize;
     PyBuffer_Release(&probe);
     if (get_arr(so, item, 0, fn, "the rows", &src, &why) < 0 || get_cache(co, item, fn, &c, &why) < 0) goto done;
-    if (take_runs(ro, fn, &src, &c, col, &r) < 0) goto done;
+    if (take_runs(ro, fn, src.T, src.H, src.D, &c, col, &r) < 0) goto done;
     if (!why && cache_overlaps(&c, &src)) why = "the cache overlaps the rows";
     if (!why) {
         Py_BEGIN_ALLOW_THREADS
@@ -929,24 +930,28 @@ static int rows_have_nan(const Arr *q, nan_fn has_nan) {
     return 0;
 }
 
-/* scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs) -> None, or why the reference
- * must take it: float(q) * scale of the run's rows into columns col .. col + D of the cache view. NaN
- * codes anywhere in q or non-finite scales: nothing written. */
+/* scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs[, k, k_col]) -> None, or why the
+ * reference must take it: float(q) * scale of the runs' rows into columns col .. col + D of the cache
+ * view; with `k` (q's tokens and heads, each row the bytes of Dk elements of the cache's dtype, any
+ * alignment), K's rows into columns k_col .. k_col + Dk in the same pass (a layer's whole chunk in one call). NaN codes anywhere in q,
+ * non-finite scales or a layout the loops do not take: nothing written. */
 static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
     (void)self;
     static const char *fn = "scatter_dequant";
-    PyObject *qo, *so, *co, *ro;
+    PyObject *qo, *so, *co, *ro, *ko = Py_None;
     int scope, odt;
-    Py_ssize_t page, col;
-    Arr q, s;
+    Py_ssize_t page, col, k_col = 0, k_d = 0;
+    Arr q, s, k;
     Cache4 c;
-    Py_buffer r;
+    Py_buffer r, rk;
+    int have_r = 0, have_rk = 0;
     const char *why = NULL;
     memset(&q, 0, sizeof q);
     memset(&s, 0, sizeof s);
+    memset(&k, 0, sizeof k);
     memset(&c, 0, sizeof c);
-    if (parse(args, fn, "OOinOniO", &qo, &so, &scope, &page, &co, &col, &odt, &ro) || check_dtype(fn, odt) ||
-        check_scope(fn, scope, page))
+    if (parse(args, fn, "OOinOniO|On", &qo, &so, &scope, &page, &co, &col, &odt, &ro, &ko, &k_col) ||
+        check_dtype(fn, odt) || check_scope(fn, scope, page))
         return NULL;
     PyObject *ret = NULL;
     if (get_arr(qo, 1, 0, fn, "the codes", &q, &why) < 0) goto done;
@@ -956,7 +961,20 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         goto done;
     }
     if (get_scales(so, ng, 0, fn, &s, &why) < 0 || get_cache(co, DT_SIZE[odt], fn, &c, &why) < 0) goto done;
-    if (take_runs(ro, fn, &q, &c, col, &r) < 0) goto done;
+    if (take_runs(ro, fn, q.T, q.H, q.D, &c, col, &r) < 0) goto done;
+    have_r = 1;
+    if (ko != Py_None) {
+        if (get_arr(ko, 1, 0, fn, "K", &k, &why) < 0) goto done; /* bytes: memcpy needs no alignment */
+        if (k.T != q.T || k.H != q.H || k.D % DT_SIZE[odt]) {
+            fail(fn, "K's tokens or heads are not the codes', or its rows not whole elements of the cache");
+            goto done;
+        }
+        k_d = k.D / DT_SIZE[odt];
+        if (take_runs(ro, fn, k.T, k.H, k_d, &c, k_col, &rk) < 0) goto done;
+        have_rk = 1;
+        if (!why && (k_col < col + q.D && col < k_col + k_d)) why = "K's columns overlap V's";
+        if (!why && cache_overlaps(&c, &k)) why = "the cache overlaps K";
+    }
     if (!why && (cache_overlaps(&c, &q) || cache_overlaps(&c, &s))) why = "the cache overlaps the codes or the scales";
     if (!why) {
         int simd = kv_simd;
@@ -964,28 +982,33 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         const int64_t *rq = (const int64_t *)r.buf;
         Py_ssize_t nq = r.len / 8;
         const float *sc = (const float *)s.base;
+        size_t k_row = (size_t)k.D;
         Py_BEGIN_ALLOW_THREADS
         if (!scales_ok(sc, ng, 0))
             why = "scales must be finite";
         else if (rows_have_nan(&q, pick_nan(simd)))
             why = "q holds NaN codes";
         else {
-            char *dst0 = c.base + col * c.view.itemsize;
+            char *v0 = c.base + col * c.view.itemsize, *k0 = c.base + k_col * c.view.itemsize;
             for (Py_ssize_t i = 0; i < nq; i += 4)
                 for (Py_ssize_t h = 0; h < q.H; h++)
                     for (int64_t j = 0; j < rq[i + 3]; j++) {
                         Py_ssize_t t = (Py_ssize_t)(rq[i + 2] + j);
+                        Py_ssize_t at = rq[i] * c.sn + h * c.sh + (rq[i + 1] + j) * c.ss;
                         deq((const uint8_t *)q.base + t * q.st + h * q.sh, q.D, sc[group_of(scope, page, q.H, t, h)],
-                            dst0 + rq[i] * c.sn + h * c.sh + (rq[i + 1] + j) * c.ss);
+                            v0 + at);
+                        if (k.held) memcpy(k0 + at, k.base + t * k.st + h * k.sh, k_row);
                     }
         }
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&r);
     ret = why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
 done:
+    if (have_r) PyBuffer_Release(&r);
+    if (have_rk) PyBuffer_Release(&rk);
     if (q.held) PyBuffer_Release(&q.view);
     if (s.held) PyBuffer_Release(&s.view);
+    if (k.held) PyBuffer_Release(&k.view);
     if (c.held) PyBuffer_Release(&c.view);
     return ret;
 }
@@ -1061,8 +1084,8 @@ static PyMethodDef methods[] = {
     {"scatter_rows", py_scatter_rows, METH_VARARGS,
      "scatter_rows(src, cache, col, runs) -> None or reason: [T, H, D] rows into a [N, H, S, C] cache view."},
     {"scatter_dequant", py_scatter_dequant, METH_VARARGS,
-     "scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs) -> None or reason: dequantized rows "
-     "into a cache view."},
+     "scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs[, k, k_col]) -> None or reason: "
+     "dequantized rows (and K's rows) into a cache view."},
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
     {"bytes_to_fill", py_bytes_to_fill, METH_VARARGS, "bytes_to_fill(n): (bytes, its writable view), uninitialised."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, -1 read only."},

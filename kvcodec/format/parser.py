@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 from typing import Any
 
@@ -35,6 +35,8 @@ from .header import (
     FIXED_HEADER,
     HASH_KEYS,
     HASH_PAIR_COUNT,
+    IDS,
+    IDS_OFFSET,
     MAGIC,
     MAX_DIM,
     MAX_ELEMENTS,
@@ -311,6 +313,58 @@ def _trailing(n_buf: int, header_len: int, h: Header, strict: bool) -> int:
     return remaining
 
 
+class _HeaderMemo:
+    """Headers already parsed and found consistent, by their bytes up to the CRC with the ids zeroed.
+
+    A connector reads many blobs whose headers differ only in ``layer_id``,
+    ``chunk_id`` and the CRC: parsing is a function of those bytes, so a header
+    seen before is taken from here (its two ids read and range-checked anew), and
+    only the per-blob steps run (trailing bytes, CRC, stored scales). Bounded;
+    safe across threads (dict operations only).
+    """
+
+    MAX_ENTRIES = 256
+    MAX_LENGTHS = 8
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, tuple[Header, tuple[tuple[str, str], ...]]] = {}
+        self._lengths: tuple[int, ...] = ()
+
+    @staticmethod
+    def _key(mv: memoryview, header_len: int) -> bytes:
+        key = bytearray(mv[: header_len - CRC_FIELD.size])
+        key[IDS_OFFSET : IDS_OFFSET + IDS.size] = bytes(IDS.size)
+        return bytes(key)
+
+    def recall(self, mv: memoryview) -> tuple[Header, int, tuple[tuple[str, str], ...]] | None:
+        """``(header, header_len, unknown hashes)`` of a known header at the start of ``mv``, else None."""
+        for n in self._lengths:
+            if len(mv) < n:
+                continue
+            hit = self._entries.get(self._key(mv, n))
+            if hit is not None:
+                header, unknown = hit
+                layer_id, chunk_id = IDS.unpack_from(mv, IDS_OFFSET)
+                if layer_id < -1 or chunk_id < -1:
+                    return None  # the full parse names the error
+                if (layer_id, chunk_id) != (header.layer_id, header.chunk_id):
+                    header = replace(header, layer_id=layer_id, chunk_id=chunk_id)
+                return header, n, unknown
+        return None
+
+    def remember(
+        self, mv: memoryview, header: Header, header_len: int, unknown: tuple[tuple[str, str], ...]
+    ) -> None:
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[self._key(mv, header_len)] = (header, unknown)
+        if header_len not in self._lengths:
+            self._lengths = (header_len, *self._lengths)[: self.MAX_LENGTHS]
+
+
+_HEADERS = _HeaderMemo()
+
+
 def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistency: bool = True) -> ParsedBlob:
     """Parse and validate an LMCKV blob without copying its payload.
 
@@ -322,20 +376,27 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
     is); decoding such a blob is still checked.
     """
     mv = as_bytes_view(buf)
-    r = _Reader(mv)
-    fields, n_scale = _read_fixed(r)
-    fields.update(_read_sizes(r, n_scale))
-    hashes, unknown = _read_hashes(r)
-    header = Header(**fields, hashes=hashes)
-    crc_off = r.off
-    (crc_stored,) = r.unpack(CRC_FIELD, "payload CRC")
-    header_len = r.off
+    seen = _HEADERS.recall(mv)
+    if seen is None:
+        r = _Reader(mv)
+        fields, n_scale = _read_fixed(r)
+        fields.update(_read_sizes(r, n_scale))
+        hashes, unknown = _read_hashes(r)
+        header = Header(**fields, hashes=hashes)
+        r.need(CRC_FIELD.size, "payload CRC")
+        header_len = r.off + CRC_FIELD.size
+    else:
+        header, header_len, unknown = seen
+    crc_off = header_len - CRC_FIELD.size
+    (crc_stored,) = CRC_FIELD.unpack_from(mv, crc_off)
     trailing = _trailing(len(mv), header_len, header, strict)
     if verify_crc:
         payload = mv[header_len : header_len + header.payload_len]
         check_crc(header, crc_stored, payload_crc(header, mv[:crc_off], (payload,)))
     if consistency:
-        check_consistency(header)
+        if seen is None:
+            check_consistency(header)
+            _HEADERS.remember(mv, header, header_len, unknown)
         scales_at = header_len + header.k_payload_len + header.v_payload_len
         check_stored_scales(header, mv[scales_at : scales_at + header.scale_payload_len])
     return ParsedBlob(

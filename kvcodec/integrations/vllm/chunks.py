@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcodec import (
@@ -33,7 +34,7 @@ from kvcodec import (
 )
 from kvcodec.backends import Groups, call, select
 from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
-from kvcodec.backends.cpu import scatter_dequantize, scatter_rows
+from kvcodec.backends.cpu import BlobRows, scatter_blob_rows
 from kvcodec.codec import to_torch
 from kvcodec.format import Hashes, ScaleScheme, ScaleScope
 from kvcodec.numerics import FP8_DTYPES
@@ -289,17 +290,26 @@ def load_chunk(
 
 @dataclass(frozen=True)
 class LayerChunk:
-    """One layer's chunk, checked and ready to write: K as stored, V decoded or as its FP8 codes."""
+    """One layer's chunk, checked and ready to write: decoded K and V, or the blob's K and V codes."""
 
     codec: ChunkCodec
-    k: torch.Tensor
-    """``[T, H, head_size]`` in the cache's dtype (a view into the blob where it can be)."""
-    v: torch.Tensor
-    """``[T, H, head_size_v]``: in the cache's dtype, or e4m3 codes (a view into the blob) when
-    ``groups`` is set, dequantized by :func:`write_chunk` straight into the cache."""
-    scales: torch.Tensor | None = None
-    """The codes' scales, as stored (``groups`` set)."""
-    groups: Groups | None = None
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    """K ``[T, H, head_size]`` and V ``[T, H, head_size_v]`` in the cache's dtype (``rows`` unset)."""
+    rows: BlobRows | None = None
+    """The blob's K bytes and V's codes and scales, which :func:`write_chunk` writes into a CPU
+    cache in one C pass (V dequantized there, K copied)."""
+
+    def decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V in the cache's ``dtype`` (V dequantized now, as :func:`decode_chunk` does, when
+        held as codes)."""
+        r = self.rows
+        if r is None:
+            return self.kv  # type: ignore[return-value]  # read_chunk sets one of the two
+        k = torch.from_numpy(r.k).view(dtype)
+        codes = torch.from_numpy(r.codes).view(torch.float8_e4m3fn)
+        v = torch.empty(codes.shape, dtype=dtype)
+        call(select(None, "cpu"), "dequantize", codes, torch.from_numpy(r.scales), r.groups, out=v)
+        return k, v
 
 
 @dataclass(frozen=True)
@@ -347,8 +357,8 @@ def read_chunk(
             parsed, cache, cc, num_tokens, _identity(identities, cc, cache, chunk_hash), ids
         )
         if layers[name] is None:  # anything else: decoded now, by the general path (which names any refusal)
-            k, v = decode_chunk(parsed, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
-            layers[name] = LayerChunk(cc, k, v)
+            kv = decode_chunk(parsed, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
+            layers[name] = LayerChunk(cc, kv=kv)
     return PreparedChunk(chunk_id, num_tokens, layers)
 
 
@@ -378,37 +388,35 @@ def _codes_of(
     check_hashes(h.hashes, identity, strict=True)
     check_ids(h.layer_id, h.chunk_id, *ids)
     if not (
-        C_AVAILABLE
-        and cc.fp8 is None
-        and cache.device.type == "cpu"
-        and cache.dim() == 4
-        and cache.dtype in _C_CACHE_DTYPES
-        and tokens > 0
+        C_AVAILABLE and cc.fp8 is None and cache.device.type == "cpu" and cache.dim() == 4 and tokens > 0
     ):
         return None
-    heads, dk = cache.shape[1], cc.head_size
+    heads, dk, item = cache.shape[1], cc.head_size, cache.element_size()
     per_token = heads * dk
     plain = (
-        cache.shape[3] == 2 * dk
+        cache.dtype in _C_CACHE_DTYPES
+        and cache.shape[3] == 2 * dk
         and (h.kv_head_count, h.head_dim) == (heads, dk)
         and to_torch(h.k_dtype) == cache.dtype
         and to_torch(h.v_dtype) == torch.float8_e4m3fn
-        and h.k_payload_len == tokens * per_token * cache.element_size()
+        and h.k_payload_len == tokens * per_token * item
         and h.v_payload_len == tokens * per_token
         and h.scale_scheme == ScaleScheme.COMPUTED
         and h.scale_scope in _C_SCOPES
+        and h.scale_dtype.name == "float32"
         and h.scale_payload_len > 0
         and (h.scale_scope != ScaleScope.PER_PAGE_HEAD or h.page_size > 0)
     )
     if not plain:
         return None
-    shape = (tokens, heads, dk)
-    k = torch.frombuffer(p.k, dtype=torch.uint8).view(cache.dtype).view(shape)
-    codes = torch.frombuffer(p.v, dtype=torch.uint8).view(torch.float8_e4m3fn).view(shape)
-    scales = torch.frombuffer(bytearray(p.scales), dtype=torch.uint8).view(to_torch(h.scale_dtype))
+    buf, at = p.buffer, p.header_len
+    k = np.frombuffer(buf, np.uint8, h.k_payload_len, at).reshape(tokens, heads, dk * item)
+    codes = np.frombuffer(buf, np.uint8, h.v_payload_len, at + h.k_payload_len).reshape(tokens, heads, dk)
+    at += h.k_payload_len + h.v_payload_len
+    scales = np.frombuffer(buf, np.uint8, h.scale_payload_len, at).view(np.float32).reshape(h.scale_shape)
     page = h.page_size if h.scale_scope == ScaleScope.PER_PAGE_HEAD else None
     groups = Groups(h.scale_scope, page, torch.float8_e4m3fn)
-    return LayerChunk(cc, k, codes, scales.reshape(h.scale_shape), groups)
+    return LayerChunk(cc, rows=BlobRows(k, codes, scales.copy(), groups))
 
 
 def write_chunk(
@@ -428,39 +436,40 @@ def write_chunk(
     if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip <= chunk.num_tokens:
         raise UnsupportedConfigError(f"skip must be an int in 0..{chunk.num_tokens}; got {skip!r}")
     n = chunk.num_tokens - skip
-    memo: dict[tuple[int, int, int], ChunkSlots] = {}
+    memo: dict[tuple[int, int, int], tuple[ChunkSlots, Any]] = {}
     plan = []
     for name, layer in chunk.layers.items():
         cache = caches[name]
         key = (cache.shape[0], cache.shape[2], layer.codec.block_size) if cache.dim() == 4 else (-1, -1, -1)
         if key not in memo:
-            memo[key] = chunk_slots(
+            s = chunk_slots(
                 cache, block_ids, block_size=layer.codec.block_size, start=start + skip, num_tokens=n
             )
-        plan.append((cache, layer, memo[key]))
-    for cache, layer, slots in plan:
-        _write_layer(cache, layer, block_ids, slots, start, skip)
+            memo[key] = (s, s.runs_array(shift=skip))
+        plan.append((cache, layer, *memo[key]))
+    for cache, layer, slots, runs in plan:
+        _write_layer(cache, layer, block_ids, slots, runs, start, skip)
 
 
 def _write_layer(
-    cache: torch.Tensor, layer: LayerChunk, block_ids: Any, slots: ChunkSlots, start: int, skip: int
+    cache: torch.Tensor,
+    layer: LayerChunk,
+    block_ids: Any,
+    slots: ChunkSlots,
+    runs: Any,
+    start: int,
+    skip: int,
 ) -> None:
-    """One layer: C's two calls (K's rows, V dequantized in place) where C takes them, else V decoded
-    first (as :func:`decode_chunk` does) and both scattered by :func:`~.layout.scatter_kv`."""
-    cc, v = layer.codec, layer.v
-    if layer.groups is not None:
-        runs = slots.runs_array(shift=skip)
-        if (
-            scatter_rows(layer.k, cache, 0, runs) is None
-            and scatter_dequantize(v, layer.scales, layer.groups, cache, cc.head_size, runs) is None
-        ):
-            return
-        v = torch.empty(v.shape, dtype=cache.dtype)  # C declined (NaN codes, a layout): rewrite both
-        call(select(None, cache.device), "dequantize", layer.v, layer.scales, layer.groups, out=v)
+    """One layer: one C pass (K's rows, V dequantized in place) where C takes it, else V decoded first
+    (as :func:`decode_chunk` does) and both scattered by :func:`~.layout.scatter_kv`."""
+    cc = layer.codec
+    if layer.rows is not None and scatter_blob_rows(layer.rows, cache, cc.head_size, runs) is None:
+        return
+    k, v = layer.decoded(cache.dtype)  # C declined (NaN codes, a layout): nothing was written
     scatter_kv(
         cache,
         block_ids,
-        layer.k[skip:],
+        k[skip:],
         v[skip:],
         head_size=cc.head_size,
         block_size=cc.block_size,
