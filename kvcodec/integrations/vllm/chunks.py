@@ -35,8 +35,8 @@ from kvcodec import (
 from kvcodec.backends import Groups, call, select
 from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
 from kvcodec.backends.cpu import BlobRows, scatter_blob_rows
-from kvcodec.codec import to_torch
-from kvcodec.format import Hashes, ScaleScheme, ScaleScope
+from kvcodec.format import Hashes, ScaleScheme, ScaleScope, as_dtype
+from kvcodec.format.dtypes import FLOAT8_E4M3FN, FLOAT32
 from kvcodec.numerics import FP8_DTYPES
 
 from .layout import ChunkSlots, chunk_slots, gather_kv, scatter_kv
@@ -347,76 +347,88 @@ def read_chunk(
     dequantize V straight into the cache (CPU 16-bit caches, e4m3 V): K and V's
     codes stay views into the blobs. May run on a background thread.
     """
-    identities: dict[tuple[int, int, int], Hashes] = {}
+    plans: dict[tuple[Any, ...], _Plan] = {}
     layers = {}
     for name, blob in blobs.items():
         parsed = blob if isinstance(blob, ParsedBlob) else parse(blob)
         cache, cc = caches[name], codecs[name]
+        key = (id(cc), cache.shape, cache.dtype, cache.device)
+        if key not in plans:
+            plans[key] = _Plan.of(cache, cc, num_tokens, chunk_hash)
         ids = (layer_ids[name], chunk_id)
-        layers[name] = _codes_of(
-            parsed, cache, cc, num_tokens, _identity(identities, cc, cache, chunk_hash), ids
-        )
-        if layers[name] is None:  # anything else: decoded now, by the general path (which names any refusal)
-            kv = decode_chunk(parsed, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
-            layers[name] = LayerChunk(cc, kv=kv)
+        layer = plans[key].rows(parsed, ids)
+        if layer is None:  # not the plain case: decoded now, by the general path (which names any refusal)
+            layer = LayerChunk(
+                cc, kv=decode_chunk(parsed, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
+            )
+        layers[name] = layer
     return PreparedChunk(chunk_id, num_tokens, layers)
 
 
-def _identity(
-    memo: dict[tuple[int, int, int], Hashes], cc: ChunkCodec, cache: torch.Tensor, chunk_hash: str
-) -> Hashes:
-    """:func:`blob_identity` for this codec and cache, built once per chunk (layers share codecs' hashes)."""
-    dk = cc.head_size
-    dv = cache.shape[3] - dk if cache.dim() == 4 else -1
-    key = (id(cc.hashes), dk, dv)
-    if key not in memo:
-        memo[key] = Hashes.coerce(blob_identity(cc, dk, dv, chunk_hash))
-    return memo[key]
+@dataclass(frozen=True)
+class _Plan:
+    """What every blob of a chunk for one codec and cache geometry must be: its identity and, for
+    the plain case (CPU 16-bit cache, e4m3 V, C built), the header fields C's path takes."""
 
+    codec: ChunkCodec
+    identity: Hashes
+    fields: tuple[Any, ...] | None
+    """``(kv_head_count, head_dim, k_dtype, v_dtype, k_len, v_len, scheme, scale_dtype)``; None: never plain."""
 
-def _codes_of(
-    p: ParsedBlob,
-    cache: torch.Tensor,
-    cc: ChunkCodec,
-    tokens: int,
-    identity: Hashes,
-    ids: tuple[int, int],
-) -> LayerChunk | None:
-    """The blob as K and V's codes for :func:`write_chunk`, after the identity and id checks; None
-    when this is not the plain case (CPU 16-bit cache, e4m3 V at the cache's exact geometry, C)."""
-    h = p.header
-    check_hashes(h.hashes, identity, strict=True)
-    check_ids(h.layer_id, h.chunk_id, *ids)
-    if not (
-        C_AVAILABLE and cc.fp8 is None and cache.device.type == "cpu" and cache.dim() == 4 and tokens > 0
-    ):
-        return None
-    heads, dk, item = cache.shape[1], cc.head_size, cache.element_size()
-    per_token = heads * dk
-    plain = (
-        cache.dtype in _C_CACHE_DTYPES
-        and cache.shape[3] == 2 * dk
-        and (h.kv_head_count, h.head_dim) == (heads, dk)
-        and to_torch(h.k_dtype) == cache.dtype
-        and to_torch(h.v_dtype) == torch.float8_e4m3fn
-        and h.k_payload_len == tokens * per_token * item
-        and h.v_payload_len == tokens * per_token
-        and h.scale_scheme == ScaleScheme.COMPUTED
-        and h.scale_scope in _C_SCOPES
-        and h.scale_dtype.name == "float32"
-        and h.scale_payload_len > 0
-        and (h.scale_scope != ScaleScope.PER_PAGE_HEAD or h.page_size > 0)
-    )
-    if not plain:
-        return None
-    buf, at = p.buffer, p.header_len
-    k = np.frombuffer(buf, np.uint8, h.k_payload_len, at).reshape(tokens, heads, dk * item)
-    codes = np.frombuffer(buf, np.uint8, h.v_payload_len, at + h.k_payload_len).reshape(tokens, heads, dk)
-    at += h.k_payload_len + h.v_payload_len
-    scales = np.frombuffer(buf, np.uint8, h.scale_payload_len, at).view(np.float32).reshape(h.scale_shape)
-    page = h.page_size if h.scale_scope == ScaleScope.PER_PAGE_HEAD else None
-    groups = Groups(h.scale_scope, page, torch.float8_e4m3fn)
-    return LayerChunk(cc, rows=BlobRows(k, codes, scales.copy(), groups))
+    @classmethod
+    def of(cls, cache: torch.Tensor, cc: ChunkCodec, tokens: int, chunk_hash: str) -> _Plan:
+        dk = cc.head_size
+        dv = cache.shape[3] - dk if cache.dim() == 4 else -1
+        identity = Hashes.coerce(blob_identity(cc, dk, dv, chunk_hash))
+        plain = (
+            C_AVAILABLE
+            and cc.fp8 is None
+            and cache.device.type == "cpu"
+            and cache.dim() == 4
+            and cache.dtype in _C_CACHE_DTYPES
+            and dv == dk
+            and tokens > 0
+        )
+        if not plain:
+            return cls(cc, identity, None)
+        heads, item = cache.shape[1], cache.element_size()
+        elems = tokens * heads * dk
+        fields = (
+            heads,
+            dk,
+            as_dtype(cache.dtype),
+            FLOAT8_E4M3FN,
+            elems * item,
+            elems,
+            ScaleScheme.COMPUTED,
+            FLOAT32,
+        )
+        return cls(cc, identity, fields)
+
+    def rows(self, p: ParsedBlob, ids: tuple[int, int]) -> LayerChunk | None:
+        """The blob as K bytes and V codes for C, after the identity and id checks; None when it is
+        not the plain case (the general path then checks and decodes it)."""
+        h = p.header
+        if h.hashes != self.identity:  # equal: the strict check passes; else it names the difference
+            check_hashes(h.hashes, self.identity, strict=True)
+        check_ids(h.layer_id, h.chunk_id, *ids)
+        got = (h.kv_head_count, h.head_dim, h.k_dtype, h.v_dtype)
+        got += (h.k_payload_len, h.v_payload_len, h.scale_scheme, h.scale_dtype)
+        paged = h.scale_scope == ScaleScope.PER_PAGE_HEAD
+        if (
+            got != self.fields
+            or h.scale_scope not in _C_SCOPES
+            or not h.scale_payload_len
+            or (paged and h.page_size < 1)
+        ):
+            return None
+        tokens, heads, dk = h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim
+        buf, at, k_len, v_len = p.buffer, p.header_len, h.k_payload_len, h.v_payload_len
+        k = np.frombuffer(buf, np.uint8, k_len, at).reshape(tokens, heads, k_len // (tokens * heads))
+        codes = np.frombuffer(buf, np.uint8, v_len, at + k_len).reshape(tokens, heads, dk)
+        scales = np.frombuffer(buf, np.float32, h.scale_payload_len // 4, at + k_len + v_len).copy()
+        groups = Groups(h.scale_scope, h.page_size if paged else None, torch.float8_e4m3fn)
+        return LayerChunk(self.codec, rows=BlobRows(k, codes, scales.reshape(h.scale_shape), groups))
 
 
 def write_chunk(
