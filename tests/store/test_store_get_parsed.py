@@ -1,0 +1,82 @@
+"""DirectoryStore.get_parsed: one read, one parse, the CRC always verified, damage quarantined."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvcodec.errors import CorruptEncodedKVError
+from kvcodec.format import ParsedBlob, parse
+from kvcodec.store import DirectoryStore
+from tests.store.test_store import make_blob
+
+
+def damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flip_payload":
+        data[-5] ^= 0x10
+    elif how == "flip_header_hash":  # inside the model_id string: v2's CRC covers it
+        data[data.index(b"model-x") + 6] ^= 0x01
+    elif how == "truncate":
+        data = data[:-1]
+    elif how == "empty":
+        data = bytearray()
+    path.write_bytes(bytes(data))
+
+
+DAMAGES = ["flip_payload", "flip_header_hash", "truncate", "empty"]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_same_blob_as_get_in_private_writable_memory(tmp_path: Path, verify: bool) -> None:
+    st = DirectoryStore(tmp_path, verify=verify, fsync=False)
+    blob = make_blob(50_000, 3, version=2)
+    st.put("k", blob)
+    p = st.get_parsed("k")
+    assert isinstance(p, ParsedBlob)
+    assert bytes(p.blob) == blob == bytes(st.get("k"))
+    assert p.header == parse(blob).header and p.crc == parse(blob).crc
+    assert not p.buffer.readonly
+    p.buffer[-1] ^= 0xFF  # private memory: the file is untouched
+    assert bytes(st.get_parsed("k").blob) == blob
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_damage_is_refused_and_quarantined_even_without_verify(tmp_path: Path, how: str) -> None:
+    """``verify=False`` skips the CRC in ``get`` only: ``get_parsed`` always checks it."""
+    st = DirectoryStore(tmp_path, verify=False, fsync=False)
+    st.put(how, make_blob(20_000, 1, version=2, model="model-x"))
+    damage(tmp_path / how, how)
+    with pytest.raises(CorruptEncodedKVError) as ei:
+        st.get_parsed(how)
+    assert repr(how) in str(ei.value) and "moved to" in str(ei.value)
+    assert not (tmp_path / how).exists()
+    assert len(os.listdir(st.quarantine_dir)) == 1
+    with pytest.raises(KeyError):
+        st.get_parsed(how)
+
+
+def test_misses_and_special_files(tmp_path: Path) -> None:
+    st = DirectoryStore(tmp_path, fsync=False)
+    with pytest.raises(KeyError):
+        st.get_parsed("absent")
+    st.put("real", make_blob(1000, 2))
+    os.symlink(tmp_path / "real", tmp_path / "alias")
+    with pytest.raises(KeyError):
+        st.get_parsed("alias")
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(KeyError):
+        st.get_parsed("pipe")
+
+
+def test_reads_count_as_use_for_eviction(tmp_path: Path) -> None:
+    """Like ``get``, ``get_parsed`` makes a blob the most recently used (it is evicted last)."""
+    b = make_blob(10_000, 4)
+    st = DirectoryStore(tmp_path, fsync=False, max_bytes=3 * len(b) + 10, rescan_interval_s=1e9)
+    for k in ("a", "b", "c"):
+        st.put(k, make_blob(10_000, ord(k)))
+    st.get_parsed("a")
+    st.put("d", make_blob(10_000, 9))
+    assert st.keys() == ["a", "c", "d"]
