@@ -4,8 +4,10 @@ It is the embedded default place where a vLLM/LMCache connector keeps KV
 blobs: one file per key under one directory. Writes are atomic and durable
 (unique temp file, fsync, ``os.replace``, fsync of the directory), so a crash
 never leaves a final-named file with partial data. Reads ``mmap`` the file
-copy-on-write and verify it with :func:`kvcodec.format.parse` before handing
-it out, so damaged files are refused (and quarantined), never returned.
+copy-on-write (``get``) or read it into private memory (``get_parsed``, for a
+reader that decodes at once: one parse, CRC included) and verify it with
+:func:`kvcodec.format.parse` before handing it out, so damaged files are
+refused (and quarantined), never returned.
 
 A store serves only regular files directly inside its root: names are opened
 with ``O_NOFOLLOW`` and checked with ``fstat``, so a symlink, FIFO, socket or
