@@ -16,6 +16,7 @@ is never read at other widths.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from kvcodec import (
 from kvcodec.backends import Groups, call, select
 from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
 from kvcodec.backends.cpu import BlobRows, scatter_blob_rows
-from kvcodec.format import Hashes, ScaleScheme, ScaleScope, as_dtype
+from kvcodec.format import Hashes, ScaleScheme, ScaleScope, as_dtype, expected_scale_shape
 from kvcodec.format.dtypes import FLOAT8_E4M3FN, FLOAT32
 from kvcodec.numerics import FP8_DTYPES
 
@@ -423,6 +424,9 @@ class _Plan:
         ):
             return None
         tokens, heads, dk = h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim
+        shape = expected_scale_shape(h.scale_scope, tokens, heads, h.page_size)
+        if h.scale_shape != shape or h.scale_payload_len != 4 * math.prod(shape):
+            return None  # a header parsed without its consistency checks: the general path names it
         buf, at, k_len, v_len = p.buffer, p.header_len, h.k_payload_len, h.v_payload_len
         k = np.frombuffer(buf, np.uint8, k_len, at).reshape(tokens, heads, k_len // (tokens * heads))
         codes = np.frombuffer(buf, np.uint8, v_len, at + k_len).reshape(tokens, heads, dk)
@@ -443,7 +447,8 @@ def write_chunk(
     go to request tokens ``start + skip ..`` (``start``: the chunk's first token; the first ``skip``
     stay as vLLM computed them). Writes the bytes :func:`load_chunk` writes. The slots are computed
     once for all layer views of one geometry, and all of them before the first write (bad block ids
-    raise with nothing written). On a CPU cache, K is copied and V dequantized by one C call each.
+    raise with nothing written). On a CPU cache, one C call per layer copies K and dequantizes V into
+    the view. Runs on the thread that owns the caches (vLLM's step).
     """
     if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip <= chunk.num_tokens:
         raise UnsupportedConfigError(f"skip must be an int in 0..{chunk.num_tokens}; got {skip!r}")

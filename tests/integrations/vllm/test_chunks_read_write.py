@@ -309,3 +309,15 @@ def test_decoded_gives_the_per_layer_paths_tensors():
         assert torch.equal(k.view(torch.int16), k0.view(torch.int16))
         assert torch.equal(v.view(torch.int16), v0.view(torch.int16))
         assert np.shares_memory(chunk.layers[n].rows.k, np.frombuffer(blobs[n], np.uint8))  # K not copied
+
+
+def test_a_header_parsed_without_consistency_is_checked_by_the_general_path():
+    """A ParsedBlob from parse(consistency=False) whose scale shape contradicts its scope is refused."""
+    src = _views("LNHSC", seed=21)
+    cc = _codec()
+    blobs = _blobs(src, cc, 0)
+    p = parse(blobs["layer.1"])
+    pages, heads = p.header.scale_shape
+    bad = assemble(p.header.replace(scale_shape=(pages * heads, 1)), p.k, p.v, p.scales)
+    loose = {**blobs, "layer.1": parse(bad, consistency=False)}
+    _refused(loose, _views("LNHSC", seed=22), cc, CorruptEncodedKVError, "scale_shape")
