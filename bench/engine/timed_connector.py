@@ -55,7 +55,14 @@ __all__ = [
 HOOKS_JSON_ENV = "KVCODEC_BENCH_HOOKS_JSON"
 STORE_MBPS_ENV = "KVCODEC_BENCH_STORE_MBPS"
 
-WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")
+WORKER_HOOKS = (
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+)
 """Called by the model runner inside every step; the forward pass waits for each."""
 SCHEDULER_HOOKS = (
     "get_num_new_matched_tokens",
@@ -171,6 +178,10 @@ class _HookTimer:
         return dict(own) if isinstance(own, dict) else None
 
     # worker side
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        with self.bench_clock.timing("handle_preemptions"):
+            return super().handle_preemptions(kv_connector_metadata)  # type: ignore[misc]
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         with self.bench_clock.timing("start_load_kv"):
             return super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]

@@ -20,12 +20,17 @@ Enable it with::
 
 What the engine step waits for (defaults ``async_save`` and ``async_load``):
 
-* saves: ``wait_for_save`` only copies each new chunk out of the paged cache
-  (CPU caches: one gather per layer; CUDA with the fused path: one gather+encode
-  launch on a side stream into pinned memory, which the next forward is ordered
-  after). Encoding and the atomic file writes run on the connector's writer
-  threads (``writer_threads``); at most ``save_queue`` chunks wait, a save that
-  finds the queue full is skipped and counted (``saves_skipped``).
+* saves: ``wait_for_save`` only hands each new chunk over. CPU caches: even the
+  copy out of the paged cache runs off the step, on the connector's gatherer
+  thread, so vLLM must keep off the blocks until it is done: a finished request
+  that had chunks to save keeps its blocks (``request_finished`` returns True)
+  until ``get_finished`` reports it sent, and ``handle_preemptions`` copies a
+  preempted request's pending chunks out itself before the forward may reuse its
+  freed blocks. CUDA with the fused path: one gather+encode launch on a side
+  stream into pinned memory, which the next forward is ordered after. Encoding
+  and the atomic file writes run on the writer threads (``writer_threads``); at
+  most ``save_queue`` chunks wait (copy or write), a save that finds the queue
+  full is skipped and counted (``saves_skipped``).
 * loads: ``get_num_new_matched_tokens`` answers ``load_async=True``; a loader
   thread reads every blob of the request's chunks and checks them (CRC,
   identity, ids, geometry) and decodes them off the step; ``get_finished``
@@ -150,6 +155,12 @@ class KvcodecMetadata(KVConnectorMetadata):
     """Lookups since the last step: prompt tokens the connector will load ..."""
     tokens_missed: int = 0
     """... and prompt tokens neither it nor vLLM's own prefix cache had."""
+    held: list[str] = field(default_factory=list)
+    """Requests finished since the last step whose blocks vLLM keeps (``request_finished`` returned
+    True) until ``get_finished`` reports them sent: their chunks may still be being copied out."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted by this step's schedule: their blocks are free, so ``handle_preemptions``
+    waits for any copy still reading them before the forward may overwrite them."""
 
 
 @dataclass
@@ -160,6 +171,8 @@ class _ReqState:
     next_chunk: int = 0
     saved_upto: int = 0
     """Chunks below this are stored or planned: a chunk is saved only after its predecessor."""
+    planned: int = 0
+    """Saves sent to the worker: with asynchronous saves the blocks are held at finish when any was."""
 
 
 @dataclass
@@ -182,6 +195,16 @@ class _Prepared:
     blobs: dict[str, Any]
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
     """Per-layer path: decoded K and V; None: the fused path writes ``blobs``."""
+
+
+@dataclass(eq=False)
+class _Gather:
+    """A chunk waiting to be copied out of the cache: by the gatherer, or by ``handle_preemptions``."""
+
+    spec: SaveSpec
+    suffix: str
+    claimed: bool = False
+    """Taken by whoever copies it (under the connector's lock): it is copied once."""
 
 
 @dataclass
@@ -229,6 +252,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._to_load: dict[str, LoadSpec] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._lookup_delta = [0, 0]
+        self._held_new: list[str] = []
         # worker side
         self._rank = 0
         self._caches: dict[str, torch.Tensor] = {}
@@ -245,6 +269,15 @@ class KvcodecConnector(KVConnectorBase_V1):
             "writer", threads=self._cfg.writer_threads, capacity=self._cfg.save_queue
         )
         self._loader = BackgroundPool("loader", threads=1, capacity=1 << 30)
+        self._gatherer = BackgroundPool("gather", threads=1, capacity=self._cfg.save_queue)
+        """Copies chunks out of CPU caches off the step; its jobs only memcpy, so a wait on it is short."""
+        self._gathering: dict[str, list[_Gather]] = {}
+        """Per request: chunks not copied out yet (their blocks must stay untouched until they are)."""
+        self._gathered = threading.Condition(self._lock)
+        self._held: set[str] = set()
+        """Finished requests whose blocks vLLM holds until ``get_finished`` reports them."""
+        self._defer_gather = False
+        """Asynchronous saves from CPU caches: the gather copy leaves the step too."""
         self.shutdown_timeout_s = SHUTDOWN_DRAIN_S
         """How long ``shutdown`` drains pending writes before abandoning them."""
         logger.info(
@@ -260,7 +293,7 @@ class KvcodecConnector(KVConnectorBase_V1):
     @property
     def stats(self) -> dict[str, float]:
         """This process's cumulative counters (:data:`~.stats.COUNTERS`), for logs, tests and benchmarks."""
-        self.counters.gauge("writer_queue_depth", self._writer.depth)
+        self.counters.gauge("writer_queue_depth", self._writer.depth + self._gatherer.depth)
         return self.counters.total
 
     # ------------------------------------------------------------ keys
@@ -333,6 +366,8 @@ class KvcodecConnector(KVConnectorBase_V1):
         meta = KvcodecMetadata(loads=list(self._to_load.values()))
         meta.tokens_hit, meta.tokens_missed = self._lookup_delta
         self._lookup_delta = [0, 0]
+        meta.held, self._held_new = self._held_new, []
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._to_load.clear()
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -369,15 +404,20 @@ class KvcodecConnector(KVConnectorBase_V1):
             blocks = state.block_ids[: -(-(c + 1) * cs // bs)]
             meta.saves.append(SaveSpec(req_id, c, state.hashes[c], parent, blocks))
             state.saved_upto = c + 1
+            state.planned += 1
             if req_id in self._lookups:
                 self._lookups[req_id].saves += 1
         state.next_chunk = max(state.next_chunk, done)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves copy the blocks out inside the step (CUDA: the next forward waits for the side stream's
-        gather), so the blocks are free to go at once."""
+        """With asynchronous saves, a request that had any chunk to save keeps its blocks (True) until
+        the worker's ``get_finished`` reports that every copy out of them is done; otherwise they go
+        at once (synchronous saves copy inside the step)."""
         rid = request.request_id
-        self._reqs.pop(rid, None)
+        state = self._reqs.pop(rid, None)
+        hold = self._cfg.async_save and state is not None and state.planned > 0
+        if hold:
+            self._held_new.append(rid)
         self._seeds.pop(rid, None)
         self._hits.pop(rid, None)
         look = self._lookups.pop(rid, None)
@@ -392,7 +432,7 @@ class KvcodecConnector(KVConnectorBase_V1):
                 "async" if self._cfg.async_load else "sync",
                 look.saves,
             )
-        return False, None
+        return hold, None
 
     # ------------------------------------------------------------ worker side
 
@@ -421,6 +461,8 @@ class KvcodecConnector(KVConnectorBase_V1):
                 hashes=self._hashes[rank],
             )
         self._build_fused()
+        on_cpu = all(c.device.type == "cpu" for c in self._caches.values())
+        self._defer_gather = self._cfg.async_save and on_cpu
 
     def _build_fused(self) -> None:
         """The fused path when it can serve these caches (``fused="on"``: or stop here); logged once."""
@@ -598,14 +640,22 @@ class KvcodecConnector(KVConnectorBase_V1):
         """Synchronous loads finish in ``start_load_kv``; background ones in ``get_finished``."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Write the chunks the loader has read and checked; report those requests received."""
+        """Write the chunks the loader has read and checked and report those requests received; report
+        held requests sent once nothing is copying out of their blocks any more."""
         t0 = time.perf_counter()
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvcodecMetadata):
+                self._held.update(meta.held)
+                self.counters.add(requests_held=len(meta.held))
         with self._lock:
             ready, self._ready = self._ready, []
+            sent = {r for r in self._held if not self._gathering.get(r)}
+        self._held -= sent
         for result in ready:
             self._apply(result)
         self.counters.add(get_finished_seconds=time.perf_counter() - t0)
-        return None, {r.spec.req_id for r in ready} or None
+        return sent or None, {r.spec.req_id for r in ready} or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -618,8 +668,31 @@ class KvcodecConnector(KVConnectorBase_V1):
     ) -> None:
         """Saves run once per step in ``wait_for_save``, from the registered caches."""
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward may overwrite a preempted request's freed blocks, copy its chunks still
+        waiting for the gatherer out of them here (memory copies only, never a disk write; other
+        requests' copies are not waited for) and wait for any the gatherer is copying now."""
+        if not isinstance(kv_connector_metadata, KvcodecMetadata) or not kv_connector_metadata.preempted:
+            return
+        t0 = time.perf_counter()
+        for rid in kv_connector_metadata.preempted:
+            with self._lock:
+                mine = [g for g in self._gathering.get(rid, ()) if not g.claimed]
+                for g in mine:
+                    g.claimed = True
+            for g in mine:  # copied here and now rather than after the gatherer's queue
+                self._gather_then_queue(g)
+            with self._gathered:  # and those the gatherer is copying right now
+                self._gathered.wait_for(lambda rid=rid: not self._gathering.get(rid))
+        self.counters.add(
+            handle_preemptions_seconds=time.perf_counter() - t0,
+            requests_preempted=len(kv_connector_metadata.preempted),
+        )
+
     def wait_for_save(self) -> None:
-        """Copy each new chunk out of the cache; encode and write it on the writer (or here, if sync)."""
+        """Hand each new chunk over: CPU caches with asynchronous saves queue even the copy out of the
+        cache (the blocks are held until it is done); otherwise copy it here and queue the encode and
+        write (or do everything here, if sync)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvcodecMetadata):
             return
@@ -631,9 +704,12 @@ class KvcodecConnector(KVConnectorBase_V1):
                     continue
             if self._store.contains(self._manifest_key(spec.chunk, spec.chunk_hash, spec.parent_hash)):
                 continue
-            if self._cfg.async_save and self._writer.depth >= self._cfg.save_queue:
+            if self._cfg.async_save and self._writer.depth + self._gatherer.depth >= self._cfg.save_queue:
                 self.counters.add(saves_skipped=1)
                 logger.debug("kvcodec: writer queue full; chunk %d of %s not saved", spec.chunk, spec.req_id)
+                continue
+            if self._defer_gather:
+                self._queue_gather(spec, suffix)
                 continue
             try:
                 job = self._save_job(spec)
@@ -647,8 +723,53 @@ class KvcodecConnector(KVConnectorBase_V1):
                 self._inflight.add(suffix)
             if not self._writer.submit(job):  # pragma: no cover - only the step thread submits
                 self.counters.add(saves_skipped=1)
-        self.counters.gauge("writer_queue_depth", self._writer.depth)
+        self.counters.gauge("writer_queue_depth", self._writer.depth + self._gatherer.depth)
         self.counters.add(wait_for_save_seconds=time.perf_counter() - t0)
+
+    def _queue_gather(self, spec: SaveSpec, suffix: str) -> None:
+        """Queue the copy out of the cache; the request's blocks stay held until it has run."""
+        g = _Gather(spec, suffix)
+        with self._lock:
+            self._inflight.add(suffix)
+            self._gathering.setdefault(spec.req_id, []).append(g)
+        if not self._gatherer.submit(lambda: self._claim_and_gather(g)):  # pragma: no cover
+            self._gather_done(g)  # only the step thread submits, after checking the depth
+            with self._lock:
+                self._inflight.discard(suffix)
+            self.counters.add(saves_skipped=1)
+
+    def _claim_and_gather(self, g: _Gather) -> None:
+        """The gatherer's job, unless ``handle_preemptions`` took the chunk first."""
+        with self._lock:
+            if g.claimed:
+                return
+            g.claimed = True
+        self._gather_then_queue(g)
+
+    def _gather_then_queue(self, g: _Gather) -> None:
+        """Copy a claimed chunk out, release its blocks, queue the encode and write."""
+        try:
+            job = self._save_job(g.spec)
+        except Exception as e:  # a save is optional: count and log it
+            with self._lock:
+                self._inflight.discard(g.suffix)
+            self._save_failed(g.spec, e)
+            return
+        finally:
+            self._gather_done(g)
+        if not self._writer.submit(job):  # pragma: no cover - writer + gatherer depth <= save_queue
+            with self._lock:
+                self._inflight.discard(g.suffix)
+            self.counters.add(saves_skipped=1)
+
+    def _gather_done(self, g: _Gather) -> None:
+        with self._gathered:
+            pending = self._gathering.get(g.spec.req_id, [])
+            if g in pending:
+                pending.remove(g)
+            if not pending:
+                self._gathering.pop(g.spec.req_id, None)
+            self._gathered.notify_all()
 
     def _save_job(self, spec: SaveSpec) -> Callable[[], None]:
         """Do what must happen before vLLM may reuse the blocks; return the rest (encode, write)."""
@@ -776,19 +897,25 @@ class KvcodecConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------ lifecycle and metrics
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until the writer has no pending chunk (True) or ``timeout`` s pass (False): for tests and
-        benchmarks that read the store right after a request."""
-        return self._writer.wait_idle(timeout)
+        """Wait until no chunk is being copied out or written (True) or ``timeout`` s pass (False): for
+        tests and benchmarks that read the store right after a request."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if not self._gatherer.wait_idle(timeout):
+            return False
+        return self._writer.wait_idle(None if end is None else max(0.0, end - time.monotonic()))
 
     def shutdown(self) -> None:
-        """Drain the writer for up to ``shutdown_timeout_s`` and abandon the rest; drop pending loads."""
-        abandoned = self._writer.shutdown(self.shutdown_timeout_s)
+        """Drain the gatherer and the writer for up to ``shutdown_timeout_s`` and abandon the rest; drop
+        pending loads."""
+        end = time.monotonic() + self.shutdown_timeout_s
+        abandoned = self._gatherer.shutdown(self.shutdown_timeout_s)
+        abandoned += self._writer.shutdown(max(0.0, end - time.monotonic()))
         self._loader.shutdown(0)
         if abandoned:
             logger.warning("kvcodec: shutdown abandoned %d pending chunk saves", abandoned)
 
     def get_kv_connector_stats(self) -> KvcodecStats | None:
-        self.counters.gauge("writer_queue_depth", self._writer.depth)
+        self.counters.gauge("writer_queue_depth", self._writer.depth + self._gatherer.depth)
         data = self.counters.take_interval()
         return KvcodecStats(data=data) if any(data.values()) else None
 

@@ -29,6 +29,8 @@ COUNTERS = (
     "save_errors",
     "saves_skipped",
     "store_full",
+    "requests_held",
+    "requests_preempted",
     "bytes_read",
     "bytes_written",
     "load_seconds",
@@ -36,10 +38,13 @@ COUNTERS = (
     "start_load_kv_seconds",
     "wait_for_save_seconds",
     "get_finished_seconds",
+    "handle_preemptions_seconds",
 )
 """Summed: lookups (tokens the connector serves / prompt tokens neither it nor vLLM's own cache had),
 chunk loads and failures, chunk saves (``saves_skipped``: the writer queue was full; ``store_full``: the
-capped store had no room without evicting the chunk's own prefix), blob bytes, background seconds
+capped store had no room without evicting the chunk's own prefix; ``requests_held``: finished requests whose
+blocks vLLM kept until the writer had copied their chunks out; ``requests_preempted``: preemptions the
+worker saw), blob bytes, background seconds
 (``load_seconds``, ``save_seconds``) and the seconds the engine step spent inside each hook."""
 GAUGES = ("writer_queue_depth",)
 

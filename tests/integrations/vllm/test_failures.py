@@ -8,57 +8,15 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
 
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
 from kvcodec.integrations.vllm import connector as connector_mod
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
-from kvcodec.integrations.vllm.keys import prefix_hashes
 from kvcodec.store import DirectoryStore
-
-CHUNK = 32
-BLOCK = 16
-HEADS = 2
-HEAD = 64
-LAYERS = 2
-TOKENS = list(range(5, 5 + 2 * CHUNK))
-HASHES = prefix_hashes(TOKENS, CHUNK)
-BLOCK_IDS = [3, 1, 4, 0]
-"""Two chunks of two 16-token blocks each."""
-
-
-def _worker(root: Path, **extra: object) -> KvcodecConnector:
-    ktc = KVTransferConfig(
-        kv_connector="KvcodecConnector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"root": str(root), "chunk_size": CHUNK, "fused": "off", **extra},
-    )
-    hf = SimpleNamespace(to_dict=lambda: {"rope_theta": 1e4}, quantization_config=None)
-    mc = SimpleNamespace(model="m", revision=None, dtype=torch.bfloat16, hf_config=hf, quantization=None)
-    vcfg = SimpleNamespace(
-        kv_transfer_config=ktc,
-        model_config=mc,
-        cache_config=SimpleNamespace(cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-    )
-    spec = SimpleNamespace(
-        num_kv_heads=HEADS, head_size=HEAD, head_size_v=HEAD, dtype=torch.bfloat16, block_size=BLOCK
-    )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    kv_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names)])
-    conn = KvcodecConnector(vcfg, KVConnectorRole.WORKER, kv_config)
-    g = torch.Generator().manual_seed(0)
-    caches = {n: torch.randn(8, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16) for n in names}
-    conn.register_kv_caches(caches)
-    return conn
+from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, LAYERS, cpu_worker
 
 
 def _save_both_chunks(conn: KvcodecConnector) -> None:
@@ -90,7 +48,7 @@ def _load(conn: KvcodecConnector, req_id: str = "r") -> tuple[set[str] | None, s
 def test_a_failing_read_is_a_load_error_and_the_request_finishes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, exc: BaseException
 ) -> None:
-    conn = _worker(tmp_path)
+    conn = cpu_worker(tmp_path)
     _save_both_chunks(conn)
     second = conn._blob_key(0, 1, 1, HASHES[1], HASHES[0])
     real_get = DirectoryStore.get
@@ -116,7 +74,7 @@ def test_a_failing_read_is_a_load_error_and_the_request_finishes(
 
 def test_a_failing_load_job_fails_the_whole_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception outside any one chunk (here: the job's own bookkeeping) still reports every block."""
-    conn = _worker(tmp_path)
+    conn = cpu_worker(tmp_path)
     _save_both_chunks(conn)
 
     def broken(self: KvcodecConnector, spec: LoadSpec) -> None:
@@ -133,7 +91,7 @@ def test_a_failing_load_job_fails_the_whole_request(tmp_path: Path, monkeypatch:
 def test_a_failing_write_into_the_cache_is_a_load_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conn = _worker(tmp_path)
+    conn = cpu_worker(tmp_path)
     _save_both_chunks(conn)
     real = connector_mod.scatter_kv
     calls = []
@@ -156,7 +114,7 @@ def test_a_failing_write_into_the_cache_is_a_load_error(
 def test_a_failing_store_write_is_counted_and_nothing_stalls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, async_save: bool
 ) -> None:
-    conn = _worker(tmp_path, async_save=async_save, writer_threads=1)
+    conn = cpu_worker(tmp_path, async_save=async_save, writer_threads=1)
 
     def put(self: DirectoryStore, key: str, blob: object) -> None:
         raise RuntimeError("a bug in the store")
@@ -178,7 +136,7 @@ def test_a_failing_store_write_is_counted_and_nothing_stalls(
 def test_a_failing_gather_is_counted_and_the_step_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conn = _worker(tmp_path)
+    conn = cpu_worker(tmp_path)
 
     def gather(*args: object, **kwargs: object) -> None:
         raise IndexError("a bug")

