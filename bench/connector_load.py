@@ -14,7 +14,9 @@ blob per layer and chunk) is loaded from a DirectoryStore into fresh paged cache
 
 The three take turns round after round (``--rounds``); each one's median CPU time (the calling
 thread's: torch is held to one thread, kvcodec starts none) and wall time are reported with the
-ratios new/example and new/old, and written to ``bench/results/connector-load.json``. Before
+ratios new/example and new/old, and the new path's split between what the connector's loader thread
+does (read and check) and what the engine step does (write), all written to
+``bench/results/connector-load.json``. Before
 timing, the new path's caches are checked bit-identical to the old path's.
 
 Run: ``.venv/bin/python bench/connector_load.py`` (defaults: a 12-layer model, 4 KV heads x 64,
@@ -100,6 +102,7 @@ class Setup:
             st.save_file({"kv_cache": source[n][index].contiguous()}, path)
             self.example_files[n] = path
         self.example_index = index
+        self.new_phases: list[tuple[float, float]] = []
         self.caches = {way: {n: torch.zeros(shape, dtype=torch.bfloat16) for n in self.names} for way in WAYS}
 
     def key(self, name: str, c: int) -> str:
@@ -135,8 +138,12 @@ class Setup:
                 )
 
     def load_new(self) -> None:
+        """As the connector's loader thread (read and check) then its step (write) would; CPU time of
+        each part recorded in ``new_phases``."""
         g, caches = self.g, self.caches["new"]
+        reading = writing = 0.0
         for c in range(g.chunks):
+            t0 = time.thread_time()
             blobs = {n: self.store.get_parsed(self.key(n, c)) for n in self.names}
             chunk = read_chunk(
                 blobs,
@@ -147,7 +154,10 @@ class Setup:
                 num_tokens=g.chunk,
                 chunk_hash=self.chunk_hash(c),
             )
+            t1 = time.thread_time()
             write_chunk(chunk, caches, self.block_ids, start=c * g.chunk)
+            reading, writing = reading + t1 - t0, writing + time.thread_time() - t1
+        self.new_phases.append((reading, writing))
 
     def load_example(self) -> None:
         caches = self.caches["example"]
@@ -199,7 +209,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         s = Setup(g, root)
         _check(s)
+        s.new_phases.clear()
         samples = _rounds({w: getattr(s, f"load_{w}") for w in WAYS}, args.rounds, args.warmup)
+        phases = s.new_phases[-args.rounds :]
         blob_bytes = sum(len(s.store.get_parsed(s.key(n, c)).blob) for n in s.names for c in range(g.chunks))
     med = {w: {k: statistics.median(v) * 1e3 for k, v in t.items()} for w, t in samples.items()}
     result = {
@@ -208,6 +220,10 @@ def main() -> None:
         "blob_bytes": blob_bytes,
         "rounds": args.rounds,
         "median_ms": {w: {k: round(v, 3) for k, v in m.items()} for w, m in med.items()},
+        "new_phases_median_cpu_ms": {
+            "read_and_check": round(statistics.median(r for r, _ in phases) * 1e3, 3),
+            "write": round(statistics.median(w for _, w in phases) * 1e3, 3),
+        },
         "ratio_new_vs_example": {k: round(med["new"][k] / med["example"][k], 3) for k in ("cpu", "wall")},
         "ratio_new_vs_old": {k: round(med["new"][k] / med["old"][k], 3) for k in ("cpu", "wall")},
         "ratio_old_vs_example": {k: round(med["old"][k] / med["example"][k], 3) for k in ("cpu", "wall")},
@@ -220,6 +236,10 @@ def main() -> None:
     print(f"{'way':10s} {'CPU ms':>9s} {'wall ms':>9s}")
     for w in WAYS:
         print(f"{w:10s} {med[w]['cpu']:9.2f} {med[w]['wall']:9.2f}")
+    ph = result["new_phases_median_cpu_ms"]
+    print(
+        f"new = read and check {ph['read_and_check']:.2f} ms (loader thread) + write {ph['write']:.2f} ms (step)"
+    )
     for r in ("ratio_new_vs_example", "ratio_new_vs_old", "ratio_old_vs_example"):
         print(f"{r:22s} CPU {result[r]['cpu']:.3f}  wall {result[r]['wall']:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
