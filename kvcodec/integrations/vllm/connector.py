@@ -112,6 +112,11 @@ logger = logging.getLogger("vllm.kvcodec")
 """A child of the one logger vLLM configures ("vllm"): the connector's lines (which path serves, chunks
 not saved or loaded) appear in the engine's log with its format and level."""
 
+IDLE_LOAD_WAIT_S = 0.005
+"""In a step that computes nothing while loads are pending, ``get_finished`` waits up to this long for
+one: vLLM would otherwise run another empty step at once, about a thousand of them per second of load,
+each taking the GIL and a core from the loader. (A request that arrives meanwhile waits as long.)"""
+
 SHUTDOWN_DRAIN_S = 10.0
 """How long ``shutdown`` waits for pending writes before abandoning them (``shutdown_timeout_s``)."""
 
@@ -158,6 +163,8 @@ class KvcodecMetadata(KVConnectorMetadata):
     held: list[str] = field(default_factory=list)
     """Requests finished since the last step whose blocks vLLM keeps (``request_finished`` returned
     True) until ``get_finished`` reports them sent: their chunks may still be being copied out."""
+    idle: bool = False
+    """This step computes no token (vLLM steps anyway while requests wait for their loads)."""
     preempted: list[str] = field(default_factory=list)
     """Requests preempted by this step's schedule: their blocks are free, so ``handle_preemptions``
     waits for any copy still reading them before the forward may overwrite them."""
@@ -265,6 +272,8 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._inflight: set[str] = set()
         """Chunks (key suffixes) queued for the writer: not queued twice."""
         self._ready: list[_LoadResult] = []
+        self._loaded = threading.Condition(self._lock)
+        """Notified when the loader has a result ready."""
         self._writer = BackgroundPool(
             "writer", threads=self._cfg.writer_threads, capacity=self._cfg.save_queue
         )
@@ -367,6 +376,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         meta.tokens_hit, meta.tokens_missed = self._lookup_delta
         self._lookup_delta = [0, 0]
         meta.held, self._held_new = self._held_new, []
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._to_load.clear()
         sched = scheduler_output.num_scheduled_tokens
@@ -518,6 +528,7 @@ class KvcodecConnector(KVConnectorBase_V1):
             result = _LoadResult(spec, [], failed_at=spec.start)
         with self._lock:
             self._ready.append(result)
+            self._loaded.notify_all()
         self.counters.add(requests_loaded_async=1)
 
     def _prepare(self, spec: LoadSpec) -> _LoadResult:
@@ -643,12 +654,14 @@ class KvcodecConnector(KVConnectorBase_V1):
         """Write the chunks the loader has read and checked and report those requests received; report
         held requests sent once nothing is copying out of their blocks any more."""
         t0 = time.perf_counter()
-        if self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, KvcodecMetadata):
-                self._held.update(meta.held)
-                self.counters.add(requests_held=len(meta.held))
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, KvcodecMetadata) and meta.idle
+        if isinstance(meta, KvcodecMetadata):
+            self._held.update(meta.held)
+            self.counters.add(requests_held=len(meta.held))
         with self._lock:
+            if idle and not self._ready and self._loader.depth:
+                self._loaded.wait(IDLE_LOAD_WAIT_S)
             ready, self._ready = self._ready, []
             sent = {r for r in self._held if not self._gathering.get(r)}
         self._held -= sent

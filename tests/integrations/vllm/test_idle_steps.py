@@ -1,0 +1,86 @@
+"""While a request waits for its asynchronous load, vLLM keeps stepping with nothing to compute. In
+such an idle step ``get_finished`` waits (up to ``IDLE_LOAD_WAIT_S``) for the loader rather than let
+vLLM spin, and returns the load in that same call once it is ready; a step that computes something
+never waits. No engine: the hooks are called as vLLM's model runner calls them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
+
+from kvcodec.integrations.vllm import connector as connector_mod
+from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
+from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, cpu_worker
+
+LONG_WAIT_S = 60.0
+"""The idle wait, made long: a call that returns well before it was woken by the loader."""
+
+
+def _finished(conn: KvcodecConnector, meta: KvcodecMetadata) -> tuple[set[str] | None, float]:
+    conn.bind_connector_metadata(meta)
+    t0 = time.monotonic()
+    _, received = conn.get_finished(set())
+    conn.clear_connector_metadata()
+    return received, time.monotonic() - t0
+
+
+@pytest.fixture
+def gated_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[KvcodecConnector, threading.Event]]:
+    """A connector with both chunks stored and one background load started, held at a gate."""
+    conn = cpu_worker(tmp_path)
+    saves = [SaveSpec("w", c, HASHES[c], HASHES[c - 1] if c else None, BLOCK_IDS) for c in range(2)]
+    conn.bind_connector_metadata(KvcodecMetadata(saves=saves))
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+    assert conn.drain(60)
+    gate = threading.Event()
+    prepare = KvcodecConnector._prepare
+
+    def gated(self: KvcodecConnector, spec: LoadSpec) -> object:
+        gate.wait(LONG_WAIT_S)
+        return prepare(self, spec)
+
+    monkeypatch.setattr(KvcodecConnector, "_prepare", gated)
+    monkeypatch.setattr(connector_mod, "IDLE_LOAD_WAIT_S", LONG_WAIT_S)
+    spec = LoadSpec("r", 0, 2 * CHUNK, HASHES, [7, 6, 5, 2], background=True)
+    conn.bind_connector_metadata(KvcodecMetadata(loads=[spec]))
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    conn.clear_connector_metadata()
+    yield conn, gate
+    gate.set()
+    conn.shutdown()
+
+
+def test_a_busy_step_never_waits_for_a_load(gated_load: tuple[KvcodecConnector, threading.Event]) -> None:
+    conn, _ = gated_load
+    received, took = _finished(conn, KvcodecMetadata(idle=False))
+    assert received is None and took < LONG_WAIT_S / 2
+
+
+def test_an_idle_step_returns_the_load_as_soon_as_it_is_ready(
+    gated_load: tuple[KvcodecConnector, threading.Event],
+) -> None:
+    conn, gate = gated_load
+    threading.Timer(0.2, gate.set).start()
+    received, took = _finished(conn, KvcodecMetadata(idle=True))
+    assert received == {"r"}, "the idle step did not wait for the load"
+    assert took < LONG_WAIT_S / 2, "woken by the loader, not by the timeout"
+    assert conn.stats["chunks_loaded"] == 2
+
+
+def test_an_idle_step_without_pending_loads_does_not_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connector_mod, "IDLE_LOAD_WAIT_S", LONG_WAIT_S)
+    conn = cpu_worker(tmp_path)
+    received, took = _finished(conn, KvcodecMetadata(idle=True))
+    assert received is None and took < LONG_WAIT_S / 2
+    conn.shutdown()
