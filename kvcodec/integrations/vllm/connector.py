@@ -35,7 +35,9 @@ What the engine step waits for (defaults ``async_save`` and ``async_load``):
   thread reads every blob of the request's chunks and checks them (CRC,
   identity, ids, geometry) and decodes them off the step; ``get_finished``
   writes the decoded chunks into the request's blocks and reports it
-  received. A chunk that fails goes to ``get_block_ids_with_load_errors`` in
+  received (in a step that computes nothing it first waits up to
+  ``IDLE_LOAD_WAIT_S`` for the loader, rather than let vLLM spin through empty
+  steps). A chunk that fails goes to ``get_block_ids_with_load_errors`` in
   that same step and, with ``kv_load_failure_policy="recompute"``, is computed.
 
 With ``async_save=false`` / ``async_load=false`` both happen inside the step
