@@ -86,7 +86,7 @@ from kvcodec.format import Hashes, Header, ScaleScope, assemble
 from kvcodec.store import DirectoryStore, StoreFullError
 
 from .background import BackgroundPool
-from .chunks import ChunkCodec, FP8Scales, blob_identity, decode_chunk, encode_kv
+from .chunks import ChunkCodec, FP8Scales, PreparedChunk, blob_identity, encode_kv, read_chunk, write_chunk
 from .fused import ChunkLoad, FusedLayers, load_layers
 from .keys import (
     KvcodecConfig,
@@ -97,7 +97,7 @@ from .keys import (
     prefix_hashes,
     request_seed,
 )
-from .layout import gather_kv, scatter_kv
+from .layout import gather_kv
 from .stats import Counters, KvcodecPromMetrics, KvcodecStats
 
 if TYPE_CHECKING:
@@ -202,8 +202,9 @@ class _Prepared:
     skip: int
     tokens: int
     blobs: dict[str, Any]
-    kv: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
-    """Per-layer path: decoded K and V; None: the fused path writes ``blobs``."""
+    kv: PreparedChunk | None
+    """Per-layer path: every layer read and checked (:func:`~.chunks.read_chunk`); None: the fused path
+    writes ``blobs``."""
 
 
 @dataclass(eq=False)
@@ -567,24 +568,23 @@ class KvcodecConnector(KVConnectorBase_V1):
             for n, lid in self._layers.items()
             if n in self._caches
         }
-        blobs = {}
-        for name, key in keys.items():
-            blobs[name] = self._store.get(key)
-            self.counters.add(bytes_read=len(blobs[name]))
         cs = self._cfg.chunk_size
         with self._deleting_bad([*keys.values(), self._manifest_key(c, h, parent)]):
+            blobs = {}
+            for name, key in keys.items():
+                blobs[name] = self._store.get_parsed(key)  # one read, one parse, CRC checked
+                self.counters.add(bytes_read=len(blobs[name].blob))
             fused = self._fused
             if fused is not None and fused.serves(c * cs, skip):
+                raw = {n: p.blob for n, p in blobs.items()}
                 for name, lid in zip(fused.names, fused.layer_ids):
-                    fused.check(blobs[name], cs, h, (lid, c))
-                return _Prepared(c, skip, cs - skip, blobs, None)
-            kv = {
-                n: decode_chunk(
-                    b, self._caches[n], self._codec(n), num_tokens=cs, chunk_hash=h, ids=(self._layers[n], c)
-                )
-                for n, b in blobs.items()
-            }
-        return _Prepared(c, skip, cs - skip, blobs, kv)
+                    fused.check(raw[name], cs, h, (lid, c))
+                return _Prepared(c, skip, cs - skip, raw, None)
+            codecs = {n: self._codec(n) for n in blobs}
+            chunk = read_chunk(
+                blobs, self._caches, codecs, self._layers, chunk_id=c, num_tokens=cs, chunk_hash=h
+            )
+        return _Prepared(c, skip, cs - skip, blobs, chunk)
 
     def _forget_chunk(self, spec: LoadSpec, c: int) -> None:
         """Delete a chunk's manifest after its load failed: vLLM looks the request up again before it
@@ -637,17 +637,7 @@ class KvcodecConnector(KVConnectorBase_V1):
             if load_layers(p.blobs, self._caches, self._codec, req, self._fused):
                 self.counters.add(chunks_loaded_fused=1)
             return
-        for name, (k, v) in p.kv.items():
-            cc = self._codecs[name]
-            scatter_kv(
-                self._caches[name],
-                spec.block_ids,
-                k[p.skip :],
-                v[p.skip :],
-                head_size=cc.head_size,
-                block_size=cc.block_size,
-                start=p.chunk * cs + p.skip,
-            )
+        write_chunk(p.kv, self._caches, spec.block_ids, start=p.chunk * cs, skip=p.skip)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Synchronous loads finish in ``start_load_kv``; background ones in ``get_finished``."""

@@ -16,7 +16,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason=
 from kvcodec.integrations.vllm import connector as connector_mod
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
 from kvcodec.store import DirectoryStore
-from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, LAYERS, cpu_worker
+from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, cpu_worker
 
 
 def _save_both_chunks(conn: KvcodecConnector) -> None:
@@ -51,14 +51,14 @@ def test_a_failing_read_is_a_load_error_and_the_request_finishes(
     conn = cpu_worker(tmp_path)
     _save_both_chunks(conn)
     second = conn._blob_key(0, 1, 1, HASHES[1], HASHES[0])
-    real_get = DirectoryStore.get
+    real_get = DirectoryStore.get_parsed
 
-    def get(self: DirectoryStore, key: str) -> bytes:
+    def get(self: DirectoryStore, key: str) -> object:
         if key == second:
             raise exc
         return real_get(self, key)
 
-    monkeypatch.setattr(DirectoryStore, "get", get)
+    monkeypatch.setattr(DirectoryStore, "get_parsed", get)
     with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
         received, errors = _load(conn)
     assert received == {"r"}, "the request was never reported received"
@@ -93,16 +93,16 @@ def test_a_failing_write_into_the_cache_is_a_load_error(
 ) -> None:
     conn = cpu_worker(tmp_path)
     _save_both_chunks(conn)
-    real = connector_mod.scatter_kv
+    real = connector_mod.write_chunk
     calls = []
 
-    def scatter(*args: object, **kwargs: object) -> None:
+    def write(*args: object, **kwargs: object) -> None:
         calls.append(1)
-        if len(calls) > LAYERS:  # chunk 1's first layer
+        if len(calls) > 1:  # chunk 1
             raise ValueError("a bug")
         real(*args, **kwargs)
 
-    monkeypatch.setattr(connector_mod, "scatter_kv", scatter)
+    monkeypatch.setattr(connector_mod, "write_chunk", write)
     received, errors = _load(conn)
     assert received == {"r"} and errors == {5, 2}
     assert conn.stats["chunks_failed"] == 1

@@ -80,14 +80,15 @@ def _failing_get(part: str) -> None:
     """Every store read of a key containing ``part`` raises, as a bug (not a bad blob) would."""
     from kvcodec.store import DirectoryStore
 
-    get = DirectoryStore.get
+    for name in ("get", "get_parsed"):
+        real = getattr(DirectoryStore, name)
 
-    def failing_get(self, key):
-        if part in key:
-            raise RuntimeError(f"injected read failure for {key}")
-        return get(self, key)
+        def failing(self, key, real=real):
+            if part in key:
+                raise RuntimeError(f"injected read failure for {key}")
+            return real(self, key)
 
-    DirectoryStore.get = failing_get
+        setattr(DirectoryStore, name, failing)
 
 
 def _metrics(llm) -> dict:
