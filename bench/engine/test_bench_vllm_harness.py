@@ -42,6 +42,10 @@ def results(async_save_s: float) -> dict:
             {"cold": cold_none, "own_hit": [ttft_row(0.02, {})] * 3, "decode_batch": decode([1, 0.1, 0.1], 0)}
         ),
         "hit-sync": engine({"hit": [ttft_row(0.05, {"start_load_kv": 0.02})]}, lookups=(0.001, 0.003, 0.001)),
+        "hit-async": engine(
+            {"hit": [ttft_row(0.06, {"start_load_kv": 0.001, "get_finished": 0.01, "idle_load_wait": 0.5})]},
+            lookups=(0.001,),
+        ),
         "example-hit": engine({"hit": [ttft_row(0.09, {"start_load_kv": 0.05})]}),
         "l32-hit": engine({"hit": [ttft_row(0.05, {})]}, lookups=(0.002,)),
     }
@@ -66,7 +70,10 @@ def test_medians_and_ratios():
     assert abs(hook.value - 0.005 / 0.2) < 1e-12 and hook.verdict == "met"
     hit = by["3. hit from disk (sync load) above vLLM's own hit / recompute"]
     assert abs(hit.value - (0.05 - 0.02) / 1.1) < 1e-12 and hit.verdict == "met"
-    assert abs(by["5a. load time of a hit, kvcodec (sync load) / ExampleConnector"].value - 0.4) < 1e-12
+    sync = "5a. load time of a hit, kvcodec (sync load: the whole load, in the step) / ExampleConnector"
+    assert abs(by[sync].value - 0.4) < 1e-12
+    share = "5a. load time of a hit, kvcodec (async load: the step's share: the writes) / ExampleConnector"
+    assert abs(by[share].value - 0.011 / 0.05) < 1e-12  # the idle steps' waits are not load work
     assert abs(by["5b. bytes stored per prompt, kvcodec / ExampleConnector"].value - 0.75) < 1e-12
     assert abs(by["6. lookup per prompt, 32 layers / 12 layers"].value - 2.0) < 1e-12
     assert by["6. lookup per prompt, 32 layers / 12 layers"].verdict == "NOT met"

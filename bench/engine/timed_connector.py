@@ -64,6 +64,8 @@ WORKER_HOOKS = (
     "get_finished",
 )
 """Called by the model runner inside every step; the forward pass waits for each."""
+IDLE_WAIT = "idle_load_wait"
+"""Not a hook: the part of ``get_finished`` spent waiting for the loader in steps that computed nothing."""
 SCHEDULER_HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -199,8 +201,20 @@ class _HookTimer:
             return super().wait_for_save()  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> Any:
+        """Timed, less any wait for the loader in a step that computed nothing (kvcodec's
+        ``idle_load_wait_seconds``): kept apart as ``idle_load_wait``, since no work waited on it."""
+        waited0 = self._idle_waited()
         with self.bench_clock.timing("get_finished"):
-            return super().get_finished(finished_req_ids)  # type: ignore[misc]
+            out = super().get_finished(finished_req_ids)  # type: ignore[misc]
+        waited = self._idle_waited() - waited0
+        seconds = self.bench_clock.seconds
+        seconds["get_finished"] -= waited
+        seconds[IDLE_WAIT] = seconds.get(IDLE_WAIT, 0.0) + waited
+        return out
+
+    def _idle_waited(self) -> float:
+        counters = getattr(self, "counters", None)
+        return counters.total.get("idle_load_wait_seconds", 0.0) if counters is not None else 0.0
 
     # scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:

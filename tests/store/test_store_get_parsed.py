@@ -80,3 +80,32 @@ def test_reads_count_as_use_for_eviction(tmp_path: Path) -> None:
     st.get_parsed("a")
     st.put("d", make_blob(10_000, 9))
     assert st.keys() == ["a", "c", "d"]
+
+
+@pytest.mark.parametrize("spare", [0, 10, 1, 5000])
+def test_into_a_buffer_large_enough_or_else_a_new_one(tmp_path: Path, spare: int) -> None:
+    """``into`` is read into when it holds the whole file (spare bytes after it are left alone); a
+    smaller one is not touched and the blob gets its own memory."""
+    st = DirectoryStore(tmp_path, fsync=False)
+    blob = make_blob(30_000, 2, version=2)
+    st.put("k", blob)
+    fits = spare >= 1
+    buf = bytearray(b"\xaa" * (len(blob) + spare if fits else len(blob) - 1))
+    p = st.get_parsed("k", into=buf)
+    assert bytes(p.blob) == blob and p.header == parse(blob).header
+    assert (p.buffer.obj is buf) == fits
+    if fits:
+        assert bytes(buf[: len(blob)]) == blob and bytes(buf[len(blob) :]) == b"\xaa" * spare
+    else:
+        assert bytes(buf) == b"\xaa" * len(buf)
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_into_a_buffer_damage_is_still_refused(tmp_path: Path, how: str) -> None:
+    st = DirectoryStore(tmp_path, verify=False, fsync=False)
+    blob = make_blob(20_000, 1, version=2, model="model-x")
+    st.put(how, blob)
+    damage(tmp_path / how, how)
+    with pytest.raises(CorruptEncodedKVError):
+        st.get_parsed(how, into=bytearray(len(blob) + 64))
+    assert not (tmp_path / how).exists()

@@ -86,6 +86,7 @@ from kvcodec.format import Hashes, Header, ScaleScope, assemble
 from kvcodec.store import DirectoryStore, StoreFullError
 
 from .background import BackgroundPool
+from .buffers import ReadBuffers
 from .chunks import ChunkCodec, FP8Scales, PreparedChunk, blob_identity, encode_kv, read_chunk, write_chunk
 from .fused import ChunkLoad, FusedLayers, load_layers
 from .keys import (
@@ -205,6 +206,8 @@ class _Prepared:
     kv: PreparedChunk | None
     """Per-layer path: every layer read and checked (:func:`~.chunks.read_chunk`); None: the fused path
     writes ``blobs``."""
+    buffers: list[bytearray] = field(default_factory=list)
+    """What ``blobs`` (and ``kv``) view: back to the connector's read buffers once written."""
 
 
 @dataclass(eq=False)
@@ -281,6 +284,7 @@ class KvcodecConnector(KVConnectorBase_V1):
             "writer", threads=self._cfg.writer_threads, capacity=self._cfg.save_queue
         )
         self._loader = BackgroundPool("loader", threads=1, capacity=1 << 30)
+        self._buffers = ReadBuffers()
         self._gatherer = BackgroundPool("gather", threads=1, capacity=self._cfg.save_queue)
         """Copies chunks out of CPU caches off the step; its jobs only memcpy, so a wait on it is short."""
         self._gathering: dict[str, list[_Gather]] = {}
@@ -455,7 +459,14 @@ class KvcodecConnector(KVConnectorBase_V1):
         rank = get_tensor_model_parallel_rank() if self._world > 1 else 0
         self._rank = rank
         geo = self._geo
-        model_dtype = self._vllm_config.model_config.dtype
+        codec = ChunkCodec(  # one for every layer: a load plans each chunk once for all of them
+            head_size=geo.head_size,
+            block_size=geo.block_size,
+            model_dtype=self._vllm_config.model_config.dtype,
+            scope=self._cfg.scope,
+            page_size=self._cfg.page_size,
+            hashes=self._hashes[rank],
+        )
         for name, cache in kv_caches.items():
             if name not in self._layers:
                 continue
@@ -465,14 +476,7 @@ class KvcodecConnector(KVConnectorBase_V1):
                     f"layer {name}: expected a [blocks, {geo.num_kv_heads}, block, {want_c}] view; got {tuple(cache.shape)}"
                 )
             self._caches[name] = cache
-            self._codecs[name] = ChunkCodec(
-                head_size=geo.head_size,
-                block_size=geo.block_size,
-                model_dtype=model_dtype,
-                scope=self._cfg.scope,
-                page_size=self._cfg.page_size,
-                hashes=self._hashes[rank],
-            )
+            self._codecs[name] = codec
         self._build_fused()
         on_cpu = all(c.device.type == "cpu" for c in self._caches.values())
         self._defer_gather = self._cfg.async_save and on_cpu
@@ -569,22 +573,40 @@ class KvcodecConnector(KVConnectorBase_V1):
             if n in self._caches
         }
         cs = self._cfg.chunk_size
-        with self._deleting_bad([*keys.values(), self._manifest_key(c, h, parent)]):
-            blobs = {}
-            for name, key in keys.items():
-                blobs[name] = self._store.get_parsed(key)  # one read, one parse, CRC checked
-                self.counters.add(bytes_read=len(blobs[name].blob))
-            fused = self._fused
-            if fused is not None and fused.serves(c * cs, skip):
-                raw = {n: p.blob for n, p in blobs.items()}
-                for name, lid in zip(fused.names, fused.layer_ids):
-                    fused.check(raw[name], cs, h, (lid, c))
-                return _Prepared(c, skip, cs - skip, raw, None)
-            codecs = {n: self._codec(n) for n in blobs}
-            chunk = read_chunk(
-                blobs, self._caches, codecs, self._layers, chunk_id=c, num_tokens=cs, chunk_hash=h
-            )
-        return _Prepared(c, skip, cs - skip, blobs, chunk)
+        buffers: list[bytearray] = []
+        try:
+            with self._deleting_bad([*keys.values(), self._manifest_key(c, h, parent)]):
+                blobs = {name: self._read_blob(key, buffers) for name, key in keys.items()}
+                fused = self._fused
+                if fused is not None and fused.serves(c * cs, skip):
+                    raw = {n: p.blob for n, p in blobs.items()}
+                    for name, lid in zip(fused.names, fused.layer_ids):
+                        fused.check(raw[name], cs, h, (lid, c))
+                    return _Prepared(c, skip, cs - skip, raw, None, buffers)
+                codecs = {n: self._codec(n) for n in blobs}
+                chunk = read_chunk(
+                    blobs, self._caches, codecs, self._layers, chunk_id=c, num_tokens=cs, chunk_hash=h
+                )
+        except BaseException:
+            self._buffers.give(buffers)
+            raise
+        return _Prepared(c, skip, cs - skip, blobs, chunk, buffers)
+
+    def _read_blob(self, key: str, buffers: list[bytearray]) -> Any:
+        """One read and one CRC-checked parse, into a reused buffer when one is idle and large enough;
+        the buffer the blob lives in is added to ``buffers`` (returned after the chunk is written)."""
+        spare = self._buffers.take()
+        try:
+            parsed = self._store.get_parsed(key, into=spare)
+        except BaseException:
+            if spare is not None:
+                buffers.append(spare)
+            raise
+        owner = parsed.buffer.obj
+        if isinstance(owner, bytearray):
+            buffers.append(owner)  # the spare, or a new one when the spare was too small (dropped)
+        self.counters.add(bytes_read=len(parsed.blob))
+        return parsed
 
     def _forget_chunk(self, spec: LoadSpec, c: int) -> None:
         """Delete a chunk's manifest after its load failed: vLLM looks the request up again before it
@@ -608,8 +630,19 @@ class KvcodecConnector(KVConnectorBase_V1):
 
     def _apply(self, result: _LoadResult) -> None:
         """Write the prepared chunks into the request's blocks; report the rest as load errors."""
-        spec, cs, bs = result.spec, self._cfg.chunk_size, self._geo.block_size
+        spec, bs = result.spec, self._geo.block_size
         failed_at = result.failed_at
+        try:
+            failed_at = self._write_all(result, failed_at)
+        finally:  # every chunk written or skipped: nothing views the buffers any more
+            self._buffers.give([b for p in result.chunks for b in p.buffers])
+        if failed_at is not None:
+            self._load_errors |= {spec.block_ids[b] for b in range(failed_at // bs, -(-spec.end // bs))}
+            self.counters.add(chunks_failed=1)
+
+    def _write_all(self, result: _LoadResult, failed_at: int | None) -> int | None:
+        """Write the prepared chunks in order, stopping at the first that fails; the first failing token."""
+        spec, cs = result.spec, self._cfg.chunk_size
         for p in result.chunks:
             try:
                 self._write_prepared(spec, p)
@@ -626,9 +659,7 @@ class KvcodecConnector(KVConnectorBase_V1):
                 )
                 break
             self.counters.add(chunks_loaded=1, tokens_loaded=p.tokens)
-        if failed_at is not None:
-            self._load_errors |= {spec.block_ids[b] for b in range(failed_at // bs, -(-spec.end // bs))}
-            self.counters.add(chunks_failed=1)
+        return failed_at
 
     def _write_prepared(self, spec: LoadSpec, p: _Prepared) -> None:
         cs = self._cfg.chunk_size
@@ -653,7 +684,9 @@ class KvcodecConnector(KVConnectorBase_V1):
             self.counters.add(requests_held=len(meta.held))
         with self._lock:
             if idle and not self._ready and self._loader.depth:
+                w0 = time.perf_counter()
                 self._loaded.wait(IDLE_LOAD_WAIT_S)
+                self.counters.add(idle_load_wait_seconds=time.perf_counter() - w0)
             ready, self._ready = self._ready, []
             sent = {r for r in self._held if not self._gathering.get(r)}
         self._held -= sent

@@ -39,13 +39,15 @@ COUNTERS = (
     "wait_for_save_seconds",
     "get_finished_seconds",
     "handle_preemptions_seconds",
+    "idle_load_wait_seconds",
 )
 """Summed: lookups (tokens the connector serves / prompt tokens neither it nor vLLM's own cache had),
 chunk loads and failures, chunk saves (``saves_skipped``: the writer queue was full; ``store_full``: the
 capped store had no room without evicting the chunk's own prefix; ``requests_held``: finished requests whose
 blocks vLLM kept until the writer had copied their chunks out; ``requests_preempted``: preemptions the
 worker saw), blob bytes, background seconds
-(``load_seconds``, ``save_seconds``) and the seconds the engine step spent inside each hook."""
+(``load_seconds``, ``save_seconds``) and the seconds the engine step spent inside each hook
+(``idle_load_wait_seconds``: of ``get_finished``'s, waiting for the loader in steps that computed nothing)."""
 GAUGES = ("writer_queue_depth",)
 
 

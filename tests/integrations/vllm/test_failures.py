@@ -16,7 +16,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason=
 from kvcodec.integrations.vllm import connector as connector_mod
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
 from kvcodec.store import DirectoryStore
-from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, cpu_worker
+from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, LAYERS, cpu_worker
 
 
 def _save_both_chunks(conn: KvcodecConnector) -> None:
@@ -53,10 +53,10 @@ def test_a_failing_read_is_a_load_error_and_the_request_finishes(
     second = conn._blob_key(0, 1, 1, HASHES[1], HASHES[0])
     real_get = DirectoryStore.get_parsed
 
-    def get(self: DirectoryStore, key: str) -> object:
+    def get(self: DirectoryStore, key: str, **kwargs: object) -> object:
         if key == second:
             raise exc
-        return real_get(self, key)
+        return real_get(self, key, **kwargs)
 
     monkeypatch.setattr(DirectoryStore, "get_parsed", get)
     with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
@@ -144,4 +144,35 @@ def test_a_failing_gather_is_counted_and_the_step_goes_on(
     monkeypatch.setattr(connector_mod, "gather_kv", gather)
     _save_both_chunks(conn)
     assert conn.stats["save_errors"] == 2 and conn.stats["chunks_saved"] == 0
+    conn.shutdown()
+
+
+def test_loads_reuse_their_read_buffers_and_return_them_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load's buffers are reused by the second (its blobs read into them, the cache the
+    same); a load whose second chunk fails still gives every buffer back."""
+    conn = cpu_worker(tmp_path)
+    _save_both_chunks(conn)
+    assert conn._buffers.idle_bytes == 0
+    assert _load(conn, "a") == ({"a"}, set())
+    held = conn._buffers.idle_bytes
+    first = {n: c.clone() for n, c in conn._caches.items()}
+    assert held >= 2 * LAYERS * 1000  # both chunks' blobs, every layer
+    for c in conn._caches.values():
+        c[[7, 6, 5, 2]] = 0
+    assert _load(conn, "b") == ({"b"}, set())
+    assert conn._buffers.idle_bytes == held  # the same buffers, none allocated anew
+    assert all(conn._caches[n].equal(first[n]) for n in first)
+    real = DirectoryStore.get_parsed
+
+    def failing(self: DirectoryStore, key: str, **kwargs: object) -> object:
+        if "-C1-" in key:
+            raise OSError(5, "EIO")
+        return real(self, key, **kwargs)
+
+    monkeypatch.setattr(DirectoryStore, "get_parsed", failing)
+    received, errors = _load(conn, "c")
+    assert received == {"c"} and errors == {5, 2}
+    assert conn._buffers.idle_bytes == held
     conn.shutdown()

@@ -83,10 +83,10 @@ def _failing_get(part: str) -> None:
     for name in ("get", "get_parsed"):
         real = getattr(DirectoryStore, name)
 
-        def failing(self, key, real=real):
+        def failing(self, key, real=real, **kwargs):
             if part in key:
                 raise RuntimeError(f"injected read failure for {key}")
-            return real(self, key)
+            return real(self, key, **kwargs)
 
         setattr(DirectoryStore, name, failing)
 
