@@ -33,11 +33,12 @@ What the engine step waits for (defaults ``async_save`` and ``async_load``):
   full is skipped and counted (``saves_skipped``).
 * loads: ``get_num_new_matched_tokens`` answers ``load_async=True``; a loader
   thread reads every blob of the request's chunks and checks them (CRC,
-  identity, ids, geometry) and decodes them off the step; ``get_finished``
-  writes the decoded chunks into the request's blocks and reports it
-  received (in a step that computes nothing it first waits up to
-  ``IDLE_LOAD_WAIT_S`` for the loader, rather than let vLLM spin through empty
-  steps). A chunk that fails goes to ``get_block_ids_with_load_errors`` in
+  identity, ids, geometry) off the step and, with CPU caches, writes them
+  into the request's blocks too (vLLM leaves them alone until the request is
+  reported); ``get_finished`` reports it received (CUDA caches: it writes the
+  chunks first, on the step). In a step that computes nothing, ``get_finished``
+  waits up to ``IDLE_LOAD_WAIT_S`` for the loader rather than let vLLM spin
+  through empty steps. A chunk that fails goes to ``get_block_ids_with_load_errors`` in
   that same step and, with ``kv_load_failure_policy="recompute"``, is computed.
 
 With ``async_save=false`` / ``async_load=false`` both happen inside the step
@@ -226,6 +227,8 @@ class _LoadResult:
     chunks: list[_Prepared]
     failed_at: int | None = None
     """First request token of the chunk that failed (its blocks on are recomputed)."""
+    written: bool = False
+    """Already written into the cache (and its failures recorded) by the loader."""
 
 
 # ----------------------------------------------------------------------------
@@ -294,6 +297,8 @@ class KvcodecConnector(KVConnectorBase_V1):
         """Finished requests whose blocks vLLM holds until ``get_finished`` reports them."""
         self._defer_gather = False
         """Asynchronous saves from CPU caches: the gather copy leaves the step too."""
+        self._write_in_loader = False
+        """CPU caches: asynchronous loads are written by the loader, not in ``get_finished``."""
         self.shutdown_timeout_s = SHUTDOWN_DRAIN_S
         """How long ``shutdown`` drains pending writes before abandoning them."""
         logger.info(
@@ -480,6 +485,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._build_fused()
         on_cpu = all(c.device.type == "cpu" for c in self._caches.values())
         self._defer_gather = self._cfg.async_save and on_cpu
+        self._write_in_loader = on_cpu
 
     def _build_fused(self) -> None:
         """The fused path when it can serve these caches (``fused="on"``: or stop here); logged once."""
@@ -533,10 +539,23 @@ class KvcodecConnector(KVConnectorBase_V1):
                 "kvcodec: request %s not loaded; recomputed from token %d", spec.req_id, spec.start
             )
             result = _LoadResult(spec, [], failed_at=spec.start)
+        if self._write_in_loader:
+            self._apply_or_fail(result)
         with self._lock:
             self._ready.append(result)
             self._loaded.notify_all()
         self.counters.add(requests_loaded_async=1)
+
+    def _apply_or_fail(self, result: _LoadResult) -> None:
+        """The loader writes a CPU cache's chunks itself: until ``get_finished`` reports the request,
+        vLLM touches none of its blocks (even an aborted one's are held until then). A failure here
+        fails the whole request (recomputed), never leaves it unreported."""
+        try:
+            self._apply(result)
+        except Exception:  # pragma: no cover - _apply reports a chunk's failures itself
+            logger.exception("kvcodec: request %s not written; recomputed", result.spec.req_id)
+            self._fail_blocks(result.spec, result.spec.start)
+        result.written = True
 
     def _prepare(self, spec: LoadSpec) -> _LoadResult:
         """Read and check every chunk of a load (stopping at the first that fails); nothing is written."""
@@ -630,15 +649,21 @@ class KvcodecConnector(KVConnectorBase_V1):
 
     def _apply(self, result: _LoadResult) -> None:
         """Write the prepared chunks into the request's blocks; report the rest as load errors."""
-        spec, bs = result.spec, self._geo.block_size
+        spec = result.spec
         failed_at = result.failed_at
         try:
             failed_at = self._write_all(result, failed_at)
         finally:  # every chunk written or skipped: nothing views the buffers any more
             self._buffers.give([b for p in result.chunks for b in p.buffers])
         if failed_at is not None:
+            self._fail_blocks(spec, failed_at)
+
+    def _fail_blocks(self, spec: LoadSpec, failed_at: int) -> None:
+        """Report the load's blocks from token ``failed_at`` on (vLLM recomputes them)."""
+        bs = self._geo.block_size
+        with self._lock:  # the loader may add while the step takes them
             self._load_errors |= {spec.block_ids[b] for b in range(failed_at // bs, -(-spec.end // bs))}
-            self.counters.add(chunks_failed=1)
+        self.counters.add(chunks_failed=1)
 
     def _write_all(self, result: _LoadResult, failed_at: int | None) -> int | None:
         """Write the prepared chunks in order, stopping at the first that fails; the first failing token."""
@@ -691,12 +716,14 @@ class KvcodecConnector(KVConnectorBase_V1):
             sent = {r for r in self._held if not self._gathering.get(r)}
         self._held -= sent
         for result in ready:
-            self._apply(result)
+            if not result.written:
+                self._apply(result)
         self.counters.add(get_finished_seconds=time.perf_counter() - t0)
         return sent or None, {r.spec.req_id for r in ready} or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     # ------------------------------------------------------------ saves

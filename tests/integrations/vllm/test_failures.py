@@ -6,6 +6,7 @@ directly: CPU caches registered, metadata bound, the hooks called as vLLM's mode
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason=
 from kvcodec.integrations.vllm import connector as connector_mod
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
 from kvcodec.store import DirectoryStore
-from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, LAYERS, cpu_worker
+from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, HEAD, LAYERS, cpu_worker
 
 
 def _save_both_chunks(conn: KvcodecConnector) -> None:
@@ -175,4 +176,27 @@ def test_loads_reuse_their_read_buffers_and_return_them_after_a_failure(
     received, errors = _load(conn, "c")
     assert received == {"c"} and errors == {5, 2}
     assert conn._buffers.idle_bytes == held
+    conn.shutdown()
+
+
+def test_cpu_async_loads_are_written_by_the_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU caches: the loader thread writes the chunks too (vLLM leaves a loading request's blocks
+    alone until it is reported); the step's ``get_finished`` only reports the request."""
+    conn = cpu_worker(tmp_path)
+    _save_both_chunks(conn)
+    want = {n: c.clone() for n, c in conn._caches.items()}
+    for c in conn._caches.values():
+        c[[7, 6, 5, 2]] = 0
+    real = connector_mod.write_chunk
+    writers = []
+
+    def write(*args: object, **kwargs: object) -> None:
+        writers.append(threading.current_thread().name)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(connector_mod, "write_chunk", write)
+    assert _load(conn, "r") == ({"r"}, set())
+    assert writers and all(w.startswith("kvcodec-loader") for w in writers), writers
+    for n, c in conn._caches.items():  # the load's blocks hold the saved chunks' K again, bit for bit
+        assert c[[7, 6, 5, 2], ..., :HEAD].equal(want[n][BLOCK_IDS, ..., :HEAD])
     conn.shutdown()

@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from kvcodec.integrations.vllm.connector import KvcodecConnector
 from kvcodec.integrations.vllm.keys import prefix_hashes
 
-__all__ = ["BLOCK", "BLOCK_IDS", "CHUNK", "HASHES", "LAYERS", "TOKENS", "connector", "cpu_worker"]
+__all__ = ["BLOCK", "BLOCK_IDS", "CHUNK", "HASHES", "HEAD", "LAYERS", "TOKENS", "connector", "cpu_worker"]
 
 CHUNK = 32
 BLOCK = 16
