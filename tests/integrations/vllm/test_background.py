@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+
+import pytest
 
 from kvcodec.integrations.vllm.background import BackgroundPool
 
@@ -63,4 +66,17 @@ def test_a_failing_job_keeps_the_thread() -> None:
     pool.submit(boom)
     pool.submit(ran.set)
     assert ran.wait(30)
+    pool.shutdown(5)
+
+
+def test_pool_threads_run_below_the_engines_priority() -> None:
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities on this platform")
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    pool = BackgroundPool("t", threads=1, capacity=1, nice=5)
+    assert pool.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert pool.wait_idle(30)
+    assert seen == [min(19, mine + 5)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is untouched
     pool.shutdown(5)
