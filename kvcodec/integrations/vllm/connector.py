@@ -286,7 +286,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         self._writer = BackgroundPool(
             "writer", threads=self._cfg.writer_threads, capacity=self._cfg.save_queue
         )
-        self._loader = BackgroundPool("loader", threads=1, capacity=1 << 30)
+        self._loader = BackgroundPool("loader", threads=1, capacity=1 << 30, nice=0)  # on its hit's TTFT
         self._buffers = ReadBuffers()
         self._gatherer = BackgroundPool("gather", threads=1, capacity=self._cfg.save_queue)
         """Copies chunks out of CPU caches off the step; its jobs only memcpy, so a wait on it is short."""
