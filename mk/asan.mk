@@ -1,5 +1,6 @@
-# `make test-asan`: the C loops' tests (tests/backends/test_cpu_backend.py, its buffer fuzz
-# included) against kvcodec._cpu built with AddressSanitizer + UBSan. Not in CI
+# `make test-asan`: the C loops' tests (tests/backends/test_cpu_backend.py with its buffer fuzz, and
+# test_cpu_scatter.py: the writes into paged cache views) against kvcodec._cpu built with
+# AddressSanitizer + UBSan. Not in CI
 # (a minute or two; needs gcc's libasan). The sanitized module is built into a
 # copy of the package under build-asan/, so the installed one is left alone;
 # python is not sanitized itself, hence libasan preloaded and leaks off.
@@ -20,4 +21,5 @@ test-asan:
 	  -o $(ASAN_DIR)/kvcodec/_cpu$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -c \
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(ASAN_DIR)" in m.__file__ else "not the sanitized build: " + m.__file__)'
-	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/backends/test_cpu_backend.py
+	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/backends/test_cpu_backend.py \
+	  tests/backends/test_cpu_scatter.py
