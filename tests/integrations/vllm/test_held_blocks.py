@@ -170,6 +170,7 @@ def _scheduled(req_id: str | None) -> SimpleNamespace:
         scheduled_new_reqs=[new] if req_id else [],
         scheduled_cached_reqs=cached,
         num_scheduled_tokens={req_id: len(TOKENS)} if req_id else {},
+        total_num_scheduled_tokens=len(TOKENS) if req_id else 0,
         preempted_req_ids={"p"},
     )
 
@@ -179,10 +180,11 @@ def test_the_scheduler_holds_blocks_only_for_asynchronous_saves(tmp_path: Path, 
     conn = connector(tmp_path, KVConnectorRole.SCHEDULER, async_save=async_save)
     conn.get_num_new_matched_tokens(_request("w"), 0)
     meta = conn.build_connector_meta(_scheduled("w"))
-    assert len(meta.saves) == 2 and meta.preempted == ["p"]
+    assert len(meta.saves) == 2 and meta.preempted == ["p"] and not meta.idle
     assert conn.request_finished(_request("w"), list(BLOCK_IDS)) == (async_save, None)
     after = conn.build_connector_meta(_scheduled(None))
     assert after.held == (["w"] if async_save else [])
+    assert after.idle  # a step that computes nothing: get_finished may wait for the loader
     # A request that never had a chunk to save is never held.
     assert conn.request_finished(_request("never"), []) == (False, None)
 
