@@ -8,9 +8,10 @@ others) and finishes requests while their copies are still pending (every copy i
 
 The blobs ``async`` writes must be byte for byte those ``sync`` writes: a copy that read a block after
 vLLM had reused it would differ. Finished requests are held (``requests_held``) and preemptions waited
-for (``requests_preempted``), and the tokens are those of the engine without a connector. (Without the
-wait in ``handle_preemptions``, the preempted request's pending copies read blocks already given to
-the waiting prompt and overwritten by its prefill.)
+for (``requests_preempted``), and the tokens are those of the engine without a connector. (This
+engine run does not by itself catch a copy made after the blocks were reused: here vLLM gave the
+preempted request its own blocks back and recomputed the same KV into them. The gated tests in
+``test_held_blocks.py`` do: they fail without the copy in ``handle_preemptions``.)
 """
 
 from __future__ import annotations
