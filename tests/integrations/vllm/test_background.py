@@ -27,9 +27,8 @@ def test_a_full_pool_refuses_at_once() -> None:
     pool = BackgroundPool("t", threads=1, capacity=2)
     assert pool.submit(lambda: gate.wait(30))
     assert pool.submit(lambda: None)
-    t0 = time.perf_counter()
-    assert not pool.submit(lambda: None)  # full: refused without waiting for the running job
-    assert time.perf_counter() - t0 < 1.0
+    # Full: refused, not queued behind the running job (which waits for the gate, opened only below).
+    assert not pool.submit(lambda: None)
     assert pool.depth == 2
     gate.set()
     assert pool.wait_idle(30)

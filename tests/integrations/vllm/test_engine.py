@@ -31,9 +31,10 @@ pytest.importorskip(
 )
 pytest.importorskip("transformers", reason="needs transformers to write the tiny model")
 
+from tests.integrations.vllm.engines import run_engine, tiny_model
+
 pytestmark = pytest.mark.slow
 
-ENGINE = Path(__file__).parent / "engine"
 CHUNK = 256
 TIE = 0.1
 """Baseline top-2 log-probability gap (nats) below which a greedy choice counts as a near-tie."""
@@ -59,18 +60,9 @@ EXPECT_LOADED = [512, 256, 512]  # full chunks below each prompt's last token
 
 
 def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
-    path = tmp / f"spec-{name}.json"
-    path.write_text(json.dumps({"model": model, "prompts": PROMPTS, "max_tokens": 8, **spec}))
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_engine(tmp, name, {"model": model, "prompts": PROMPTS, "max_tokens": 8, **spec}, timeout=600)[
+        0
+    ]
 
 
 def _same_greedy(base: dict, got: dict) -> int:
@@ -99,11 +91,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Run every engine once; the tests below read their results."""
-    sys.path.insert(0, str(ENGINE))
-    from make_model import make_model
-
     tmp = tmp_path_factory.mktemp("engines")
-    model = make_model(str(tmp / "tiny-llama"))
+    model = tiny_model(tmp)
     store = tmp / "store"
     res = {"tmp": tmp, "model": model, "store": store}
     res["base"] = _run(tmp, "base", model)

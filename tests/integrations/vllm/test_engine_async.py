@@ -19,12 +19,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,10 +34,10 @@ pytest.importorskip("transformers", reason="needs transformers to write the tiny
 
 from kvcodec.format import parse
 from kvcodec.integrations.vllm.keys import prefix_hashes
+from tests.integrations.vllm.engines import run_engine, store_files, tiny_model
 
 pytestmark = pytest.mark.slow
 
-ENGINE = Path(__file__).parent / "engine"
 CHUNK = 256
 LAYERS = 2
 TIE = 0.1
@@ -65,23 +62,7 @@ LONG = [random.Random(8).randrange(3, 512) for _ in range(4 * CHUNK + 50)]
 
 
 def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
-    path = tmp / f"spec-{name}.json"
-    path.write_text(json.dumps({"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **spec}))
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith('{"outputs"')]  # log lines may follow
-    return json.loads(line)
-
-
-def _blobs(store: Path) -> dict[str, bytes]:
-    return {k: (store / k).read_bytes() for k in sorted(os.listdir(store)) if not k.startswith(".")}
+    return run_engine(tmp, name, {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **spec})[0]
 
 
 def _keys_of(store: Path, tokens: list[int], chunk: int, kind: str) -> list[str]:
@@ -93,18 +74,15 @@ def _keys_of(store: Path, tokens: list[int], chunk: int, kind: str) -> list[str]
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    sys.path.insert(0, str(ENGINE))
-    from make_model import make_model
-
     tmp = tmp_path_factory.mktemp("async-engines")
-    model = make_model(str(tmp / "tiny-llama"))
+    model = tiny_model(tmp)
     res: dict = {"tmp": tmp, "model": model}
     twice = {"repeat": 2, "prefix_caching": False, "drain": True}
     res["sync"] = _run(
         tmp, "sync", model, store=str(tmp / "s-sync"), async_save=False, async_load=False, **twice
     )
     res["async"] = _run(tmp, "async", model, store=str(tmp / "s-async"), log_stats=True, **twice)
-    res["sync_blobs"], res["async_blobs"] = _blobs(tmp / "s-sync"), _blobs(tmp / "s-async")
+    res["sync_blobs"], res["async_blobs"] = store_files(tmp / "s-sync"), store_files(tmp / "s-async")
     res["fresh"] = _run(tmp, "fresh", "tiny-llama", cwd=str(tmp), store=str(tmp / "s-async"))
 
     mis = tmp / "s-misfiled"
@@ -114,14 +92,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     shutil.copy(mis / _keys_of(mis, PROMPTS[0], 0, "L0")[0], mis / _keys_of(mis, PROMPTS[1], 0, "L1")[0])
     shutil.copy(mis / _keys_of(mis, PROMPTS[0], 1, "L0")[0], mis / _keys_of(mis, PROMPTS[0], 1, "L1")[0])
     res["misfiled"] = _run(tmp, "misfiled", model, store=str(mis))
-    res["misfiled_after"] = _blobs(mis)
+    res["misfiled_after"] = store_files(mis)
 
     group = sum(len(b) for k, b in res["async_blobs"].items() if k.endswith(_tail(PROMPTS[1], 0)))
     res["cap"] = int(2.5 * group)
     res["capped"] = _run(
         tmp, "capped", model, store=str(tmp / "s-capped"), prompts=[LONG], max_bytes=res["cap"], **twice
     )
-    res["capped_bytes"] = sum(len(b) for b in _blobs(tmp / "s-capped").values())
+    res["capped_bytes"] = sum(len(b) for b in store_files(tmp / "s-capped").values())
 
     res["slow"] = _run(
         tmp,
@@ -158,7 +136,7 @@ EXPECT_FIRST = [0, 0, CHUNK]
 EXPECT_REPEAT = [2 * CHUNK, CHUNK, 2 * CHUNK]
 
 
-def test_async_and_sync_write_identical_blobs(engines):
+def test_async_and_sync_write_identicalstore_files(engines):
     sync, asyn = engines["sync_blobs"], engines["async_blobs"]
     assert len(sync) == 4 * (LAYERS + 1)  # 4 chunks: a blob per layer and a manifest each
     assert sync.keys() == asyn.keys()
@@ -221,7 +199,7 @@ def test_capped_store_keeps_serving_a_prompts_leading_chunks(engines):
     # Two writer threads may finish chunk 2 before chunk 1; it goes again when chunk 1 needs the room.
     assert cap["stats"]["store_full"] >= 2 and cap["stats"]["chunks_saved"] >= 2
     # A chunk refused part-way leaves none of its blobs behind.
-    assert sorted(k.split("-")[1] for k in _blobs(engines["tmp"] / "s-capped")) == [
+    assert sorted(k.split("-")[1] for k in store_files(engines["tmp"] / "s-capped")) == [
         "L0",
         "L0",
         "L1",
@@ -238,9 +216,9 @@ def test_full_writer_queue_drops_saves_without_stalling(engines):
     assert st["wait_for_save_seconds"] < SLOW_PUT_S / 2, st
 
 
-def test_shutdown_with_pending_saves_leaves_only_whole_blobs(engines):
+def test_shutdown_with_pending_saves_leaves_only_wholestore_files(engines):
     store = engines["tmp"] / "s-slow"
-    files = _blobs(store)
+    files = store_files(store)
     log = (engines["tmp"] / "slow.log").read_text()
     assert "shutdown abandoned" in log
     for data in files.values():

@@ -6,10 +6,6 @@ are the connector-less engine's."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +16,8 @@ pytest.importorskip(
 )
 pytest.importorskip("transformers", reason="needs transformers to write the tiny model")
 
-from tests.integrations.vllm.test_engine_async import ENGINE, MAX_TOKENS, PROMPTS, _same_greedy
+from tests.integrations.vllm.engines import run_engine, tiny_model
+from tests.integrations.vllm.test_engine_async import MAX_TOKENS, PROMPTS, _same_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -29,29 +26,14 @@ HANG_S = 420
 
 
 def _run(tmp: Path, name: str, model: str, **spec: object) -> tuple[dict, str]:
-    path = tmp / f"spec-{name}.json"
-    path.write_text(json.dumps({"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **spec}))
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
-            capture_output=True,
-            text=True,
-            timeout=HANG_S,
-            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"engine {name} did not finish in {HANG_S} s (a request waiting for a failed load?)")
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith('{"outputs"')]
-    return json.loads(line), log
+    """A run that hangs past ``HANG_S`` (a request waiting for a failed load?) fails."""
+    return run_engine(
+        tmp, name, {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **spec}, timeout=HANG_S
+    )
 
 
 def test_a_read_that_raises_is_recomputed_and_the_engine_finishes(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ENGINE))
-    from make_model import make_model
-
-    model = make_model(str(tmp_path / "tiny-llama"))
+    model = tiny_model(tmp_path)
     base, _ = _run(tmp_path, "base", model)
     got, log = _run(
         tmp_path,

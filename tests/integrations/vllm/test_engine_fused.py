@@ -14,12 +14,8 @@ interpreter's work small.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,11 +28,11 @@ pytest.importorskip("transformers", reason="needs transformers to write the tiny
 pytest.importorskip("triton", reason="the fused path needs Triton")
 
 from kvcodec.integrations.vllm.keys import prefix_hashes
+from tests.integrations.vllm.engines import run_engine, store_files, tiny_model
 from tests.integrations.vllm.test_engine import MIN_COMPARED, _same_greedy
 
 pytestmark = pytest.mark.slow
 
-ENGINE = Path(__file__).parent / "engine"
 CHUNK = 64
 LAYERS = 2
 MAX_TOKENS = 8
@@ -53,39 +49,19 @@ PROMPTS = _prompts()
 
 
 def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
-    path = tmp / f"spec-{name}.json"
     spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "chunk_size": CHUNK, **spec}
-    path.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _blobs(store: Path) -> dict[str, bytes]:
-    """Every file under a key: each layer's blob and each chunk's manifest."""
-    return {k: (store / k).read_bytes() for k in sorted(os.listdir(store)) if not k.startswith(".")}
+    return run_engine(tmp, name, spec, timeout=600, env={"TRITON_INTERPRET": "1"})[0]
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    sys.path.insert(0, str(ENGINE))
-    from make_model import make_model
-
     tmp = tmp_path_factory.mktemp("fused")
-    model = make_model(str(tmp / "tiny-llama"))
+    model = tiny_model(tmp)
     fused_store, layer_store = tmp / "fused-store", tmp / "layer-store"
     res = {"tmp": tmp}
     res["a"] = _run(tmp, "a", model, store=str(fused_store), fused="on")
     res["c"] = _run(tmp, "c", model, store=str(layer_store), fused="off")
-    res["a_blobs"], res["c_blobs"] = _blobs(fused_store), _blobs(layer_store)
+    res["a_blobs"], res["c_blobs"] = store_files(fused_store), store_files(layer_store)
     res["b"] = _run(tmp, "b", model, store=str(fused_store), fused="on")
     # D: P1's chunk 2 of layer 1 damaged (one payload bit) in a copy of A's store.
     damaged = tmp / "damaged-store"
@@ -100,7 +76,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return res
 
 
-def test_fused_save_writes_the_per_layer_blobs(engines):
+def test_fused_save_writes_the_per_layerstore_files(engines):
     a, c = engines["a"], engines["c"]
     # P1: chunks 0, 1, 2; P2: its own chunk 2 (its chunks 0 and 1 are P1's).
     assert a["stats"]["chunks_saved_fused"] == 4 and a["stats"]["blobs_saved"] == 4 * LAYERS

@@ -16,11 +16,7 @@ preempted request its own blocks back and recomputed the same KV into them. The 
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,9 +27,10 @@ pytest.importorskip(
 )
 pytest.importorskip("transformers", reason="needs transformers to write the tiny model")
 
+from tests.integrations.vllm.engines import run_engine, store_files, tiny_model
+
 pytestmark = pytest.mark.slow
 
-ENGINE = Path(__file__).parent / "engine"
 CHUNK = 256
 BLOCKS = 64
 """63 usable: room for three of the prompts' prefills (59 blocks of 32 tokens); their decodes outgrow it
@@ -47,41 +44,22 @@ PROMPTS = [[random.Random(20 + i).randrange(3, 512) for _ in range(600 + 10 * i)
 
 
 def _run(tmp: Path, name: str, model: str, **spec: object) -> dict:
-    path = tmp / f"spec-{name}.json"
     spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "batch": True, **spec}
-    path.write_text(
-        json.dumps({**spec, "num_blocks": BLOCKS, "max_model_len": 1024, "prefix_caching": False})
-    )
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith('{"outputs"')]
-    return json.loads(line)
-
-
-def _blobs(store: Path) -> dict[str, bytes]:
-    return {k: (store / k).read_bytes() for k in sorted(os.listdir(store)) if not k.startswith(".")}
+    return run_engine(
+        tmp, name, {**spec, "num_blocks": BLOCKS, "max_model_len": 1024, "prefix_caching": False}
+    )[0]
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    sys.path.insert(0, str(ENGINE))
-    from make_model import make_model
-
     tmp = tmp_path_factory.mktemp("held-engines")
-    model = make_model(str(tmp / "tiny-llama"))
+    model = tiny_model(tmp)
     res: dict = {"none": _run(tmp, "none", model)}
     res["sync"] = _run(tmp, "sync", model, store=str(tmp / "s-sync"), async_save=False)
     res["async"] = _run(
         tmp, "async", model, store=str(tmp / "s-async"), slow_gather_s=SLOW_GATHER_S, save_queue=64
     )
-    res["sync_blobs"], res["async_blobs"] = _blobs(tmp / "s-sync"), _blobs(tmp / "s-async")
+    res["sync_blobs"], res["async_blobs"] = store_files(tmp / "s-sync"), store_files(tmp / "s-async")
     return res
 
 

@@ -13,10 +13,7 @@ top-2 gap is below :data:`TIE` nats.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,8 @@ pytest.importorskip(
 )
 pytest.importorskip("transformers", reason="needs transformers for the model's tokenizer")
 
+from tests.integrations.vllm.engines import run_engine
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
@@ -35,7 +34,6 @@ pytestmark = [
     ),
 ]
 
-ENGINE = Path(__file__).parent / "engine"
 CHUNK = 256
 PROMPT_TOKENS = 2 * CHUNK + 40
 TOPICS = ("execmodel", "import", "compound")
@@ -66,18 +64,7 @@ def _prompts(ckpt: Path) -> list[list[int]]:
 
 
 def _engine(tmp: Path, name: str, spec: dict) -> dict:
-    path = tmp / f"spec-{name}.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE / "run_engine.py"), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"engine {name} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_engine(tmp, name, spec)[0]
 
 
 @pytest.fixture(scope="module")
