@@ -140,22 +140,17 @@ def _read_file(fd: int, size: int, into: bytearray | None = None) -> bytearray |
     """The first ``size`` bytes of ``fd`` (fewer if the file is shorter: parse then finds it
     truncated): in ``into``'s leading bytes when it is large enough (a view of them), else in a new
     bytearray."""
-    if into is not None and len(into) >= size:
-        view, got = memoryview(into)[:size], 0
+    reuse = into is not None and len(into) >= size
+    buf = into if reuse else bytearray(size)
+    got = 0
+    with memoryview(buf) as whole, whole[:size] as view:
         while got < size:
             n = os.readv(fd, [view[got:]])
             if n == 0:
                 break
             got += n
-        return view[:got]
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
-    with view:
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if n == 0:
-                break
-            got += n
+        if reuse:
+            return view[:got]  # its own view of ``into``: it outlives these two
     if got < size:
         del buf[got:]
     return buf

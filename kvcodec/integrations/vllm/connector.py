@@ -699,8 +699,8 @@ class KvcodecConnector(KVConnectorBase_V1):
         """Synchronous loads finish in ``start_load_kv``; background ones in ``get_finished``."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Write the chunks the loader has read and checked and report those requests received; report
-        held requests sent once nothing is copying out of their blocks any more."""
+        """Report the loader's finished requests received (CUDA caches: writing their chunks first; CPU
+        caches: the loader wrote them) and held requests sent once nothing copies out of their blocks."""
         t0 = time.perf_counter()
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, KvcodecMetadata) and meta.idle
