@@ -15,6 +15,7 @@ __all__ = [
     "CodecMismatchError",
     "CorruptEncodedKVError",
     "Reason",
+    "StoreUnavailableError",
     "UnsupportedConfigError",
 ]
 
@@ -87,6 +88,24 @@ class Reason(str, Enum):
     """A caller's hash value that cannot be written (unknown key, not str, too long)."""
     LIMIT_EXCEEDED = "limit_exceeded"
     """A size over one of the codec's limits (elements per token, store max_bytes, ...)."""
+    BAD_KEY = "bad_key"
+    """A store key that cannot name a blob (empty, too long, unsafe characters)."""
+    STORE_FULL = "store_full"
+    """A put that found no room under the store's byte cap."""
+    BAD_CHECKPOINT = "bad_checkpoint"
+    """A model folder or file that could not be loaded (malformed config, weights or header)."""
+
+    # -- a blob that is not to be trusted (CorruptEncodedKVError) --
+    BAD_MAC = "bad_mac"
+    """A store with a fleet key found a blob without a valid MAC: written by someone without the key."""
+    SIZE_MISMATCH = "size_mismatch"
+    """A stored object whose size is not the header + payload its header declares."""
+
+    # -- the store itself (StoreUnavailableError) --
+    STORE_UNAVAILABLE = "store_unavailable"
+    """The store could not be reached (connection refused, node down)."""
+    STORE_TIMEOUT = "store_timeout"
+    """A store call ran past its timeout."""
 
     def __str__(self) -> str:
         return self.value
@@ -122,3 +141,9 @@ class UnsupportedConfigError(CodecError):
     """The caller asked for something the codec cannot do (bad shape, dtype, scope...)."""
 
     default_reason = Reason.UNSUPPORTED
+
+
+class StoreUnavailableError(CodecError):
+    """The store could not be reached or did not answer in time: a miss for lookups, a dropped save."""
+
+    default_reason = Reason.STORE_UNAVAILABLE
