@@ -12,7 +12,7 @@ log=$venv/install.log
 # pip's output goes to the log: this machine's pip config prints a warning per local index miss.
 pip() { "$vpy" -m pip install -q --disable-pip-version-check "$@" >>"$log" 2>&1; }
 
-if [ -f "$stamp" ] && "$vpy" -c "import vllm, kvcodec" 2>/dev/null; then
+if [ -f "$stamp" ] && "$vpy" -c "import vllm, kvcodec, redis" 2>/dev/null; then
   echo "vllm venv: $venv ready (vllm $("$vpy" -c 'import vllm; print(vllm.__version__)'))"
   exit 0
 fi
@@ -28,7 +28,7 @@ fi
 # builds whose ops do not load on CPU torch and break transformers' imports;
 # only multimodal models need them.
 "$vpy" -m pip uninstall -q -y torchvision torchaudio torchcodec >>"$log" 2>&1
-pip pytest pytest-benchmark hypothesis numpy safetensors tqdm isal || { tail -n 20 "$log"; exit 1; }
+pip pytest pytest-benchmark hypothesis numpy safetensors tqdm isal "redis>=5" || { tail -n 20 "$log"; exit 1; }
 pip --no-deps -e . || { tail -n 20 "$log"; exit 1; }
 "$vpy" -c "import vllm, transformers, kvcodec.integrations.vllm.connector" 2>>"$log" || { tail -n 20 "$log"; exit 1; }
 "$vpy" -m pip check | grep -v -e 'is not supported on this platform' -e torchvision -e torchaudio -e torchcodec || true
