@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import kvcodec.store as store_mod
+import kvcodec.store.directory as store_mod
 from kvcodec.errors import UnsupportedConfigError
 from kvcodec.store import DirectoryStore, StoreFullError, chunk_group
 from tests.paths import REPO_ROOT

@@ -616,7 +616,7 @@ def test_corrupt_file_replaced_during_read_returns_new_blob(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A writer's rename landing while a reader handles a damaged file: the new blob wins."""
-    import kvcodec.store as store_mod
+    import kvcodec.store.directory as store_mod
 
     st = DirectoryStore(tmp_path)
     st.put("k", make_blob(4000, 1))
@@ -825,7 +825,7 @@ def test_put_refuses_odd_buffers_with_a_codec_error(tmp_path: Path, make: str) -
 
 
 def test_store_module_has_no_test_hooks() -> None:
-    import kvcodec.store as store_mod
+    import kvcodec.store.directory as store_mod
 
     st_src = Path(store_mod.__file__).read_text()
     assert "_crash_hook" not in st_src and "tests shrink" not in st_src

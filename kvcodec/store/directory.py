@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from .errors import CorruptEncodedKVError, UnsupportedConfigError
-from .format import HASH_KEYS, Hashes, ParsedBlob, as_bytes_view, parse
+from ..errors import CorruptEncodedKVError, UnsupportedConfigError
+from ..format import HASH_KEYS, Hashes, ParsedBlob, as_bytes_view, parse
+from .base import StoreFullError, StoreOptions
 
 try:  # POSIX: flock tells a live writer's temp file from a dead one's.
     import fcntl
@@ -70,10 +71,6 @@ _MISS_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EMLINK
 
 class InvalidKeyError(UnsupportedConfigError, ValueError):
     """A key that cannot name a store file (empty, too long, unsafe characters, leading dot)."""
-
-
-class StoreFullError(UnsupportedConfigError):
-    """``put`` found no room under ``max_bytes`` without evicting the new key's own chunk prefix."""
 
 
 _GROUP_RE = re.compile(r"-C(\d+)-H([A-Za-z0-9]+)(?:-P([A-Za-z0-9]+))?\Z")
@@ -374,6 +371,11 @@ class DirectoryStore:
             except OSError:  # a read-only store can still be read; quarantine is tried when needed
                 pass
         self.refresh()
+
+    @classmethod
+    def from_options(cls, root: str | os.PathLike[str], options: StoreOptions) -> DirectoryStore:
+        """A store at ``root`` configured by :class:`~kvcodec.store.StoreOptions` (what ``open_store`` calls)."""
+        return cls(root, max_bytes=options.max_bytes, verify=options.verify_blobs, fsync=options.fsync)
 
     # ------------------------------------------------------------------ keys
 

@@ -1,0 +1,135 @@
+"""The blob store interface every backend implements: what the vLLM connector may use, nothing else.
+
+A store maps keys (see :func:`kvcodec.store.validate_key`) to LMCKV blobs. It
+never encodes: it keeps the bytes it is given and hands back verified blobs.
+
+* **Atomic writes.** ``put`` makes the whole new blob visible at once: a reader
+  (another thread, process or engine) sees the old blob, the new one, or a miss,
+  never a mix. ``put_many`` is ``put`` per item, in order (one round trip on a
+  remote backend); it is not a transaction across items.
+* **A miss** is ``KeyError(key)`` from ``get``/``get_parsed``/``get_parsed_many``
+  and ``False`` from ``contains``/``contains_many``/``delete``. A key a backend
+  cannot name raises :class:`~kvcodec.store.InvalidKeyError` (reason ``BAD_KEY``).
+* **A damaged blob** (bad CRC, truncated, a size that is not header + payload,
+  a missing or wrong MAC) raises :class:`~kvcodec.errors.CorruptEncodedKVError`
+  with the specific reason of the check that failed (``CRC_MISMATCH``,
+  ``TRUNCATED_PAYLOAD``, ``SIZE_MISMATCH``, ``BAD_MAC``, ...), after the backend
+  has removed or quarantined it: the next read of that key is a miss.
+* **An outage** raises :class:`~kvcodec.errors.StoreUnavailableError` (reasons
+  ``STORE_UNAVAILABLE`` / ``STORE_TIMEOUT``) from any call; the backend logs
+  one WARNING per outage, one INFO when it is back, and recovers by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import Reason, UnsupportedConfigError
+from ..format import ParsedBlob
+
+__all__ = ["STORE_COUNTERS", "BlobStore", "GroupOf", "StoreFullError", "StoreOptions"]
+
+STORE_COUNTERS: tuple[str, ...] = (
+    "round_trips",
+    "hits",
+    "misses",
+    "bytes_read",
+    "bytes_written",
+    "timeouts",
+    "errors",
+)
+"""The keys of :meth:`BlobStore.stats`, in order; each a cumulative count since the store was opened."""
+
+GroupOf = Callable[[str], tuple[str, int, str | None]]
+"""``key -> (group id, depth, parent group id)``: how a store's eviction groups keys
+(:func:`kvcodec.integrations.vllm.chunk_keys.group_of` for the connector's keys)."""
+
+
+class StoreFullError(UnsupportedConfigError):
+    """``put`` found no room under ``max_bytes`` without evicting the new key's own chunk prefix."""
+
+    default_reason = Reason.STORE_FULL
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How to open a store (:func:`kvcodec.store.open_store`); a backend ignores what it has no use for.
+
+    ``max_bytes``: size cap (None: unbounded, or the server's own policy).
+    ``fsync``: make each put durable across power loss (DirectoryStore).
+    ``group_of``: how eviction groups keys; None makes every key its own group (plain LRU).
+    ``key_prefix``: namespace of a shared server (None: the backend's default).
+    ``fleet_key``: MAC key of a fleet sharing one server (None: no MAC).
+    ``timeout_s``: per-call timeout of a remote backend.
+    ``verify_blobs``: check a blob's CRC on ``get`` (``get_parsed`` always does).
+    """
+
+    max_bytes: int | None = None
+    fsync: bool = False
+    group_of: GroupOf | None = None
+    key_prefix: str | None = None
+    fleet_key: bytes | None = None
+    timeout_s: float = 0.05
+    verify_blobs: bool = True
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """Key -> LMCKV blob storage, as the connector uses it (see the module docstring for the semantics)."""
+
+    partial_groups: bool
+    """True when one blob of a chunk group can vanish on its own (a remote LRU): a lookup must then
+    check every key of a chunk, not only its manifest. False when eviction removes whole groups."""
+
+    location: str
+    """Where the blobs live, for logs (a path or a URL without its password)."""
+
+    def put(self, key: str, blob: Any) -> None:
+        """Store ``blob`` (bytes-like) under ``key``, atomically; may raise StoreFullError."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
+        """``put`` each ``(key, blob)`` in order; each item atomic on its own."""
+        ...
+
+    def get(self, key: str) -> memoryview:
+        """The verified blob under ``key``; KeyError on a miss."""
+        ...
+
+    def get_parsed(self, key: str, into: bytearray | None = None) -> ParsedBlob:
+        """The blob under ``key`` read once and parsed once, CRC checked; ``into`` may hold its bytes."""
+        ...
+
+    def get_parsed_many(self, keys: Sequence[str]) -> list[ParsedBlob]:
+        """``get_parsed`` of each key, all or nothing: KeyError(key) if any one is missing."""
+        ...
+
+    def contains(self, key: str) -> bool:
+        """Whether a blob is stored under ``key`` (not verified: a read may still find it damaged)."""
+        ...
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of each key, in order."""
+        ...
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if a blob was removed."""
+        ...
+
+    def keys(self) -> list[str]:
+        """Every key stored, sorted."""
+        ...
+
+    def iter_keys(self) -> Iterator[str]:
+        """Every key stored, in no set order, holding a bounded number in memory at a time."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters, exactly the keys of :data:`STORE_COUNTERS`."""
+        ...
+
+    def close(self) -> None:
+        """Release the store's resources; later calls raise."""
+        ...
