@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
@@ -55,11 +56,16 @@ from .header import (
 )
 
 __all__ = [
+    "MEMO_MAX_BYTES",
+    "MEMO_MAX_HEADER_BYTES",
+    "MemoInfo",
     "ParsedBlob",
     "check_consistency",
     "check_stored_scales",
+    "clear_header_memo",
     "expected_scale_shape",
     "header_fields",
+    "header_memo_info",
     "parse",
 ]
 
@@ -313,22 +319,43 @@ def _trailing(n_buf: int, header_len: int, h: Header, strict: bool) -> int:
     return remaining
 
 
+MEMO_MAX_HEADER_BYTES = 4096
+"""Largest header the parse memo remembers (real ones are a few hundred bytes; a legal one may be ~33 MB)."""
+MEMO_MAX_BYTES = 1 << 20
+"""Most header bytes the parse memo holds in all (each remembered header costs about twice its length)."""
+
+
+@dataclass(frozen=True)
+class MemoInfo:
+    """What the parse memo holds now (:func:`header_memo_info`)."""
+
+    entries: int
+    """Headers remembered."""
+    bytes: int
+    """Their bytes in all (the memo's keys; the parsed headers hold about as much again)."""
+    max_header_bytes: int = MEMO_MAX_HEADER_BYTES
+    max_bytes: int = MEMO_MAX_BYTES
+
+
 class _HeaderMemo:
-    """Headers already parsed and found consistent, by their bytes up to the CRC with the ids zeroed.
+    """Headers of blobs that passed every check, by their bytes up to the CRC with the ids zeroed.
 
     A connector reads many blobs whose headers differ only in ``layer_id``,
     ``chunk_id`` and the CRC: parsing is a function of those bytes, so a header
     seen before is taken from here (its two ids read and range-checked anew), and
-    only the per-blob steps run (trailing bytes, CRC, stored scales). Bounded;
-    safe across threads (dict operations only).
+    only the per-blob steps run (trailing bytes, CRC, stored scales). Bounded in
+    bytes, not entries: only headers up to :data:`MEMO_MAX_HEADER_BYTES` are
+    remembered, and the memo starts over when it would pass :data:`MEMO_MAX_BYTES`.
+    Safe across threads (lookups are dict reads; changes take a lock).
     """
 
-    MAX_ENTRIES = 256
     MAX_LENGTHS = 8
 
     def __init__(self) -> None:
         self._entries: dict[bytes, tuple[Header, tuple[tuple[str, str], ...]]] = {}
         self._lengths: tuple[int, ...] = ()
+        self._bytes = 0
+        self._lock = threading.Lock()
 
     @staticmethod
     def _key(mv: memoryview, header_len: int) -> bytes:
@@ -355,14 +382,45 @@ class _HeaderMemo:
     def remember(
         self, mv: memoryview, header: Header, header_len: int, unknown: tuple[tuple[str, str], ...]
     ) -> None:
-        if len(self._entries) >= self.MAX_ENTRIES:
+        """Keep the header of a blob that passed every check, if it is small enough."""
+        if header_len > MEMO_MAX_HEADER_BYTES:
+            return
+        key = self._key(mv, header_len)
+        with self._lock:
+            if key in self._entries:
+                return
+            if self._bytes + len(key) > MEMO_MAX_BYTES:
+                self._entries.clear()
+                self._bytes = 0
+            self._entries[key] = (header, unknown)
+            self._bytes += len(key)
+            if header_len not in self._lengths:
+                self._lengths = (header_len, *self._lengths)[: self.MAX_LENGTHS]
+
+    def clear(self) -> None:
+        """Forget every header."""
+        with self._lock:
             self._entries.clear()
-        self._entries[self._key(mv, header_len)] = (header, unknown)
-        if header_len not in self._lengths:
-            self._lengths = (header_len, *self._lengths)[: self.MAX_LENGTHS]
+            self._lengths = ()
+            self._bytes = 0
+
+    def info(self) -> MemoInfo:
+        """What the memo holds now."""
+        with self._lock:
+            return MemoInfo(entries=len(self._entries), bytes=self._bytes)
 
 
 _HEADERS = _HeaderMemo()
+
+
+def header_memo_info() -> MemoInfo:
+    """How many headers (and bytes) :func:`parse`'s memo holds now: for tests and memory audits."""
+    return _HEADERS.info()
+
+
+def clear_header_memo() -> None:
+    """Empty :func:`parse`'s memo (it refills as blobs are parsed)."""
+    _HEADERS.clear()
 
 
 def _with_ids(h: Header, layer_id: int, chunk_id: int) -> Header:
@@ -382,6 +440,12 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
     checksum (for callers who verified it already). ``consistency=False``
     stops after step 3 (a header-level parse, as LMCache's ``deserialize_header``
     is); decoding such a blob is still checked.
+
+    The header of a blob that passes every check that ran is remembered if it
+    is small (:data:`MEMO_MAX_HEADER_BYTES`), in a memo bounded in bytes
+    (:data:`MEMO_MAX_BYTES`, :func:`header_memo_info`); a refused blob leaves
+    nothing there. A remembered header skips steps 1, 2 and 4 on its next
+    blob; every per-blob step still runs.
     """
     mv = as_bytes_view(buf)
     seen = _HEADERS.recall(mv)
@@ -404,9 +468,10 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
     if consistency:
         if seen is None:
             check_consistency(header)
-            _HEADERS.remember(mv, header, header_len, unknown)
         scales_at = header_len + header.k_payload_len + header.v_payload_len
         check_stored_scales(header, mv[scales_at : scales_at + header.scale_payload_len])
+        if seen is None:  # only now: a blob refused by any check above leaves no header behind
+            _HEADERS.remember(mv, header, header_len, unknown)
     return ParsedBlob(
         header=header,
         buffer=mv,

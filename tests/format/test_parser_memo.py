@@ -7,15 +7,23 @@ header never found consistent must still be checked each time.
 
 from __future__ import annotations
 
+import gc
 import struct
+import tracemalloc
 
 import pytest
 import torch
 
 from kvcodec import encode
 from kvcodec.errors import CorruptEncodedKVError, Reason
-from kvcodec.format import assemble, parse
-from kvcodec.format.header import IDS, IDS_OFFSET
+from kvcodec.format import FIXED_HEADER_LEN, assemble, parse, payload_crc
+from kvcodec.format.header import IDS, IDS_OFFSET, MAX_HASH_STR
+from kvcodec.format.parser import (
+    MEMO_MAX_BYTES,
+    MEMO_MAX_HEADER_BYTES,
+    clear_header_memo,
+    header_memo_info,
+)
 
 
 def _blob(layer_id: int, chunk_id: int, model: str = "memo-model", seed: int = 0) -> bytearray:
@@ -108,3 +116,107 @@ def test_changed_hash_bytes_are_a_different_header():
     a = parse(_blob(7, 7, model="model-a"))
     b = parse(_blob(7, 7, model="model-b"))
     assert a.header.hashes.model_id == "model-a" and b.header.hashes.model_id == "model-b"
+
+
+# -- the memo is bounded in bytes and holds only headers of blobs that passed (issue 26) --
+
+
+def _hash_table_at(blob: bytearray) -> int:
+    """Offset of the hash pair count in ``blob``'s header."""
+    p = parse(blob)
+    return FIXED_HEADER_LEN + 8 * len(p.header.scale_shape) + 24
+
+
+def _huge_header_blob(tag: int, pairs: int = 64) -> bytearray:
+    """A legal v2 blob whose header carries ``pairs`` unknown hash pairs of 64 KiB each (~4 MiB for 64)."""
+    small = _blob(0, 0, model=f"huge-{tag}")
+    p = parse(small)
+    at = _hash_table_at(small)
+    (count,) = struct.unpack_from("<H", small, at)
+    value = (f"{tag:08d}" * 8192)[:MAX_HASH_STR].encode()
+    extra = b"".join(
+        struct.pack("<H", len(k)) + k + struct.pack("<H", len(value)) + value
+        for k in (f"x{j:03d}".encode() for j in range(pairs))
+    )
+    prefix = (
+        bytes(small[:at]) + struct.pack("<H", count + pairs) + bytes(small[at + 2 : p.header_len - 4]) + extra
+    )
+    crc = payload_crc(p.header, prefix, (p.payload,))
+    return bytearray(prefix + struct.pack("<I", crc) + bytes(p.payload))
+
+
+def test_huge_legal_headers_leave_memory_bounded():
+    """32 blobs with 4 MiB headers, parsed and dropped: what stays allocated is far below one header."""
+    clear_header_memo()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for tag in range(32):
+            blob = _huge_header_blob(tag)
+            p = parse(blob)
+            assert p.header_len > 4 << 20 and len(p.unknown_hashes) == 64
+            del p, blob
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 2 * MEMO_MAX_BYTES, f"{kept} bytes still allocated after 32 parses of 4 MiB headers"
+    info = header_memo_info()  # only the small blobs each huge one was built from
+    assert info.bytes <= info.entries * MEMO_MAX_HEADER_BYTES
+
+
+def test_headers_over_the_limit_are_not_remembered():
+    blob = _reseal(_blob(0, 0), hashes={"model_id": "m" * (MEMO_MAX_HEADER_BYTES + 1)})
+    clear_header_memo()
+    assert parse(blob).header_len > MEMO_MAX_HEADER_BYTES
+    assert header_memo_info().entries == 0
+
+
+def test_the_memo_stays_under_its_byte_cap():
+    clear_header_memo()
+    base = parse(_blob(0, 0))
+    for i in range(2 * MEMO_MAX_BYTES // 3800):
+        name = f"{i:06d}" + "m" * 3700
+        parse(assemble(base.header.replace(hashes={"model_id": name}), base.k, base.v, base.scales))
+        assert header_memo_info().bytes <= MEMO_MAX_BYTES
+    assert header_memo_info().entries > 0
+
+
+def test_repeated_small_headers_are_served_from_the_memo():
+    clear_header_memo()
+    for layer_id in range(8):
+        assert parse(_blob(layer_id, 3, seed=layer_id)).header.layer_id == layer_id
+    info = header_memo_info()
+    assert info.entries == 1 and 0 < info.bytes <= MEMO_MAX_HEADER_BYTES
+
+
+def _bad_scale_blob(model: str) -> bytearray:
+    p = parse(_blob(9, 9, model=model))
+    scales = bytearray(p.scales)
+    scales[0:4] = struct.pack("<f", float("nan"))
+    return assemble(p.header, p.k, p.v, scales)
+
+
+def _bad_crc_blob(model: str) -> bytearray:
+    bad = _blob(9, 9, model=model)
+    bad[-9] ^= 0x01
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (_bad_scale_blob, Reason.BAD_SCALE),
+        (_bad_crc_blob, Reason.CRC_MISMATCH),
+        (lambda model: _reseal(_blob(6, 6, model=model), chunk_size=4), Reason.INCONSISTENT_PAYLOAD),
+    ],
+    ids=["stored-scale", "crc", "consistency"],
+)
+def test_a_refused_blobs_header_is_not_remembered(make, reason):
+    blob = make("refused-model")
+    clear_header_memo()
+    with pytest.raises(CorruptEncodedKVError) as ei:
+        parse(blob)
+    assert ei.value.reason == reason
+    assert header_memo_info().entries == 0
