@@ -94,6 +94,8 @@ class Reason(str, Enum):
     """A put that found no room under the store's byte cap."""
     BAD_CHECKPOINT = "bad_checkpoint"
     """A model folder or file that could not be loaded (malformed config, weights or header)."""
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    """A backend asked for by name that cannot run here (not built, not installed, or not for this device)."""
 
     # -- a blob that is not to be trusted (CorruptEncodedKVError) --
     BAD_MAC = "bad_mac"

@@ -7,9 +7,13 @@ layer does to choose LMCache's phrases).
 
 from __future__ import annotations
 
+import ast
 import math
 import struct
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +21,9 @@ import torch
 import kvcodec
 from kvcodec import CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError
 from kvcodec.format import Header, serialize_header
+from kvcodec.store import StoreOptions, open_store, validate_key
 from tests._helpers import DEFAULT_PAIRS, raw_blob
+from tests.paths import REPO_ROOT
 
 
 def _kv() -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +100,19 @@ _CONFIG: dict[Reason, Callable[[], object]] = {
     Reason.BAD_DEVICE: lambda: kvcodec.decode(_blob(), device="bogus"),
     Reason.BAD_BUFFER: lambda: kvcodec.parse("not a buffer"),
     Reason.BAD_HASH: lambda: kvcodec.encode(*_kv(), hashes={"no_such_key": "x"}),
+    Reason.BACKEND_UNAVAILABLE: lambda: kvcodec.backends.select("cpu", "cuda"),
+    Reason.BAD_KEY: lambda: validate_key("../escape"),
 }
+_RAISED_ELSEWHERE = {
+    Reason.BAD_CHECKPOINT: "tests/tools (a malformed model folder)",
+    Reason.STORE_FULL: "tests/store (a put whose own chunk group fills the byte cap)",
+    Reason.BAD_MAC: "tests/store (a fleet-keyed store reading an unkeyed blob)",
+    Reason.SIZE_MISMATCH: "tests/store (an object longer than its header declares)",
+    Reason.STORE_UNAVAILABLE: "tests/store (a Redis store with its server down)",
+    Reason.STORE_TIMEOUT: "tests/store (a Redis store whose server does not answer)",
+}
+"""Reasons whose failure needs a server or a model folder: the owning suites assert them; here each
+must at least be named by the package's code (see ``test_every_reason_is_raised_somewhere``)."""
 _DEFAULTS = {
     Reason.CORRUPT: CorruptEncodedKVError,
     Reason.MISMATCH: CodecMismatchError,
@@ -108,8 +126,53 @@ _CLASS_OF = {
 _TRIGGERS = {**_CORRUPT, **_MISMATCH, **_CONFIG}
 
 
+def _put_into_a_store(blob: bytes | bytearray) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        open_store(root, StoreOptions()).put("k", blob)
+
+
 def test_every_reason_has_a_trigger_or_is_a_class_default() -> None:
-    assert set(_TRIGGERS) | set(_DEFAULTS) == set(Reason)
+    assert set(_TRIGGERS) | set(_DEFAULTS) | set(_RAISED_ELSEWHERE) == set(Reason)
+
+
+def test_every_reason_is_raised_somewhere() -> None:
+    """A member no code names is dead vocabulary (errors.py itself does not count)."""
+    named = {
+        node.attr
+        for path in _sources()
+        if path.name != "errors.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Reason"
+    }
+    dead = sorted(r.name for r in Reason if r.name not in named and r not in _DEFAULTS)
+    assert not dead, f"Reason members no code raises: {dead}"
+
+
+def _crc_damaged() -> bytearray:
+    b = _blob()
+    b[-1] ^= 0x40
+    return b
+
+
+_KEPT: dict[str, Callable[[], object]] = {
+    "decode": lambda: kvcodec.decode(_crc_damaged()),
+    "store.put": lambda: _put_into_a_store(_crc_damaged()),
+    "lmcache.deserialize_header": lambda: _lmcache_compat().deserialize_header(bytes(_crc_damaged())),
+}
+
+
+def _lmcache_compat() -> Any:
+    import kvcodec.integrations.lmcache.compat as compat
+
+    return compat
+
+
+@pytest.mark.parametrize("call", list(_KEPT))
+def test_a_crc_failure_stays_crc_mismatch(call: str) -> None:
+    """Each public entry a damaged blob can reach reports the parser's reason, not a generic one."""
+    with pytest.raises(CorruptEncodedKVError) as info:
+        _KEPT[call]()
+    assert info.value.reason is Reason.CRC_MISMATCH, repr(info.value)
 
 
 @pytest.mark.parametrize("reason", list(_TRIGGERS), ids=str)
@@ -136,3 +199,88 @@ def test_reasons_are_stable_strings_and_survive_pickling() -> None:
     assert type(back) is CorruptEncodedKVError and back.reason is Reason.CRC_MISMATCH and str(back) == str(e)
     with pytest.raises(ValueError):
         CorruptEncodedKVError("x", reason="no such reason")
+
+
+# -- every raise site names its reason (found by AST, so a site no test reaches is still checked) --
+
+_GENERIC = {"CORRUPT", "MISMATCH", "UNSUPPORTED"}
+_SOURCE_ROOTS = ("kvcodec", "kernels")
+
+
+def _sources() -> list[Path]:
+    return sorted(p for root in _SOURCE_ROOTS for p in (REPO_ROOT / root).rglob("*.py"))
+
+
+def _base_name(node: ast.expr) -> str | None:
+    """``Foo`` for ``Foo`` and for ``errors.Foo``; None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _default_reason(cls: ast.ClassDef) -> str | None:
+    """The member named by ``default_reason = Reason.X`` in the class body, if any."""
+    for stmt in cls.body:
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+        if isinstance(stmt, ast.AnnAssign):
+            target = stmt.target
+        value = getattr(stmt, "value", None)
+        if (
+            isinstance(target, ast.Name)
+            and target.id == "default_reason"
+            and isinstance(value, ast.Attribute)
+        ):
+            return value.attr
+    return None
+
+
+def _error_classes(trees: dict[Path, ast.Module]) -> dict[str, bool]:
+    """Every CodecError subclass by name -> whether its default reason is specific (inherited if unset)."""
+    from kvcodec import errors
+
+    known = {
+        c.__name__: c.default_reason.name not in _GENERIC
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, errors.CodecError)
+    }
+    classes = [n for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)]
+    grew = True
+    while grew:  # a subclass may be defined before its base is known
+        grew = False
+        for cls in classes:
+            bases = [known[b] for b in map(_base_name, cls.bases) if b in known]
+            if cls.name in known or not bases:
+                continue
+            own = _default_reason(cls)
+            known[cls.name] = own not in _GENERIC if own else any(bases)
+            grew = True
+    return known
+
+
+def _sites_without_reason() -> list[str]:
+    """``file:line  Class`` for each construction of a CodecError class with no ``reason=``."""
+    trees = {p: ast.parse(p.read_text(), filename=str(p)) for p in _sources()}
+    classes = _error_classes(trees)
+    missing = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _base_name(node.func)
+            if name not in classes or classes[name]:
+                continue
+            if not any(kw.arg in ("reason", None) for kw in node.keywords):
+                missing.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}  {name}")
+    return sorted(missing, key=lambda s: (s.split(":")[0], int(s.split(":")[1].split()[0])))
+
+
+def test_the_walk_finds_the_error_classes() -> None:
+    trees = {p: ast.parse(p.read_text()) for p in _sources()}
+    classes = _error_classes(trees)
+    assert {"CodecError", "CorruptEncodedKVError", "StoreUnavailableError"} <= set(classes)
+    assert classes["StoreUnavailableError"] and not classes["CorruptEncodedKVError"]
+
+
+def test_every_codec_error_is_constructed_with_a_reason() -> None:
+    missing = _sites_without_reason()
+    assert not missing, f"{len(missing)} CodecError sites pass no reason=:\n" + "\n".join(missing)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..env import triton_interpret
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from . import reference
 from .base import Backend, Declined, Groups
 
@@ -81,18 +81,24 @@ def _reason(name: str, device: torch.device) -> str | None:
 def _resolve_name(backend: str | None, device: torch.device) -> str:
     b = backend or os.environ.get("KVCODEC_BACKEND") or "auto"
     if not isinstance(b, str):
-        raise UnsupportedConfigError(f"backend must be a name; got {type(b).__name__} {b!r}")
+        raise UnsupportedConfigError(
+            f"backend must be a name; got {type(b).__name__} {b!r}", reason=Reason.BAD_TYPE
+        )
     b = b.lower()
     b = _ALIASES.get(b, b)
     if b not in BACKEND_NAMES:
-        raise UnsupportedConfigError(f"unknown backend {b!r}; expected one of {BACKEND_NAMES}")
+        raise UnsupportedConfigError(
+            f"unknown backend {b!r}; expected one of {BACKEND_NAMES}", reason=Reason.BAD_VALUE
+        )
     if b == "auto":
         if device.type == "cuda":
             return "triton" if _triton_reason(device) is None else "torch"
         return "cpu" if device.type == "cpu" and _cpu().AVAILABLE else "torch"
     why = _reason(b, device)
     if why is not None:
-        raise UnsupportedConfigError(f"backend {b!r} cannot run on {device}: {why}")
+        raise UnsupportedConfigError(
+            f"backend {b!r} cannot run on {device}: {why}", reason=Reason.BACKEND_UNAVAILABLE
+        )
     return b
 
 
@@ -100,7 +106,7 @@ def _device(device: torch.device | str) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise UnsupportedConfigError(f"bad device {device!r}: {e}") from None
+        raise UnsupportedConfigError(f"bad device {device!r}: {e}", reason=Reason.BAD_DEVICE) from None
 
 
 def select(backend: str | None, device: torch.device | str) -> Backend:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..numerics import (
     ScaleScope,
     amax_to_scale,
@@ -115,14 +115,18 @@ def compute_scales(
     finite values only (Inf then saturates to the FP8 max, NaN stays NaN).
     """
     if v.dim() != 3:
-        raise UnsupportedConfigError(f"expected V as [tokens, heads, head_dim]; got shape {tuple(v.shape)}")
+        raise UnsupportedConfigError(
+            f"expected V as [tokens, heads, head_dim]; got shape {tuple(v.shape)}", reason=Reason.BAD_SHAPE
+        )
     qmax = fp8_max(fp8_dtype)
     amax = reduce_groups(token_head_amax(v, finite_only=False), scope, page_size)
     if not bool(torch.isfinite(amax).all()):
         if nonfinite == "error":
             check_finite_amax(amax, scope)
         if nonfinite != "saturate":
-            raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {nonfinite!r}")
+            raise UnsupportedConfigError(
+                f"nonfinite must be 'error' or 'saturate'; got {nonfinite!r}", reason=Reason.BAD_VALUE
+            )
         amax = reduce_groups(token_head_amax(v, finite_only=True), scope, page_size)
     return amax_to_scale(amax, qmax)
 
@@ -198,7 +202,7 @@ def fp8_to_float32(q: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | N
         out.copy_(scratch.view(torch.float16))
         return out
     if q.dtype != torch.float8_e4m3fn:
-        raise UnsupportedConfigError(f"{q.dtype} is not an FP8 dtype")
+        raise UnsupportedConfigError(f"{q.dtype} is not an FP8 dtype", reason=Reason.UNSUPPORTED_DTYPE)
     h16, nan_mask = _fp8_widen_div256(q, scratch, torch.empty(q.shape, dtype=torch.uint8, device=q.device))
     out.copy_(h16)
     out.mul_(256.0)  # a power of two: exact

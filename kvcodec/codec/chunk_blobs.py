@@ -24,7 +24,7 @@ import torch
 
 from ..backends.triton import BACKEND as TRITON
 from ..backends.triton import PAYLOAD_ALIGN
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..format import Hashes, Header, HeaderPacker, ScaleScope
 from ..numerics import check_layers_amax
 from .encode import plan_encode
@@ -152,7 +152,9 @@ class ChunkEncoder:
         self.hashes = Hashes.coerce(hashes)
         self.layer_ids = list(range(self.views.count)) if layer_ids is None else list(layer_ids)
         if len(self.layer_ids) != self.views.count:
-            raise UnsupportedConfigError(f"{len(self.layer_ids)} layer_ids for {self.views.count} layers")
+            raise UnsupportedConfigError(
+                f"{len(self.layer_ids)} layer_ids for {self.views.count} layers", reason=Reason.BAD_VALUE
+            )
         self.block_size = block_size
         self._packers: dict[int, tuple[HeaderPacker, HostChunk]] = {}
 
@@ -218,16 +220,19 @@ class ChunkEncoder:
             or not out.is_contiguous()
         ):
             raise UnsupportedConfigError(
-                f"out must be a contiguous uint8 [{g.layers}, {g.row_stride}] host buffer"
+                f"out must be a contiguous uint8 [{g.layers}, {g.row_stride}] host buffer",
+                reason=Reason.BAD_OUTPUT,
             )
         if out.device.type != "cpu":
-            raise UnsupportedConfigError(f"out must be host memory; got {out.device}")
+            raise UnsupportedConfigError(
+                f"out must be host memory; got {out.device}", reason=Reason.BAD_OUTPUT
+            )
         job = _Launch(pk, g, block_ids, num_tokens, chunk_id, out, start)
         if self.views.device.type == "cuda":
             with torch.cuda.stream(stream):
                 return self._launch(job, torch.cuda.Event())
         if stream is not None:
-            raise UnsupportedConfigError("a stream needs CUDA views")
+            raise UnsupportedConfigError("a stream needs CUDA views", reason=Reason.BAD_DEVICE)
         return self._launch(job, None)
 
     def _launch(self, job: _Launch, event: Any) -> PendingChunk:

@@ -35,7 +35,7 @@ import torch
 import kvcodec
 
 from ...codec.layout import resolve_scope
-from ...errors import UnsupportedConfigError
+from ...errors import Reason, UnsupportedConfigError
 from ...format import COMPUTED_SCOPES, Hashes
 
 try:
@@ -94,31 +94,39 @@ class KvcodecSerdeConfig:
             if opts.pop(key, False):
                 raise UnsupportedConfigError(
                     "the kvcodec serde does not serve MLA caches ([num_layers, tokens, hidden] latents): "
-                    "it keeps K at 16 bits and V in FP8, which needs separate K and V; use LMCache's fp8 serde"
+                    "it keeps K at 16 bits and V in FP8, which needs separate K and V; use LMCache's fp8 serde",
+                    reason=Reason.BAD_VALUE,
                 )
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(opts) - names)
         if unknown:
             raise UnsupportedConfigError(
-                f"unknown kvcodec serde option(s) {unknown}; expected some of {sorted(names)}"
+                f"unknown kvcodec serde option(s) {unknown}; expected some of {sorted(names)}",
+                reason=Reason.BAD_VALUE,
             )
         if "head_dim" not in opts:
             raise UnsupportedConfigError(
-                'the kvcodec serde needs "head_dim" (LMCache\'s layout [2, L, T, H*D] does not carry it)'
+                'the kvcodec serde needs "head_dim" (LMCache\'s layout [2, L, T, H*D] does not carry it)',
+                reason=Reason.MISSING_ARGUMENT,
             )
         cfg = cls(**opts)
         for name in ("head_dim", "page_size", "max_workers"):
             val = getattr(cfg, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise UnsupportedConfigError(f"kvcodec serde option {name} must be an int >= 1; got {val!r}")
+                bad_type = isinstance(val, bool) or not isinstance(val, int)
+                raise UnsupportedConfigError(
+                    f"kvcodec serde option {name} must be an int >= 1; got {val!r}",
+                    reason=Reason.BAD_TYPE if bad_type else Reason.BAD_VALUE,
+                )
         scope = resolve_scope(cfg.scope)
         if scope not in COMPUTED_SCOPES:
             raise UnsupportedConfigError(
-                f"kvcodec serde scope {cfg.scope!r}: expected per_page_head, per_layer_head or per_tensor"
+                f"kvcodec serde scope {cfg.scope!r}: expected per_page_head, per_layer_head or per_tensor",
+                reason=Reason.BAD_SCOPE,
             )
         if not isinstance(cfg.model, str) or "@" in cfg.model:
             raise UnsupportedConfigError(
-                f"kvcodec serde model must be a string without '@'; got {cfg.model!r}"
+                f"kvcodec serde model must be a string without '@'; got {cfg.model!r}", reason=Reason.BAD_HASH
             )
         return cfg
 
@@ -163,16 +171,19 @@ def _dims(shape: Any) -> tuple[int, ...]:
     """The dims of a declared shape as ints >= 1; anything else is refused."""
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise UnsupportedConfigError(
-            f"the kvcodec serde needs an object's shape as a sequence of ints; got {shape!r}"
+            f"the kvcodec serde needs an object's shape as a sequence of ints; got {shape!r}",
+            reason=Reason.BAD_TYPE,
         )
     try:
         if any(isinstance(d, bool) for d in shape):
             raise TypeError("bool")
         dims = tuple(operator.index(d) for d in shape)
     except TypeError:
-        raise UnsupportedConfigError(f"shape {shape!r} has a non-integer dim") from None
+        raise UnsupportedConfigError(
+            f"shape {shape!r} has a non-integer dim", reason=Reason.BAD_TYPE
+        ) from None
     if any(d < 1 for d in dims):
-        raise UnsupportedConfigError(f"shape {list(dims)} has a dim < 1")
+        raise UnsupportedConfigError(f"shape {list(dims)} has a dim < 1", reason=Reason.BAD_SHAPE)
     return dims
 
 
@@ -182,27 +193,37 @@ def object_layout(shape: Any, dtype: Any, head_dim: int) -> ObjectLayout:
     if len(dims) != 4 or dims[0] != 2:
         kind = " (an MLA latent cache?)" if len(dims) == 3 else ""
         raise UnsupportedConfigError(
-            f"the kvcodec serde serves KV objects shaped [2, num_layers, tokens, heads*head_dim]; got {list(dims)}{kind}"
+            f"the kvcodec serde serves KV objects shaped [2, num_layers, tokens, heads*head_dim]; got {list(dims)}{kind}",
+            reason=Reason.BAD_SHAPE,
         )
     if not isinstance(dtype, torch.dtype) or dtype not in _KV_DTYPES:
-        raise UnsupportedConfigError(f"the kvcodec serde serves float16, bfloat16 or float32 KV; got {dtype}")
+        raise UnsupportedConfigError(
+            f"the kvcodec serde serves float16, bfloat16 or float32 KV; got {dtype}",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
     _, layers, tokens, hd = dims
     if hd % head_dim:
-        raise UnsupportedConfigError(f"last dim {hd} is not a multiple of the configured head_dim {head_dim}")
+        raise UnsupportedConfigError(
+            f"last dim {hd} is not a multiple of the configured head_dim {head_dim}", reason=Reason.BAD_SHAPE
+        )
     lay = ObjectLayout(layers, tokens, hd // head_dim, head_dim, dtype)
     if lay.nbytes > _MAX_OBJECT_BYTES:
-        raise UnsupportedConfigError(f"an object of shape {list(dims)} ({lay.nbytes} bytes) exceeds 1 TiB")
+        raise UnsupportedConfigError(
+            f"an object of shape {list(dims)} ({lay.nbytes} bytes) exceeds 1 TiB",
+            reason=Reason.LIMIT_EXCEEDED,
+        )
     return lay
 
 
 def _single(shapes: Any, dtypes: Any) -> tuple[Any, Any]:
     if not isinstance(shapes, (list, tuple)) or not isinstance(dtypes, (list, tuple)):
         raise UnsupportedConfigError(
-            f"an object's shapes and dtypes must be lists; got {shapes!r}, {dtypes!r}"
+            f"an object's shapes and dtypes must be lists; got {shapes!r}, {dtypes!r}", reason=Reason.BAD_TYPE
         )
     if len(shapes) != 1 or len(dtypes) != 1:
         raise UnsupportedConfigError(
-            f"the kvcodec serde serves single-group objects; got {len(shapes)} groups"
+            f"the kvcodec serde serves single-group objects; got {len(shapes)} groups",
+            reason=Reason.BAD_SHAPE,
         )
     return shapes[0], dtypes[0]
 
@@ -244,16 +265,20 @@ def _tensor(obj: Any, what: str, nbytes: int, *, at_least: bool = False) -> torc
     t = getattr(obj, "tensor", None)
     if not isinstance(t, torch.Tensor):
         raise UnsupportedConfigError(
-            f"the kvcodec serde needs the {what} memory object's tensor; it has {t!r}"
+            f"the kvcodec serde needs the {what} memory object's tensor; it has {t!r}", reason=Reason.BAD_TYPE
         )
     if t.device.type != "cpu":
         raise UnsupportedConfigError(
-            f"the kvcodec serde works on CPU memory objects; the {what} is on {t.device}"
+            f"the kvcodec serde works on CPU memory objects; the {what} is on {t.device}",
+            reason=Reason.BAD_DEVICE,
         )
     have = t.numel() * t.element_size()
     if have < nbytes or (have != nbytes and not at_least):
         need = f"{'at least ' if at_least else ''}{nbytes}"
-        raise UnsupportedConfigError(f"the {what} memory object holds {have} bytes; its layout needs {need}")
+        raise UnsupportedConfigError(
+            f"the {what} memory object holds {have} bytes; its layout needs {need}",
+            reason=Reason.BAD_OUTPUT if what == "destination" else Reason.BAD_SHAPE,
+        )
     return t
 
 
@@ -279,7 +304,8 @@ class KvcodecSerializer(Serializer):
         out_t = _tensor(dst, "destination", size, at_least=True)
         if not out_t.is_contiguous():  # a reshape would copy, and the blob would land in the copy
             raise UnsupportedConfigError(
-                "the kvcodec serde writes blobs into contiguous destination memory only"
+                "the kvcodec serde writes blobs into contiguous destination memory only",
+                reason=Reason.BAD_OUTPUT,
             )
         out = _as(out_t, torch.uint8, (size,))
         n = len(kvcodec.encode(kv[0], kv[1], spec, out=out.numpy()))
@@ -309,7 +335,8 @@ class KvcodecDeserializer(Deserializer):
         blob_t = getattr(src, "tensor", None)
         if not isinstance(blob_t, torch.Tensor) or blob_t.device.type != "cpu":
             raise UnsupportedConfigError(
-                f"the kvcodec serde reads blobs from CPU memory objects; got {blob_t!r}"
+                f"the kvcodec serde reads blobs from CPU memory objects; got {blob_t!r}",
+                reason=Reason.BAD_BUFFER,
             )
         blob = blob_t.contiguous().reshape(-1).view(torch.uint8)
         target = t if t.is_contiguous() else torch.empty(lay.shape, dtype=lay.dtype)
