@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..codec import decode, encode
-from ..errors import CodecError, CodecMismatchError, UnsupportedConfigError
+from ..errors import CodecError, CodecMismatchError, Reason, UnsupportedConfigError
 from ..format import MAX_DIM, SCOPE_NAMES, Hashes, ScaleScope, parse
 from ..store import DirectoryStore
 from .progress import Progress, progress_enabled
@@ -172,28 +172,44 @@ class DemoConfig:
     def validate(self) -> None:
         """Raise :class:`UnsupportedConfigError` for a setting the demo cannot run."""
         if self.scope not in SCOPES:
-            raise UnsupportedConfigError(f"scope must be one of {list(SCOPES)}; got {self.scope!r}")
+            raise UnsupportedConfigError(
+                f"scope must be one of {list(SCOPES)}; got {self.scope!r}", reason=Reason.BAD_SCOPE
+            )
         if self.dtype not in _DTYPES:
-            raise UnsupportedConfigError(f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}")
+            raise UnsupportedConfigError(
+                f"dtype must be one of {sorted(_DTYPES)}; got {self.dtype!r}", reason=Reason.UNSUPPORTED_DTYPE
+            )
         for name in ("layers", "tokens", "chunk_tokens", "heads", "head_dim", "page_size"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise UnsupportedConfigError(f"{name} must be an integer >= 1; got {val!r}")
+                raise UnsupportedConfigError(
+                    f"{name} must be an integer >= 1; got {val!r}", reason=Reason.BAD_VALUE
+                )
         if self.page_size > MAX_DIM:
-            raise UnsupportedConfigError(f"page_size {self.page_size} is above the format's limit {MAX_DIM}")
+            raise UnsupportedConfigError(
+                f"page_size {self.page_size} is above the format's limit {MAX_DIM}",
+                reason=Reason.LIMIT_EXCEEDED,
+            )
         chunk = min(self.chunk_tokens, self.tokens) * self.heads * self.head_dim
         if chunk > MAX_CHUNK_ELEMENTS:
             raise UnsupportedConfigError(
-                f"one chunk of {chunk:,} K (or V) elements is too large (at most {MAX_CHUNK_ELEMENTS:,})"
+                f"one chunk of {chunk:,} K (or V) elements is too large (at most {MAX_CHUNK_ELEMENTS:,})",
+                reason=Reason.LIMIT_EXCEEDED,
             )
         if isinstance(self.min_sqnr_db, bool) or not isinstance(self.min_sqnr_db, (int, float)):
-            raise UnsupportedConfigError(f"min_sqnr_db must be a number; got {self.min_sqnr_db!r}")
+            raise UnsupportedConfigError(
+                f"min_sqnr_db must be a number; got {self.min_sqnr_db!r}", reason=Reason.BAD_TYPE
+            )
         if not math.isfinite(self.min_sqnr_db):
-            raise UnsupportedConfigError(f"min_sqnr_db must be finite; got {self.min_sqnr_db!r}")
+            raise UnsupportedConfigError(
+                f"min_sqnr_db must be finite; got {self.min_sqnr_db!r}", reason=Reason.BAD_VALUE
+            )
         if self.version not in (1, 2):
-            raise UnsupportedConfigError(f"version must be 1 or 2; got {self.version!r}")
+            raise UnsupportedConfigError(
+                f"version must be 1 or 2; got {self.version!r}", reason=Reason.UNSUPPORTED_VERSION
+            )
         if (self.model is None) != (self.text is None):
-            raise UnsupportedConfigError("model and text go together")
+            raise UnsupportedConfigError("model and text go together", reason=Reason.MISSING_ARGUMENT)
 
     def cache(self) -> Any:
         """The cache this config describes: synthetic, or a real model's over ``text``."""
@@ -433,7 +449,7 @@ def run_demo(config: DemoConfig | None = None, **options: Any) -> dict[str, Any]
     try:
         cfg = replace(config or DemoConfig(), **options)
     except TypeError as e:
-        raise UnsupportedConfigError(f"unknown demo option: {e}") from None
+        raise UnsupportedConfigError(f"unknown demo option: {e}", reason=Reason.BAD_VALUE) from None
     cfg.validate()
     t_wall = time.perf_counter()
     cache = cfg.cache()

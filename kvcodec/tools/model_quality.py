@@ -97,7 +97,9 @@ def variants_for(scopes: Sequence[str], anchors: Sequence[str] = tuple(ANCHORS))
     """The kvcodec variants for ``scopes``, then the FP8 K+V anchor and the other ``anchors`` asked for."""
     unknown = sorted(set(anchors) - set(ANCHORS))
     if unknown:
-        raise UnsupportedConfigError(f"unknown anchors {unknown}; expected some of {list(ANCHORS)}")
+        raise UnsupportedConfigError(
+            f"unknown anchors {unknown}; expected some of {list(ANCHORS)}", reason=Reason.BAD_VALUE
+        )
     return [parse_scope(s) for s in scopes] + [
         v for name, v in ANCHORS.items() if name == "fp8_kv" or name in anchors
     ]
@@ -135,7 +137,9 @@ class ModelQualityConfig:
             raise UnsupportedConfigError("greedy must be >= 0", reason=Reason.BAD_VALUE)
         variants_for(self.scopes, self.anchors)
         if self.kv_dtype is not None and self.kv_dtype not in ("bf16", "fp16"):
-            raise UnsupportedConfigError(f"kv_dtype must be bf16 or fp16; got {self.kv_dtype!r}")
+            raise UnsupportedConfigError(
+                f"kv_dtype must be bf16 or fp16; got {self.kv_dtype!r}", reason=Reason.UNSUPPORTED_DTYPE
+            )
 
 
 # ----------------------------------------------------------------------------- the KV replacements

@@ -31,9 +31,13 @@ from ..format import Hashes
 
 __all__ = [
     "DTYPES",
+    "MAX_CONFIG_BYTES",
+    "MAX_SAFETENSORS_HEADER",
+    "PICKLE_SUFFIXES",
     "LoadedModel",
     "ModelKVCache",
     "cache_root",
+    "check_checkpoint",
     "checkpoint_dir",
     "convert_gguf",
     "forward",
@@ -94,19 +98,24 @@ def convert_gguf(path: str | os.PathLike[str], dest_root: Path | None = None) ->
     """
     src = Path(path)
     root = (dest_root or cache_root()) / "models"
-    dest = root / f"{src.stem}-{_file_digest(src)}"
+    try:
+        dest = root / f"{src.stem}-{_file_digest(src)}"
+    except OSError as e:
+        raise _refuse(src, src, e.strerror or str(e)) from None
     if (dest / "config.json").is_file():
         return dest
     tf = _transformers()
     try:
         import gguf  # noqa: F401  (transformers reads GGUF files through it)
     except ImportError as e:
-        raise UnsupportedConfigError(f"a .gguf model needs the gguf package ({e}); {_EXTRA_HINT}") from None
+        raise UnsupportedConfigError(
+            f"a .gguf model needs the gguf package ({e}); {_EXTRA_HINT}", reason=Reason.UNSUPPORTED
+        ) from None
     root.mkdir(parents=True, exist_ok=True)
     print(f"kvcodec: converting {src.name} once into {dest} (dequantized to fp32)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
     try:
-        kw = {"gguf_file": src.name}
+        kw = {"gguf_file": src.name, "trust_remote_code": False}
         tok = tf.AutoTokenizer.from_pretrained(str(src.parent), **kw)
         model = tf.AutoModelForCausalLM.from_pretrained(
             str(src.parent), dtype=torch.float32, quantization_config=tf.GgufConfig(dequantize=True), **kw
@@ -114,6 +123,8 @@ def convert_gguf(path: str | os.PathLike[str], dest_root: Path | None = None) ->
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         os.replace(tmp, dest)
+    except Exception as e:  # gguf and transformers raise many types for a malformed file
+        raise _refuse(src, src, f"{type(e).__name__}: {e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -149,19 +160,114 @@ class LoadedModel:
         return int(self.model.config.num_hidden_layers)
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""Largest ``config.json`` read (real ones are a few KiB)."""
+MAX_SAFETENSORS_HEADER = 100 << 20
+"""Largest safetensors JSON header read (the safetensors library's own limit)."""
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+"""Weight files in pickle form: never opened (unpickling runs whatever code the file names)."""
+
+
+def _refuse(model: str | os.PathLike[str], what: Path | str, why: str) -> UnsupportedConfigError:
+    """The documented refusal: which model, which file, why."""
+    return UnsupportedConfigError(
+        f"--model {os.fspath(model)!r} could not be loaded: {what}: {why}", reason=Reason.BAD_CHECKPOINT
+    )
+
+
+def _json_object(model: str | os.PathLike[str], path: Path, data: bytes) -> dict[str, Any]:
+    """``data`` (read from ``path``) as a JSON object; anything else is refused."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _refuse(model, path, f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise _refuse(model, path, f"holds a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def _read_head(model: str | os.PathLike[str], path: Path, limit: int) -> tuple[bytes, int]:
+    """Up to ``limit`` bytes from the start of ``path``, and the file's size."""
+    try:
+        with path.open("rb") as f:
+            return f.read(limit), os.fstat(f.fileno()).st_size
+    except OSError as e:
+        raise _refuse(model, path, e.strerror or str(e)) from None
+
+
+def _check_config(model: str | os.PathLike[str], path: Path) -> None:
+    """Refuse a ``config.json`` that is too large or not a JSON object."""
+    data, size = _read_head(model, path, MAX_CONFIG_BYTES + 1)
+    if size > MAX_CONFIG_BYTES:
+        raise _refuse(model, path, f"{size} bytes, more than the {MAX_CONFIG_BYTES} a config may hold")
+    _json_object(model, path, data)
+
+
+def _check_safetensors(model: str | os.PathLike[str], path: Path) -> None:
+    """Refuse a safetensors file whose header length or JSON header does not fit the file."""
+    head, size = _read_head(model, path, 8)
+    if len(head) < 8:
+        raise _refuse(model, path, f"{size} bytes, too short for a safetensors header")
+    n = int.from_bytes(head, "little")
+    if not 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER):
+        raise _refuse(
+            model,
+            path,
+            f"safetensors header length {n} does not fit the file ({size} bytes) "
+            f"or the limit of {MAX_SAFETENSORS_HEADER}",
+        )
+    data, _ = _read_head(model, path, 8 + n)
+    _json_object(model, path, data[8:])
+
+
+def _weight_files(model: str | os.PathLike[str], ckpt: Path) -> list[Path]:
+    """The folder's safetensors weights; pickle weights are refused, never opened."""
+    weights = sorted(p for p in ckpt.glob("*.safetensors") if p.is_file())
+    if weights:
+        return weights
+    pickles = sorted(p.name for p in ckpt.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise _refuse(
+            model,
+            ckpt / pickles[0],
+            "pickle weights are never loaded (unpickling can run code); "
+            "kvcodec reads safetensors checkpoints or .gguf files only",
+        )
+    raise _refuse(model, ckpt, "no *.safetensors weights in the folder")
+
+
+def check_checkpoint(model: str | os.PathLike[str], ckpt: Path) -> None:
+    """Refuse (``Reason.BAD_CHECKPOINT``) a folder whose config or weights transformers would choke on."""
+    _check_config(model, ckpt / "config.json")
+    for path in _weight_files(model, ckpt):
+        _check_safetensors(model, path)
+
+
 def load_model(path: str | os.PathLike[str], dtype: str = "bf16") -> LoadedModel:
-    """Load ``path`` (checkpoint folder or ``.gguf``) for CPU inference in ``dtype`` (bf16, fp16, fp32)."""
+    """Load ``path`` (checkpoint folder or ``.gguf``) for CPU inference in ``dtype`` (bf16, fp16, fp32).
+
+    Only safetensors weights are read (pickle files are refused unopened); any
+    failure to load is an :class:`UnsupportedConfigError` with ``Reason.BAD_CHECKPOINT``
+    naming the file (or folder) and why.
+    """
     if dtype not in DTYPES:
-        raise UnsupportedConfigError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+        raise UnsupportedConfigError(
+            f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}", reason=Reason.BAD_VALUE
+        )
     tf = _transformers()
     ckpt = checkpoint_dir(path)
+    check_checkpoint(path, ckpt)
     try:
-        tok = tf.AutoTokenizer.from_pretrained(str(ckpt))
+        tok = tf.AutoTokenizer.from_pretrained(str(ckpt), trust_remote_code=False)
         model = tf.AutoModelForCausalLM.from_pretrained(
-            str(ckpt), dtype=DTYPES[dtype], attn_implementation="sdpa"
+            str(ckpt),
+            dtype=DTYPES[dtype],
+            attn_implementation="sdpa",
+            use_safetensors=True,
+            trust_remote_code=False,
         )
-    except (OSError, ValueError, KeyError) as e:
-        raise UnsupportedConfigError(f"--model {os.fspath(path)!r} could not be loaded: {e}") from None
+    except Exception as e:  # transformers and its loaders raise many types for a malformed folder
+        raise _refuse(path, ckpt, f"{type(e).__name__}: {e}") from None
     model.eval()
     return LoadedModel(model, tok, Path(path).name, DTYPES[dtype])
 
