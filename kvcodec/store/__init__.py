@@ -11,15 +11,11 @@ size index, the eviction policy and quarantine); the Redis backend lives in
 from __future__ import annotations
 
 from .base import STORE_COUNTERS, BlobStore, GroupOf, StoreFullError, StoreOptions
-from .directory import (
-    MAX_KEY_LEN,
-    QUARANTINE_DIRNAME,
-    DirectoryStore,
-    InvalidKeyError,
-    chunk_group,
-    validate_key,
-)
+from .directory import DirectoryStore
+from .eviction import EvictionPolicy, GroupLRU
 from .factory import open_store
+from .keys import MAX_KEY_LEN, InvalidKeyError, validate_key
+from .quarantine import QUARANTINE_DIRNAME
 
 __all__ = [
     "MAX_KEY_LEN",
@@ -27,11 +23,12 @@ __all__ = [
     "STORE_COUNTERS",
     "BlobStore",
     "DirectoryStore",
+    "EvictionPolicy",
+    "GroupLRU",
     "GroupOf",
     "InvalidKeyError",
     "StoreFullError",
     "StoreOptions",
-    "chunk_group",
     "open_store",
     "validate_key",
 ]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import kvcodec.store.directory as store_mod
+import kvcodec.store.evictor as evictor_mod
 from kvcodec.errors import UnsupportedConfigError
-from kvcodec.store import DirectoryStore, StoreFullError, chunk_group
+from kvcodec.integrations.vllm.chunk_keys import group_of
+from kvcodec.store import DirectoryStore, StoreFullError
 from tests.paths import REPO_ROOT
 from tests.store.test_store import digest, make_blob
 
@@ -46,14 +47,14 @@ def _group_bytes() -> int:
     return sum(len(make_blob(BLOB, i)) for i in range(LAYERS + 1))
 
 
-def test_chunk_group_parses_the_connector_keys() -> None:
-    assert chunk_group("m-L3-C2-Habc-Pdef") == ("C2-Habc", 2, "C1-Hdef")
-    assert chunk_group("m-M-C0-Habc") == ("C0-Habc", 0, None)
-    assert chunk_group("plain") == ("plain", 0, None)
+def test_group_of_parses_the_connector_keys() -> None:
+    assert group_of("m-L3-C2-Habc-Pdef") == ("C2-Habc", 2, "C1-Hdef")
+    assert group_of("m-M-C0-Habc") == ("C0-Habc", 0, None)
+    assert group_of("plain") == ("plain", 0, None)
 
 
 def test_capped_store_keeps_a_prompts_leading_chunks(tmp_path: Path) -> None:
-    st = DirectoryStore(tmp_path, max_bytes=2 * _group_bytes() + 100)
+    st = DirectoryStore(tmp_path, max_bytes=2 * _group_bytes() + 100, group_of=group_of)
     _put_chunk(st, "a", 0)
     _put_chunk(st, "a", 1)
     with pytest.raises(StoreFullError, match="leading chunks") as e:
@@ -64,7 +65,7 @@ def test_capped_store_keeps_a_prompts_leading_chunks(tmp_path: Path) -> None:
 
 
 def test_a_chunk_after_a_gap_never_displaces_a_servable_one(tmp_path: Path) -> None:
-    st = DirectoryStore(tmp_path, max_bytes=2 * _group_bytes() + 100)
+    st = DirectoryStore(tmp_path, max_bytes=2 * _group_bytes() + 100, group_of=group_of)
     _put_chunk(st, "a", 0)
     _put_chunk(st, "a", 1)
     with pytest.raises(StoreFullError):
@@ -73,7 +74,7 @@ def test_a_chunk_after_a_gap_never_displaces_a_servable_one(tmp_path: Path) -> N
 
 
 def test_deepest_chunk_of_the_least_recent_prefix_goes_first(tmp_path: Path) -> None:
-    st = DirectoryStore(tmp_path, max_bytes=5 * _group_bytes() + 100)
+    st = DirectoryStore(tmp_path, max_bytes=5 * _group_bytes() + 100, group_of=group_of)
     for c in range(3):
         _put_chunk(st, "a", c)
     for c in range(2):
@@ -87,7 +88,7 @@ def test_deepest_chunk_of_the_least_recent_prefix_goes_first(tmp_path: Path) -> 
 
 
 def test_chunks_after_a_missing_predecessor_go_first(tmp_path: Path) -> None:
-    st = DirectoryStore(tmp_path, max_bytes=5 * _group_bytes() + 100, rescan_interval_s=0)
+    st = DirectoryStore(tmp_path, max_bytes=5 * _group_bytes() + 100, rescan_interval_s=0, group_of=group_of)
     for c in range(3):
         _put_chunk(st, "a", c)
     _put_chunk(st, "b", 0)
@@ -140,7 +141,7 @@ def test_eviction_never_deletes_a_blob_put_after_it_was_examined(
     fresh = make_blob(BLOB, 3)
     fresh_file = tmp_path / "fresh.blob"
     fresh_file.write_bytes(fresh)
-    real_lstat = store_mod._lstat
+    real_lstat = evictor_mod.lstat
     raced = []
 
     def lstat_then_race(path: str) -> os.stat_result | None:
@@ -150,7 +151,7 @@ def test_eviction_never_deletes_a_blob_put_after_it_was_examined(
             _put_in_another_process(root, "old", fresh_file)  # lands right after the evictor looked
         return st_
 
-    monkeypatch.setattr(store_mod, "_lstat", lstat_then_race)
+    monkeypatch.setattr(evictor_mod, "lstat", lstat_then_race)
     st.put("new", make_blob(BLOB, 4))
     assert raced, "the eviction did not examine the victim"
     assert (root / "old").exists(), "the other process's fresh blob was deleted by the eviction"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec.errors import CorruptEncodedKVError, UnsupportedConfigError
+from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from kvcodec.format import Hashes, Header, ScaleScope, assemble, parse
 from kvcodec.store import QUARANTINE_DIRNAME, DirectoryStore, InvalidKeyError, validate_key
 
@@ -122,14 +122,19 @@ def test_get_is_a_copy_on_write_mmap_view(tmp_path: Path) -> None:
     assert bytes(w) == b
 
 
-def test_get_drops_trailing_bytes(tmp_path: Path) -> None:
+def test_put_drops_trailing_bytes_and_reads_refuse_them(tmp_path: Path) -> None:
     b = make_blob(2048, 4)
     st = DirectoryStore(tmp_path)
     st.put("t", b + b"trailing junk")  # v1 allows trailing bytes; put stores the blob only
     assert (tmp_path / "t").read_bytes() == b
-    (tmp_path / "u").write_bytes(b + b"xyz")  # written by someone else
-    v = st.get("u")
+    v = st.get("t")
     assert bytes(v) == b and isinstance(v.obj, mmap.mmap)
+    for read in (st.get, st.get_parsed):
+        (tmp_path / "u").write_bytes(b + b"xyz")  # written by someone else: not what its header declares
+        with pytest.raises(CorruptEncodedKVError, match="3 bytes too many") as e:
+            read("u")
+        assert e.value.reason is Reason.SIZE_MISMATCH
+        assert not (tmp_path / "u").exists()
 
 
 def test_put_refuses_invalid_blobs(tmp_path: Path) -> None:

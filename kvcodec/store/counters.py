@@ -1,0 +1,28 @@
+"""The cumulative counters every store reports as ``stats()`` (the keys of ``STORE_COUNTERS``)."""
+
+from __future__ import annotations
+
+import threading
+
+from .base import STORE_COUNTERS
+
+__all__ = ["Counters"]
+
+
+class Counters:
+    """Thread-safe running totals, one per name of :data:`~kvcodec.store.STORE_COUNTERS`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = dict.fromkeys(STORE_COUNTERS, 0.0)
+
+    def add(self, **amounts: float) -> None:
+        """Add to the named counters (each a name of STORE_COUNTERS)."""
+        with self._lock:
+            for name, n in amounts.items():
+                self._values[name] += n
+
+    def snapshot(self) -> dict[str, float]:
+        """A copy of every counter, in :data:`STORE_COUNTERS` order."""
+        with self._lock:
+            return dict(self._values)

@@ -1,0 +1,136 @@
+"""Reading a stored blob bounded by what its header declares.
+
+A blob file's size must be exactly header + payload as its header declares
+them. :func:`declared_size` walks the header's length fields (bounds-checked,
+from a small prefix and ``pread`` beyond it) without allocating more than a few
+KiB, so a sparse 1 GiB file or a lying header costs nothing before it is
+refused; only then is the file read (:func:`read_blob`) or mapped, and parsed
+(CRC included) by :func:`kvcodec.format.parse`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CorruptEncodedKVError, Reason
+from ..format.header import (
+    CRC_FIELD,
+    FIXED_HEADER,
+    HASH_LEN,
+    HASH_PAIR_COUNT,
+    MAGIC,
+    MAX_HASH_PAIRS,
+    MAX_PAYLOAD_LEN,
+    MAX_SCALE_DIMS,
+    PAYLOAD_LENS,
+    SCALE_DIM,
+)
+from .files import read_into
+
+__all__ = ["PREFIX_LEN", "check_size", "declared_size", "read_blob", "read_prefix"]
+
+PREFIX_LEN = 4096
+"""Bytes read before anything else: a real header (a few hundred bytes) fits in them."""
+
+
+def read_prefix(fd: int, size: int) -> bytes:
+    """The first ``min(size, PREFIX_LEN)`` bytes of ``fd``."""
+    return os.pread(fd, min(size, PREFIX_LEN), 0)
+
+
+class _Fields:
+    """Bounds-checked reads of a file of ``size`` bytes: from ``head`` when there, else ``pread``."""
+
+    def __init__(self, head: Any, size: int, fd: int | None) -> None:
+        self.head = memoryview(head)
+        self.size = size
+        self.fd = fd
+
+    def take(self, off: int, n: int, what: str) -> memoryview | bytes:
+        if n > self.size - off:
+            raise CorruptEncodedKVError(
+                f"truncated {what}: need {n} bytes at offset {off}, the file is {self.size} bytes",
+                reason=Reason.TRUNCATED_HEADER,
+            )
+        if off + n <= len(self.head):
+            return self.head[off : off + n]
+        got = os.pread(self.fd, n, off) if self.fd is not None else b""
+        if len(got) != n:  # the file shrank under us (the store never writes in place)
+            raise CorruptEncodedKVError(
+                f"truncated {what}: read {len(got)} of {n} bytes at offset {off}",
+                reason=Reason.TRUNCATED_HEADER,
+            )
+        return got
+
+
+def declared_size(head: Any, size: int, fd: int | None = None) -> int:
+    """Header + payload bytes that the header at the start of a ``size``-byte file declares.
+
+    ``head``: the file's first bytes (all of them for a mapped file); ``fd`` serves
+    the rest of a long header. Raises :class:`CorruptEncodedKVError` with the
+    parser's reason for what it checks (``BAD_MAGIC``, ``SCALE_RANK_OUT_OF_RANGE``,
+    ``NEGATIVE_PAYLOAD_LEN``, ``FIELD_OUT_OF_RANGE``, ``BAD_HASH_TABLE``,
+    ``TRUNCATED_HEADER``); the full check is :func:`kvcodec.format.parse`'s.
+    """
+    f = _Fields(head, size, fd)
+    fixed = FIXED_HEADER.unpack(f.take(0, FIXED_HEADER.size, "fixed header"))
+    magic, n_scale = fixed[0], fixed[-1]
+    if magic != MAGIC:
+        raise CorruptEncodedKVError(
+            f"bad magic: expected {MAGIC!r}, found {magic!r}", reason=Reason.BAD_MAGIC
+        )
+    if not 0 <= n_scale <= MAX_SCALE_DIMS:
+        raise CorruptEncodedKVError(
+            f"scale_shape_n={n_scale} out of range: expected 0..{MAX_SCALE_DIMS}",
+            reason=Reason.SCALE_RANK_OUT_OF_RANGE,
+        )
+    off = FIXED_HEADER.size + n_scale * SCALE_DIM.size
+    lens = PAYLOAD_LENS.unpack(f.take(off, PAYLOAD_LENS.size, "payload lengths"))
+    for name, n in zip(("k_payload_len", "v_payload_len", "scale_payload_len"), lens):
+        if not 0 <= n <= MAX_PAYLOAD_LEN:
+            reason = Reason.NEGATIVE_PAYLOAD_LEN if n < 0 else Reason.FIELD_OUT_OF_RANGE
+            raise CorruptEncodedKVError(f"{name}={n} out of range 0..{MAX_PAYLOAD_LEN}", reason=reason)
+    off += PAYLOAD_LENS.size
+    (n_pairs,) = HASH_PAIR_COUNT.unpack(f.take(off, HASH_PAIR_COUNT.size, "hash count"))
+    if n_pairs > MAX_HASH_PAIRS:
+        raise CorruptEncodedKVError(
+            f"hash count {n_pairs} exceeds the limit of {MAX_HASH_PAIRS}", reason=Reason.BAD_HASH_TABLE
+        )
+    off += HASH_PAIR_COUNT.size
+    for i in range(2 * n_pairs):
+        (length,) = HASH_LEN.unpack(f.take(off, HASH_LEN.size, f"hash string #{i} length"))
+        off += HASH_LEN.size + length
+    f.take(off, CRC_FIELD.size, "header CRC")  # the header ends inside the file
+    return off + CRC_FIELD.size + sum(lens)
+
+
+def check_size(head: Any, size: int, fd: int | None = None) -> None:
+    """Refuse a file whose size is not what its header declares (see :func:`declared_size`):
+    ``TRUNCATED_PAYLOAD`` when shorter, ``SIZE_MISMATCH`` when longer."""
+    want = declared_size(head, size, fd)
+    if want > size:
+        raise CorruptEncodedKVError(
+            f"truncated payload: the header declares {want} bytes, the file is {size}",
+            reason=Reason.TRUNCATED_PAYLOAD,
+        )
+    if want < size:
+        raise CorruptEncodedKVError(
+            f"file is {size} bytes, its header declares {want}: {size - want} bytes too many",
+            reason=Reason.SIZE_MISMATCH,
+        )
+
+
+def read_blob(fd: int, size: int, into: bytearray | None = None) -> bytearray | memoryview:
+    """All ``size`` bytes of a blob file whose size was checked: in ``into``'s leading bytes when it
+    is large enough (a view of them), else in a new bytearray; fewer if the file shrank meanwhile
+    (the parser then finds it truncated)."""
+    reuse = into is not None and len(into) >= size
+    buf = into if reuse else bytearray(size)
+    with memoryview(buf) as whole, whole[:size] as view:
+        got = read_into(fd, view, 0)
+        if reuse:
+            return view[:got]  # its own view of ``into``: it outlives these two
+    if got < size:
+        del buf[got:]
+    return buf
