@@ -52,6 +52,8 @@ class Reason(str, Enum):
     """Stored ``scale_shape`` / scale bytes that do not fit the scope and payload."""
     BAD_SCALE = "bad_scale"
     """A stored scale encode never writes: NaN, Inf, zero or negative."""
+    BAD_CODE = "bad_code"
+    """A V code encode never writes: an FP8 NaN (or e5m2 ±Inf) code, or V that decodes to NaN/Inf."""
 
     # -- a valid blob written under another config (CodecMismatchError) --
     MISMATCH = "mismatch"

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason
 from .buffer import as_bytes_view
-from .dtypes import FLOAT_INF_BITS, DType, id_to_dtype
+from .dtypes import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT_INF_BITS, DType, id_to_dtype
 from .header import (
     COMPUTED_SCOPES,
     CRC_FIELD,
@@ -62,11 +62,13 @@ __all__ = [
     "ParsedBlob",
     "check_consistency",
     "check_stored_scales",
+    "check_v_codes",
     "clear_header_memo",
     "expected_scale_shape",
     "header_fields",
     "header_memo_info",
     "parse",
+    "v_group",
 ]
 
 
@@ -641,6 +643,51 @@ def check_stored_scales(h: Header, scales: Any) -> None:
                 "encode writes only finite scales > 0, and V would decode to NaN, Inf, zeros or flipped signs",
                 reason=Reason.BAD_SCALE,
             )
+
+
+# FP8 codes that decode to NaN or ±Inf (sign bit either way); encode writes none of them.
+_NONFINITE_CODES: dict[DType, bytes] = {
+    FLOAT8_E4M3FN: bytes((0x7F, 0xFF)),
+    FLOAT8_E5M2: bytes((*range(0x7C, 0x80), *range(0xFC, 0x100))),
+}
+_FINITE_CODES = {dt: bytes(sorted(set(range(256)) - set(bad))) for dt, bad in _NONFINITE_CODES.items()}
+
+
+def check_v_codes(h: Header, v: Any) -> None:
+    """Refuse V codes encode never writes: FP8 NaN codes (e4m3fn ``0x7F``/``0xFF``; e5m2 also ±Inf).
+
+    ``v`` is the blob's V section (:attr:`ParsedBlob.v`). Such a blob decodes
+    V to NaN (or Inf) in the named group; its CRC says nothing, since whoever
+    wrote the codes sealed them. V dtypes other than FP8 are left to the decoder.
+    One byte copy and one ``translate`` over V, at C speed.
+    """
+    finite = _FINITE_CODES.get(h.v_dtype)
+    if finite is None:
+        return
+    data = as_bytes_view(v).tobytes()
+    left = data.translate(None, finite)
+    if not left:
+        return
+    first = min(i for code in set(left) if (i := data.find(bytes((code,)))) >= 0)
+    raise CorruptEncodedKVError(
+        f"V holds {len(left)} {h.v_dtype} code(s) that decode to NaN or Inf, the first "
+        f"({data[first]:#04x}) at element {first} ({v_group(h, first)}); encode never writes them",
+        reason=Reason.BAD_CODE,
+    )
+
+
+def v_group(h: Header, element: int) -> str:
+    """Where V element ``element`` lies: token and head, and its scale group in the scope's terms."""
+    heads, dim = h.kv_head_count, h.head_dim
+    if heads <= 0 or dim <= 0:
+        return f"element {element}; the layout fields are unset"
+    token, head = divmod(element // dim, heads)
+    where = f"token {token}, head {head}"
+    if h.scale_scope == ScaleScope.PER_PAGE_HEAD and h.page_size > 0 and len(h.scale_shape) == 2:
+        return f"{where}: scale group {_scale_group(h, (token // h.page_size) * heads + head)}"
+    if h.scale_scope in (ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_TENSOR):
+        return f"{where}: scale group {_scale_group(h, head)}"
+    return where
 
 
 def _scale_group(h: Header, i: int) -> str:

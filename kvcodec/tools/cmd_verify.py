@@ -3,7 +3,9 @@
 A blob verifies only if :func:`kvcodec.decode` accepts it: the check runs the
 decoder itself (parse, CRC, hashes, then K and V, V dequantized unless the blob
 is external-scope without stored scales, whose scales only the caller has),
-so a blob that verifies decodes. Memory per blob is bounded by its own V bytes.
+then V's values: an FP8 NaN/Inf code, or a stored scale that makes a code Inf,
+is reported with its token, head and scale group. So a blob that verifies
+decodes, to finite values. Memory per blob is bounded by its own V bytes.
 """
 
 from __future__ import annotations
@@ -98,20 +100,51 @@ def collect(paths: Sequence[Path], pattern: str = "*") -> tuple[list[Path], bool
 def verify_blob(
     data: Any, *, strict: bool = False, expected: dict[str, str] | None = None, strict_hashes: bool = False
 ) -> None:
-    """Raise the CodecError that decoding ``data`` raises, if any (V dequantized when possible)."""
+    """Raise the CodecError that decoding ``data`` raises, if any (V dequantized when possible).
+
+    Beyond what decode refuses, V must decode to finite values, as a load would put them in a
+    cache: FP8 NaN/Inf codes (``Reason.BAD_CODE``) and a stored scale that overflows a code to
+    Inf are refused with the group where they occur, as stored NaN scales already are.
+    """
     import torch
 
     from ..codec import decode
     from ..format import ScaleScope, parse
+    from ..format.parser import check_v_codes
 
     parsed = parse(data, verify_crc=True, strict=strict)
     h = parsed.header
     scales_missing = h.scale_scope == ScaleScope.EXTERNAL and h.scale_payload_len == 0
-    decode(
+    d = decode(
         parsed,
         out_v_dtype=None if scales_missing else torch.float32,
         expected_hashes=expected,
         strict_hashes=strict_hashes,
+    )
+    check_v_codes(h, parsed.v)
+    _check_finite(h, d.v)
+
+
+def _check_finite(h: Any, v: Any) -> None:
+    """Refuse decoded V holding NaN or Inf (codes were finite: a scale made them so)."""
+    import torch
+
+    from ..errors import CorruptEncodedKVError, Reason
+    from ..format import FLOAT8_DTYPES
+    from ..format.parser import v_group
+
+    if v is None or not v.is_floating_point() or v.element_size() == 1:
+        return  # raw FP8: check_v_codes has looked at every code
+    bad = ~torch.isfinite(v.reshape(-1))
+    if not bool(bad.any()):
+        return
+    first = int(torch.argmax(bad.to(torch.uint8)))
+    fp8 = h.v_dtype in FLOAT8_DTYPES  # then every code is finite: the scale overflowed it
+    raise CorruptEncodedKVError(
+        f"V decodes to {int(bad.sum())} NaN/Inf value(s), the first at element {first} "
+        f"({v_group(h, first)})"
+        + ("; its code is finite, so its stored scale overflows float32" if fp8 else ""),
+        reason=Reason.BAD_SCALE if fp8 else Reason.BAD_CODE,
     )
 
 
