@@ -1,9 +1,10 @@
 """README.md and docs/*.md say what works: every Python block runs, every command names a real target.
 
-Each ```python block runs in a fresh namespace inside a temp dir. A block that needs what the
-default install lacks carries a marker on the line before its fence, ``<!-- needs: vllm -->``;
-such blocks run elsewhere (``NEEDS`` says where) and are skipped here with that reason, never
-silently. The README stays a newcomer's page: at most 10 KiB.
+Each ```python block runs in a fresh namespace inside a temp dir. A block that needs more than the
+default install carries a marker on the line before its fence: ``<!-- needs: redis -->`` blocks run
+here against a fresh redis-server (``127.0.0.1:6379`` in the block is rewritten to its port);
+``<!-- needs: vllm -->`` blocks run in vLLM's venv (``NEEDS`` says where) and are skipped here with
+that reason, never silently. The README stays a newcomer's page: at most 10 KiB.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,12 @@ README_MAX_BYTES = 10 * 1024
 DOCS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
 VLLM_DOCS_TEST = REPO_ROOT / "tests" / "integrations" / "vllm" / "test_docs_vllm.py"
 
-NEEDS = {"vllm": f"needs vLLM: run in .venv-vllm by {VLLM_DOCS_TEST.relative_to(REPO_ROOT)}"}
-"""What a marked block needs -> where it runs instead (the skip reason here)."""
+NEEDS = {
+    "redis": "runs here against a fresh redis-server on a free port of 127.0.0.1",
+    "vllm": f"needs vLLM: run in .venv-vllm by {VLLM_DOCS_TEST.relative_to(REPO_ROOT)}",
+}
+"""What a marked block needs -> where it runs (for ``vllm``, the skip reason here)."""
+REDIS_URL_IN_DOCS = "127.0.0.1:6379"
 
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 _MARKER = re.compile(r"<!--\s*needs:\s*([\w-]+)\s*-->")
@@ -101,9 +106,23 @@ def test_every_marker_names_a_known_need() -> None:
 
 @pytest.mark.parametrize("block", PYTHON, ids=[b.name for b in PYTHON])
 def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if block.needs is not None:
+    if block.needs == "redis":
+        _run_with_redis(block, tmp_path, monkeypatch)
+    elif block.needs is not None:
         pytest.skip(NEEDS[block.needs])
-    run_block(block, tmp_path, monkeypatch)
+    else:
+        run_block(block, tmp_path, monkeypatch)
+
+
+def _run_with_redis(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.redis_servers import redis_missing, redis_single
+
+    assert REDIS_URL_IN_DOCS in block.code, f"{block.name}: a redis block names {REDIS_URL_IN_DOCS}"
+    if (why := redis_missing()) is not None:
+        pytest.skip(f"needs a Redis server: {why}")
+    with redis_single(tmp_path) as server:
+        code = block.code.replace(REDIS_URL_IN_DOCS, f"127.0.0.1:{server.port}")
+        run_block(replace(block, code=code), tmp_path, monkeypatch)
 
 
 # ----------------------------------------------------------------------------
