@@ -387,7 +387,7 @@ class DirectoryStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise UnsupportedConfigError(f"store at {self._root} is closed", reason=Reason.UNSUPPORTED)
+            raise UnsupportedConfigError(f"store at {self._root} is closed", reason=Reason.BAD_VALUE)
 
     def _path(self, key: str) -> str:
         return os.path.join(self._root, key)
