@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedConfigError
+from ..format.crc import crc32
 from ..hostmem import copy_tensor
 from ..numerics import NonFinitePolicy, ScaleScope, scale_shape
 from .base import Declined, Groups
@@ -183,6 +184,13 @@ def _declined(why: str | None) -> None:
         raise Declined(why)
 
 
+def _served(got: str | int | None) -> int | None:
+    """A C call with a CRC seed: its CRC (None: C left it to the caller), or raise its reason to decline."""
+    if isinstance(got, str):
+        raise Declined(got)
+    return got
+
+
 class CpuBackend:
     """The :class:`~.base.Backend` of the C loops (CPU tensors, e4m3fn; see :func:`_refusal`)."""
 
@@ -253,13 +261,18 @@ class CpuBackend:
         *,
         scale_dtype: torch.dtype,
         nonfinite: NonFinitePolicy,
-    ) -> None:
+        crc: int | None = None,
+    ) -> int | None:
         """``K ‖ e4m3(V) ‖ scales`` straight into a host blob payload, in one C call.
 
         The optional host lane of the codec (see :mod:`.base`): no tensor is
         made over the payload (numpy views only), so an encode takes the GIL
         off once, for the C call. ``k`` must be C-contiguous with V's shape;
-        anything else declines and the codec takes the generic path.
+        anything else declines and the codec takes the generic path. With
+        ``crc`` (the CRC so far: the header's, or 0) returns that CRC continued
+        over the whole payload, folded into the pass that writes it (each slice
+        checksummed while in cache), or None when C could not fold it (the
+        caller then computes it); without ``crc``, None.
         """
         if nonfinite != "error" or scale_dtype not in _HOST_SCALES:
             raise Declined(f"nonfinite={nonfinite!r} / scale_dtype {scale_dtype} take the generic path")
@@ -273,7 +286,7 @@ class CpuBackend:
             raise Declined("the payload does not hold exactly K, V's codes and the scales")
         q = np.frombuffer(payload, np.uint8, v_len, k_len).reshape(v.shape)
         k_src, k_dst = _buf(k).reshape(-1).view(np.uint8), np.frombuffer(payload, np.uint8, k_len)
-        _declined(
+        got = _served(
             _cpu.encode_v(
                 _buf(v),
                 _DTYPE[v.dtype],
@@ -284,10 +297,12 @@ class CpuBackend:
                 s32,
                 k_src,
                 k_dst,
+                crc,
             )
         )
         stored = s32 if scale_dtype == torch.float32 else s32.astype(np.float16)
         payload[k_len + v_len :] = stored.reshape(-1).view(np.uint8)
+        return None if got is None else crc32(payload[k_len + v_len :], got)
 
     def quantize(
         self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor

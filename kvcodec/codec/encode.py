@@ -386,9 +386,15 @@ def _host_sections(
     return k_dst, q_dst, torch.from_numpy(np.frombuffer(mv, np.uint8, s_len, k_len + v_len))
 
 
-def _host_lane(p: EncodePlan, payload: Any) -> bool:
-    """Whether the backend's optional host lane wrote the whole payload (K, codes, scales) into host
-    memory in one call; False sends the encode down the generic path (nothing it needs was lost)."""
+_NOT_SERVED = -1
+"""What :func:`_host_lane` returns when the backend's lane did not write the payload."""
+
+
+def _host_lane(p: EncodePlan, payload: Any, crc_seed: int | None) -> int | None:
+    """The backend's optional host lane: the whole payload (K, codes, scales) written into host memory
+    in one call. Returns the payload's CRC continued from ``crc_seed`` when the lane folded it in, None
+    when it wrote the payload without it, :data:`_NOT_SERVED` when it did not write it (the generic
+    path then does; nothing it needs was lost)."""
     lane = getattr(p.backend, "encode_host", None)
     if (
         lane is None
@@ -397,25 +403,30 @@ def _host_lane(p: EncodePlan, payload: Any) -> bool:
         or p.scales is not None
         or p.fp8_given
     ):
-        return False
+        return _NOT_SERVED
+    sdt = to_torch(p.header.scale_dtype)
     try:
-        lane(p.k, p.v, p.groups, payload, scale_dtype=to_torch(p.header.scale_dtype), nonfinite=p.nonfinite)
+        return lane(p.k, p.v, p.groups, payload, scale_dtype=sdt, nonfinite=p.nonfinite, crc=crc_seed)
     except backends.Declined:
-        return False
-    return True
+        return _NOT_SERVED
 
 
-def write_payload(p: EncodePlan, payload: Any) -> None:
+def write_payload(p: EncodePlan, payload: Any, crc_seed: int | None = None) -> int | None:
     """Fill ``payload`` (``header.payload_len`` bytes: a uint8 tensor on V's device, or a writable
-    memoryview of host memory for CPU tensors) with K, FP8 V and the scales."""
+    memoryview of host memory for CPU tensors) with K, FP8 V and the scales.
+
+    With ``crc_seed`` (the CRC of what precedes the payload) returns the CRC continued over the
+    payload when the pass that wrote it computed it too (the cpu backend's host lane), else None
+    (the caller computes it, as :func:`seal` does)."""
     if p.fusable:
         if isinstance(payload, memoryview):
             payload = torch.frombuffer(payload, dtype=torch.uint8)
         amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)  # type: ignore[attr-defined]
         check_amax(amax, p.groups.scope, p.groups.fp8_dtype)
-        return
-    if _host_lane(p, payload):
-        return
+        return None
+    crc = _host_lane(p, payload, crc_seed)
+    if crc != _NOT_SERVED:
+        return crc if crc_seed is not None else None
     k_dst, q_dst, s_dst = _sections(p, payload)
     scales = p.scales
     encode_kw = {"scale_dtype": to_torch(p.header.scale_dtype), "nonfinite": p.nonfinite, "out": q_dst}
@@ -435,6 +446,7 @@ def write_payload(p: EncodePlan, payload: Any) -> None:
             backends.call(p.backend, "quantize", p.v, scales, p.groups, out=q_dst)
     if len(s_dst):
         copy_scale_bytes(s_dst, scales)
+    return None
 
 
 # ----------------------------------------------------------------------------
@@ -481,13 +493,16 @@ def _write_blob(
     mv = _out_view(owner, size)
     if out is not None:
         _refuse_overlap(p, mv)
+    crc = None
     if p.v.device.type == "cpu":
-        write_payload(p, mv[hs:])
+        # The header first (its CRC field later): the payload's pass can then carry the CRC on from it.
+        packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, crc=0)
+        crc = write_payload(p, mv[hs:], crc_seed=payload_crc(p.header, mv[: hs - 4], ()))
     else:
         dev_payload = torch.empty(p.header.payload_len, dtype=torch.uint8, device=p.v.device)
         write_payload(p, dev_payload)
         torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
-    packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, payload=mv[hs:])
+    packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, payload=mv[hs:], crc=crc)
     return owner, mv
 
 

@@ -134,6 +134,86 @@ KV_CLONES static float amax_row_f32(const void *row, Py_ssize_t D) {
     return bits_f32(m);
 }
 
+/* ---------------------------------------------------------------- CRC-32 */
+/* zlib's CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320, initial and final XOR 0xFFFFFFFF): the
+ * CRC the format uses (kvcodec/format/crc.py, ISA-L's crc32_gzip_refl or zlib.crc32: the same value).
+ * Computed inside the encode and decode passes over slices still in cache, so the payload is not read
+ * a second time. Long runs fold 128 bytes at a time with carry-less multiplication (PCLMULQDQ, eight
+ * independent 128-bit lanes folded by x^1024, then together by x^128, then Barrett-reduced; the
+ * constants are x^n mod P bit-reflected, tests/backends/test_cpu_crc.py derives them);
+ * short runs and tails go byte by byte through a table. kv_crc_fast says whether the folding runs
+ * (chosen at import; without it callers leave the CRC to kvcodec.format.crc). */
+
+static uint32_t crc_table[256];
+static int kv_crc_fast = 0;
+
+static void crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[n] = c;
+    }
+}
+
+/* The running (pre-inverted) state over n bytes, one byte at a time. */
+static uint32_t crc_bytes(uint32_t state, const uint8_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++) state = crc_table[(state ^ p[i]) & 0xFF] ^ (state >> 8);
+    return state;
+}
+
+#ifdef KV_HAVE_AVX2
+#define CLMUL_FN __attribute__((target("pclmul,sse4.1")))
+
+/* x * (k_lo, k_hi): the 128-bit lane x moved 2n bits ahead, as two carry-less products (low qword by
+ * the first constant, high qword by the second). */
+CLMUL_FN static inline __m128i crc_fold(__m128i x, __m128i k) {
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+/* The state over n >= 128 bytes (a multiple of 16), by folding; the caller does the rest of a run. */
+CLMUL_FN static uint32_t crc_clmul(uint32_t state, const uint8_t *p, size_t n) {
+    const __m128i k1024 = _mm_set_epi64x(0x14a7fe880LL, 0x1e88ef372LL); /* x^(1024-32), x^(1024+32) */
+    const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);  /* x^(128-32), x^(128+32) */
+    __m128i x[8];
+    for (int i = 0; i < 8; i++) x[i] = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)state));
+    p += 128;
+    n -= 128;
+    for (; n >= 128; p += 128, n -= 128)
+        for (int i = 0; i < 8; i++)
+            x[i] = _mm_xor_si128(crc_fold(x[i], k1024), _mm_loadu_si128((const __m128i *)(p + 16 * i)));
+    __m128i a = x[0];
+    for (int i = 1; i < 8; i++) a = _mm_xor_si128(crc_fold(a, k128), x[i]);
+    for (; n >= 16; p += 16, n -= 16) a = _mm_xor_si128(crc_fold(a, k128), _mm_loadu_si128((const __m128i *)p));
+    /* 128 -> 64 bits (x^64), then Barrett reduction by P' = 0x1DB710641, mu = 0x1F7011641. */
+    const __m128i mask32 = _mm_setr_epi32(-1, 0, -1, 0);
+    __m128i t = _mm_clmulepi64_si128(a, k128, 0x10);
+    a = _mm_xor_si128(_mm_srli_si128(a, 8), t);
+    t = _mm_srli_si128(a, 4);
+    a = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(a, mask32), _mm_set_epi64x(0, 0x163cd6124LL), 0x00), t);
+    const __m128i poly = _mm_set_epi64x(0x1f7011641LL, 0x1db710641LL);
+    t = _mm_clmulepi64_si128(_mm_and_si128(a, mask32), poly, 0x10);
+    t = _mm_clmulepi64_si128(_mm_and_si128(t, mask32), poly, 0x00);
+    return (uint32_t)_mm_extract_epi32(_mm_xor_si128(a, t), 1);
+}
+#endif
+
+/* The running state continued over n bytes: folded where it pays, byte by byte otherwise. */
+static uint32_t crc_update(uint32_t state, const uint8_t *p, size_t n) {
+#ifdef KV_HAVE_AVX2
+    if (kv_crc_fast && n >= 128) {
+        size_t body = n & ~(size_t)15;
+        state = crc_clmul(state, p, body);
+        p += body;
+        n -= body;
+    }
+#endif
+    return crc_bytes(state, p, n);
+}
+
+/* zlib.crc32(data, crc): the CRC of p[0..n) continuing from crc. */
+static uint32_t kv_crc32(uint32_t crc, const void *p, size_t n) { return ~crc_update(~crc, (const uint8_t *)p, n); }
+
 /* -------------------------------------------------------------- quantize */
 
 /* e4m3fn code of a non-NaN fp32 y, rounded to nearest even, saturated at 448.
@@ -336,6 +416,15 @@ static int cpu_has_simd(void) {
 #ifdef KV_HAVE_AVX2
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+static int cpu_has_clmul(void) {
+#ifdef KV_HAVE_AVX2
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
 #else
     return 0;
 #endif
@@ -643,10 +732,10 @@ static const char *encode_scales(const Arr *v, int vdt, int scope, Py_ssize_t pa
     return NULL;
 }
 
-/* The codes of every row, each with its group's scale; returns whether a row met a NaN. */
-static int quantize_rows(const Arr *v, const Arr *q, int vdt, int scope, Py_ssize_t page, const float *sc, int simd) {
-    quant_fn quant = pick_quant(vdt, simd);
-    for (Py_ssize_t t = 0; t < v->T; t++)
+/* The codes of rows t0 .. t1, each with its group's scale; returns whether a row met a NaN. */
+static int quantize_span(const Arr *v, const Arr *q, quant_fn quant, int scope, Py_ssize_t page, const float *sc,
+                         Py_ssize_t t0, Py_ssize_t t1) {
+    for (Py_ssize_t t = t0; t < t1; t++)
         for (Py_ssize_t h = 0; h < v->H; h++)
             if (quant(v->base + t * v->st + h * v->sh, v->D, sc[group_of(scope, page, v->H, t, h)],
                       (uint8_t *)q->base + t * q->st + h * q->sh))
@@ -654,10 +743,46 @@ static int quantize_rows(const Arr *v, const Arr *q, int vdt, int scope, Py_ssiz
     return 0;
 }
 
-/* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales) -> None, or why the reference must take it.
- * V's group scales (fp32 values of the stored scale dtype) into `scales`, then
- * its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds
- * NaN/Inf or a scale is unusable. (One fused pass, page by page, measured no faster.) */
+static int quantize_rows(const Arr *v, const Arr *q, int vdt, int scope, Py_ssize_t page, const float *sc, int simd) {
+    return quantize_span(v, q, pick_quant(vdt, simd), scope, page, sc, 0, v->T);
+}
+
+/* Tokens per slice of a CRC folded into a row loop: about 16 KiB of one-byte codes, so that each
+ * slice is checksummed while it is still in L1. */
+static Py_ssize_t crc_slice_tokens(const Arr *q) {
+    Py_ssize_t row = q->H * q->D;
+    return row >= 16384 ? 1 : 16384 / row;
+}
+
+/* Whether q's codes lie densely in token-major order (the blob's order, which the CRC follows). */
+static int dense_codes(const Arr *q) {
+    return (q->H == 1 || q->sh == q->D) && (q->T == 1 || q->st == q->H * q->D);
+}
+
+/* memcpy of n bytes with the running CRC state carried over them, slice by slice while each is in cache. */
+static uint32_t copy_crc(char *dst, const char *src, size_t n, uint32_t state) {
+    const size_t slice = 16384;
+    for (size_t at = 0; at < n; at += slice) {
+        size_t m = n - at < slice ? n - at : slice;
+        memcpy(dst + at, src + at, m);
+        state = crc_update(state, (const uint8_t *)src + at, m);
+    }
+    return state;
+}
+
+/* quantize_span over every row, the CRC state carried over each slice of codes just written. */
+static uint32_t quantize_rows_crc(const Arr *v, const Arr *q, quant_fn quant, int scope, Py_ssize_t page,
+                                  const float *sc, uint32_t state) {
+    Py_ssize_t step = crc_slice_tokens(q);
+    for (Py_ssize_t t0 = 0; t0 < v->T; t0 += step) {
+        Py_ssize_t t1 = v->T - t0 < step ? v->T : t0 + step;
+        (void)quantize_span(v, q, quant, scope, page, sc, t0, t1); /* no NaN: encode_scales checked V */
+        size_t row = (size_t)(q->H * q->D);
+        state = crc_update(state, (const uint8_t *)q->base + (size_t)t0 * row, (size_t)(t1 - t0) * row);
+    }
+    return state;
+}
+
 /* An optional byte copy that rides along with an encode (K beside V's codes): one GIL
  * release per chunk instead of two. Both buffers C-contiguous, equal lengths; they may overlap each
  * other (memmove), not the encode's outputs. */
@@ -686,6 +811,12 @@ static int take_copy(const char *fn, PyObject *src, PyObject *dst, Copy *c) {
     return 0; /* they may overlap (K re-encoded into the blob it was decoded from): the copy is a memmove */
 }
 
+/* Whether two buffers share a byte. */
+static int bufs_overlap(const Py_buffer *a, const Py_buffer *b) {
+    const char *a0 = a->buf, *b0 = b->buf;
+    return a->len && b->len && a0 < b0 + b->len && b0 < a0 + a->len;
+}
+
 /* Whether the copy's `buf` (its source or destination) shares bytes with array `a`. */
 static int copy_overlaps(const Copy *c, const Py_buffer *buf, const Arr *a) {
     if (!c->held || !buf->len || !a->held) return 0;
@@ -698,21 +829,49 @@ static int copy_overlaps(const Copy *c, const Py_buffer *buf, const Arr *a) {
  * its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds NaN/Inf or a scale is
  * unusable. (One fused pass, page by page, measured no faster.) The optional copy (K's bytes into the
  * blob) is made only when the encode is served, in the same GIL release. */
+/* Take an optional CRC seed: Py_None (no CRC wanted: *want = 0) or an int 0 .. 2^32 - 1. -1: error raised. */
+static int take_crc(const char *fn, PyObject *obj, int *want, uint32_t *seed) {
+    *want = 0;
+    if (obj == Py_None) return 0;
+    unsigned long long v = PyLong_Check(obj) ? PyLong_AsUnsignedLongLong(obj) : (unsigned long long)-1;
+    if (PyErr_Occurred()) PyErr_Clear();
+    if (!PyLong_Check(obj) || v > 0xFFFFFFFFull) return fail(fn, "the CRC seed must be None or an int in 0 .. 2**32 - 1");
+    *want = 1;
+    *seed = (uint32_t)v;
+    return 0;
+}
+
+/* What an encode or decode with a CRC seed returns: the CRC continued over the payload bytes it
+ * went through when it could fold it in (`done`), else None (the caller computes it). */
+static PyObject *crc_result(Bufs *b, int done, uint32_t state) {
+    release_bufs(b);
+    return done ? PyLong_FromUnsignedLong(~state & 0xFFFFFFFFu) : Py_NewRef(Py_None);
+}
+
+/* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales[, copy_src, copy_dst[, crc]]) -> None, an
+ * int, or why the reference must take it. V's group scales (fp32 values of the stored scale dtype)
+ * into `scales`, then its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds
+ * NaN/Inf or a scale is unusable. The optional copy (K's bytes into the blob) is made only when the
+ * encode is served, in the same GIL release. With `crc` (an int: the CRC so far, e.g. of the header)
+ * the result is that CRC continued over the copy's destination, then over q's bytes (a blob's K and
+ * codes, in order), each slice checksummed right after it is written; None when the CRC could not be
+ * folded in (no carry-less multiply, q not dense, or a copy overlapping itself): the caller computes it. */
 static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     (void)self;
     static const char *fn = "encode_v";
-    PyObject *vo, *qo, *so, *cs = Py_None, *cd = Py_None;
-    int vdt, scope, sdt;
+    PyObject *vo, *qo, *so, *cs = Py_None, *cd = Py_None, *co = Py_None;
+    int vdt, scope, sdt, want;
+    uint32_t seed = 0;
     Py_ssize_t page;
     Bufs b;
     Copy c;
-    if (parse(args, fn, "OiiniOO|OO", &vo, &vdt, &scope, &page, &sdt, &qo, &so, &cs, &cd) || check_dtype(fn, vdt) ||
-        check_dtype(fn, sdt) || check_scope(fn, scope, page) ||
+    if (parse(args, fn, "OiiniOO|OOO", &vo, &vdt, &scope, &page, &sdt, &qo, &so, &cs, &cd, &co) ||
+        check_dtype(fn, vdt) || check_dtype(fn, sdt) || check_scope(fn, scope, page) || take_crc(fn, co, &want, &seed) ||
         take_bufs(fn, vo, DT_SIZE[vdt], qo, 1, so, 1, scope, page, &b))
         return NULL;
     if (take_copy(fn, cs, cd, &c) < 0) return release_bufs(&b), NULL;
-    /* The copy runs after the codes are written: its destination may touch nothing the encode reads
-     * or writes, and its source nothing the encode writes. */
+    /* The copy's destination may touch nothing the encode reads or writes, and its source nothing
+     * the encode writes. */
     if (!b.why && (copy_overlaps(&c, &c.dst, &b.in) || copy_overlaps(&c, &c.dst, &b.out) ||
                    copy_overlaps(&c, &c.dst, &b.s) || copy_overlaps(&c, &c.src, &b.out) ||
                    copy_overlaps(&c, &c.src, &b.s)))
@@ -720,15 +879,21 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     if (b.why) return release_copy(&c), result(&b, b.why);
     const char *why;
     int simd = kv_simd;
+    int fold = want && kv_crc_fast && dense_codes(&b.out) && !(c.held && bufs_overlap(&c.src, &c.dst));
+    uint32_t state = ~seed;
     Py_BEGIN_ALLOW_THREADS
     why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng);
-    if (!why) {
+    if (!why && fold) {
+        if (c.held) state = copy_crc(c.dst.buf, c.src.buf, (size_t)c.src.len, state);
+        state = quantize_rows_crc(&b.in, &b.out, pick_quant(vdt, simd), scope, page, (const float *)b.s.base, state);
+    } else if (!why) {
         (void)quantize_rows(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, simd); /* no NaN left */
         if (c.held && c.src.len) memmove(c.dst.buf, c.src.buf, (size_t)c.src.len);
     }
     Py_END_ALLOW_THREADS
     release_copy(&c);
-    return result(&b, why);
+    if (why || !want) return result(&b, why);
+    return crc_result(&b, fold, state);
 }
 
 /* ------------------------------------------------------------- quantize */
@@ -1049,6 +1214,35 @@ static PyObject *py_bytes_to_fill(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NN)", b, mv);
 }
 
+/* crc32(data[, value]) -> int: zlib.crc32 of a buffer with the loops the encode and decode fold in
+ * (carry-less multiply where the CPU has it, else byte by byte); for tests. */
+static PyObject *py_crc32(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    PyObject *vo = NULL;
+    int want;
+    uint32_t value = 0;
+    if (parse(args, "crc32", "y*|O", &b, &vo)) return NULL;
+    if (vo && take_crc("crc32", vo, &want, &value)) return PyBuffer_Release(&b), NULL;
+    uint32_t got;
+    Py_BEGIN_ALLOW_THREADS
+    got = kv_crc32(value, b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(got);
+}
+
+/* crc_fast(level) -> previous: whether the folded CRC runs (1: where the CPU has carry-less multiply,
+ * the default; 0: byte by byte, and encode_v / dequantize leave the CRC to the caller; -1 only reads). */
+static PyObject *py_crc_fast(PyObject *self, PyObject *args) {
+    (void)self;
+    int level;
+    if (parse(args, "crc_fast", "i", &level)) return NULL;
+    int prev = kv_crc_fast;
+    if (level >= 0) kv_crc_fast = level > 0 && cpu_has_clmul();
+    return PyLong_FromLong(prev);
+}
+
 /* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows where
  * the CPU has them (the default); -1 only reads. For tests of every path. */
 static PyObject *py_simd(PyObject *self, PyObject *args) {
@@ -1076,7 +1270,8 @@ static PyObject *py_set_error(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode_v", py_encode_v, METH_VARARGS,
-     "encode_v(v, v_dtype, scope, page, scale_dtype, q, scales) -> None or reason: V's scales and e4m3 codes."},
+     "encode_v(v, v_dtype, scope, page, scale_dtype, q, scales[, copy_src, copy_dst[, crc]]) -> None, CRC or "
+     "reason: V's scales and e4m3 codes."},
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(v, v_dtype, scales, scope, page, q) -> None or reason: e4m3 codes of V / scale."},
     {"dequantize", py_dequantize, METH_VARARGS,
@@ -1088,6 +1283,8 @@ static PyMethodDef methods[] = {
      "dequantized rows (and K's rows) into a cache view."},
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
     {"bytes_to_fill", py_bytes_to_fill, METH_VARARGS, "bytes_to_fill(n): (bytes, its writable view), uninitialised."},
+    {"crc32", py_crc32, METH_VARARGS, "crc32(data[, value]) -> int: zlib's CRC-32, with the loops the codec folds in."},
+    {"crc_fast", py_crc_fast, METH_VARARGS, "crc_fast(level) -> previous: 1 folded CRC, 0 off, -1 read only."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, -1 read only."},
     {"set_error", py_set_error, METH_VARARGS, "set_error(cls): the exception class of every error."},
     {NULL, NULL, 0, NULL},
@@ -1098,6 +1295,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvcodec._cpu",
 
 PyMODINIT_FUNC PyInit__cpu(void) {
     kv_simd = cpu_has_simd();
+    crc_init();
+    kv_crc_fast = cpu_has_clmul();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (!kv_error) kv_error = PyErr_NewException("kvcodec._cpu.KernelError", NULL, NULL);

@@ -1,0 +1,131 @@
+"""The CRC-32 the C loops fold into the encode and decode passes: zlib's, bit for bit.
+
+``kvcodec._cpu.crc32`` runs the same loops (carry-less multiply folding, byte
+tail) that ``encode_v`` and ``dequantize`` carry over the payload; the folding
+constants in kvcodec/csrc/cpu_kernels.c are derived here from the polynomial.
+Blobs written with the CRC folded in equal blobs whose CRC kvcodec.format
+computes afterwards, and a decode with the folded check refuses a damaged blob.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvcodec.backends.cpu import AVAILABLE
+from kvcodec.codec import encode
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="kvcodec._cpu is not built")
+
+SOURCE = Path(__file__).resolve().parents[2] / "kvcodec" / "csrc" / "cpu_kernels.c"
+POLY = 0x104C11DB7
+"""CRC-32's generator polynomial (IEEE 802.3), x^32 included."""
+
+
+@pytest.fixture(params=[0, 1], ids=["bytewise", "folded"])
+def fast(request: pytest.FixtureRequest) -> Any:
+    """Each test byte by byte, then with the carry-less multiply folding (where the CPU has it)."""
+    from kvcodec import _cpu
+
+    prev = _cpu.crc_fast(request.param)
+    yield _cpu
+    _cpu.crc_fast(prev)
+
+
+def _xpow_mod(n: int) -> int:
+    r = 1
+    for _ in range(n):
+        r <<= 1
+        if r >> 32:
+            r ^= POLY
+    return r
+
+
+def _reflect(x: int, bits: int) -> int:
+    return int(f"{x:0{bits}b}"[::-1], 2)
+
+
+def _fold_constant(n: int) -> int:
+    """x^n mod P, bit-reflected over 32 bits and shifted left once (the folding loops' convention)."""
+    return _reflect(_xpow_mod(n), 32) << 1
+
+
+def _floor_div(n: int) -> int:
+    num, q = 1 << n, 0
+    while num.bit_length() >= POLY.bit_length():
+        sh = num.bit_length() - POLY.bit_length()
+        q |= 1 << sh
+        num ^= POLY << sh
+    return q
+
+
+def test_folding_constants_are_derived_from_the_polynomial() -> None:
+    text = SOURCE.read_text()
+    wanted = [_fold_constant(n) for n in (1024 - 32, 1024 + 32, 128 - 32, 128 + 32, 64)]
+    wanted += [_reflect(_floor_div(64), 33), _reflect(POLY, 33)]  # Barrett: mu and P, reflected
+    present = {int(h, 16) for h in re.findall(r"0x([0-9a-fA-F]+)LL", text)}
+    assert set(wanted) <= present
+
+
+@pytest.mark.parametrize("seed", [0, 1, 0xFFFFFFFF, 0x12345678])
+def test_crc32_equals_zlib_at_every_length_and_alignment(fast: Any, seed: int) -> None:
+    data = np.random.default_rng(seed & 0xFF).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    for n in [*range(300), 1023, 1024, 1040, 4095, 4096, 4999 - 3]:
+        for off in (0, 1, 3):
+            part = data[off : off + n]
+            assert fast.crc32(part, seed) == zlib.crc32(part, seed), (n, off)
+
+
+def test_crc32_refuses_a_bad_seed(fast: Any) -> None:
+    with pytest.raises(Exception, match="crc32"):
+        fast.crc32(b"abc", -1)
+
+
+def _layer(seed: int, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype), (torch.randn(shape, generator=g) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 2, 64), (33, 3, 17), (1, 1, 1), (2048, 1, 8)])
+@pytest.mark.parametrize("version", [1, 2])
+def test_encode_with_the_crc_folded_in_writes_the_same_bytes(
+    fast: Any, dtype: torch.dtype, shape: tuple[int, int, int], version: int
+) -> None:
+    k, v = _layer(sum(shape), shape, dtype)
+    kw = {"scope": "per_page_head", "page_size": 16, "version": version}
+    out = bytearray(len(encode(k, v, **kw)))
+    got = encode(k, v, out=out, **kw)
+    prev = fast.crc_fast(0)
+    try:
+        want = encode(k, v, **kw)  # the CRC computed afterwards by kvcodec.format
+    finally:
+        fast.crc_fast(prev)
+    assert bytes(got) == bytes(want)
+
+
+def test_encode_v_returns_the_crc_over_k_then_the_codes(fast: Any) -> None:
+    k, v = _layer(5, (64, 4, 32), torch.float16)
+    q = np.empty((64, 4, 32), np.uint8)
+    s = np.empty((4, 4), np.float32)
+    k_src = k.numpy().reshape(-1).view(np.uint8)
+    k_dst = np.empty_like(k_src)
+    got = fast.encode_v(v.numpy(), 0, 2, 16, 2, q, s, k_src, k_dst, 99)
+    if fast.crc_fast(-1):
+        assert got == zlib.crc32(q, zlib.crc32(k_dst, 99))
+    else:
+        assert got is None  # no folding: the caller computes it
+    assert bytes(k_dst) == bytes(k_src)
+
+
+def test_encode_v_with_a_strided_output_leaves_the_crc_to_the_caller(fast: Any) -> None:
+    _, v = _layer(6, (32, 2, 16), torch.float16)
+    q = np.empty((32, 2, 32), np.uint8)[:, :, :16]
+    s = np.empty((2, 2), np.float32)
+    assert fast.encode_v(v.numpy(), 0, 2, 16, 2, q, s, None, None, 7) is None
