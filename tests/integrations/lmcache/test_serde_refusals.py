@@ -15,8 +15,10 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc
 
 import kvcodec
+from kvcodec.errors import Reason
 from kvcodec.integrations.lmcache import serde
 from tests.integrations.lmcache._objs import memory_obj
+from tests.raises import raises_reason
 
 HEAD_DIM = 32
 SHAPE = (2, 4, 16, 2 * HEAD_DIM)  # [2, layers, tokens, heads * head_dim]
@@ -128,7 +130,7 @@ def test_bad_layout_lists_refused(shapes, dtypes):
 def test_destination_smaller_than_its_shape_refused():
     _, des = _pair()
     small = torch.zeros(SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3] - 1, dtype=torch.bfloat16)
-    with pytest.raises(kvcodec.UnsupportedConfigError, match="holds"):
+    with raises_reason(kvcodec.UnsupportedConfigError, Reason.BAD_OUTPUT):
         des.deserialize(_blob(_kv()), FakeObj(small, [torch.Size(SHAPE)], [torch.bfloat16]))
 
 
@@ -136,7 +138,7 @@ def test_odd_length_uint8_source_refused():
     ser, _ = _pair()
     n = ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.bfloat16]))
     odd = torch.zeros(2 * 4 * 16 * 64 * 2 + 1, dtype=torch.uint8)
-    with pytest.raises(kvcodec.UnsupportedConfigError, match="holds"):
+    with raises_reason(kvcodec.UnsupportedConfigError, Reason.BAD_SHAPE):
         ser.serialize(FakeObj(odd, [torch.Size(SHAPE)], [torch.bfloat16]), memory_obj((n,), torch.uint8))
 
 
@@ -152,7 +154,7 @@ def test_source_of_the_wrong_size_refused(extra):
 def test_serialize_destination_too_small_refused():
     ser, _ = _pair()
     n = ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.bfloat16]))
-    with pytest.raises(kvcodec.UnsupportedConfigError, match="holds"):
+    with raises_reason(kvcodec.UnsupportedConfigError, Reason.BAD_OUTPUT):
         ser.serialize(memory_obj(SHAPE, torch.bfloat16, _kv()), memory_obj((n - 1,), torch.uint8))
 
 
@@ -160,7 +162,9 @@ def test_serialize_destination_too_small_refused():
 def test_missing_tensor_refused(what):
     _, des = _pair()
     blob = _blob(_kv())
-    with pytest.raises(kvcodec.UnsupportedConfigError):
+    with raises_reason(
+        kvcodec.UnsupportedConfigError, Reason.BAD_BUFFER if what == "source" else Reason.BAD_TYPE
+    ):
         if what == "source":
             des.deserialize(
                 FakeObj(None, blob.get_shapes(), blob.get_dtypes()), memory_obj(SHAPE, torch.bfloat16)
@@ -173,7 +177,7 @@ def test_truncated_blob_is_a_codec_error():
     _, des = _pair()
     blob = _blob(_kv())
     cut = FakeObj(blob.tensor[:-100], [torch.Size((blob.get_size() - 100,))], [torch.uint8])
-    with pytest.raises(kvcodec.CorruptEncodedKVError):
+    with raises_reason(kvcodec.CorruptEncodedKVError, Reason.TRUNCATED_PAYLOAD):
         des.deserialize(cut, memory_obj(SHAPE, torch.bfloat16))
 
 
@@ -231,3 +235,30 @@ def test_another_head_split_refused():
     _, des = _pair()
     with pytest.raises(kvcodec.CodecError):
         des.deserialize(dst, memory_obj(SHAPE, torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "opts,reason",
+    [
+        ({"head_dim": HEAD_DIM, "use_mla": True}, Reason.BAD_VALUE),
+        ({"head_dim": HEAD_DIM, "no_such_option": 1}, Reason.BAD_VALUE),
+        ({}, Reason.MISSING_ARGUMENT),
+        ({"head_dim": "32"}, Reason.BAD_TYPE),
+        ({"head_dim": 0}, Reason.BAD_VALUE),
+        ({"head_dim": HEAD_DIM, "scope": "external"}, Reason.BAD_SCOPE),
+        ({"head_dim": HEAD_DIM, "model": "a@b"}, Reason.BAD_HASH),
+    ],
+)
+def test_config_refusals_name_their_reason(opts, reason):
+    with raises_reason(kvcodec.UnsupportedConfigError, reason):
+        serde.KvcodecSerdeConfig.from_kwargs(opts)
+
+
+def test_an_unsupported_dtype_or_split_names_its_reason():
+    ser, _ = _pair()
+    with raises_reason(kvcodec.UnsupportedConfigError, Reason.UNSUPPORTED_DTYPE):
+        ser.estimate_serialized_size(MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.int8]))
+    with raises_reason(kvcodec.UnsupportedConfigError, Reason.BAD_SHAPE):
+        ser.estimate_serialized_size(
+            MemoryLayoutDesc(shapes=[torch.Size((2, 4, 16, 33))], dtypes=[torch.half])
+        )
