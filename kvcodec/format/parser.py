@@ -58,8 +58,10 @@ from .header import (
 __all__ = [
     "MEMO_MAX_BYTES",
     "MEMO_MAX_HEADER_BYTES",
+    "Extent",
     "MemoInfo",
     "ParsedBlob",
+    "blob_extent",
     "check_consistency",
     "check_stored_scales",
     "check_v_codes",
@@ -482,6 +484,67 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
         trailing=trailing,
         unknown_hashes=unknown,
     )
+
+
+@dataclass(frozen=True)
+class Extent:
+    """How long a blob's header says the blob is (:func:`blob_extent`)."""
+
+    header_len: int
+    payload_len: int
+    version: int
+
+    @property
+    def size(self) -> int:
+        """Header and payload: the bytes a blob of this header holds (v2: exactly; v1: at least)."""
+        return self.header_len + self.payload_len
+
+
+def _hash_table_end(mv: memoryview, off: int) -> int:
+    """Offset just past the hash pairs starting at ``off`` (the count), or ``-(bytes needed)``."""
+    n = len(mv)
+    if off + 2 > n:
+        return -(off + 2)
+    (pairs,) = HASH_PAIR_COUNT.unpack_from(mv, off)
+    if pairs > MAX_HASH_PAIRS:
+        raise CorruptEncodedKVError(
+            f"hash count {pairs} exceeds the limit of {MAX_HASH_PAIRS}", reason=Reason.BAD_HASH_TABLE
+        )
+    off += 2
+    for _ in range(2 * pairs):
+        if off + 2 > n:
+            return -(off + 2)
+        off += 2 + (mv[off] | (mv[off + 1] << 8))
+    return off
+
+
+def blob_extent(prefix: Any) -> Extent | int:
+    """The extent the header at the start of ``prefix`` declares, or how many bytes are needed to tell.
+
+    For readers that must not read (or allocate) more than a blob really holds:
+    read :data:`~kvcodec.format.FIXED_HEADER_LEN` bytes, call this, read up to
+    the returned count while it is an int, then compare :attr:`Extent.size`
+    with the object's size before reading the payload. The fixed fields and
+    section lengths are checked as :func:`parse` checks them (same errors);
+    the rest of the header is left to ``parse``.
+    """
+    mv = as_bytes_view(prefix)
+    if len(mv) < FIXED_HEADER.size:
+        return FIXED_HEADER.size
+    r = _Reader(mv)
+    fixed, n_scale = _read_fixed(r)
+    sizes_end = r.off + SCALE_DIM.size * n_scale + PAYLOAD_LENS.size
+    if len(mv) < sizes_end:
+        return sizes_end
+    sizes = _read_sizes(r, n_scale)
+    end = _hash_table_end(mv, r.off)
+    if end < 0:
+        return -end
+    header_len = end + CRC_FIELD.size
+    if len(mv) < header_len:
+        return header_len
+    payload = sizes["k_payload_len"] + sizes["v_payload_len"] + sizes["scale_payload_len"]
+    return Extent(header_len=header_len, payload_len=payload, version=fixed["version"])
 
 
 def _elements(length: int, dtype: DType, what: str) -> int:

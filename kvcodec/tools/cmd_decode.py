@@ -1,8 +1,9 @@
 """``kvcodec decode``: a blob into tensors k, v and scales in a .safetensors or .npz file.
 
 Memory is what the blob's payload holds (V dequantized at most 4 bytes per
-element): the decoder bounds every allocation by the real payload, whatever
-the header declares.
+element): the file is read only up to what its header declares, once the
+file's size matches it, and the decoder bounds every allocation by the real
+payload.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import EXIT_OK, EXIT_USAGE, CLIError, add_expect_args, dtype_name, expected_hashes, torch_dtype
-from .files import load_tensor, read_file, require_files, save_tensors
+from .files import load_tensor, read_blob, require_files, save_tensors
 
 __all__ = ["DTYPE_NAMES", "add_parser", "run"]
 
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--out {out}: expected a .safetensors or .npz file name", EXIT_USAGE)
     blob_path = Path(args.blob)
     require_files([blob_path])
-    data = read_file(blob_path)
+    data = read_blob(blob_path, strict=args.strict).data  # no more than the header declares
     d = decode(
         data,
         out_v_dtype=torch_dtype(args.dequant),

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import EXIT_FAILURE, EXIT_OK, CLIError, bytes_str, escape_text
-from .files import read_file, require_files
+from .files import read_blob, require_files
 
 __all__ = ["add_parser", "inspect_one", "inspect_table", "run"]
 
@@ -34,13 +34,12 @@ def inspect_one(path: Path) -> dict[str, Any]:
 
     info: dict[str, Any] = {"file": str(path)}
     try:
-        data = read_file(path)
+        blob = read_blob(path)  # header first: never more than the header declares
+        info["file_size"] = blob.file_size
+        parsed = parse(blob.data, verify_crc=False)
     except CLIError as e:
         info["error"] = str(e).removeprefix(f"{path}: ")
         return info
-    info["file_size"] = len(data)
-    try:
-        parsed = parse(data, verify_crc=False)
     except CodecError as e:
         info["error"] = str(e)
         return info
@@ -51,7 +50,7 @@ def inspect_one(path: Path) -> dict[str, Any]:
     info["tokens"] = h.num_tokens
     info["header_len"] = parsed.header_len
     info["payload_len"] = h.payload_len
-    info["trailing_bytes"] = parsed.trailing
+    info["trailing_bytes"] = blob.trailing
     info["unknown_hashes"] = dict(parsed.unknown_hashes)
     info["crc"] = f"{parsed.crc:#010x}"
     info["crc_computed"] = f"{crc:#010x}"

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import EXIT_FAILURE, EXIT_OK, PROG, add_expect_args, escape_text, expected_hashes, join
-from .files import read_regular, require_files
+from .common import EXIT_FAILURE, EXIT_OK, PROG, CLIError, add_expect_args, escape_text, expected_hashes, join
+from .files import read_blob, require_files
 from .progress import Progress, progress_enabled
 
 __all__ = ["add_parser", "collect", "run", "verify_blob"]
@@ -153,13 +153,12 @@ def _verify_one(path: Path, args: argparse.Namespace) -> str | None:
     from ..errors import CodecError
 
     try:
-        data = read_regular(path)
-    except OSError as e:
-        return e.strerror or str(e)
-    try:
+        data = read_blob(path, strict=args.strict).data  # header first: never more than it declares
         verify_blob(
             data, strict=args.strict, expected=expected_hashes(args), strict_hashes=args.strict_hashes
         )
+    except (CLIError, OSError) as e:
+        return str(e).removeprefix(f"{path}: ") if isinstance(e, CLIError) else e.strerror or str(e)
     except CodecError as e:
         return f"{type(e).__name__}: {e}"
     return None

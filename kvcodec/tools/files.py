@@ -14,14 +14,17 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from .common import EXIT_USAGE, CLIError, dtype_name
 
 __all__ = [
+    "BlobFile",
     "load_safetensors",
     "load_tensor",
+    "read_blob",
     "read_file",
     "read_regular",
     "require_files",
@@ -52,6 +55,96 @@ def read_file(path: Path) -> bytes:
         raise CLIError(f"{path}: no such file") from None
     except OSError as e:
         raise CLIError(f"{path}: {e.strerror or e}") from None
+
+
+@dataclass(frozen=True)
+class BlobFile:
+    """A blob read from a file: its bytes (header and payload only) and what else the file held."""
+
+    data: bytes
+    file_size: int
+    trailing: int
+    """Bytes after the payload that were not read (version 1 only; version 2 refuses them)."""
+
+
+_HEADER_STEP = 1 << 16
+"""Header bytes read at once while finding where the header ends (never past the file's end)."""
+
+
+def _read_header(f: IO[bytes], size: int) -> tuple[bytes, Any]:
+    """The bytes read so far and the header's extent (None where the file ends inside the header)."""
+    from ..format.parser import blob_extent
+
+    data = f.read(min(size, _HEADER_STEP))
+    while True:
+        extent = blob_extent(data)
+        if not isinstance(extent, int):
+            return data, extent
+        if extent > size:  # the file ends inside the header: what it holds is all there is
+            return data + f.read(size - len(data)), None
+        data += f.read(min(size, max(extent, len(data) + _HEADER_STEP)) - len(data))
+
+
+def _size_refusal(size: int, extent: Any, strict: bool) -> Exception | None:
+    """Why a file of ``size`` bytes cannot hold the blob its header declares, or None."""
+    from ..errors import CorruptEncodedKVError, Reason
+
+    if size < extent.size:
+        return CorruptEncodedKVError(
+            f"truncated blob: the header declares {extent.header_len} + {extent.payload_len} = "
+            f"{extent.size} bytes, the file holds {size}",
+            reason=Reason.TRUNCATED_PAYLOAD,
+        )
+    if size > extent.size and (extent.version >= 2 or strict):
+        return CorruptEncodedKVError(
+            f"{size - extent.size} trailing bytes after the payload (the header declares "
+            f"{extent.size} bytes, the file holds {size})",
+            reason=Reason.TRAILING_BYTES,
+        )
+    return None
+
+
+def read_blob(path: Path, *, strict: bool = False) -> BlobFile:
+    """A blob file's header and payload, never more than its header declares and the file holds.
+
+    The header is read first and its declared size compared with the file's
+    before the payload is read: a file smaller than that (truncated, or a header
+    claiming terabytes) or larger (a version-2 blob, or ``strict``) raises the
+    parser's :class:`~kvcodec.errors.CorruptEncodedKVError` at the cost of its
+    header. Version-1 trailing bytes are counted, not read. A directory, a
+    missing or a non-regular file raises CLIError.
+    """
+    fd = _open_regular(path)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            data, extent = _read_header(f, size)
+            if extent is None:
+                return BlobFile(data, size, 0)
+            refusal = _size_refusal(size, extent, strict)
+            if refusal is not None:
+                raise refusal
+            if len(data) < extent.size:
+                data += f.read(extent.size - len(data))
+    except OSError as e:
+        raise CLIError(f"{path}: {e.strerror or e}") from None
+    return BlobFile(data[: extent.size], size, size - extent.size)
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of regular file ``path``; anything else raises CLIError, never blocks."""
+    if path.is_dir():
+        raise CLIError(f"{path}: is a directory")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CLIError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CLIError(f"{path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CLIError(f"{path}: not a regular file")
+    return fd
 
 
 def require_files(paths: Iterable[Path], *, allow_dirs: bool = False) -> None:
