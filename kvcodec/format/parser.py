@@ -67,6 +67,7 @@ __all__ = [
     "check_v_codes",
     "clear_header_memo",
     "expected_scale_shape",
+    "forget_header",
     "header_fields",
     "header_memo_info",
     "parse",
@@ -401,6 +402,15 @@ class _HeaderMemo:
             if header_len not in self._lengths:
                 self._lengths = (header_len, *self._lengths)[: self.MAX_LENGTHS]
 
+    def forget(self, mv: memoryview, header_len: int) -> bool:
+        """Drop the header at the start of ``mv`` (``header_len`` bytes); whether it was there."""
+        key = self._key(mv, header_len)
+        with self._lock:
+            if self._entries.pop(key, None) is None:
+                return False
+            self._bytes -= len(key)
+            return True
+
     def clear(self) -> None:
         """Forget every header."""
         with self._lock:
@@ -420,6 +430,12 @@ _HEADERS = _HeaderMemo()
 def header_memo_info() -> MemoInfo:
     """How many headers (and bytes) :func:`parse`'s memo holds now: for tests and memory audits."""
     return _HEADERS.info()
+
+
+def forget_header(parsed: ParsedBlob) -> bool:
+    """Drop ``parsed``'s header from :func:`parse`'s memo: for a caller that refuses the blob after
+    parsing (an identity mismatch), so a refused blob's header is not kept. Whether it was there."""
+    return _HEADERS.forget(parsed.buffer, parsed.header_len)
 
 
 def clear_header_memo() -> None:

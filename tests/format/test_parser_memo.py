@@ -220,3 +220,18 @@ def test_a_refused_blobs_header_is_not_remembered(make, reason):
         parse(blob)
     assert ei.value.reason == reason
     assert header_memo_info().entries == 0
+
+
+def test_a_caller_refusing_a_blob_for_identity_can_drop_its_header():
+    from kvcodec import CodecMismatchError, check_hashes
+    from kvcodec.format.parser import forget_header
+
+    blob = _blob(1, 1, model="someone-else")
+    clear_header_memo()
+    p = parse(blob)
+    with pytest.raises(CodecMismatchError):
+        check_hashes(p.header.hashes, {"model_id": "ours"})
+    assert header_memo_info().entries == 1 and forget_header(p)
+    assert header_memo_info() == header_memo_info().__class__(entries=0, bytes=0)
+    assert not forget_header(p)
+    assert parse(blob).header.hashes.model_id == "someone-else"  # and it still parses
