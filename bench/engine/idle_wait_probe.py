@@ -17,9 +17,8 @@ WORK = HERE.parents[1] / "build" / "bench-vllm"
 
 def main() -> None:
     from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
-
-    import kvcodec.integrations.vllm.connector as cm
 
     sync = "--sync" in sys.argv
     extra = {"root": str(WORK / "store-async-fast"), "chunk_size": 256, "async_load": not sync}
@@ -50,7 +49,7 @@ def main() -> None:
     res: dict[float, list[tuple[float, float, int]]] = {}
     for _ in range(4):
         for wait in (0.005,) if sync else (0.0, 0.005, 0.02):
-            cm.IDLE_LOAD_WAIT_S = wait
+            get_kv_transfer_group().worker.loads.idle_wait_s = wait  # the load handler's own knob
             for q in prompts:
                 t0, c0 = time.perf_counter(), time.process_time()
                 (out,) = llm.generate([TokensPrompt(prompt_token_ids=q)], params, use_tqdm=False)

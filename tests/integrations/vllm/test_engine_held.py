@@ -56,9 +56,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model = tiny_model(tmp)
     res: dict = {"none": _run(tmp, "none", model)}
     res["sync"] = _run(tmp, "sync", model, store=str(tmp / "s-sync"), async_save=False)
-    res["async"] = _run(
-        tmp, "async", model, store=str(tmp / "s-async"), slow_gather_s=SLOW_GATHER_S, save_queue=64
-    )
+    res["async"] = _run(tmp, "async", model, store=str(tmp / "s-async"), slow_gather_s=SLOW_GATHER_S)
     res["sync_blobs"], res["async_blobs"] = store_files(tmp / "s-sync"), store_files(tmp / "s-async")
     return res
 

@@ -14,10 +14,22 @@ import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
 
-from kvcodec.integrations.vllm import connector as connector_mod
+from kvcodec.integrations.vllm.chunk_keys import ChunkRef
+from kvcodec.integrations.vllm.chunks import write_chunk
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
-from kvcodec.store import DirectoryStore
-from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, HEAD, LAYERS, cpu_worker
+from kvcodec.integrations.vllm.worker import ConnectorParts
+from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, HEAD, LAYERS, HookedStore, cpu_worker
+
+REF0, REF1 = ChunkRef.of(HASHES, 0), ChunkRef.of(HASHES, 1)
+
+
+def _hooked(tmp_path: Path, **extra: object) -> tuple[KvcodecConnector, HookedStore]:
+    store = HookedStore(tmp_path)
+    return cpu_worker(tmp_path, ConnectorParts(store=store), **extra), store
+
+
+def _present(conn: KvcodecConnector, ref: ChunkRef) -> bool:
+    return conn.store.contains(conn.keys.manifest(ref))
 
 
 def _save_both_chunks(conn: KvcodecConnector) -> None:
@@ -47,19 +59,17 @@ def _load(conn: KvcodecConnector, req_id: str = "r") -> tuple[set[str] | None, s
 
 @pytest.mark.parametrize("exc", [RuntimeError("a bug"), MemoryError(), OSError(5, "EIO")])
 def test_a_failing_read_is_a_load_error_and_the_request_finishes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, exc: BaseException
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, exc: BaseException
 ) -> None:
-    conn = cpu_worker(tmp_path)
+    conn, store = _hooked(tmp_path)
     _save_both_chunks(conn)
-    second = conn._blob_key(0, 1, 1, HASHES[1], HASHES[0])
-    real_get = DirectoryStore.get_parsed
+    second = conn.keys.blob(0, 1, REF1)
 
-    def get(self: DirectoryStore, key: str, **kwargs: object) -> object:
+    def get(key: str) -> None:
         if key == second:
             raise exc
-        return real_get(self, key, **kwargs)
 
-    monkeypatch.setattr(DirectoryStore, "get_parsed", get)
+    store.on_read = get
     with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
         received, errors = _load(conn)
     assert received == {"r"}, "the request was never reported received"
@@ -68,20 +78,19 @@ def test_a_failing_read_is_a_load_error_and_the_request_finishes(
     lines = [r for r in caplog.records if "request r chunk 1 not loaded" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
     # Chunk 1 no longer looks present (vLLM's next lookup of the request must not load it again).
-    assert conn._store.contains(conn._manifest_key(0, HASHES[0], None))
-    assert not conn._store.contains(conn._manifest_key(1, HASHES[1], HASHES[0]))
+    assert _present(conn, REF0) and not _present(conn, REF1)
     conn.shutdown()
 
 
-def test_a_failing_load_job_fails_the_whole_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_load_job_fails_the_whole_request(tmp_path: Path) -> None:
     """An exception outside any one chunk (here: the job's own bookkeeping) still reports every block."""
     conn = cpu_worker(tmp_path)
     _save_both_chunks(conn)
 
-    def broken(self: KvcodecConnector, spec: LoadSpec) -> None:
+    def broken(spec: LoadSpec) -> None:
         raise KeyError("a stats counter")
 
-    monkeypatch.setattr(KvcodecConnector, "_prepare", broken)
+    conn.worker.loads.prepare = broken  # type: ignore[assignment,union-attr]
     received, errors = _load(conn)
     assert received == {"r"}
     assert errors == {7, 6, 5, 2}
@@ -89,44 +98,40 @@ def test_a_failing_load_job_fails_the_whole_request(tmp_path: Path, monkeypatch:
     conn.shutdown()
 
 
-def test_a_failing_write_into_the_cache_is_a_load_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    conn = cpu_worker(tmp_path)
-    _save_both_chunks(conn)
-    real = connector_mod.write_chunk
+def test_a_failing_write_into_the_cache_is_a_load_error(tmp_path: Path) -> None:
     calls = []
 
     def write(*args: object, **kwargs: object) -> None:
         calls.append(1)
         if len(calls) > 1:  # chunk 1
             raise ValueError("a bug")
-        real(*args, **kwargs)
+        write_chunk(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(connector_mod, "write_chunk", write)
+    conn = cpu_worker(tmp_path, ConnectorParts(write=write))
+    _save_both_chunks(conn)
     received, errors = _load(conn)
     assert received == {"r"} and errors == {5, 2}
     assert conn.stats["chunks_failed"] == 1
-    assert not conn._store.contains(conn._manifest_key(1, HASHES[1], HASHES[0]))
+    assert not _present(conn, REF1)
     conn.shutdown()
 
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failing_store_write_is_counted_and_nothing_stalls(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, async_save: bool
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool
 ) -> None:
-    conn = cpu_worker(tmp_path, async_save=async_save, writer_threads=1)
+    conn, store = _hooked(tmp_path, async_save=async_save, writer_threads=1)
 
-    def put(self: DirectoryStore, key: str, blob: object) -> None:
+    def put(key: str) -> None:
         raise RuntimeError("a bug in the store")
 
-    monkeypatch.setattr(DirectoryStore, "put", put)
+    store.on_write = put
     with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
         _save_both_chunks(conn)
     assert conn.stats["save_errors"] == 2 and conn.stats["chunks_saved"] == 0
     assert sum("not saved (RuntimeError" in r.getMessage() for r in caplog.records) == 2
-    assert not conn._inflight
-    monkeypatch.undo()
+    assert not conn.worker.saves.inflight  # type: ignore[union-attr]
+    store.on_write = None
     _save_both_chunks(conn)  # the writer still works, and the chunks were not left marked in flight
     assert conn.stats["chunks_saved"] == 2
     t0 = time.perf_counter()
@@ -134,69 +139,61 @@ def test_a_failing_store_write_is_counted_and_nothing_stalls(
     assert time.perf_counter() - t0 < 5
 
 
-def test_a_failing_gather_is_counted_and_the_step_goes_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    conn = cpu_worker(tmp_path)
-
+def test_a_failing_gather_is_counted_and_the_step_goes_on(tmp_path: Path) -> None:
     def gather(*args: object, **kwargs: object) -> None:
         raise IndexError("a bug")
 
-    monkeypatch.setattr(connector_mod, "gather_kv", gather)
+    conn = cpu_worker(tmp_path, ConnectorParts(gather=gather))  # type: ignore[arg-type]
     _save_both_chunks(conn)
     assert conn.stats["save_errors"] == 2 and conn.stats["chunks_saved"] == 0
     conn.shutdown()
 
 
-def test_loads_reuse_their_read_buffers_and_return_them_after_a_failure(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_loads_reuse_their_read_buffers_and_return_them_after_a_failure(tmp_path: Path) -> None:
     """The first load's buffers are reused by the second (its blobs read into them, the cache the
     same); a load whose second chunk fails still gives every buffer back."""
-    conn = cpu_worker(tmp_path)
+    conn, store = _hooked(tmp_path)
+    buffers, caches = conn.worker.loads.buffers, conn.worker.caches.caches  # type: ignore[union-attr]
     _save_both_chunks(conn)
-    assert conn._buffers.idle_bytes == 0
+    assert buffers.idle_bytes == 0
     assert _load(conn, "a") == ({"a"}, set())
-    held = conn._buffers.idle_bytes
-    first = {n: c.clone() for n, c in conn._caches.items()}
+    held = buffers.idle_bytes
+    first = {n: c.clone() for n, c in caches.items()}
     assert held >= 2 * LAYERS * 1000  # both chunks' blobs, every layer
-    for c in conn._caches.values():
+    for c in caches.values():
         c[[7, 6, 5, 2]] = 0
     assert _load(conn, "b") == ({"b"}, set())
-    assert conn._buffers.idle_bytes == held  # the same buffers, none allocated anew
-    assert all(conn._caches[n].equal(first[n]) for n in first)
-    real = DirectoryStore.get_parsed
+    assert buffers.idle_bytes == held  # the same buffers, none allocated anew
+    assert all(caches[n].equal(first[n]) for n in first)
 
-    def failing(self: DirectoryStore, key: str, **kwargs: object) -> object:
-        if "-C1-" in key:
+    def failing(key: str) -> None:
+        if REF1.suffix in key:
             raise OSError(5, "EIO")
-        return real(self, key, **kwargs)
 
-    monkeypatch.setattr(DirectoryStore, "get_parsed", failing)
+    store.on_read = failing
     received, errors = _load(conn, "c")
     assert received == {"c"} and errors == {5, 2}
-    assert conn._buffers.idle_bytes == held
+    assert buffers.idle_bytes == held
     conn.shutdown()
 
 
-def test_cpu_async_loads_are_written_by_the_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_async_loads_are_written_by_the_loader(tmp_path: Path) -> None:
     """CPU caches: the loader thread writes the chunks too (vLLM leaves a loading request's blocks
     alone until it is reported); the step's ``get_finished`` only reports the request."""
-    conn = cpu_worker(tmp_path)
-    _save_both_chunks(conn)
-    want = {n: c.clone() for n, c in conn._caches.items()}
-    for c in conn._caches.values():
-        c[[7, 6, 5, 2]] = 0
-    real = connector_mod.write_chunk
     writers = []
 
     def write(*args: object, **kwargs: object) -> None:
         writers.append(threading.current_thread().name)
-        real(*args, **kwargs)
+        write_chunk(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(connector_mod, "write_chunk", write)
+    conn = cpu_worker(tmp_path, ConnectorParts(write=write))
+    caches = conn.worker.caches.caches  # type: ignore[union-attr]
+    _save_both_chunks(conn)
+    want = {n: c.clone() for n, c in caches.items()}
+    for c in caches.values():
+        c[[7, 6, 5, 2]] = 0
     assert _load(conn, "r") == ({"r"}, set())
     assert writers and all(w.startswith("kvcodec-loader") for w in writers), writers
-    for n, c in conn._caches.items():  # the load's blocks hold the saved chunks' K again, bit for bit
+    for n, c in caches.items():  # the load's blocks hold the saved chunks' K again, bit for bit
         assert c[[7, 6, 5, 2], ..., :HEAD].equal(want[n][BLOCK_IDS, ..., :HEAD])
     conn.shutdown()

@@ -21,9 +21,10 @@ require_kernels()
 
 import kvcodec  # noqa: E402
 from kvcodec import CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError  # noqa: E402
-from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk, load_chunk  # noqa: E402
-from kvcodec.integrations.vllm.fused import ChunkLoad, FusedLayers, eligibility, load_layers  # noqa: E402
-from kvcodec.integrations.vllm.keys import KvcodecConfig  # noqa: E402
+from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk  # noqa: E402
+from kvcodec.integrations.vllm.config import KvcodecConfig  # noqa: E402
+from kvcodec.integrations.vllm.fused import FusedLayers, eligibility  # noqa: E402
+from tests.integrations.vllm.loading import ChunkLoad, load_layers, reference_load  # noqa: E402
 
 MODE = "auto" if _CUDA else "on"
 pytestmark = KERNEL_MARKS
@@ -155,7 +156,7 @@ def _load_both(
     ca, cb = _views(a, layout), _views(b, layout)
     fused = load_layers(blobs, ca, lambda _: cc, req, _fused(ca, cc))
     for name, blob in blobs.items():
-        load_chunk(
+        reference_load(
             blob, cb[name], req.block_ids, cc, start=req.start, num_tokens=req.chunk_size, skip=req.skip
         )
     return orig, a, b, fused
@@ -189,7 +190,9 @@ def test_load_payload_rows_start_16_bytes_apart() -> None:
     cc = _codec("per_tensor")
     caches = _views(_phys("LBNHC", dtype=torch.float16, seed=1), "LBNHC")
     fused = _fused(caches, cc)
-    parsed = [fused.check(b, 8) for b in _ref_blobs(caches, cc, 1, 8).values()]
+    parsed = [kvcodec.parse(b) for b in _ref_blobs(caches, cc, 1, 8).values()]
+    for p in parsed:
+        fused.check(p, 8)
     rows = fused._upload(parsed)
     assert rows.shape == (L, parsed[0].header.payload_len) and parsed[0].header.payload_len % 16
     assert rows.stride(0) % 16 == 0 and rows.data_ptr() % 16 == 0
@@ -250,7 +253,7 @@ def test_unaligned_chunks_are_not_fused() -> None:
 
 
 def test_mixed_scopes_across_layers_go_layer_by_layer() -> None:
-    """Valid blobs the kernels cannot decode together: load returns False and writes nothing."""
+    """Valid blobs the kernels cannot decode together: no fused plan, and the per-layer path loads them."""
     caches = _views(_phys("LBNHC", dtype=torch.float16, seed=1), "LBNHC")
     b0 = _ref_blobs(caches, _codec("per_tensor"), 1, 8)
     b1 = _ref_blobs(caches, _codec("per_layer_head"), 1, 8)
@@ -259,7 +262,8 @@ def test_mixed_scopes_across_layers_go_layer_by_layer() -> None:
     dst = _phys("LBNHC", dtype=torch.float16, seed=9)
     before = dst.clone()
     cd = _views(dst, "LBNHC")
-    assert not _fused(cd, _codec()).load(blobs, TABLE, 1, 8)
+    parsed = {n: kvcodec.parse(b) for n, b in blobs.items()}
+    assert _fused(cd, _codec()).prepare(parsed, 1, 8) is None
     assert torch.equal(dst, before)
     assert not load_layers(blobs, cd, lambda _: _codec(), ChunkLoad(TABLE, 1, 8), _fused(cd, _codec()))
     assert not torch.equal(dst, before)
@@ -308,7 +312,7 @@ def test_bad_blobs_refused_like_the_per_layer_path(make, err) -> None:
     cc = _codec()
     for name, blob in blobs.items():
         with pytest.raises(err):
-            load_chunk(blob, cd[name], TABLE, cc, start=8, num_tokens=8)
+            reference_load(blob, cd[name], TABLE, cc, start=8, num_tokens=8)
     with pytest.raises(err):
         load_layers(blobs, cd, lambda _: cc, ChunkLoad(TABLE, 1, 8), _fused(cd, cc))
     assert torch.equal(dst, before)
@@ -323,7 +327,7 @@ def test_one_bad_layer_writes_no_layer() -> None:
     before = dst.clone()
     cd = _views(dst, "LBNHC")
     with pytest.raises(CorruptEncodedKVError):
-        _fused(cd, _codec()).load(blobs, TABLE, 1, 8)
+        load_layers(blobs, cd, lambda _: _codec(), ChunkLoad(TABLE, 1, 8), _fused(cd, _codec()))
     assert torch.equal(dst, before)
 
 

@@ -5,8 +5,8 @@ pinned on CUDA), ``_launch_fused`` orders a side stream after the forward,
 calls ``FusedLayers.launch(..., out=buf, stream=side)`` and orders the next
 forward after the side stream; the writer thread later calls the pending
 chunk's ``wait()`` and writes the blobs. Load: the loader thread checks every
-blob (``FusedLayers.check``), the step thread writes them with
-``load_layers``. The connector imports vLLM, which this venv lacks, so
+blob once parsed (``FusedLayers.prepare``), the step thread writes them
+(``FusedLayers.load``). The connector imports vLLM, which this venv lacks, so
 :func:`_launch_like_connector` repeats ``_launch_fused``'s three calls.
 
 Without a GPU the kernels run in Triton's interpreter, where the launch is
@@ -27,9 +27,10 @@ from tests.kernels.conftest import DEVICE, KERNEL_MARKS, require_kernels
 
 require_kernels()
 
-from kvcodec import CodecMismatchError, UnsupportedConfigError  # noqa: E402
+from kvcodec import CodecMismatchError, UnsupportedConfigError, parse  # noqa: E402
 from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk  # noqa: E402
-from kvcodec.integrations.vllm.fused import ChunkLoad, FusedLayers, load_layers  # noqa: E402
+from kvcodec.integrations.vllm.fused import FusedLayers  # noqa: E402
+from tests.integrations.vllm.loading import ChunkLoad, load_layers  # noqa: E402
 
 MODE = "auto" if _CUDA else "on"
 pytestmark = KERNEL_MARKS
@@ -261,9 +262,8 @@ def _load_like_connector(
     blobs: dict[str, bytes],
     req: ChunkLoad,
 ) -> bool:
-    """``_prepare_chunk`` (every layer's blob checked against hash and ids) then ``_write_prepared``."""
-    for name, lid in zip(fused.names, fused.layer_ids):
-        fused.check(blobs[name], req.chunk_size, req.chunk_hash, (lid, req.chunk))
+    """The load handler's path: each blob parsed once, every layer checked against hash and ids by
+    ``FusedLayers.prepare`` (the loader thread), then ``FusedLayers.load`` (the step)."""
     return load_layers(blobs, caches, lambda _: cc, req, fused)
 
 
@@ -284,7 +284,10 @@ def test_async_load_equals_sync_and_per_layer(layout: str, scope: str, dtype: to
     fa, fs = _fused(ca, cc), _fused(cs_, cc)
     for req in reqs:
         assert _load_like_connector(fa, ca, cc, blobs[req.chunk], req)
-        assert fs.load(blobs[req.chunk], req.block_ids, req.chunk, CS, req.skip, req.chunk_hash)
+        parsed = {n: parse(b) for n, b in blobs[req.chunk].items()}
+        fc = fs.prepare(parsed, req.chunk, CS, req.skip, req.chunk_hash)
+        assert fc is not None
+        fs.load(fc, req.block_ids)
         assert not load_layers(blobs[req.chunk], cp, lambda _: cc, req, None)
     raw = [bytes(x.cpu().contiguous().view(torch.uint8).numpy()) for x in (orig, a, s, p)]
     assert raw[1] == raw[2] == raw[3]

@@ -10,10 +10,12 @@ them; the copies are held back by a gate to make the interleavings certain):
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -21,9 +23,10 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason=
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvcodec.integrations.vllm import connector as connector_mod
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, SaveSpec
-from tests.integrations.vllm.workers import BLOCK_IDS, HASHES, TOKENS, connector, cpu_worker
+from kvcodec.integrations.vllm.layout import gather_kv
+from kvcodec.integrations.vllm.worker import ConnectorParts
+from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, HEAD, TOKENS, connector, cpu_worker
 
 
 def _saves(req_id: str, hashes: list[str] = HASHES) -> list[SaveSpec]:
@@ -41,19 +44,24 @@ def _step(conn: KvcodecConnector, meta: KvcodecMetadata) -> set[str] | None:
 
 
 class Gate:
-    """Holds every copy out of the cache until ``open``; counts the copies made."""
+    """Holds every copy out of the cache until ``event`` is set; counts the copies made."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self) -> None:
         self.event = threading.Event()
         self.copies = 0
-        real = connector_mod.gather_kv
 
-        def gated(*args: object, **kwargs: object) -> object:
-            self.event.wait(60)
-            self.copies += 1
-            return real(*args, **kwargs)
+    def gather(self, *args: Any, **kwargs: Any) -> Any:
+        self.event.wait(60)
+        self.copies += 1
+        return gather_kv(*args, **kwargs)
 
-        monkeypatch.setattr(connector_mod, "gather_kv", gated)
+    def worker(self, root: Path) -> KvcodecConnector:
+        """A CPU worker whose copies out of the cache pass this gate."""
+        return cpu_worker(root, ConnectorParts(gather=self.gather))
+
+
+def _gathering(conn: KvcodecConnector) -> dict[str, list[Any]]:
+    return conn.worker.saves.gathering  # type: ignore[union-attr]
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -68,11 +76,9 @@ def _sync_blobs(root: Path) -> dict[str, bytes]:
     return _files(root)
 
 
-def test_a_finished_request_is_reported_sent_once_its_copies_are_done(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gate = Gate(monkeypatch)
-    conn = cpu_worker(tmp_path)
+def test_a_finished_request_is_reported_sent_once_its_copies_are_done(tmp_path: Path) -> None:
+    gate = Gate()
+    conn = gate.worker(tmp_path)
     t0 = time.perf_counter()
     assert _step(conn, KvcodecMetadata(saves=_saves("w"))) is None
     assert time.perf_counter() - t0 < 30 and gate.copies == 0  # the step did not copy
@@ -93,16 +99,14 @@ def test_a_held_request_without_pending_copies_is_reported_at_once(tmp_path: Pat
     conn.shutdown()
 
 
-def test_a_preempted_requests_chunks_are_copied_before_its_blocks_are_reused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_preempted_requests_chunks_are_copied_before_its_blocks_are_reused(tmp_path: Path) -> None:
     want = _sync_blobs(tmp_path / "sync")
-    gate = Gate(monkeypatch)
-    conn = cpu_worker(tmp_path / "async")
+    gate = Gate()
+    conn = gate.worker(tmp_path / "async")
     # Another request's chunk first: the gatherer takes it and waits at the gate; w's chunks queue.
     _step(conn, KvcodecMetadata(saves=[SaveSpec("o", 0, "f" * 16, None, [7, 6])]))
     _step(conn, KvcodecMetadata(saves=_saves("w")))
-    while not any(g.claimed for g in conn._gathering.get("o", ())):
+    while not any(g.claimed for g in _gathering(conn).get("o", ())):
         time.sleep(0.01)
     done = threading.Event()
 
@@ -115,8 +119,8 @@ def test_a_preempted_requests_chunks_are_copied_before_its_blocks_are_reused(
     assert not done.is_set()  # copying w's chunks (at the gate too), not waiting for the queue
     gate.event.set()
     assert done.wait(60)
-    assert not conn._gathering.get("w")
-    for cache in conn._caches.values():  # the forward reuses w's blocks
+    assert not _gathering(conn).get("w")
+    for cache in conn.worker.caches.caches.values():  # type: ignore[union-attr]  # the forward reuses w's blocks
         cache[BLOCK_IDS] = 0
     assert conn.drain(60)
     got = {k: v for k, v in _files(tmp_path / "async").items() if k in want}
@@ -125,16 +129,14 @@ def test_a_preempted_requests_chunks_are_copied_before_its_blocks_are_reused(
     conn.shutdown()
 
 
-def test_handle_preemptions_takes_queued_chunks_off_the_gatherer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_handle_preemptions_takes_queued_chunks_off_the_gatherer(tmp_path: Path) -> None:
     """The gatherer busy on another request: the preempted request's chunks are copied by the step
     thread itself, each exactly once."""
-    gate = Gate(monkeypatch)
-    conn = cpu_worker(tmp_path)
+    gate = Gate()
+    conn = gate.worker(tmp_path)
     _step(conn, KvcodecMetadata(saves=[SaveSpec("o", 0, "f" * 16, None, [7, 6])]))
     _step(conn, KvcodecMetadata(saves=_saves("w")))
-    while not any(g.claimed for g in conn._gathering.get("o", ())):
+    while not any(g.claimed for g in _gathering(conn).get("o", ())):
         time.sleep(0.01)
     ran = threading.Thread(target=conn.handle_preemptions, args=(KvcodecMetadata(preempted=["w"]),))
     ran.start()
@@ -143,7 +145,7 @@ def test_handle_preemptions_takes_queued_chunks_off_the_gatherer(
         time.sleep(0.01)
     ran.join(60)
     assert conn.drain(60)
-    layers = len(conn._caches)
+    layers = len(conn.worker.caches.caches)  # type: ignore[union-attr]
     assert gate.copies == 3 * layers  # o's chunk and w's two chunks, each layer copied once
     assert conn.stats["chunks_saved"] == 3
     conn.shutdown()
@@ -189,15 +191,69 @@ def test_the_scheduler_holds_blocks_only_for_asynchronous_saves(tmp_path: Path, 
     assert conn.request_finished(_request("never"), []) == (False, None)
 
 
-def test_a_preemption_waits_for_no_other_requests_copies(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gate = Gate(monkeypatch)
-    conn = cpu_worker(tmp_path)
+def test_a_preemption_waits_for_no_other_requests_copies(tmp_path: Path) -> None:
+    gate = Gate()
+    conn = gate.worker(tmp_path)
     _step(conn, KvcodecMetadata(saves=_saves("o")))
     t0 = time.perf_counter()
     conn.handle_preemptions(KvcodecMetadata(preempted=["w"]))  # w has no copies: returns at once
     assert time.perf_counter() - t0 < 30 and gate.copies == 0
     gate.event.set()
     assert conn.drain(60)
+    conn.shutdown()
+
+
+def test_at_the_memory_bound_chunks_wait_in_their_held_blocks(tmp_path: Path) -> None:
+    """With room for one chunk's copy, a second request's chunks are not skipped: they stay in the
+    cache (the request held) until the first chunk's write frees the memory, then are saved too."""
+    gate = Gate()
+    one = 2 * CHUNK * 2 * 2 * HEAD * 2  # a chunk of both layers: tokens x heads x (K+V) x bf16
+    conn = cpu_worker(tmp_path, ConnectorParts(gather=gate.gather), max_pending_save_bytes=one)
+    _step(conn, KvcodecMetadata(saves=_saves("a")))
+    _step(conn, KvcodecMetadata(saves=_saves("b", HASHES[::-1])))
+    assert _step(conn, KvcodecMetadata(held=["a", "b"])) is None  # their copies wait
+    gate.event.set()
+    assert conn.drain(60)
+    assert _step(conn, KvcodecMetadata()) == {"a", "b"}
+    assert conn.stats["chunks_saved"] == 4 and conn.stats["saves_skipped"] == 0
+    assert conn.stats["saves_waited"] >= 1
+    conn.shutdown()
+
+
+def test_a_preemption_at_the_memory_bound_skips_and_logs_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A preempted request's chunks must leave its blocks now: when their copies do not fit, they are
+    skipped (counted, one WARNING with the count), never waited for."""
+    gate = Gate()
+    one = 2 * CHUNK * 2 * 2 * HEAD * 2
+    conn = cpu_worker(tmp_path, ConnectorParts(gather=gate.gather), max_pending_save_bytes=one)
+    _step(conn, KvcodecMetadata(saves=[SaveSpec("o", 0, "f" * 16, None, [7, 6])]))
+    while not any(g.claimed for g in _gathering(conn).get("o", ())):
+        time.sleep(0.01)  # o's copy holds all the room, at the gate
+    _step(conn, KvcodecMetadata(saves=_saves("w")))
+    with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
+        conn.handle_preemptions(KvcodecMetadata(preempted=["w"]))
+    assert not _gathering(conn).get("w")
+    assert conn.stats["saves_skipped"] == 2
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("kvcodec: 1 chunk save(s) skipped"), lines
+    gate.event.set()
+    assert conn.drain(60)
+    assert conn.stats["chunks_saved"] == 1
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("hook", ["start_load_kv", "wait_for_save", "handle_preemptions"])
+def test_a_wrong_metadata_type_is_refused(tmp_path: Path, hook: str) -> None:
+    conn = cpu_worker(tmp_path)
+    meta = SimpleNamespace(saves=[], loads=[], preempted=["x"])
+    conn.bind_connector_metadata(meta)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="KvcodecMetadata"):
+        if hook == "handle_preemptions":
+            conn.handle_preemptions(meta)  # type: ignore[arg-type]
+        elif hook == "start_load_kv":
+            conn.start_load_kv(None)  # type: ignore[arg-type]
+        else:
+            conn.wait_for_save()
     conn.shutdown()

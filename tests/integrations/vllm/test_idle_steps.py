@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
 
-from kvcodec.integrations.vllm import connector as connector_mod
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
+from kvcodec.integrations.vllm.worker import ConnectorParts
 from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, cpu_worker
 
 LONG_WAIT_S = 60.0
@@ -31,25 +31,22 @@ def _finished(conn: KvcodecConnector, meta: KvcodecMetadata) -> tuple[set[str] |
 
 
 @pytest.fixture
-def gated_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[KvcodecConnector, threading.Event]]:
+def gated_load(tmp_path: Path) -> Iterator[tuple[KvcodecConnector, threading.Event]]:
     """A connector with both chunks stored and one background load started, held at a gate."""
-    conn = cpu_worker(tmp_path)
+    conn = cpu_worker(tmp_path, ConnectorParts(idle_load_wait_s=LONG_WAIT_S))
     saves = [SaveSpec("w", c, HASHES[c], HASHES[c - 1] if c else None, BLOCK_IDS) for c in range(2)]
     conn.bind_connector_metadata(KvcodecMetadata(saves=saves))
     conn.wait_for_save()
     conn.clear_connector_metadata()
     assert conn.drain(60)
     gate = threading.Event()
-    prepare = KvcodecConnector._prepare
+    loads = conn.worker.loads  # type: ignore[union-attr]
 
-    def gated(self: KvcodecConnector, spec: LoadSpec) -> object:
+    def gated(spec: LoadSpec) -> object:
         gate.wait(LONG_WAIT_S)
-        return prepare(self, spec)
+        return loads.read_and_check(spec)
 
-    monkeypatch.setattr(KvcodecConnector, "_prepare", gated)
-    monkeypatch.setattr(connector_mod, "IDLE_LOAD_WAIT_S", LONG_WAIT_S)
+    loads.prepare = gated  # type: ignore[assignment]
     spec = LoadSpec("r", 0, 2 * CHUNK, HASHES, [7, 6, 5, 2], background=True)
     conn.bind_connector_metadata(KvcodecMetadata(loads=[spec]))
     conn.start_load_kv(None)  # type: ignore[arg-type]
@@ -76,11 +73,8 @@ def test_an_idle_step_returns_the_load_as_soon_as_it_is_ready(
     assert conn.stats["chunks_loaded"] == 2
 
 
-def test_an_idle_step_without_pending_loads_does_not_wait(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(connector_mod, "IDLE_LOAD_WAIT_S", LONG_WAIT_S)
-    conn = cpu_worker(tmp_path)
+def test_an_idle_step_without_pending_loads_does_not_wait(tmp_path: Path) -> None:
+    conn = cpu_worker(tmp_path, ConnectorParts(idle_load_wait_s=LONG_WAIT_S))
     received, took = _finished(conn, KvcodecMetadata(idle=True))
     assert received is None and took < LONG_WAIT_S / 2
     conn.shutdown()

@@ -12,21 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcodec import UnsupportedConfigError
-from kvcodec.integrations.vllm.keys import (
-    CacheGeometry,
-    KvcodecConfig,
-    cache_geometry,
-    identity,
-    layer_ids,
-    prefix_hashes,
-    request_seed,
-)
+from kvcodec.integrations.vllm.config import KvcodecConfig
+from kvcodec.integrations.vllm.identity import CacheGeometry, cache_geometry, identity, layer_ids
+from kvcodec.integrations.vllm.keys import prefix_hashes, request_seed
 
 
 def test_import_kvcodec_never_imports_vllm():
     code = (
         "import sys, kvcodec, kvcodec.integrations.vllm as m, kvcodec.integrations.vllm.layout, "
-        "kvcodec.integrations.vllm.chunks, kvcodec.integrations.vllm.keys\n"
+        "kvcodec.integrations.vllm.chunks, kvcodec.integrations.vllm.keys, kvcodec.integrations.vllm.scheduler\n"
         "assert 'vllm' not in sys.modules, sorted(k for k in sys.modules if k.startswith('vllm'))\n"
         "assert m.__all__ == ['KvcodecConnector', 'register']\n"
         "print('ok')"
@@ -127,9 +121,13 @@ def test_config_defaults_are_valid():
     assert (cfg.scope, cfg.fsync, cfg.model_id, cfg.max_bytes) == ("per_page_head", False, None, None)
 
 
-def test_keys_module_never_imports_vllm():
-    """keys.py (and the config check) run in any venv: the connector's imports stay in connector.py."""
-    code = "import sys, kvcodec.integrations.vllm.keys\nassert not any(m.startswith('vllm') for m in sys.modules)"
+def test_scheduler_side_never_imports_vllm_or_torch():
+    """The scheduler side (its config, keys and metadata) runs in any venv, without torch: the
+    connector's vLLM imports stay in connector.py, torch in the worker side."""
+    code = (
+        "import sys, kvcodec.integrations.vllm.scheduler, kvcodec.integrations.vllm.identity\n"
+        "assert not any(m.startswith(('vllm', 'torch')) for m in sys.modules), sorted(sys.modules)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 

@@ -1,5 +1,6 @@
-"""The scheduler's lookup: one manifest ``stat`` per chunk whatever the layer count, and config errors
-raised by the connector's constructor (vLLM's base class, no engine)."""
+"""The scheduler's lookup: one ``contains_many`` per prompt (a manifest per chunk whatever the layer count;
+every blob on a store that loses single blobs), an unreachable store as a miss, the cap on concurrent
+loads, and config errors raised by the connector's constructor (vLLM's base class, no engine)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,19 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvcodec import UnsupportedConfigError
+from kvcodec.errors import Reason, StoreUnavailableError
+from kvcodec.integrations.vllm.chunk_keys import ChunkRef
 from kvcodec.integrations.vllm.connector import KvcodecConnector
-from kvcodec.integrations.vllm.keys import chunk_suffix, prefix_hashes
-from kvcodec.store import DirectoryStore
+from kvcodec.integrations.vllm.keys import prefix_hashes
+from kvcodec.integrations.vllm.worker import ConnectorParts
+from tests.integrations.vllm.workers import HookedStore
 
 CHUNK = 32
 
 
-def _connector(root: Path, layers: int, **extra: object) -> KvcodecConnector:
+def _connector(
+    root: Path, layers: int, parts: ConnectorParts | None = None, **extra: object
+) -> KvcodecConnector:
     ktc = KVTransferConfig(
         kv_connector="KvcodecConnector",
         kv_role="kv_both",
@@ -39,7 +45,7 @@ def _connector(root: Path, layers: int, **extra: object) -> KvcodecConnector:
     spec = SimpleNamespace(num_kv_heads=2, head_size=64, head_size_v=64, dtype=torch.bfloat16, block_size=16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     kv_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=names)])
-    return KvcodecConnector(vcfg, KVConnectorRole.SCHEDULER, kv_config)
+    return KvcodecConnector(vcfg, KVConnectorRole.SCHEDULER, kv_config, parts=parts)
 
 
 def _request(tokens: list[int]) -> SimpleNamespace:
@@ -53,30 +59,95 @@ def _request(tokens: list[int]) -> SimpleNamespace:
     )
 
 
+class CountingStore(HookedStore):
+    """Counts ``contains_many`` calls and the keys asked; ``partial`` plays a store that may lose one
+    blob of a chunk on its own (Redis LRU); ``down`` one whose server is unreachable."""
+
+    def __init__(self, root: Path, partial: bool = False) -> None:
+        super().__init__(root)
+        self.partial_groups, self.down = partial, False
+        self.calls: list[list[str]] = []
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        self.calls.append(list(keys))
+        if self.down:
+            raise StoreUnavailableError("test: server down", reason=Reason.STORE_UNAVAILABLE)
+        return self.inner.contains_many(keys)
+
+
+def _mark(conn: KvcodecConnector, hashes: list[str], chunks: range, layers: int = 0) -> None:
+    """Write chunk manifests (and ``layers`` blob keys each) as placeholder files."""
+    for c in chunks:
+        ref = ChunkRef.of(hashes, c)
+        for key in [conn.keys.manifest(ref)] + [conn.keys.blob(0, lid, ref) for lid in range(layers)]:
+            getattr(conn.store, "inner", conn.store).put(key, b"x")
+
+
 @pytest.mark.parametrize("layers", [2, 32])
-def test_lookup_stats_one_manifest_per_chunk(
-    tmp_path: Path, layers: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    conn = _connector(tmp_path, layers)
+def test_lookup_is_one_call_of_one_manifest_per_chunk(tmp_path: Path, layers: int) -> None:
+    store = CountingStore(tmp_path)
+    conn = _connector(tmp_path, layers, ConnectorParts(store=store))
     tokens = list(range(5, 5 + 4 * CHUNK + 3))
     hashes = prefix_hashes(tokens[: 4 * CHUNK], CHUNK)
-    prefix = conn._manifest_key(0, hashes[0], None).split("-M-")[0]
-    for c in range(3):  # chunks 0..2 have manifests; chunk 3 does not
-        (tmp_path / f"{prefix}-M{chunk_suffix(c, hashes[c], hashes[c - 1] if c else None)}").write_bytes(b"x")
-    calls = []
-    real = DirectoryStore.contains
-    monkeypatch.setattr(DirectoryStore, "contains", lambda self, key: calls.append(key) or real(self, key))
+    _mark(conn, hashes, range(3))  # chunks 0..2 have manifests; chunk 3 does not
     n, load_async = conn.get_num_new_matched_tokens(_request(tokens), 0)
     assert (n, load_async) == (3 * CHUNK, True)
-    assert len(calls) == 4 and all("-M-" in k for k in calls)  # three hits and the miss that ends them
+    assert len(store.calls) == 1 and len(store.calls[0]) == 4 and all("-M-" in k for k in store.calls[0])
+
+
+def test_a_store_that_loses_single_blobs_is_asked_for_every_blob(tmp_path: Path) -> None:
+    """``partial_groups``: a chunk is present only when its manifest and every layer's blob are."""
+    store = CountingStore(tmp_path, partial=True)
+    conn = _connector(tmp_path, 2, ConnectorParts(store=store))
+    tokens = list(range(5, 5 + 3 * CHUNK + 3))
+    hashes = prefix_hashes(tokens[: 3 * CHUNK], CHUNK)
+    _mark(conn, hashes, range(1), layers=2)
+    _mark(conn, hashes, range(1, 3), layers=1)  # chunks 1 and 2 lost layer 1's blob
+    assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (CHUNK, True)
+    assert len(store.calls) == 1 and len(store.calls[0]) == 3 * 3
+
+
+def test_an_unreachable_store_is_a_counted_miss(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path)
+    conn = _connector(tmp_path, 2, ConnectorParts(store=store))
+    tokens = list(range(5, 5 + CHUNK + 3))
+    _mark(conn, prefix_hashes(tokens[:CHUNK], CHUNK), range(1))
+    store.down = True
+    assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (0, False)
+    meta = conn.build_connector_meta(_no_step())
+    assert meta.lookups_unavailable == 1
+
+
+def _no_step() -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+    )
+
+
+def test_loads_over_the_cap_are_asked_again_later(tmp_path: Path) -> None:
+    """At ``max_concurrent_loads`` in flight a hit answers ``(None, False)``; once the worker reports
+    a load received, the next lookup is served."""
+    conn = _connector(tmp_path, 2, max_concurrent_loads=1)
+    tokens = list(range(5, 5 + CHUNK + 3))
+    _mark(conn, prefix_hashes(tokens[:CHUNK], CHUNK), range(1))
+    blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1, 2],))
+    first, second = _request(tokens), SimpleNamespace(**{**vars(_request(tokens)), "request_id": "s"})
+    assert conn.get_num_new_matched_tokens(first, 0) == (CHUNK, True)
+    conn.update_state_after_alloc(first, blocks, CHUNK)
+    assert conn.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert conn.build_connector_meta(_no_step()).loads_deferred == 1
+    conn.update_connector_output(SimpleNamespace(finished_recving={"r"}))
+    assert conn.get_num_new_matched_tokens(second, 0) == (CHUNK, True)
 
 
 def test_async_load_can_be_turned_off(tmp_path: Path) -> None:
     conn = _connector(tmp_path, 2, async_load=False)
     tokens = list(range(5, 5 + CHUNK + 3))
-    h = prefix_hashes(tokens[:CHUNK], CHUNK)
-    prefix = conn._manifest_key(0, h[0], None).split("-M-")[0]
-    (tmp_path / f"{prefix}-M{chunk_suffix(0, h[0], None)}").write_bytes(b"x")
+    _mark(conn, prefix_hashes(tokens[:CHUNK], CHUNK), range(1))
     assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (CHUNK, False)
 
 

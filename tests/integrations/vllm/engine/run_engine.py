@@ -5,13 +5,15 @@ second engine starts with an empty local prefix cache and whatever it reuses
 comes through the connector. SPEC: ``model``, ``prompts`` (lists of token ids),
 ``max_tokens``, optional ``store`` (enables KvcodecConnector with that root),
 ``model_id``, ``fused`` (the connector's fused-path mode), ``async_save``, ``async_load``,
-``save_queue``, ``writer_threads``, ``max_bytes`` (connector keys), ``chunk_size``, ``block_size``,
+``max_pending_save_bytes``, ``max_concurrent_loads``, ``writer_threads``, ``max_bytes`` (connector
+keys), ``chunk_size``, ``block_size``,
 ``max_num_batched_tokens`` (small: chunked prefill), ``cwd`` (run from there: a relative ``model``),
 ``prefix_caching`` (false: vLLM's own prefix cache off, so a repeated prompt comes from the store),
 ``repeat`` (run the prompts that many times, one after another), ``drain`` (wait for the connector's
-pending writes after each prompt), ``slow_put_s`` (every store write sleeps that long first: a slow store),
-``fail_get`` (every store read of a key containing that text raises RuntimeError: a bug in the read
-path), ``shutdown_timeout_s`` (how long the connector's shutdown drains pending writes; default: its own), ``log_stats`` (vLLM's
+pending writes after each prompt), and faults injected by ``faulty_connector.py``: ``slow_put_s`` (every
+store write sleeps that long first: a slow store), ``fail_get`` (every store read of a key containing
+that text raises RuntimeError: a bug in the read path), ``slow_gather_s`` (every copy out of the cache
+waits that long first), ``shutdown_timeout_s`` (how long the connector's shutdown drains pending writes; default: its own), ``log_stats`` (vLLM's
 stat loggers on; the ``vllm:kvcodec*`` Prometheus metrics are returned).
 After the prompts the connector is shut down (pending writes drained or abandoned) before its
 counters are read. Output (last stdout line):
@@ -28,67 +30,41 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+_CONNECTOR_KEYS = (
+    "model_id",
+    "fused",
+    "async_save",
+    "async_load",
+    "max_pending_save_bytes",
+    "max_concurrent_loads",
+    "writer_threads",
+    "max_bytes",
+)
+_FAULTS = ("slow_put_s", "fail_get", "slow_gather_s")
+
+
 def _transfer_config(spec: dict) -> dict | None:
+    """The connector's config; with a fault in the spec, the connector of ``faulty_connector.py``."""
     if not spec.get("store"):
         return None
     extra = {"root": spec["store"], "chunk_size": spec.get("chunk_size", 256), "scope": "per_page_head"}
-    for key in ("model_id", "fused", "async_save", "async_load", "save_queue", "writer_threads", "max_bytes"):
+    for key in _CONNECTOR_KEYS:
         if spec.get(key) is not None:
             extra[key] = spec[key]
+    module = "kvcodec.integrations.vllm"
+    faults = {k: spec[k] for k in _FAULTS if spec.get(k)}
+    if faults:
+        import faulty_connector  # beside this script: its directory is on sys.path
+
+        faulty_connector.FAULTS.update(faults)
+        module = "faulty_connector"
     return {
         "kv_connector": "KvcodecConnector",
-        "kv_connector_module_path": "kvcodec.integrations.vllm",
+        "kv_connector_module_path": module,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
-
-
-def _slow_store(seconds: float) -> None:
-    """Every store write waits ``seconds`` first, as a throttled network store would."""
-    import time
-
-    from kvcodec.store import DirectoryStore
-
-    put = DirectoryStore.put
-
-    def slow_put(self, key, blob):
-        time.sleep(seconds)
-        return put(self, key, blob)
-
-    DirectoryStore.put = slow_put
-
-
-def _slow_gather(seconds: float) -> None:
-    """Every copy of a chunk out of the cache waits ``seconds`` first: the copy is then still pending
-    when its request finishes or is preempted, the cases where the connector must keep vLLM off the
-    blocks until it is done."""
-    import time
-
-    from kvcodec.integrations.vllm import connector
-
-    gather = connector.gather_kv
-
-    def slow_gather(*args, **kwargs):
-        time.sleep(seconds)
-        return gather(*args, **kwargs)
-
-    connector.gather_kv = slow_gather
-
-
-def _failing_get(part: str) -> None:
-    """Every store read of a key containing ``part`` raises, as a bug (not a bad blob) would."""
-    from kvcodec.store import DirectoryStore
-
-    for name in ("get", "get_parsed"):
-        real = getattr(DirectoryStore, name)
-
-        def failing(self, key, real=real, **kwargs):
-            if part in key:
-                raise RuntimeError(f"injected read failure for {key}")
-            return real(self, key, **kwargs)
-
-        setattr(DirectoryStore, name, failing)
 
 
 def _metrics(llm) -> dict:
@@ -101,12 +77,6 @@ def main(path: str) -> None:
         spec = json.load(f)
     if spec.get("cwd"):
         os.chdir(spec["cwd"])
-    if spec.get("slow_put_s"):
-        _slow_store(spec["slow_put_s"])
-    if spec.get("fail_get"):
-        _failing_get(spec["fail_get"])
-    if spec.get("slow_gather_s"):
-        _slow_gather(spec["slow_gather_s"])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -1,0 +1,170 @@
+"""Who wrote a blob: the cache geometry the blobs are written for, the model's identity (what must
+match for a blob to load in this engine) and the layer ids. Configs are read duck-typed (no vLLM, no
+torch import), so this runs anywhere."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvcodec.errors import Reason, UnsupportedConfigError
+
+from .config import KvcodecConfig
+
+__all__ = [
+    "CacheGeometry",
+    "ModelSource",
+    "cache_geometry",
+    "identity",
+    "layer_ids",
+    "model16",
+    "model_source",
+    "short_hash",
+]
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The attention cache spec the blobs are written for."""
+
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    block_size: int
+    dtype: Any
+    """The cache's ``torch.dtype`` (read from vLLM's spec; this module does not import torch)."""
+    fp8: bool
+
+
+def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
+    """One dense attention group's geometry; anything else is refused clearly."""
+    groups = [] if kv_cache_config is None else kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedConfigError(
+            f"KvcodecConnector serves models with one KV cache group; this one has {len(groups)}",
+            reason=Reason.UNSUPPORTED,
+        )
+    spec = groups[0].kv_cache_spec
+    need = ("num_kv_heads", "head_size", "head_size_v", "dtype")
+    dense = all(hasattr(spec, a) for a in need) and getattr(spec, "state_content_bytes", None) is None
+    if not dense or "MLA" in type(spec).__name__ or getattr(spec, "num_head_slots", None) is not None:
+        raise UnsupportedConfigError(
+            f"KvcodecConnector needs dense K/V attention caches; got {type(spec).__name__}",
+            reason=Reason.UNSUPPORTED,
+        )
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "half", "float"):
+        raise UnsupportedConfigError(
+            f"kv_cache_dtype={cache_dtype!r} is not served by KvcodecConnector",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
+    return CacheGeometry(
+        spec.num_kv_heads,
+        spec.head_size,
+        spec.head_size_v,
+        spec.block_size,
+        spec.dtype,
+        cache_dtype.startswith("fp8"),
+    )
+
+
+def short_hash(obj: Any) -> str:
+    """16 hex digits of SHA-256 over ``obj`` as canonical JSON."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from: a resolved local directory, or a hub id at a revision."""
+
+    name: str
+    """The absolute, symlink-resolved directory, or the hub id as given."""
+    weights: str
+    """Digest of what decides the weights (see :func:`model_source`)."""
+
+
+def model_source(model: str, revision: str | None) -> ModelSource:
+    """The model's stable name and weights digest, cheap enough for every engine start.
+
+    A local directory: its real path, and a SHA-256 over ``config.json``, the
+    weight index files and the name and size of every weight file
+    (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, ``*.npz``),
+    so two spellings of one checkpoint agree and new weights under the same
+    path do not. A hub id: the id and the revision (``"unpinned"`` without one).
+    """
+    path = os.path.realpath(os.path.expanduser(model)) if os.path.isdir(os.path.expanduser(model)) else None
+    if path is None:
+        return ModelSource(model, f"hub:{revision or 'unpinned'}")
+    md = hashlib.sha256(b"kvcodec.vllm.weights.v1\x00")
+    names = sorted(os.listdir(path))
+    for name in ("config.json", *_WEIGHT_INDEXES):
+        if name in names:
+            with open(os.path.join(path, name), "rb") as f:
+                md.update(f"{name}\x00".encode() + hashlib.sha256(f.read()).digest())
+    for name in names:
+        if name.endswith(_WEIGHT_SUFFIXES):
+            md.update(f"{name}\x00{os.path.getsize(os.path.join(path, name))}\x00".encode())
+    md.update(f"revision\x00{revision or ''}".encode())
+    return ModelSource(path, "weights:" + md.hexdigest()[:32])
+
+
+def _quantization(mc: Any) -> str:
+    hf = getattr(mc, "hf_config", None)
+    qcfg = getattr(hf, "quantization_config", None) if hf is not None else None
+    return f"{getattr(mc, 'quantization', None) or 'none'}:{short_hash(qcfg) if qcfg else '-'}"
+
+
+def identity(
+    vllm_config: Any, cfg: KvcodecConfig, geo: CacheGeometry, rank: int, world: int
+) -> dict[str, str]:
+    """Blob identity hashes: what must match for a blob to be valid in this engine.
+
+    * ``model_id``: ``cfg.model_id``, else the model's resolved local path or hub id;
+    * ``model_revision_hash``: the weights digest of :func:`model_source`;
+    * ``rope_config_hash``: the checkpoint's RoPE settings;
+    * ``kv_layout``: blob layout, cache dtype and its storage dtype, model dtype,
+      quantization method and config digest, KV heads, K/V head sizes, TP rank/world.
+    """
+    mc = vllm_config.model_config
+    src = model_source(str(mc.model), getattr(mc, "revision", None))
+    hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else {}
+    rope = {k: hf.get(k) for k in ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")}
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    layout = (
+        f"vllm-token-major;kv_dtype={cache_dtype}:{str(geo.dtype).removeprefix('torch.')};"
+        f"model_dtype={str(mc.dtype).removeprefix('torch.')};quant={_quantization(mc)};heads={geo.num_kv_heads};"
+        f"dk={geo.head_size};dv={geo.head_size_v};tp={rank}/{world}"
+    )
+    return {
+        "model_id": cfg.model_id or src.name,
+        "model_revision_hash": src.weights,
+        "rope_config_hash": short_hash(rope),
+        "kv_layout": layout,
+    }
+
+
+def layer_ids(names: Iterable[str]) -> dict[str, int]:
+    """Layer name -> layer index: the ``layers.N`` number when every name has one, else sorted order."""
+    names = list(names)
+    found = {n: re.search(r"layers\.(\d+)\.", n) for n in names}
+    nums = {n: int(m.group(1)) for n, m in found.items() if m}
+    if len(nums) == len(names) and len(set(nums.values())) == len(names):
+        return nums
+    return {n: i for i, n in enumerate(sorted(names))}
+
+
+def model16(hashes: dict[str, str]) -> str:
+    """The 16 hex digits that start every key of one identity: the store's model digest
+    (:meth:`~kvcodec.store.DirectoryStore.make_key`), so the connector's keys are the store's."""
+    from kvcodec.store import DirectoryStore
+
+    return DirectoryStore.make_key(hashes, 0, 0).split("-")[0]

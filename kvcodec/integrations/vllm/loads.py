@@ -1,0 +1,312 @@
+"""The worker's load handler: chunks from the store, checked, into the request's blocks.
+
+A load is read and checked off the step (the loader thread; synchronous loads in
+``start_load_kv``): each blob is read and parsed once, CRC-checked once (the store's
+``get_parsed``; one ``get_parsed_many`` per chunk where a chunk's blobs may vanish one by one),
+then checked against its key (identity, prefix hash, ids, geometry): by
+:meth:`~.fused.FusedLayers.prepare` for the one-launch path, else by :func:`~.chunks.read_chunk`,
+the one per-layer path. CPU caches: the loader writes the chunks too (vLLM leaves a loading
+request's blocks alone until it is reported); CUDA caches: ``get_finished`` writes them on the step.
+A chunk that fails is reported through ``get_block_ids_with_load_errors`` (vLLM recomputes it
+with ``kv_load_failure_policy="recompute"``) and its manifest removed, so a lookup does not
+find it again; a damaged or misfiled blob removes the chunk's every key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcodec.errors import CodecError, CodecMismatchError, CorruptEncodedKVError, StoreUnavailableError
+from kvcodec.store import BlobStore
+
+from .background import BackgroundPool
+from .buffers import ReadBuffers
+from .caches import LayerCaches
+from .chunk_keys import ChunkKeys
+from .chunks import PreparedChunk, read_chunk, write_chunk
+from .config import KvcodecConfig
+from .counters import Counters
+from .fused import FusedChunk
+from .metadata import LoadSpec
+
+__all__ = ["IDLE_LOAD_WAIT_S", "LoadHandler", "LoadResult", "PreparedLoad"]
+
+logger = logging.getLogger("vllm.kvcodec")
+
+IDLE_LOAD_WAIT_S = 0.005
+"""In a step that computes nothing while loads are pending, ``get_finished`` waits up to this long for
+one: vLLM would otherwise run another empty step at once, about a thousand of them per second of load,
+each taking the GIL and a core from the loader. (A request that arrives meanwhile waits as long.)"""
+
+WriteChunk = Callable[..., None]
+
+
+@dataclass
+class PreparedLoad:
+    """A chunk read and checked off the step, ready to write into the paged cache."""
+
+    chunk: int
+    skip: int
+    tokens: int
+    kv: PreparedChunk | FusedChunk
+    """Checked for the per-layer path (:func:`~.chunks.read_chunk`) or the fused one."""
+    buffers: list[bytearray] = field(default_factory=list)
+    """What the blobs view: back to the read buffers once written."""
+
+
+@dataclass
+class LoadResult:
+    spec: LoadSpec
+    chunks: list[PreparedLoad]
+    failed_at: int | None = None
+    """First request token of the chunk that failed (its blocks on are recomputed)."""
+    written: bool = False
+    """Already written into the cache (and its failures recorded) by the loader."""
+
+
+class LoadHandler:
+    """Loads of one worker; ``write`` writes a checked chunk into the caches (:func:`~.chunks.write_chunk`)."""
+
+    def __init__(
+        self,
+        cfg: KvcodecConfig,
+        caches: LayerCaches,
+        store: BlobStore,
+        keys: ChunkKeys,
+        counters: Counters,
+        *,
+        write: WriteChunk = write_chunk,
+        idle_wait_s: float = IDLE_LOAD_WAIT_S,
+    ) -> None:
+        self.cfg, self.caches, self.store, self.keys, self.counters = cfg, caches, store, keys, counters
+        self.write = write
+        self.idle_wait_s = idle_wait_s
+        self.buffers = ReadBuffers()
+        self.loader = BackgroundPool("loader", threads=1, capacity=cfg.max_concurrent_loads, nice=0)
+        """On its hit's TTFT, so at the engine's priority; at most as many jobs as loads in flight."""
+        self._lock = threading.Lock()
+        self._loaded = threading.Condition(self._lock)
+        self._ready: list[LoadResult] = []
+        self._errors: set[int] = set()
+        self.prepare: Callable[[LoadSpec], LoadResult] = self.read_and_check
+        """What reads and checks a load (replaceable: tests gate or break it)."""
+
+    # ------------------------------------------------------------ the step's hooks
+
+    def start(self, loads: Iterable[LoadSpec]) -> None:
+        """Queue background loads; read, check and write synchronous ones here."""
+        for spec in loads:
+            if not spec.background:
+                self._apply(self.prepare(spec))
+            elif not self.loader.submit(lambda spec=spec: self._background(spec)):
+                logger.warning("kvcodec: request %s not loaded (loader full or shut down)", spec.req_id)
+                self._finish(LoadResult(spec, [], failed_at=spec.start))
+
+    def take_ready(self, idle: bool) -> list[LoadResult]:
+        """Loads read since the last call, written into the cache here unless the loader did (in a
+        step that computes nothing, wait up to ``idle_wait_s`` for one first)."""
+        with self._lock:
+            if idle and not self._ready and self.loader.depth:
+                w0 = time.perf_counter()
+                self._loaded.wait(self.idle_wait_s)
+                self.counters.add(idle_load_wait_seconds=time.perf_counter() - w0)
+            ready, self._ready = self._ready, []
+        for result in ready:
+            if not result.written:
+                self._apply(result)
+        return ready
+
+    def take_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    # ------------------------------------------------------------ read and check
+
+    def _background(self, spec: LoadSpec) -> None:
+        """The loader's job: whatever happens, the request reaches ``get_finished`` (failed: recomputed)."""
+        try:
+            result = self.prepare(spec)
+        except Exception:  # a bug or resource failure outside one chunk's read: recompute it all
+            logger.exception(
+                "kvcodec: request %s not loaded; recomputed from token %d", spec.req_id, spec.start
+            )
+            result = LoadResult(spec, [], failed_at=spec.start)
+        if self.caches.on_cpu:
+            self._apply_or_fail(result)
+        self._finish(result)
+        self.counters.add(requests_loaded_async=1)
+
+    def _finish(self, result: LoadResult) -> None:
+        with self._lock:
+            self._ready.append(result)
+            self._loaded.notify_all()
+
+    def _apply_or_fail(self, result: LoadResult) -> None:
+        """The loader writes a CPU cache's chunks itself. A failure here fails the whole request
+        (recomputed), never leaves it unreported."""
+        try:
+            self._apply(result)
+        except Exception:  # pragma: no cover - _apply reports a chunk's failures itself
+            logger.exception("kvcodec: request %s not written; recomputed", result.spec.req_id)
+            self._fail_blocks(result.spec, result.spec.start)
+        result.written = True
+
+    def read_and_check(self, spec: LoadSpec) -> LoadResult:
+        """Read and check every chunk of a load (stopping at the first that fails); nothing is written."""
+        cs = self.cfg.chunk_size
+        result = LoadResult(spec, [])
+        t0 = time.perf_counter()
+        for c in range(spec.start // cs, -(-spec.end // cs)):
+            first = max(spec.start, c * cs)
+            try:
+                result.chunks.append(self._prepare_chunk(spec, c, first - c * cs))
+            except StoreUnavailableError:
+                result.failed_at = first
+                self.counters.add(load_unavailable=1)
+                break
+            except Exception as e:  # any failure (not only a bad blob) means: recompute from here
+                result.failed_at = first
+                self._forget(spec, c)
+                logger.warning(
+                    "kvcodec: request %s chunk %d not loaded (%s: %s); recomputed from token %d",
+                    spec.req_id,
+                    c,
+                    type(e).__name__,
+                    e,
+                    first,
+                    exc_info=not isinstance(e, (CodecError, KeyError, OSError)),
+                )
+                break
+        self.counters.add(load_seconds=time.perf_counter() - t0)
+        return result
+
+    def _prepare_chunk(self, spec: LoadSpec, c: int, skip: int) -> PreparedLoad:
+        """Every layer's blob of chunk ``c``, read once and checked against its key."""
+        ref, caches, cs = spec.ref(c), self.caches, self.cfg.chunk_size
+        keys = {n: self.keys.blob(caches.rank, caches.layers[n], ref) for n in caches.caches}
+        buffers: list[bytearray] = []
+        try:
+            with self._deleting_bad([*keys.values(), self.keys.manifest(ref)]):
+                parsed = self._read(keys, buffers)
+                fused = caches.fused
+                if fused is not None and fused.serves(c * cs, skip):
+                    fc = fused.prepare(parsed, c, cs, skip, ref.chunk_hash)
+                    if fc is not None:
+                        return PreparedLoad(c, skip, cs - skip, fc, buffers)
+                codecs = {n: caches.codec(n) for n in parsed}
+                chunk = read_chunk(
+                    parsed,
+                    caches.caches,
+                    codecs,
+                    caches.layers,
+                    chunk_id=c,
+                    num_tokens=cs,
+                    chunk_hash=ref.chunk_hash,
+                )
+        except BaseException:
+            self.buffers.give(buffers)
+            raise
+        return PreparedLoad(c, skip, cs - skip, chunk, buffers)
+
+    def _read(self, keys: dict[str, str], buffers: list[bytearray]) -> dict[str, Any]:
+        """Each blob read and parsed once, CRC checked: one ``get_parsed_many`` where one blob of a
+        chunk may vanish alone (all or nothing), else ``get_parsed`` into reused buffers."""
+        if self.store.partial_groups:
+            got = self.store.get_parsed_many(list(keys.values()))
+            parsed = dict(zip(keys, got))
+        else:
+            parsed = {name: self._read_into(key, buffers) for name, key in keys.items()}
+        self.counters.add(bytes_read=sum(len(p.blob) for p in parsed.values()))
+        return parsed
+
+    def _read_into(self, key: str, buffers: list[bytearray]) -> Any:
+        spare = self.buffers.take()
+        try:
+            parsed = self.store.get_parsed(key, into=spare)
+        except BaseException:
+            if spare is not None:
+                buffers.append(spare)
+            raise
+        owner = parsed.buffer.obj
+        if isinstance(owner, bytearray):
+            buffers.append(owner)  # the spare, or a new one when the spare was too small (dropped)
+        return parsed
+
+    def _forget(self, spec: LoadSpec, c: int) -> None:
+        """Delete a chunk's manifest after its load failed: vLLM looks the request up again before it
+        recomputes, and a chunk still marked present would be loaded (and fail) again, forever. The
+        recomputed chunk is saved again (its blobs that are still there are not rewritten)."""
+        try:
+            self.store.delete(self.keys.manifest(spec.ref(c)))
+        except Exception as e:  # nothing more to do: the failure is already reported
+            logger.warning("kvcodec: request %s chunk %d: manifest not removed (%s)", spec.req_id, c, e)
+
+    @contextlib.contextmanager
+    def _deleting_bad(self, keys: Sequence[str]) -> Iterator[None]:
+        """Delete every key of the chunk when one blob is damaged, another model's or misfiled."""
+        try:
+            yield
+        except (CorruptEncodedKVError, CodecMismatchError):
+            for key in keys:
+                with contextlib.suppress(StoreUnavailableError):
+                    self.store.delete(key)
+            raise
+
+    # ------------------------------------------------------------ write
+
+    def _apply(self, result: LoadResult) -> None:
+        """Write the prepared chunks into the request's blocks; report the rest as load errors."""
+        failed_at = result.failed_at
+        try:
+            failed_at = self._write_all(result, failed_at)
+        finally:  # every chunk written or skipped: nothing views the buffers any more
+            self.buffers.give([b for p in result.chunks for b in p.buffers])
+        if failed_at is not None:
+            self._fail_blocks(result.spec, failed_at)
+
+    def _fail_blocks(self, spec: LoadSpec, failed_at: int) -> None:
+        """Report the load's blocks from token ``failed_at`` on (vLLM recomputes them)."""
+        bs = self.caches.geo.block_size
+        with self._lock:  # the loader may add while the step takes them
+            self._errors |= {spec.block_ids[b] for b in range(failed_at // bs, -(-spec.end // bs))}
+        self.counters.add(chunks_failed=1)
+
+    def _write_all(self, result: LoadResult, failed_at: int | None) -> int | None:
+        """Write the prepared chunks in order, stopping at the first that fails; the first failing token."""
+        spec, cs = result.spec, self.cfg.chunk_size
+        for p in result.chunks:
+            try:
+                self._write_one(spec, p)
+            except Exception as e:  # the blocks from here on are reported, so vLLM recomputes them
+                failed_at = p.chunk * cs + p.skip
+                self._forget(spec, p.chunk)
+                logger.warning(
+                    "kvcodec: request %s chunk %d not written (%s: %s)",
+                    spec.req_id,
+                    p.chunk,
+                    type(e).__name__,
+                    e,
+                    exc_info=not isinstance(e, (CodecError, OSError)),
+                )
+                break
+            self.counters.add(chunks_loaded=1, tokens_loaded=p.tokens)
+        return failed_at
+
+    def _write_one(self, spec: LoadSpec, p: PreparedLoad) -> None:
+        if isinstance(p.kv, FusedChunk):
+            self.caches.fused.load(p.kv, spec.block_ids)  # type: ignore[union-attr]  # set when prepared
+            self.counters.add(chunks_loaded_fused=1)
+            return
+        self.write(p.kv, self.caches.caches, spec.block_ids, start=p.chunk * self.cfg.chunk_size, skip=p.skip)
+
+    def shutdown(self) -> None:
+        """Drop pending loads."""
+        self.loader.shutdown(0)

@@ -1,0 +1,68 @@
+"""What the scheduler side tells the worker side each step. Pure Python (no torch, no vLLM): the
+facade's ``KvcodecMetadata`` adds vLLM's ``KVConnectorMetadata`` base to :class:`StepPlan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .chunk_keys import ChunkRef
+
+__all__ = ["LoadSpec", "SaveSpec", "StepPlan"]
+
+
+@dataclass
+class SaveSpec:
+    """Save chunk ``chunk`` (tokens ``chunk * chunk_size ..``) of a request."""
+
+    req_id: str
+    chunk: int
+    chunk_hash: str
+    parent_hash: str | None
+    block_ids: list[int]
+
+    @property
+    def ref(self) -> ChunkRef:
+        """The chunk, as its keys name it."""
+        return ChunkRef(self.chunk, self.chunk_hash, self.parent_hash)
+
+
+@dataclass
+class LoadSpec:
+    """Load tokens ``start .. end`` of a request from chunks ``start // chunk_size ..``."""
+
+    req_id: str
+    start: int
+    end: int
+    chunk_hashes: list[str]
+    """Hashes of every chunk from the request's first on (only those covering start..end are read)."""
+    block_ids: list[int]
+    background: bool = False
+    """Read on the loader thread, written and reported through ``get_finished``."""
+
+    def ref(self, chunk: int) -> ChunkRef:
+        """Chunk ``chunk`` of the request, as its keys name it."""
+        return ChunkRef.of(self.chunk_hashes, chunk)
+
+
+@dataclass
+class StepPlan:
+    """What the worker does this step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    tokens_hit: int = 0
+    """Lookups since the last step: prompt tokens the connector will load ..."""
+    tokens_missed: int = 0
+    """... and prompt tokens neither it nor vLLM's own prefix cache had."""
+    lookups_unavailable: int = 0
+    """Lookups since the last step that found the store unreachable (answered as misses)."""
+    loads_deferred: int = 0
+    """Lookups since the last step answered "ask again later" (``max_concurrent_loads`` in flight)."""
+    held: list[str] = field(default_factory=list)
+    """Requests finished since the last step whose blocks vLLM keeps (``request_finished`` returned
+    True) until ``get_finished`` reports them sent: their chunks may still be being copied out."""
+    idle: bool = False
+    """This step computes no token (vLLM steps anyway while requests wait for their loads)."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted by this step's schedule: their blocks are free, so ``handle_preemptions``
+    waits for any copy still reading them before the forward may overwrite them."""

@@ -1,0 +1,266 @@
+"""The connector's scheduler side: which prompt tokens the store can serve, which chunks to save.
+
+It imports neither torch nor vLLM (a contract in ``pyproject.toml``), reads vLLM's requests and
+scheduler outputs duck-typed, and reaches the store only through a :class:`ChunkLookup` (one
+``contains_many`` call per prompt). Every key comes from :class:`~.chunk_keys.ChunkKeys`.
+
+* Lookup: the longest run of a prompt's leading chunks that are present: the manifest of each
+  (written after every layer's and rank's blob) or, on a store that may lose one blob of a chunk
+  on its own (``partial_groups``, e.g. Redis LRU), every blob key too. An unreachable store is a
+  miss, counted.
+* Loads: at most ``max_concurrent_loads`` asynchronous loads in flight; over it, a request that
+  would load is answered ``(None, False)`` and vLLM asks again in a later step.
+* Saves: each chunk completed by a step and not present, in order (a chunk whose predecessor is
+  neither stored nor planned could never be hit). With asynchronous saves a finished request that
+  had chunks to save keeps its blocks (``request_finished`` -> True) until the worker reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvcodec.errors import StoreUnavailableError
+
+from .chunk_keys import ChunkKeys, ChunkRef
+from .config import KvcodecConfig
+from .keys import prefix_hashes, request_seed
+from .metadata import LoadSpec, SaveSpec, StepPlan
+
+__all__ = ["ChunkLookup", "KvcodecScheduler", "LookupShape"]
+
+logger = logging.getLogger("vllm.kvcodec")
+
+
+class ChunkLookup(Protocol):
+    """What the scheduler side needs of a store: whether keys are present, in one call."""
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of each key, in order (one round trip on a remote store)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LookupShape:
+    """Which keys make a chunk present: its manifest, and with ``partial_groups`` every blob of every
+    rank (``layers``: the layer ids, ``world``: the tensor-parallel ranks)."""
+
+    layers: tuple[int, ...]
+    world: int = 1
+    partial_groups: bool = False
+
+    def keys(self, keys: ChunkKeys, ref: ChunkRef) -> list[str]:
+        """The keys whose presence marks ``ref`` loadable, the manifest first."""
+        out = [keys.manifest(ref)]
+        if self.partial_groups:
+            out += [keys.blob(r, lid, ref) for r in range(self.world) for lid in self.layers]
+        return out
+
+
+@dataclass
+class _ReqState:
+    hashes: list[str]
+    """Prefix hash of each full prompt chunk."""
+    block_ids: list[int]
+    next_chunk: int = 0
+    saved_upto: int = 0
+    """Chunks below this are stored or planned: a chunk is saved only after its predecessor."""
+    planned: int = 0
+    """Saves sent to the worker: with asynchronous saves the blocks are held at finish when any was."""
+
+
+@dataclass
+class _Lookup:
+    """One request's lookup, for its DEBUG line."""
+
+    prompt: int = 0
+    hit: int = 0
+    local: int = 0
+    saves: int = 0
+
+
+class KvcodecScheduler:
+    """The scheduler-side hooks of ``KvcodecConnector``, over a :class:`ChunkLookup`."""
+
+    def __init__(
+        self,
+        cfg: KvcodecConfig,
+        keys: ChunkKeys,
+        lookup: ChunkLookup,
+        shape: LookupShape,
+        block_size: int,
+    ) -> None:
+        self.cfg, self.keys, self.lookup, self.shape = cfg, keys, lookup, shape
+        self._block_size = block_size
+        self._reqs: dict[str, _ReqState] = {}
+        self._seeds: dict[str, str | None] = {}
+        """Per request: what besides token ids identifies its KV; None = never save (prompt embeddings)."""
+        self._hits: dict[str, tuple[int, int, list[str]]] = {}
+        self._to_load: dict[str, LoadSpec] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._delta = dict.fromkeys(
+            ("tokens_hit", "tokens_missed", "lookups_unavailable", "loads_deferred"), 0
+        )
+        self._held_new: list[str] = []
+        self.loading: set[str] = set()
+        """Requests whose asynchronous load is in flight (until the worker reports it received)."""
+
+    # ------------------------------------------------------------ lookup
+
+    def present(self, refs: Sequence[ChunkRef]) -> list[bool]:
+        """Whether each chunk is loadable, in one ``contains_many``; an unreachable store: none is."""
+        if not refs:
+            return []
+        per = [self.shape.keys(self.keys, r) for r in refs]
+        try:
+            found = self.lookup.contains_many([k for ks in per for k in ks])
+        except StoreUnavailableError:
+            self._delta["lookups_unavailable"] += 1
+            return [False] * len(refs)
+        out, at = [], 0
+        for ks in per:
+            out.append(all(found[at : at + len(ks)]))
+            at += len(ks)
+        return out
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` covered by the prompt's leading present chunks; ``(None,
+        False)`` (ask again later) while ``max_concurrent_loads`` asynchronous loads are in flight."""
+        rid = request.request_id
+        tokens = list(request.prompt_token_ids or [])
+        embeds = getattr(request, "prompt_embeds", None) is not None
+        seed = self._seeds[rid] = None if embeds else request_seed(request)
+        hit, hashes = 0, []
+        if seed is not None and tokens:
+            cs = self.cfg.chunk_size
+            hashes = prefix_hashes(tokens[: (len(tokens) - 1) // cs * cs], cs, seed)
+            for c, ok in enumerate(self.present([ChunkRef.of(hashes, c) for c in range(len(hashes))])):
+                if not ok:
+                    break
+                hit = (c + 1) * cs
+        if hit <= num_computed_tokens:
+            self._count_lookup(rid, len(tokens), hit, num_computed_tokens)
+            self._hits.pop(rid, None)
+            return 0, False
+        if (
+            self.cfg.async_load
+            and rid not in self.loading
+            and len(self.loading) >= self.cfg.max_concurrent_loads
+        ):
+            self._delta["loads_deferred"] += 1
+            return None, False
+        self._count_lookup(rid, len(tokens), hit, num_computed_tokens)
+        self._hits[rid] = (num_computed_tokens, hit, hashes)
+        return hit - num_computed_tokens, self.cfg.async_load
+
+    def _count_lookup(self, req_id: str, prompt: int, hit: int, local: int) -> None:
+        """Tokens hit and missed, once per request (a request may be looked up again while it waits)."""
+        if req_id in self._lookups:
+            return
+        self._lookups[req_id] = _Lookup(prompt, max(0, hit - local), local)
+        self._delta["tokens_hit"] += max(0, hit - local)
+        self._delta["tokens_missed"] += max(0, prompt - max(hit, local))
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of a request vLLM allocated blocks for."""
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens > 0 and hit is not None:
+            start, _, hashes = hit
+            rid = request.request_id
+            self._to_load[rid] = LoadSpec(
+                rid,
+                start,
+                start + num_external_tokens,
+                hashes,
+                list(blocks.get_block_ids()[0]),
+                background=self.cfg.async_load,
+            )
+            if self.cfg.async_load:
+                self.loading.add(rid)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A load the worker reports received no longer counts against ``max_concurrent_loads``."""
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self.loading.discard(rid)
+
+    # ------------------------------------------------------------ the step's plan
+
+    def build_connector_meta(self, scheduler_output: Any, meta: StepPlan) -> StepPlan:
+        """Fill ``meta`` with this step's loads, saves, held and preempted requests and lookup counts."""
+        meta.loads = list(self._to_load.values())
+        self._to_load.clear()
+        meta.tokens_hit, meta.tokens_missed = self._delta["tokens_hit"], self._delta["tokens_missed"]
+        meta.lookups_unavailable = self._delta["lookups_unavailable"]
+        meta.loads_deferred = self._delta["loads_deferred"]
+        self._delta = dict.fromkeys(self._delta, 0)
+        meta.held, self._held_new = self._held_new, []
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            seed = self._seeds.get(new.req_id, "")
+            tokens = list(new.prompt_token_ids or []) if seed is not None else []
+            hashes = prefix_hashes(tokens, self.cfg.chunk_size, seed or "")
+            self._reqs[new.req_id] = _ReqState(hashes, list(new.block_ids[0]))
+            self._plan(meta, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = list(new_ids[0])  # a resumed request gets its whole table anew
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: StepPlan, req_id: str, computed_after: int) -> None:
+        """Save the request's chunks completed by this step that are not present (one lookup)."""
+        state = self._reqs[req_id]
+        cs, bs = self.cfg.chunk_size, self._block_size
+        done = min(computed_after // cs, len(state.hashes))
+        todo = range(state.next_chunk, done)
+        for c, present in zip(todo, self.present([ChunkRef.of(state.hashes, c) for c in todo])):
+            if present:
+                state.saved_upto = c + 1
+                continue
+            if c > state.saved_upto:
+                break  # its predecessor is neither stored nor being saved: it could never be hit
+            ref = ChunkRef.of(state.hashes, c)
+            blocks = state.block_ids[: -(-(c + 1) * cs // bs)]
+            meta.saves.append(SaveSpec(req_id, c, ref.chunk_hash, ref.parent_hash, blocks))
+            state.saved_upto = c + 1
+            state.planned += 1
+            if req_id in self._lookups:
+                self._lookups[req_id].saves += 1
+        state.next_chunk = max(state.next_chunk, done)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """With asynchronous saves, a request that had any chunk to save keeps its blocks (True) until
+        the worker's ``get_finished`` reports that every copy out of them is done; otherwise they go
+        at once (synchronous saves copy inside the step)."""
+        rid = request.request_id
+        state = self._reqs.pop(rid, None)
+        hold = self.cfg.async_save and state is not None and state.planned > 0
+        if hold:
+            self._held_new.append(rid)
+        self._seeds.pop(rid, None)
+        self._hits.pop(rid, None)
+        self.loading.discard(rid)
+        look = self._lookups.pop(rid, None)
+        if look is not None:
+            logger.debug(
+                "kvcodec: request %s: prompt %d tokens, %d from vLLM's cache, %d from the store "
+                "(%s), %d chunks to save",
+                rid,
+                look.prompt,
+                look.local,
+                look.hit,
+                "async" if self.cfg.async_load else "sync",
+                look.saves,
+            )
+        return hold, None

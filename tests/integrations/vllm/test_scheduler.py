@@ -1,0 +1,82 @@
+"""The connector's scheduler side on its own: no vLLM, no torch (requests and scheduler outputs are
+read duck-typed, the store is a real DirectoryStore reached only through ``contains_many``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef, group_of
+from kvcodec.integrations.vllm.config import KvcodecConfig
+from kvcodec.integrations.vllm.keys import prefix_hashes
+from kvcodec.integrations.vllm.metadata import StepPlan
+from kvcodec.integrations.vllm.scheduler import KvcodecScheduler, LookupShape
+from kvcodec.store import DirectoryStore, StoreOptions
+
+CHUNK, BLOCK = 32, 16
+TOKENS = list(range(5, 5 + 3 * CHUNK + 1))
+HASHES = prefix_hashes(TOKENS[: 3 * CHUNK], CHUNK)
+KEYS = ChunkKeys({0: "0123456789abcdef"})
+
+
+def _scheduler(root: Path, **extra: object) -> tuple[KvcodecScheduler, DirectoryStore]:
+    store = DirectoryStore.from_options(root, StoreOptions(group_of=group_of, verify_blobs=False))
+    cfg = KvcodecConfig.from_extra({"root": str(root), "chunk_size": CHUNK, **extra})
+    return KvcodecScheduler(cfg, KEYS, store, LookupShape((0, 1)), BLOCK), store
+
+
+def _request(rid: str = "r") -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=TOKENS, prompt_embeds=None, lora_request=None)
+
+
+def _output(rid: str | None, computed: int) -> SimpleNamespace:
+    new = SimpleNamespace(
+        req_id=rid, prompt_token_ids=TOKENS, block_ids=(list(range(8)),), num_computed_tokens=0
+    )
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        scheduled_new_reqs=[new] if rid else [],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={rid: computed} if rid else {},
+        total_num_scheduled_tokens=computed,
+    )
+
+
+def test_the_scheduler_side_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvcodec.integrations.vllm.scheduler\nassert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_leading_present_chunks_are_hit(tmp_path: Path) -> None:
+    sched, store = _scheduler(tmp_path)
+    for c in (0, 1):
+        store.put(KEYS.manifest(ChunkRef.of(HASHES, c)), b"m")
+    assert sched.get_num_new_matched_tokens(_request(), 0) == (2 * CHUNK, True)
+    assert sched.get_num_new_matched_tokens(_request("s"), 2 * CHUNK) == (0, False)  # vLLM had them
+
+
+def test_saves_are_planned_in_order_and_held_at_finish(tmp_path: Path) -> None:
+    sched, store = _scheduler(tmp_path)
+    store.put(KEYS.manifest(ChunkRef.of(HASHES, 1)), b"m")  # chunk 1 present, chunk 0 not
+    sched.get_num_new_matched_tokens(_request(), 0)
+    meta = sched.build_connector_meta(_output("r", len(TOKENS)), StepPlan())
+    assert [(s.chunk, s.parent_hash) for s in meta.saves] == [(0, None), (2, HASHES[1])]
+    assert meta.saves[1].block_ids == list(range(6))
+    assert sched.request_finished(_request(), []) == (True, None)
+    assert sched.build_connector_meta(_output(None, 0), StepPlan()).held == ["r"]
+
+
+def test_a_capped_scheduler_defers_loads_until_one_is_received(tmp_path: Path) -> None:
+    sched, store = _scheduler(tmp_path, max_concurrent_loads=1)
+    store.put(KEYS.manifest(ChunkRef.of(HASHES, 0)), b"m")
+    blocks = SimpleNamespace(get_block_ids=lambda: ([0, 1],))
+    assert sched.get_num_new_matched_tokens(_request("a"), 0) == (CHUNK, True)
+    sched.update_state_after_alloc(_request("a"), blocks, CHUNK)
+    assert sched.get_num_new_matched_tokens(_request("b"), 0) == (None, False)
+    meta = sched.build_connector_meta(_output(None, 0), StepPlan())
+    assert [ld.req_id for ld in meta.loads] == ["a"] and meta.loads_deferred == 1
+    sched.update_connector_output(SimpleNamespace(finished_recving={"a"}))
+    assert sched.get_num_new_matched_tokens(_request("b"), 0) == (CHUNK, True)
