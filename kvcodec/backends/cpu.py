@@ -326,6 +326,49 @@ class CpuBackend:
         _declined(_cpu.dequantize(_buf(q), s, _SCOPE[groups.scope], page, _buf(out), _DTYPE[out.dtype]))
         return out
 
+    def decode_host(
+        self,
+        payload: memoryview,
+        k_len: int,
+        scales: torch.Tensor,
+        groups: Groups,
+        out_k: torch.Tensor,
+        out_v: torch.Tensor,
+        *,
+        crc: int | None = None,
+    ) -> int | None:
+        """A host blob payload's K bytes into ``out_k`` and its codes dequantized into ``out_v``, in one C call.
+
+        ``payload`` is ``K (k_len bytes) ‖ codes (out_v's elements) ‖ ...``; ``out_k`` is C-contiguous
+        and holds exactly ``k_len`` bytes. With ``crc`` (the CRC so far: the header's, or 0) returns it
+        continued over K and the codes, folded into the same pass, or None when C could not fold it
+        (the caller computes it); without ``crc``, None. Raises :class:`~.base.Declined` for what C does
+        not take (then nothing was written), and at NaN codes (then part of the outputs may be).
+        """
+        page = _page(groups)
+        if isinstance(page, str):
+            raise Declined(page)
+        _declined(
+            _out_refusal(out_v, _DECODE[1], out_v.shape) or _scales_refusal(scales, groups, out_v.shape, page)
+        )
+        if not out_k.is_contiguous() or out_k.numel() * out_k.element_size() != k_len or out_k.requires_grad:
+            raise Declined("out_k is not a C-contiguous tensor of K's bytes")
+        codes = np.frombuffer(payload, np.uint8, out_v.numel(), k_len).reshape(out_v.shape)
+        k_src = np.frombuffer(payload, np.uint8, k_len)
+        return _served(
+            _cpu.dequantize(
+                codes,
+                _scales32(scales),
+                _SCOPE[groups.scope],
+                page,
+                _buf(out_v),
+                _DTYPE[out_v.dtype],
+                k_src,
+                _buf(out_k).reshape(-1).view(np.uint8),
+                crc,
+            )
+        )
+
 
 BACKEND = CpuBackend()
 """The one instance the dispatcher uses."""

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import backends
-from ..errors import Reason, UnsupportedConfigError
+from ..errors import CodecError, Reason, UnsupportedConfigError
 from ..format import (
     COMPUTED_SCOPES,
     MAX_DIM,
@@ -28,8 +28,11 @@ from ..format import (
     ScaleScheme,
     ScaleScope,
     check_consistency,
+    check_crc,
     parse,
+    payload_crc,
 )
+from ..format.crc import crc32
 from ..hostmem import byte_span, copy_tensor, overlaps_buffer, owned_copy
 from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
@@ -263,7 +266,29 @@ def decode(
     V are views into ``blob`` when it is writable and ``copy`` is False.
     ``scales`` supplies an external scope's scales; ``shape`` = (tokens,
     heads, head_dim) for blobs whose writer left the layout fields unset.
+    Decoding a buffer into ``out_k`` and a dequantized ``out_v`` on CPU
+    checks the CRC in the pass that writes them (the payload is read once):
+    a damaged blob still raises ``CRC_MISMATCH``, but those outputs may
+    have been overwritten by then.
     """
+    if (
+        verify_crc
+        and out_k is not None
+        and out_v is not None
+        and scales is None
+        and not isinstance(blob, ParsedBlob)
+    ):
+        kw = {
+            "out_v_dtype": out_v_dtype,
+            "device": device,
+            "out_k": out_k,
+            "out_v": out_v,
+            "shape": shape,
+            "copy": copy,
+        }
+        got = _decode_checked_in_pass(blob, expected_hashes, strict_hashes, strict, backend, kw)
+        if got is not None:
+            return got
     parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
     if expected_hashes is not None:
         check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
@@ -279,6 +304,84 @@ def decode(
         backend=backend,
     )
     return decode_parsed(parsed.header, parsed.payload, req)
+
+
+def _decode_checked_in_pass(
+    blob: Any,
+    expected_hashes: Any,
+    strict_hashes: bool,
+    strict: bool,
+    backend: str | None,
+    kw: dict[str, Any],
+) -> DecodedKV | None:
+    """:func:`decode` into ``out_k`` and a dequantized ``out_v`` with the blob's CRC checked in the pass
+    that copies K and dequantizes V (the cpu backend's host lane), so the payload is read once.
+
+    The outputs are written before the CRC is known: a mismatch raises ``CRC_MISMATCH`` with them
+    overwritten. Returns None (nothing written) for anything else, including every error met before
+    the pass: the general path then decodes it, checking the CRC first, so a damaged blob is named
+    as damaged whatever else it breaks.
+    """
+    try:
+        parsed = parse(blob, verify_crc=False, strict=strict)
+        h = parsed.header
+        if expected_hashes is not None:
+            check_hashes(h.hashes, expected_hashes, strict=strict_hashes)
+        req = _request(h, scales=None, backend=backend, **kw)
+        lane = _host_lane_inputs(h, parsed.payload, req)
+    except CodecError:
+        return None
+    if lane is None:
+        return None
+    be, s_t, groups, target = lane
+    payload = parsed.payload
+    try:
+        crc = be.decode_host(
+            payload,
+            h.k_payload_len,
+            s_t,
+            groups,
+            req.out_k,
+            target,
+            crc=payload_crc(h, parsed.crc_prefix, ()),
+        )
+    except backends.Declined:
+        check_crc(h, parsed.crc, payload_crc(h, parsed.crc_prefix, (payload,)))
+        return decode_parsed(h, payload, req)  # C wrote nothing, or stopped at NaN codes: rewritten here
+    kv_end = h.k_payload_len + h.v_payload_len
+    if crc is None:
+        crc = payload_crc(h, parsed.crc_prefix, (payload,))
+    else:
+        crc = crc32(payload[kv_end : kv_end + h.scale_payload_len], crc)
+    check_crc(h, parsed.crc, crc)
+    return DecodedKV(req.out_k, req.out_v, s_t, h)
+
+
+def _host_lane_inputs(
+    h: Header, payload: memoryview, req: DecodeRequest
+) -> tuple[Any, torch.Tensor, backends.Groups, torch.Tensor] | None:
+    """(backend, scales, groups, V's target) when the backend's host lane can decode ``h``'s payload:
+    CPU, K present, stored scales of a computed scope, ``out_v`` dequantized in place; else None."""
+    if req.device.type != "cpu" or req.raw_v or not h.k_payload_len or not h.scale_payload_len:
+        return None
+    if h.scale_scope not in COMPUTED_SCOPES or h.scale_scheme == ScaleScheme.UNIT:
+        return None
+    be = backends.select(req.backend, req.device)
+    if getattr(be, "decode_host", None) is None:
+        return None
+    n = h.v_payload_len // h.v_dtype.itemsize
+    shape = _shape(h, n, req.shape)
+    if shape is None or len(payload) < h.k_payload_len + h.v_payload_len + h.scale_payload_len:
+        return None
+    _fits("out_k", req.out_k, shape, h.k_payload_len // h.k_dtype.itemsize)
+    _fits("out_v", req.out_v, shape, n)
+    if overlaps_buffer(req.out_k, payload) or overlaps_buffer(req.out_v, payload):
+        return None  # the general path refuses it
+    s_t = _scale_tensor(h, payload, req)
+    groups, dq_shape = _groups(h, s_t, shape, n)
+    if s_t is None or tuple(req.out_v.shape) != dq_shape or not req.out_v.is_contiguous():
+        return None
+    return be, s_t, groups, req.out_v
 
 
 def _shape(h: Header, n: int, given: tuple[int, int, int] | None) -> tuple[int, int, int] | None:

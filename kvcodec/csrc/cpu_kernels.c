@@ -933,11 +933,10 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 /* ----------------------------------------------------------- dequantize */
 
 /* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
-static int dequantize_rows(const Arr *q, const Arr *o, int odt, int scope, Py_ssize_t page, const float *sc,
-                           int simd) {
-    deq_fn deq = pick_deq(odt, simd);
-    nan_fn has_nan = pick_nan(simd);
-    for (Py_ssize_t t = 0; t < q->T; t++)
+/* Rows t0 .. t1's float(q) * scale; stops before a row holding a NaN code (returns 1). */
+static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_nan, int scope, Py_ssize_t page,
+                           const float *sc, Py_ssize_t t0, Py_ssize_t t1) {
+    for (Py_ssize_t t = t0; t < t1; t++)
         for (Py_ssize_t h = 0; h < q->H; h++) {
             const uint8_t *row = (const uint8_t *)q->base + t * q->st + h * q->sh;
             if (has_nan(row, q->D)) return 1;
@@ -946,29 +945,74 @@ static int dequantize_rows(const Arr *q, const Arr *o, int odt, int scope, Py_ss
     return 0;
 }
 
-/* dequantize(q, scales, scope, page, out, out_dtype) -> None, or why the reference must take it.
- * Non-finite scales: nothing written. NaN codes: stops before that row (the
- * reference then rewrites all of out). */
+/* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
+static int dequantize_rows(const Arr *q, const Arr *o, int odt, int scope, Py_ssize_t page, const float *sc,
+                           int simd) {
+    return dequantize_span(q, o, pick_deq(odt, simd), pick_nan(simd), scope, page, sc, 0, q->T);
+}
+
+/* dequantize_rows with the running CRC state carried over q's bytes (dense), each slice checksummed
+ * just before its rows are read for the dequantization. Returns 1 at a NaN code (the state then
+ * covers only part of q). */
+static int dequantize_rows_crc(const Arr *q, const Arr *o, int odt, int scope, Py_ssize_t page, const float *sc,
+                               int simd, uint32_t *state) {
+    deq_fn deq = pick_deq(odt, simd);
+    nan_fn has_nan = pick_nan(simd);
+    Py_ssize_t step = crc_slice_tokens(q);
+    size_t row = (size_t)(q->H * q->D);
+    for (Py_ssize_t t0 = 0; t0 < q->T; t0 += step) {
+        Py_ssize_t t1 = q->T - t0 < step ? q->T : t0 + step;
+        *state = crc_update(*state, (const uint8_t *)q->base + (size_t)t0 * row, (size_t)(t1 - t0) * row);
+        if (dequantize_span(q, o, deq, has_nan, scope, page, sc, t0, t1)) return 1;
+    }
+    return 0;
+}
+
+/* dequantize(q, scales, scope, page, out, out_dtype[, copy_src, copy_dst[, crc]]) -> None, an int, or
+ * why the reference must take it. Non-finite scales, or a copy touching another buffer: nothing
+ * written. NaN codes: stops before that row (the reference then rewrites all of out). The optional
+ * copy (a blob's K bytes into the caller's K) runs first, in the same GIL release. With `crc` (the
+ * CRC so far: of the header) the result is that CRC continued over the copy's source, then q's bytes
+ * (a blob's K and codes, in order), each slice checksummed while in cache, so that a decode reads
+ * its payload once; None when it could not be folded in (the caller computes it). */
 static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     (void)self;
     static const char *fn = "dequantize";
-    PyObject *qo, *so, *oo;
-    int scope, odt;
+    PyObject *qo, *so, *oo, *cs = Py_None, *cd = Py_None, *co = Py_None;
+    int scope, odt, want;
+    uint32_t seed = 0;
     Py_ssize_t page;
     Bufs b;
-    if (parse(args, fn, "OOinOi", &qo, &so, &scope, &page, &oo, &odt) || check_dtype(fn, odt) ||
-        check_scope(fn, scope, page) || take_bufs(fn, qo, 1, oo, DT_SIZE[odt], so, 0, scope, page, &b))
+    Copy c;
+    if (parse(args, fn, "OOinOi|OOO", &qo, &so, &scope, &page, &oo, &odt, &cs, &cd, &co) || check_dtype(fn, odt) ||
+        check_scope(fn, scope, page) || take_crc(fn, co, &want, &seed) ||
+        take_bufs(fn, qo, 1, oo, DT_SIZE[odt], so, 0, scope, page, &b))
         return NULL;
-    if (b.why) return result(&b, b.why);
+    if (take_copy(fn, cs, cd, &c) < 0) return release_bufs(&b), NULL;
+    if (!b.why && c.held &&
+        (bufs_overlap(&c.src, &c.dst) || copy_overlaps(&c, &c.dst, &b.in) || copy_overlaps(&c, &c.dst, &b.out) ||
+         copy_overlaps(&c, &c.dst, &b.s) || copy_overlaps(&c, &c.src, &b.out)))
+        b.why = "the copy overlaps an input or output of the dequantization";
+    if (b.why) return release_copy(&c), result(&b, b.why);
     const char *why = NULL;
     int simd = kv_simd;
+    int fold = want && kv_crc_fast && dense_codes(&b.in);
+    uint32_t state = ~seed;
     Py_BEGIN_ALLOW_THREADS
     if (!scales_ok((const float *)b.s.base, b.ng, 0))
         why = "scales must be finite";
-    else if (dequantize_rows(&b.in, &b.out, odt, scope, page, (const float *)b.s.base, simd))
-        why = "q holds NaN codes";
+    else if (fold) {
+        if (c.held) state = copy_crc(c.dst.buf, c.src.buf, (size_t)c.src.len, state);
+        if (dequantize_rows_crc(&b.in, &b.out, odt, scope, page, (const float *)b.s.base, simd, &state))
+            why = "q holds NaN codes";
+    } else {
+        if (c.held && c.src.len) memcpy(c.dst.buf, c.src.buf, (size_t)c.src.len);
+        if (dequantize_rows(&b.in, &b.out, odt, scope, page, (const float *)b.s.base, simd)) why = "q holds NaN codes";
+    }
     Py_END_ALLOW_THREADS
-    return result(&b, why);
+    release_copy(&c);
+    if (why || !want) return result(&b, why);
+    return crc_result(&b, fold, state);
 }
 
 /* ------------------------------------------------------ scatter into a cache */
@@ -1275,7 +1319,8 @@ static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS,
      "quantize(v, v_dtype, scales, scope, page, q) -> None or reason: e4m3 codes of V / scale."},
     {"dequantize", py_dequantize, METH_VARARGS,
-     "dequantize(q, scales, scope, page, out, out_dtype) -> None or reason: float(q) * scale."},
+     "dequantize(q, scales, scope, page, out, out_dtype[, copy_src, copy_dst[, crc]]) -> None, CRC or reason: "
+     "float(q) * scale."},
     {"scatter_rows", py_scatter_rows, METH_VARARGS,
      "scatter_rows(src, cache, col, runs) -> None or reason: [T, H, D] rows into a [N, H, S, C] cache view."},
     {"scatter_dequant", py_scatter_dequant, METH_VARARGS,

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from kvcodec.backends.cpu import AVAILABLE
-from kvcodec.codec import encode
+from kvcodec.codec import decode, encode
+from kvcodec.errors import CodecError, CorruptEncodedKVError, Reason
+from kvcodec.format import parse
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="kvcodec._cpu is not built")
 
@@ -129,3 +131,53 @@ def test_encode_v_with_a_strided_output_leaves_the_crc_to_the_caller(fast: Any) 
     q = np.empty((32, 2, 32), np.uint8)[:, :, :16]
     s = np.empty((2, 2), np.float32)
     assert fast.encode_v(v.numpy(), 0, 2, 16, 2, q, s, None, None, 7) is None
+
+
+def _decode_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(k), torch.empty_like(v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scope", ["per_page_head", "per_layer_head", "per_tensor"])
+def test_decode_with_the_crc_folded_in_equals_the_checked_path(
+    fast: Any, dtype: torch.dtype, scope: str
+) -> None:
+    k, v = _layer(11, (40, 3, 48), dtype)
+    blob = encode(k, v, scope=scope, page_size=16)
+    out_k, out_v = _decode_pair(k, v)
+    got = decode(blob, out_k=out_k, out_v=out_v)
+    want = decode(parse(blob), out_v_dtype=dtype)  # CRC checked by the parser, V dequantized apart
+    assert got.k is out_k and got.v is out_v and torch.equal(out_k, k)
+    assert torch.equal(out_v.view(torch.uint8), want.v.contiguous().view(torch.uint8))
+    assert torch.equal(got.scales, want.scales) and got.header == want.header
+
+
+def test_decode_with_the_crc_folded_in_refuses_a_damaged_payload(fast: Any) -> None:
+    k, v = _layer(12, (64, 2, 32), torch.float16)
+    blob = encode(k, v, page_size=16)
+    at = parse(blob).header_len
+    for off in (0, k.numel() * 2 - 1, k.numel() * 2 + 5, len(blob) - at - 1):  # K, V's codes, the scales
+        bad = bytearray(blob)
+        bad[at + off] ^= 0x10
+        with pytest.raises(CorruptEncodedKVError) as e:
+            decode(bad, out_k=torch.empty_like(k), out_v=torch.empty_like(v))
+        assert e.value.reason == Reason.CRC_MISMATCH, off
+
+
+def _reason(call: Any, *args: Any, **kw: Any) -> Any:
+    try:
+        call(*args, **kw)
+    except CodecError as e:
+        return e.reason
+    return None
+
+
+def test_decode_names_a_damaged_header_as_the_parser_does(fast: Any) -> None:
+    """Errors met before the folded check go to the checked path, which names a damaged blob by its CRC."""
+    k, v = _layer(13, (32, 2, 16), torch.float16)
+    blob = encode(k, v, page_size=16)
+    for i in range(parse(blob).header_len):
+        bad = bytearray(blob)
+        bad[i] ^= 0x41
+        got = _reason(decode, bad, out_k=torch.empty_like(k), out_v=torch.empty_like(v))
+        assert got == _reason(parse, bytes(bad)), i
