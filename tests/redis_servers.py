@@ -4,7 +4,8 @@ One server or a 3-node Redis Cluster (no replicas), each process in its own
 temp dir with ``--save '' --appendonly no``, waited for by polls, and stopped
 by its PID when the context ends. A server can be killed (SIGKILL, an outage)
 and restarted on the same port (a cluster node with its ``nodes.conf``, so it
-rejoins). Needs Debian's ``redis-server``/``redis-cli`` and redis-py.
+rejoins). Needs Debian's ``redis-server``/``redis-cli`` and redis-py. Also the
+Redis tests' small blobs and a chunk's keys in the connector's grammar.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 __all__ = [
     "RedisCluster",
     "RedisServer",
+    "chunk_keys",
     "free_port",
+    "make_blob",
     "redis_cluster",
     "redis_missing",
     "redis_single",
@@ -105,6 +108,8 @@ class RedisServer:
     port: int
     workdir: Path
     extra: list[str] = field(default_factory=list)
+    password: str | None = None
+    """The server's ``--requirepass`` (None: none)."""
     proc: subprocess.Popen | None = None
 
     @property
@@ -134,15 +139,23 @@ class RedisServer:
             "no",
             "--logfile",
             str(self.log),
+            *(["--requirepass", self.password] if self.password else []),
             *self.extra,
         ]
 
     def client(self, timeout: float = 5.0):
-        """A plain redis-py client of this node (for the tests' own checks and plants)."""
+        """A plain redis-py client of this node (for the tests' own checks and plants), no retries."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         return redis.Redis(
-            host="127.0.0.1", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout
+            host="127.0.0.1",
+            port=self.port,
+            password=self.password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
         )
 
     def ping(self) -> bool:
@@ -180,9 +193,11 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_single(workdir: Path, extra: list[str] | None = None) -> Iterator[RedisServer]:
+def redis_single(
+    workdir: Path, extra: list[str] | None = None, password: str | None = None
+) -> Iterator[RedisServer]:
     """One redis-server on a free port of 127.0.0.1 (``extra``: more server arguments), stopped at the end."""
-    server = RedisServer(free_port(), workdir / "redis-single", list(extra or []))
+    server = RedisServer(free_port(), workdir / "redis-single", list(extra or []), password)
     try:
         server.start()
         yield server
@@ -259,3 +274,37 @@ def redis_cluster(workdir: Path, n: int = 3, extra: list[str] | None = None) -> 
     finally:
         for node in nodes:
             node.stop()
+
+
+# ----------------------------------------------------------------------------
+# test data
+# ----------------------------------------------------------------------------
+
+
+def make_blob(nbytes: int, seed: int, model: str = "m") -> bytes:
+    """A valid version-2 LMCKV blob of about ``nbytes`` payload bytes (random K and V), ``chunk_id=seed``."""
+    import numpy as np
+    import torch
+
+    from kvcodec.format import Hashes, Header, ScaleScope, assemble
+
+    half = max(2, nbytes // 2) // 2 * 2
+    rng = np.random.default_rng(seed)
+    h = Header(
+        k_dtype=torch.float16,
+        v_dtype=torch.float16,
+        scale_scope=ScaleScope.EXTERNAL,
+        version=2,
+        layer_id=seed % 7,
+        chunk_id=seed,
+        hashes=Hashes(model_id=model, tokenizer_hash="tok"),
+    )
+    return bytes(assemble(h, rng.bytes(half), rng.bytes(half)))
+
+
+def chunk_keys(layers: int, chunk: int, model16: str = "m") -> list[str]:
+    """Chunk ``chunk``'s keys as the connector writes them: each layer's blob, then the manifest."""
+    from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef
+
+    keys, ref = ChunkKeys({0: model16}), ChunkRef(chunk, f"h{chunk}", f"h{chunk - 1}" if chunk else None)
+    return [keys.blob(0, layer, ref) for layer in range(layers)] + [keys.manifest(ref)]

@@ -12,10 +12,11 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
 * **Round trips.** ``get_parsed_many``, ``contains_many`` and ``put_many`` are
   one pipeline each (on a cluster, one per slot they touch; ``stats`` counts
   that). Values are read whole; ``get_parsed``'s ``into`` is not used.
-* **Verified reads.** A value is checked (fleet MAC first when a fleet key is
-  set, then :func:`kvcodec.format.parse` with its CRC; the parser checks the
-  declared section sizes against the value's length before the CRC) and a value
-  that fails is deleted before its :class:`CorruptEncodedKVError` is raised.
+* **Verified reads.** A value is checked (the fleet MAC first when a fleet key
+  is set; then the sizes its header declares against its length,
+  ``TRUNCATED_PAYLOAD`` / ``SIZE_MISMATCH``; then :func:`kvcodec.format.parse`
+  with its CRC) and a value that fails is deleted before its
+  :class:`CorruptEncodedKVError` is raised with that check's reason.
 * **Timeouts and outages.** Every call waits at most ``StoreOptions.timeout_s``
   (default 50 ms) per socket operation (connect, send, each read), with no
   retries: a call on a dead server or node raises
@@ -54,8 +55,10 @@ from redis.retry import Retry
 from ..errors import CorruptEncodedKVError, Reason, StoreUnavailableError, UnsupportedConfigError
 from ..format import ParsedBlob, as_bytes_view, parse
 from .auth import open_envelope, seal, strip_envelope
-from .base import STORE_COUNTERS, StoreFullError, StoreOptions
-from .directory import validate_key
+from .base import StoreFullError, StoreOptions
+from .counters import Counters
+from .keys import validate_key
+from .reading import check_size
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
@@ -208,7 +211,7 @@ class RedisStore:
         self._cluster = bool(url.cluster)
         self._down = False
         self._closed = False
-        self._counts = dict.fromkeys(STORE_COUNTERS, 0.0)
+        self._counts = Counters()
         self.location = url.location
 
     @classmethod
@@ -331,6 +334,7 @@ class RedisStore:
                 if self._opts.fleet_key
                 else strip_envelope(value)
             )
+            check_size(blob, len(blob))  # the header's sizes against the value's, before the CRC
             return parse(blob, verify_crc=verify_crc)
         except CorruptEncodedKVError as e:
             self._count(errors=1)
@@ -402,13 +406,10 @@ class RedisStore:
         """Cumulative counters (:data:`~kvcodec.store.STORE_COUNTERS`): ``round_trips`` counts pipelines
         (one per slot on a cluster), ``hits``/``misses`` keys found or not by reads and ``contains``,
         ``errors`` failed calls that did not time out plus refused values."""
-        with self._lock:
-            return dict(self._counts)
+        return self._counts.snapshot()
 
     def _count(self, **deltas: float) -> None:
-        with self._lock:
-            for name, n in deltas.items():
-                self._counts[name] += n
+        self._counts.add(**deltas)
 
     def _connected(self) -> Any:
         if self._closed:
@@ -454,8 +455,8 @@ class RedisStore:
         return len({key_slot(n.encode()) for n in names})
 
     def _failed(self, reason: Reason, e: BaseException) -> NoReturn:
+        self._count(**{"timeouts" if reason is Reason.STORE_TIMEOUT else "errors": 1})
         with self._lock:
-            self._counts["timeouts" if reason is Reason.STORE_TIMEOUT else "errors"] += 1
             first, self._down = not self._down, True
         what = f"{type(e).__name__}: {e}"
         if first:
