@@ -27,6 +27,7 @@ import torch
 from kvcodec import (
     CodecMismatchError,
     ParsedBlob,
+    Reason,
     UnsupportedConfigError,
     check_hashes,
     decode,
@@ -86,7 +87,8 @@ def _scales(x: torch.Tensor | float, heads: int, device: torch.device, what: str
     s = torch.as_tensor(x, dtype=torch.float32, device=device).reshape(-1)
     if s.numel() not in (1, heads):
         raise UnsupportedConfigError(
-            f"{what} must have 1 or {heads} (one per KV head) values; got {s.numel()}"
+            f"{what} must have 1 or {heads} (one per KV head) values; got {s.numel()}",
+            reason=Reason.BAD_SCALES,
         )
     return s
 
@@ -107,7 +109,8 @@ def check_ids(layer_id: int, chunk_id: int, want_layer: int, want_chunk: int) ->
     if (layer_id, chunk_id) != (want_layer, want_chunk):
         raise CodecMismatchError(
             f"blob holds layer {layer_id} chunk {chunk_id}, but was read for layer {want_layer} "
-            f"chunk {want_chunk}: a misfiled blob"
+            f"chunk {want_chunk}: a misfiled blob",
+            reason=Reason.MISMATCH,
         )
 
 
@@ -115,7 +118,8 @@ def check_k_exact(blob_k: torch.dtype, cache: torch.dtype) -> None:
     """Refuse a blob whose K dtype is not the 16-bit cache's: K loads bit-exact or not at all."""
     if blob_k != cache:
         raise UnsupportedConfigError(
-            f"the blob's K is {blob_k} but the cache is {cache}: K must load bit-exact"
+            f"the blob's K is {blob_k} but the cache is {cache}: K must load bit-exact",
+            reason=Reason.UNSUPPORTED_DTYPE,
         )
 
 
@@ -129,9 +133,14 @@ def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _fp8_view(x: torch.Tensor, fp8: FP8Scales) -> torch.Tensor:
     if fp8.dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"FP8 cache dtype must be float8_e4m3fn or float8_e5m2; got {fp8.dtype}")
+        raise UnsupportedConfigError(
+            f"FP8 cache dtype must be float8_e4m3fn or float8_e5m2; got {fp8.dtype}",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
     if x.element_size() != 1:
-        raise UnsupportedConfigError(f"an FP8 cache holds 1-byte values; this one is {x.dtype}")
+        raise UnsupportedConfigError(
+            f"an FP8 cache holds 1-byte values; this one is {x.dtype}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     return x.view(fp8.dtype)
 
 
@@ -169,7 +178,9 @@ def encode_kv(
     }
     if cc.fp8 is None:
         if k.element_size() == 1:
-            raise UnsupportedConfigError(f"a {k.dtype} cache needs its FP8 scales (FP8Scales)")
+            raise UnsupportedConfigError(
+                f"a {k.dtype} cache needs its FP8 scales (FP8Scales)", reason=Reason.MISSING_ARGUMENT
+            )
         return encode(_pad(k, dim), _pad(v, dim), scope=cc.scope, page_size=cc.page_size, **common)
     heads = k.shape[1]
     ks = _scales(cc.fp8.k_scale, heads, k.device, "k_scale")
@@ -191,10 +202,13 @@ def encode_kv(
 
 def _check_tokens(x: torch.Tensor | None, tokens: int, heads: int, dim: int) -> torch.Tensor:
     if x is None:
-        raise UnsupportedConfigError("the blob holds no K; a vLLM cache needs both K and V")
+        raise UnsupportedConfigError(
+            "the blob holds no K; a vLLM cache needs both K and V", reason=Reason.MISSING_ARGUMENT
+        )
     if tuple(x.shape) != (tokens, heads, dim):
         raise UnsupportedConfigError(
-            f"the blob holds {tuple(x.shape)}; this cache needs ({tokens}, {heads}, {dim})"
+            f"the blob holds {tuple(x.shape)}; this cache needs ({tokens}, {heads}, {dim})",
+            reason=Reason.BAD_SHAPE,
         )
     return x
 
@@ -243,7 +257,8 @@ def _fp8_k(k: torch.Tensor, fp8: FP8Scales, heads: int) -> torch.Tensor:
     q = (k.to(torch.float32) / ks).to(fp8.dtype)
     if not torch.equal((q.to(torch.float32) * ks).to(k.dtype), k):
         raise UnsupportedConfigError(
-            "the blob's K does not fit this FP8 cache's k_scale losslessly; loading it would requantize K"
+            "the blob's K does not fit this FP8 cache's k_scale losslessly; loading it would requantize K",
+            reason=Reason.BAD_SCALES,
         )
     return q
 
@@ -255,7 +270,8 @@ def _fp8_v(v: torch.Tensor, scales: torch.Tensor | None, fp8: FP8Scales, heads: 
     if v.dtype != fp8.dtype or got is None or got.numel() != vs.numel() or not torch.equal(got, vs):
         raise UnsupportedConfigError(
             f"the blob's V ({v.dtype}, scales {None if got is None else tuple(got.shape)}) does not pass through "
-            f"to this {fp8.dtype} cache with its v_scale; loading it would requantize V"
+            f"to this {fp8.dtype} cache with its v_scale; loading it would requantize V",
+            reason=Reason.BAD_SCALES,
         )
     return v
 
@@ -427,7 +443,9 @@ def write_chunk(
     the view. Runs on the thread that owns the caches (vLLM's step).
     """
     if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip <= chunk.num_tokens:
-        raise UnsupportedConfigError(f"skip must be an int in 0..{chunk.num_tokens}; got {skip!r}")
+        raise UnsupportedConfigError(
+            f"skip must be an int in 0..{chunk.num_tokens}; got {skip!r}", reason=Reason.BAD_VALUE
+        )
     n = chunk.num_tokens - skip
     memo: dict[tuple[int, int, int], tuple[ChunkSlots, Any]] = {}
     plan = []

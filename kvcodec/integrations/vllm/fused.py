@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcodec import ParsedBlob, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes
+from kvcodec import ParsedBlob, Reason, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes
 from kvcodec.codec import resolve_scope, to_torch
 from kvcodec.env import triton_interpret
 from kvcodec.format import COMPUTED_SCOPES, Hashes, HeaderPacker
@@ -120,7 +120,9 @@ def _device_refusal(device: torch.device, mode: str) -> str | None:
 def eligibility(caches: Mapping[str, torch.Tensor], cc: ChunkCodec, mode: str = "auto") -> Eligibility:
     """Whether :class:`FusedLayers` can serve these caches in this mode (nothing is imported but Triton's spec)."""
     if mode not in FUSED_MODES:
-        raise UnsupportedConfigError(f"fused must be one of {list(FUSED_MODES)}; got {mode!r}")
+        raise UnsupportedConfigError(
+            f"fused must be one of {list(FUSED_MODES)}; got {mode!r}", reason=Reason.BAD_VALUE
+        )
     if mode == "off":
         return Eligibility(False, 'fused="off" in kv_connector_extra_config')
     views = list(caches.values())
@@ -150,16 +152,22 @@ def _check_geometry(p: ParsedBlob, tokens: int, heads: int, dim: int, dtype: tor
     """Refuse a blob this cache cannot take, with the errors :func:`~.chunks.decode_chunk` raises."""
     h = p.header
     if to_torch(h.v_dtype) not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V")
+        raise UnsupportedConfigError(
+            f"blob's V dtype {h.v_dtype} is not FP8; this codec writes FP8 V", reason=Reason.UNSUPPORTED_DTYPE
+        )
     if not h.k_payload_len and h.v_payload_len:
-        raise UnsupportedConfigError("the blob holds no K; a vLLM cache needs both K and V")
+        raise UnsupportedConfigError(
+            "the blob holds no K; a vLLM cache needs both K and V", reason=Reason.MISSING_ARGUMENT
+        )
     shape = (
         (h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim)
         if (h.kv_head_count > 0 and h.head_dim > 0)
         else (h.v_payload_len,)
     )
     if shape != (tokens, heads, dim):
-        raise UnsupportedConfigError(f"the blob holds {shape}; this cache needs ({tokens}, {heads}, {dim})")
+        raise UnsupportedConfigError(
+            f"the blob holds {shape}; this cache needs ({tokens}, {heads}, {dim})", reason=Reason.BAD_SHAPE
+        )
     check_k_exact(to_torch(h.k_dtype), dtype)
 
 
@@ -241,7 +249,8 @@ class FusedLayers:
                 el = Eligibility(False, str(e))
         if fused is None and mode == "on":
             raise UnsupportedConfigError(
-                f'fused="on" but the fused path cannot serve these caches: {el.reason}'
+                f'fused="on" but the fused path cannot serve these caches: {el.reason}',
+                reason=Reason.UNSUPPORTED,
             )
         return fused, el.reason
 
@@ -289,7 +298,7 @@ class FusedLayers:
         chunk's ``wait()`` (any thread) waits for its event and seals the blobs."""
         if len(chunk_hash) not in (0, PREFIX_HASH_LEN):
             raise UnsupportedConfigError(
-                f"chunk_hash must be {PREFIX_HASH_LEN} characters; got {chunk_hash!r}"
+                f"chunk_hash must be {PREFIX_HASH_LEN} characters; got {chunk_hash!r}", reason=Reason.BAD_HASH
             )
         bound = bool(chunk_hash)
         buf = self._host_buffer(chunk_size, bound) if out is None else out

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcodec import UnsupportedConfigError
+from kvcodec import Reason, UnsupportedConfigError
 from kvcodec.backends.cpu import scatter_rows
 
 __all__ = ["ChunkSlots", "chunk_slots", "gather_kv", "scatter_kv", "split_kv"]
@@ -45,11 +45,13 @@ def _check_view(cache: torch.Tensor, head_size: int) -> None:
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
         shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
         raise UnsupportedConfigError(
-            f"a vLLM layer cache is a 4-D [num_blocks, H, block_size, C] view; got {shape}"
+            f"a vLLM layer cache is a 4-D [num_blocks, H, block_size, C] view; got {shape}",
+            reason=Reason.BAD_SHAPE,
         )
     if not 0 < head_size < cache.shape[3]:
         raise UnsupportedConfigError(
-            f"head_size={head_size} must leave room for V in C={cache.shape[3]} (C = head_size + head_size_v)"
+            f"head_size={head_size} must leave room for V in C={cache.shape[3]} (C = head_size + head_size_v)",
+            reason=Reason.BAD_VALUE,
         )
 
 
@@ -95,12 +97,13 @@ def _as_id_list(block_ids: BlockIds) -> list[int]:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dim() != 1 or block_ids.is_floating_point() or block_ids.dtype == torch.bool:
             raise UnsupportedConfigError(
-                f"block_ids must be a 1-D integer tensor; got {block_ids.dim()}-D {block_ids.dtype}"
+                f"block_ids must be a 1-D integer tensor; got {block_ids.dim()}-D {block_ids.dtype}",
+                reason=Reason.BAD_TYPE,
             )
         return block_ids.tolist()
     ids = list(block_ids)
     if not set(map(type, ids)) <= {int}:  # exactly int: bool and other int subclasses are refused
-        raise UnsupportedConfigError("block_ids must be a sequence of ints")
+        raise UnsupportedConfigError("block_ids must be a sequence of ints", reason=Reason.BAD_TYPE)
     return ids
 
 
@@ -114,31 +117,40 @@ def chunk_slots(
     block-aligned and the last block may be partly used.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise UnsupportedConfigError(f"block_size must be an int >= 1; got {block_size!r}")
+        raise UnsupportedConfigError(
+            f"block_size must be an int >= 1; got {block_size!r}", reason=Reason.BAD_VALUE
+        )
     if start < 0 or num_tokens < 0:
-        raise UnsupportedConfigError(f"start and num_tokens must be >= 0; got {start}, {num_tokens}")
+        raise UnsupportedConfigError(
+            f"start and num_tokens must be >= 0; got {start}, {num_tokens}", reason=Reason.BAD_VALUE
+        )
     kbs = cache.shape[2]
     if block_size % kbs:
         raise UnsupportedConfigError(
-            f"the view holds {kbs} tokens per block, which does not divide block_size={block_size}"
+            f"the view holds {kbs} tokens per block, which does not divide block_size={block_size}",
+            reason=Reason.BAD_SHAPE,
         )
     ratio = block_size // kbs
     if cache.shape[0] % ratio:
-        raise UnsupportedConfigError(f"the view's {cache.shape[0]} kernel blocks are not {ratio} per block")
+        raise UnsupportedConfigError(
+            f"the view's {cache.shape[0]} kernel blocks are not {ratio} per block", reason=Reason.BAD_SHAPE
+        )
     num_blocks = cache.shape[0] // ratio
     ids = _as_id_list(block_ids)
     first, end = start // block_size, -(-(start + num_tokens) // block_size)
     if len(ids) < end:
         raise UnsupportedConfigError(
-            f"tokens {start}..{start + num_tokens} at block_size {block_size} need {end} block ids; got {len(ids)}"
+            f"tokens {start}..{start + num_tokens} at block_size {block_size} need {end} block ids; got {len(ids)}",
+            reason=Reason.BAD_VALUE,
         )
     used = ids[first:end] if num_tokens else []
     if used and (min(used) < 0 or max(used) >= num_blocks):
         raise UnsupportedConfigError(
-            f"block ids span {min(used)}..{max(used)}; the cache has {num_blocks} blocks"
+            f"block ids span {min(used)}..{max(used)}; the cache has {num_blocks} blocks",
+            reason=Reason.BAD_VALUE,
         )
     if len(set(used)) != len(used):
-        raise UnsupportedConfigError(f"block ids repeat within the run: {used[:16]}")
+        raise UnsupportedConfigError(f"block ids repeat within the run: {used[:16]}", reason=Reason.BAD_VALUE)
     runs, t = [], 0
     while t < num_tokens:
         blk, inner = divmod(start + t, block_size)
@@ -205,9 +217,13 @@ def _source(x: torch.Tensor, want: torch.Tensor, name: str) -> torch.Tensor:
     if x.dtype != want.dtype and not (
         want.dtype == torch.uint8 and x.element_size() == 1 and x.is_floating_point()
     ):
-        raise UnsupportedConfigError(f"{name} is {x.dtype} but the cache is {want.dtype}")
+        raise UnsupportedConfigError(
+            f"{name} is {x.dtype} but the cache is {want.dtype}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     if x.device != want.device:
-        raise UnsupportedConfigError(f"{name} is on {x.device} but the cache on {want.device}")
+        raise UnsupportedConfigError(
+            f"{name} is on {x.device} but the cache on {want.device}", reason=Reason.BAD_DEVICE
+        )
     return _bytes(x)
 
 
@@ -233,7 +249,8 @@ def scatter_kv(
     for name, x, c in (("k", k, kc), ("v", v, vc)):
         if x.dim() != 3 or x.shape[0] != t or tuple(x.shape[1:]) != (c.shape[1], c.shape[3]):
             raise UnsupportedConfigError(
-                f"{name} must be [T, H={c.shape[1]}, {c.shape[3]}] with T shared by k and v; got {tuple(x.shape)}"
+                f"{name} must be [T, H={c.shape[1]}, {c.shape[3]}] with T shared by k and v; got {tuple(x.shape)}",
+                reason=Reason.BAD_SHAPE,
             )
     s = slots
     if s is None or not s.fits(cache, t):
