@@ -64,6 +64,8 @@ class StoreOptions:
     ``fleet_key``: MAC key of a fleet sharing one server (None: no MAC).
     ``timeout_s``: per-call timeout of a remote backend.
     ``verify_blobs``: check a blob's CRC on ``get`` (``get_parsed`` always does).
+    ``evict_first``: keys an eviction removes before the rest of their group (the connector's
+    manifests, so that no lookup finds a manifest whose blobs are going); None: key order.
     """
 
     max_bytes: int | None = None
@@ -73,6 +75,7 @@ class StoreOptions:
     fleet_key: bytes | None = None
     timeout_s: float = 0.05
     verify_blobs: bool = True
+    evict_first: Callable[[str], bool] | None = None
 
 
 @runtime_checkable

@@ -143,7 +143,7 @@ class DirectoryStore:
             max_bytes=options.max_bytes,
             verify=options.verify_blobs,
             fsync=options.fsync,
-            group_of=options.group_of,
+            eviction=GroupLRU(options.group_of, first=options.evict_first),
         )
 
     @staticmethod

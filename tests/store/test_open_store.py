@@ -3,6 +3,7 @@ refused with a reason; parser reasons survive the store."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from kvcodec.integrations.vllm.chunk_keys import group_of
 from kvcodec.store import DirectoryStore, GroupLRU, StoreFullError, StoreOptions, open_store
 from tests.raises import raises_reason
-from tests.store.contract import crc_damaged
+from tests.store.contract import chunk_blob_keys, crc_damaged
 from tests.store.test_store import make_blob
 
 
@@ -32,6 +33,7 @@ def test_options_configure_the_directory_store(tmp_path: Path) -> None:
     st = open_store(tmp_path, opts)
     assert isinstance(st, DirectoryStore) and st.max_bytes == 1 << 20
     assert isinstance(st.eviction, GroupLRU) and st.eviction.group_of is group_of
+    assert st.eviction.first is None
     assert "verify=False" in repr(st) and "fsync=True" in repr(st)
     bad = crc_damaged(make_blob(1024, 1, version=2))
     (tmp_path / "k").write_bytes(bad)
@@ -95,3 +97,27 @@ def test_construction_errors_carry_reasons(tmp_path: Path) -> None:
         DirectoryStore(tmp_path, verify=False).put("k", b"")
     with raises_reason(CorruptEncodedKVError, Reason.TRUNCATED_HEADER):
         DirectoryStore(tmp_path).put("k", b"")
+
+
+def test_evict_first_removes_a_groups_manifest_before_its_blobs(tmp_path: Path) -> None:
+    """With the connector's manifests first, a group's manifest is unlinked before any of its blobs."""
+    keys = chunk_blob_keys(layers=3, chunk=0)
+    manifest = keys[-1]
+    blob = make_blob(2048, 5, version=2)
+    opts = StoreOptions(
+        max_bytes=len(blob) * len(keys), group_of=group_of, evict_first=lambda k: k == manifest
+    )
+    st = open_store(tmp_path, opts)
+    st.put_many([(k, blob) for k in keys])
+    renames: list[str] = []
+    real_rename = os.rename
+
+    def watch_rename(src: str, dst: str) -> None:
+        renames.append(os.path.basename(src))
+        real_rename(src, dst)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "rename", watch_rename)
+        st.put("other", blob)  # makes room by evicting chunk 0, renamed aside member by member
+    assert [r for r in renames if r in keys] == [manifest, *sorted(keys[:-1])]
+    assert st.keys() == ["other"]
