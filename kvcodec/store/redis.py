@@ -441,7 +441,7 @@ class RedisStore:
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
             self._failed(Reason.STORE_UNAVAILABLE, e)
         self._count(round_trips=trips)
-        if self._down:
+        if self._down and trips:  # only an answer from a server ends an outage
             with self._lock:
                 back, self._down = self._down, False
             if back:
