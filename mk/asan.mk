@@ -1,5 +1,6 @@
 # `make test-asan`: the C loops' tests (tests/backends/test_cpu_backend.py with its buffer fuzz, and
-# test_cpu_scatter.py: the writes into paged cache views) against kvcodec._cpu built with
+# test_cpu_scatter.py: the writes into paged cache views; test_cpu_crc.py: the CRC folded into the
+# encode and decode passes) against kvcodec._cpu built with
 # AddressSanitizer + UBSan. Not in CI
 # (a minute or two; needs gcc's libasan). The sanitized module is built into a
 # copy of the package under build-asan/, so the installed one is left alone;
@@ -22,4 +23,4 @@ test-asan:
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -c \
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(ASAN_DIR)" in m.__file__ else "not the sanitized build: " + m.__file__)'
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/backends/test_cpu_backend.py \
-	  tests/backends/test_cpu_scatter.py
+	  tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py
