@@ -3,7 +3,8 @@
 Strings taken from a blob (hashes, unknown hash keys) are shown escaped in the
 table, so escape sequences or newlines stored in a blob never reach the
 terminal raw; ``--json`` output escapes them as JSON does (and stays ASCII).
-Needs only the pure-Python format layer, never torch.
+Needs only the pure-Python format layer, never torch. A store URL
+(``redis://...``) is walked key by key through :mod:`kvcodec.tools.stores`.
 """
 
 from __future__ import annotations
@@ -15,31 +16,45 @@ from typing import Any
 
 from .common import EXIT_FAILURE, EXIT_OK, CLIError, bytes_str, escape_text
 from .files import read_blob, require_files
+from .stores import add_store_args
 
-__all__ = ["add_parser", "inspect_one", "inspect_table", "run"]
+__all__ = ["add_parser", "inspect_data", "inspect_one", "inspect_table", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``inspect``."""
     s = sub.add_parser("inspect", help="show blob headers", description="Show each blob's header as a table.")
-    s.add_argument("files", nargs="+", metavar="FILE")
-    s.add_argument("--json", action="store_true", help="one JSON object per file (a list for several)")
+    s.add_argument("files", nargs="+", metavar="FILE|URL")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per file (a list for several); a store's blobs one object per line",
+    )
+    add_store_args(s)
     return s
 
 
 def inspect_one(path: Path) -> dict[str, Any]:
     """Header fields, CRC status and sizes of one blob, or ``{"file", "error"}``."""
     from ..errors import CodecError
-    from ..format import MAGIC, header_fields, parse, payload_crc
 
-    info: dict[str, Any] = {"file": str(path)}
     try:
         blob = read_blob(path)  # header first: never more than the header declares
-        info["file_size"] = blob.file_size
-        parsed = parse(blob.data, verify_crc=False)
     except CLIError as e:
-        info["error"] = str(e).removeprefix(f"{path}: ")
-        return info
+        return {"file": str(path), "error": str(e).removeprefix(f"{path}: ")}
+    except CodecError as e:
+        return {"file": str(path), "error": str(e)}
+    return inspect_data(str(path), blob.data, blob.file_size, blob.trailing)
+
+
+def inspect_data(name: str, data: Any, size: int, trailing: int = 0) -> dict[str, Any]:
+    """What :func:`inspect_one` shows, for blob bytes read from anywhere (a file, a store)."""
+    from ..errors import CodecError
+    from ..format import MAGIC, header_fields, parse, payload_crc
+
+    info: dict[str, Any] = {"file": name, "file_size": size}
+    try:
+        parsed = parse(data, verify_crc=False)
     except CodecError as e:
         info["error"] = str(e)
         return info
@@ -50,7 +65,7 @@ def inspect_one(path: Path) -> dict[str, Any]:
     info["tokens"] = h.num_tokens
     info["header_len"] = parsed.header_len
     info["payload_len"] = h.payload_len
-    info["trailing_bytes"] = blob.trailing
+    info["trailing_bytes"] = trailing + parsed.trailing
     info["unknown_hashes"] = dict(parsed.unknown_hashes)
     info["crc"] = f"{parsed.crc:#010x}"
     info["crc_computed"] = f"{crc:#010x}"
@@ -123,14 +138,37 @@ def inspect_table(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _bad(info: dict[str, Any]) -> bool:
+    return "error" in info or not info["crc_ok"]
+
+
+def _inspect_store(url: str, args: argparse.Namespace) -> int:
+    """Each blob of the store at ``url``, printed as it is read (``--json``: one object per line)."""
+    from .stores import store_blobs
+
+    bad = 0
+    for item in store_blobs(url, args, verify_crc=False):
+        if item.blob is None:
+            info: dict[str, Any] = {"file": item.name, "error": item.error}
+        else:
+            info = inspect_data(item.name, item.blob, len(item.blob))
+        bad += _bad(info)
+        print(json.dumps(info, ensure_ascii=True) if args.json else inspect_table(info) + "\n")
+    return bad
+
+
 def run(args: argparse.Namespace) -> int:
     """Show each blob's header; exit 1 if any file is unreadable, malformed or fails its CRC."""
-    paths = [Path(p) for p in args.files]
+    from .stores import is_store_url
+
+    paths = [Path(p) for p in args.files if not is_store_url(p)]
     require_files(paths)
     infos = [inspect_one(p) for p in paths]
-    if args.json:
+    if infos and args.json:
         print(json.dumps(infos[0] if len(infos) == 1 else infos, indent=2, ensure_ascii=True))
-    else:
+    elif infos:
         print("\n\n".join(inspect_table(i) for i in infos))
-    bad = [i for i in infos if "error" in i or not i["crc_ok"]]
+    bad = sum(_bad(i) for i in infos)
+    for url in (p for p in args.files if is_store_url(p)):
+        bad += _inspect_store(url, args)
     return EXIT_FAILURE if bad else EXIT_OK

@@ -22,6 +22,7 @@ from typing import Any
 from .common import EXIT_FAILURE, EXIT_OK, PROG, CLIError, add_expect_args, escape_text, expected_hashes, join
 from .files import read_blob, require_files
 from .progress import Progress, progress_enabled
+from .stores import add_store_args
 
 __all__ = ["add_parser", "collect", "run", "verify_blob"]
 
@@ -32,12 +33,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "verify",
         help="check blobs (magic, lengths, CRC, consistency, hashes) by decoding them",
         description="Check blobs by decoding them (a blob that verifies decodes); folders are walked "
-        "recursively, skipping hidden entries (.quarantine).",
+        "recursively, skipping hidden entries (.quarantine); a store URL (redis://...) is walked key by "
+        "key (a blob the store itself refuses is removed by it, as on a load).",
     )
-    s.add_argument("paths", nargs="+", metavar="FILE|DIR")
+    s.add_argument("paths", nargs="+", metavar="FILE|DIR|URL")
     s.add_argument("--strict", action="store_true", help="refuse trailing bytes after a v1 payload")
     s.add_argument(
-        "--glob", default="*", metavar="PATTERN", help="in folders, check only files matching (e.g. '*.blob')"
+        "--glob",
+        default="*",
+        metavar="PATTERN",
+        help="in folders and stores, check only files (keys) matching (e.g. '*.blob')",
     )
     s.add_argument("-v", "--verbose", action="store_true", help="also list good blobs")
     s.add_argument(
@@ -47,6 +52,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="progress bar on stderr for folders (default: only when stderr is a terminal)",
     )
     add_expect_args(s)
+    add_store_args(s)
     return s
 
 
@@ -148,40 +154,78 @@ def _check_finite(h: Any, v: Any) -> None:
     )
 
 
+def _verify_data(data: Any, args: argparse.Namespace) -> str | None:
+    """None if ``data`` is a good blob, else why not."""
+    from ..errors import CodecError
+
+    try:
+        verify_blob(
+            data, strict=args.strict, expected=expected_hashes(args), strict_hashes=args.strict_hashes
+        )
+    except CodecError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _verify_one(path: Path, args: argparse.Namespace) -> str | None:
     """None if ``path`` holds a good blob, else why not."""
     from ..errors import CodecError
 
     try:
         data = read_blob(path, strict=args.strict).data  # header first: never more than it declares
-        verify_blob(
-            data, strict=args.strict, expected=expected_hashes(args), strict_hashes=args.strict_hashes
-        )
     except (CLIError, OSError) as e:
         return str(e).removeprefix(f"{path}: ") if isinstance(e, CLIError) else e.strerror or str(e)
     except CodecError as e:
         return f"{type(e).__name__}: {e}"
-    return None
+    return _verify_data(data, args)
+
+
+class _Tally:
+    """Good and bad blobs so far; prints each bad one (and good ones when verbose)."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.ok = self.bad = 0
+        self.verbose = verbose
+
+    def add(self, name: object, err: str | None, write: Any = print) -> None:
+        if err is None:
+            self.ok += 1
+            if self.verbose:
+                write(f"{escape_text(name)}: ok")
+        else:
+            self.bad += 1
+            write(f"{escape_text(name)}: {escape_text(err)}")
+
+
+def _verify_files(files: list[Path], args: argparse.Namespace, tally: _Tally, bar_on: bool) -> None:
+    with Progress(len(files), "verify", enabled=bar_on and progress_enabled(args.progress)) as bar:
+        for f in files:
+            tally.add(f, _verify_one(f, args), bar.write)
+            bar.update()
+
+
+def _verify_store(url: str, args: argparse.Namespace, tally: _Tally) -> None:
+    """Every blob of the store at ``url`` (keys matching ``--glob``), one in memory at a time."""
+    from .stores import store_blobs
+
+    for item in store_blobs(url, args, pattern=args.glob):
+        tally.add(item.name, item.error if item.blob is None else _verify_data(item.blob, args))
 
 
 def run(args: argparse.Namespace) -> int:
     """Check every blob; print bad ones and a summary; exit 1 if any is bad."""
-    paths = [Path(p) for p in args.paths]
+    from .stores import is_store_url, location_of
+
+    urls = [p for p in args.paths if is_store_url(p)]
+    paths = [Path(p) for p in args.paths if not is_store_url(p)]
     require_files(paths, allow_dirs=True)
     files, any_dir = collect(paths, args.glob)
-    ok = bad = 0
-    with Progress(len(files), "verify", enabled=any_dir and progress_enabled(args.progress)) as bar:
-        for f in files:
-            err = _verify_one(f, args)
-            if err is None:
-                ok += 1
-                if args.verbose:
-                    bar.write(f"{escape_text(f)}: ok")
-            else:
-                bad += 1
-                bar.write(f"{escape_text(f)}: {escape_text(err)}")
-            bar.update()
-    if not files:
-        print(f"{PROG}: warning: no blobs found under {escape_text(join(paths))}", file=sys.stderr)
-    print(f"verified {ok + bad} blobs: {ok} ok, {bad} bad")
-    return EXIT_FAILURE if bad else EXIT_OK
+    tally = _Tally(args.verbose)
+    _verify_files(files, args, tally, any_dir)
+    for url in urls:
+        _verify_store(url, args, tally)
+    if not tally.ok + tally.bad:
+        where = join([location_of(p) if is_store_url(p) else p for p in args.paths])
+        print(f"{PROG}: warning: no blobs found under {escape_text(where)}", file=sys.stderr)
+    print(f"verified {tally.ok + tally.bad} blobs: {tally.ok} ok, {tally.bad} bad")
+    return EXIT_FAILURE if tally.bad else EXIT_OK
