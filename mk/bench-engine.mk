@@ -11,11 +11,19 @@
 
 BENCH_VLLM_ARGS ?=
 
-.PHONY: bench-vllm
+# `make bench-vllm-stream` (also run by bench-vllm): 20 distinct 2049-token prompts through one engine
+# with the default config; chunks saved / offered and saves_skipped (bench/engine/bench_stream.py).
+
+.PHONY: bench-vllm bench-vllm-stream
 
 bench-vllm:
 	@rc=0; bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "SKIP bench-vllm: $(VLLM_PKG) could not be installed here; nothing was measured"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	mkdir -p bench/results; \
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python bench/engine/bench_vllm.py $(BENCH_VLLM_ARGS)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python bench/engine/bench_vllm.py $(BENCH_VLLM_ARGS); \
+	$(MAKE) --no-print-directory bench-vllm-stream
+
+bench-vllm-stream:
+	@mkdir -p bench/results; \
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python bench/engine/bench_stream.py

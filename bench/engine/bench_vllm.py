@@ -586,7 +586,10 @@ def export_source(rev: str, work: Path) -> Path:
 
 def connector_features() -> set[str]:
     """The extra-config keys the connector that the engines import accepts."""
-    from kvcodec.integrations.vllm.keys import KvcodecConfig
+    try:
+        from kvcodec.integrations.vllm.config import KvcodecConfig
+    except ImportError:  # a connector from before the split (--rev): its config lived in keys.py
+        from kvcodec.integrations.vllm.keys import KvcodecConfig  # type: ignore[attr-defined,no-redef]
 
     return set(KvcodecConfig.__dataclass_fields__)
 

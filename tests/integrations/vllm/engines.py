@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["ENGINE", "run_engine", "store_files", "tiny_model"]
+__all__ = ["ENGINE", "bench_model", "run_engine", "store_files", "tiny_model"]
 
 ENGINE = Path(__file__).parent / "engine"
 
@@ -54,3 +54,11 @@ def tiny_model(tmp: Path) -> str:
     from make_model import make_model
 
     return make_model(str(tmp / "tiny-llama"))
+
+
+def bench_model(tmp: Path) -> str:
+    """The random 12-layer hidden-512 Llama of the engine benchmark (``bench/engine``), under ``tmp``."""
+    sys.path.insert(0, str(Path(__file__).parents[3] / "bench" / "engine"))
+    from make_bench_model import make_bench_model
+
+    return make_bench_model(str(tmp / "bench-llama"))

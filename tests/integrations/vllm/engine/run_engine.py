@@ -7,7 +7,7 @@ comes through the connector. SPEC: ``model``, ``prompts`` (lists of token ids),
 ``model_id``, ``fused`` (the connector's fused-path mode), ``async_save``, ``async_load``,
 ``max_pending_save_bytes``, ``max_concurrent_loads``, ``writer_threads``, ``max_bytes`` (connector
 keys), ``chunk_size``, ``block_size``,
-``max_num_batched_tokens`` (small: chunked prefill), ``cwd`` (run from there: a relative ``model``),
+``max_num_batched_tokens`` (small: chunked prefill), ``max_model_len``, ``kv_cache_memory_bytes``, ``cwd`` (run from there: a relative ``model``),
 ``prefix_caching`` (false: vLLM's own prefix cache off, so a repeated prompt comes from the store),
 ``repeat`` (run the prompts that many times, one after another), ``drain`` (wait for the connector's
 pending writes after each prompt), and faults injected by ``faulty_connector.py``: ``slow_put_s`` (every
@@ -88,7 +88,7 @@ def main(path: str) -> None:
         max_model_len=spec.get("max_model_len", 2048),
         enforce_eager=True,
         max_num_seqs=4,
-        kv_cache_memory_bytes=64 << 20,
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 64 << 20),
         seed=0,
         kv_transfer_config=_transfer_config(spec),
         max_num_batched_tokens=spec.get("max_num_batched_tokens"),
