@@ -1,4 +1,4 @@
-"""kvcodec.lmcache_compat: LMCache's kv_codec API, installed under its module names."""
+"""kvcodec.integrations.lmcache.compat: LMCache's kv_codec API, installed under its module names."""
 
 from __future__ import annotations
 
