@@ -440,8 +440,9 @@ class DirectoryStore:
         if size == 0:
             raise CorruptEncodedKVError("file is empty", reason=Reason.TRUNCATED_HEADER)
         if whole:
-            check_size(read_prefix(fd, size), size, fd)
-            return parse(read_blob(fd, size, into), verify_crc=True)
+            head = read_prefix(fd, size)
+            check_size(head, size, fd)
+            return parse(read_blob(fd, size, into, head), verify_crc=True)
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         failure: tuple[type[CorruptEncodedKVError], str, Reason] | None = None
         try:

@@ -11,6 +11,7 @@ refused; only then is the file read (:func:`read_blob`) or mapped, and parsed
 from __future__ import annotations
 
 import os
+import struct
 from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason
@@ -43,25 +44,27 @@ class _Fields:
     """Bounds-checked reads of a file of ``size`` bytes: from ``head`` when there, else ``pread``."""
 
     def __init__(self, head: Any, size: int, fd: int | None) -> None:
-        self.head = memoryview(head)
+        self.head = head
         self.size = size
         self.fd = fd
 
-    def take(self, off: int, n: int, what: str) -> memoryview | bytes:
+    def unpack(self, st: struct.Struct, off: int, what: str) -> tuple[Any, ...]:
+        """``st`` unpacked at ``off``, or :class:`CorruptEncodedKVError` if the file ends before."""
+        n = st.size
         if n > self.size - off:
             raise CorruptEncodedKVError(
                 f"truncated {what}: need {n} bytes at offset {off}, the file is {self.size} bytes",
                 reason=Reason.TRUNCATED_HEADER,
             )
         if off + n <= len(self.head):
-            return self.head[off : off + n]
+            return st.unpack_from(self.head, off)
         got = os.pread(self.fd, n, off) if self.fd is not None else b""
         if len(got) != n:  # the file shrank under us (the store never writes in place)
             raise CorruptEncodedKVError(
                 f"truncated {what}: read {len(got)} of {n} bytes at offset {off}",
                 reason=Reason.TRUNCATED_HEADER,
             )
-        return got
+        return st.unpack(got)
 
 
 def declared_size(head: Any, size: int, fd: int | None = None) -> int:
@@ -74,7 +77,7 @@ def declared_size(head: Any, size: int, fd: int | None = None) -> int:
     ``TRUNCATED_HEADER``); the full check is :func:`kvcodec.format.parse`'s.
     """
     f = _Fields(head, size, fd)
-    fixed = FIXED_HEADER.unpack(f.take(0, FIXED_HEADER.size, "fixed header"))
+    fixed = f.unpack(FIXED_HEADER, 0, "fixed header")
     magic, n_scale = fixed[0], fixed[-1]
     if magic != MAGIC:
         raise CorruptEncodedKVError(
@@ -86,22 +89,26 @@ def declared_size(head: Any, size: int, fd: int | None = None) -> int:
             reason=Reason.SCALE_RANK_OUT_OF_RANGE,
         )
     off = FIXED_HEADER.size + n_scale * SCALE_DIM.size
-    lens = PAYLOAD_LENS.unpack(f.take(off, PAYLOAD_LENS.size, "payload lengths"))
+    lens = f.unpack(PAYLOAD_LENS, off, "payload lengths")
     for name, n in zip(("k_payload_len", "v_payload_len", "scale_payload_len"), lens):
         if not 0 <= n <= MAX_PAYLOAD_LEN:
             reason = Reason.NEGATIVE_PAYLOAD_LEN if n < 0 else Reason.FIELD_OUT_OF_RANGE
             raise CorruptEncodedKVError(f"{name}={n} out of range 0..{MAX_PAYLOAD_LEN}", reason=reason)
     off += PAYLOAD_LENS.size
-    (n_pairs,) = HASH_PAIR_COUNT.unpack(f.take(off, HASH_PAIR_COUNT.size, "hash count"))
+    (n_pairs,) = f.unpack(HASH_PAIR_COUNT, off, "hash count")
     if n_pairs > MAX_HASH_PAIRS:
         raise CorruptEncodedKVError(
             f"hash count {n_pairs} exceeds the limit of {MAX_HASH_PAIRS}", reason=Reason.BAD_HASH_TABLE
         )
     off += HASH_PAIR_COUNT.size
+    mv, n_head = f.head, len(f.head)
     for i in range(2 * n_pairs):
-        (length,) = HASH_LEN.unpack(f.take(off, HASH_LEN.size, f"hash string #{i} length"))
+        if off + 2 <= n_head:  # HASH_LEN inline: the loop of a real header runs in the prefix
+            length = mv[off] | (mv[off + 1] << 8)
+        else:
+            (length,) = f.unpack(HASH_LEN, off, f"hash string #{i} length")
         off += HASH_LEN.size + length
-    f.take(off, CRC_FIELD.size, "header CRC")  # the header ends inside the file
+    f.unpack(CRC_FIELD, off, "header CRC")  # the header ends inside the file
     return off + CRC_FIELD.size + sum(lens)
 
 
@@ -121,14 +128,16 @@ def check_size(head: Any, size: int, fd: int | None = None) -> None:
         )
 
 
-def read_blob(fd: int, size: int, into: bytearray | None = None) -> bytearray | memoryview:
+def read_blob(fd: int, size: int, into: bytearray | None = None, head: bytes = b"") -> bytearray | memoryview:
     """All ``size`` bytes of a blob file whose size was checked: in ``into``'s leading bytes when it
     is large enough (a view of them), else in a new bytearray; fewer if the file shrank meanwhile
-    (the parser then finds it truncated)."""
+    (the parser then finds it truncated). ``head``: the file's first bytes, read already."""
     reuse = into is not None and len(into) >= size
     buf = into if reuse else bytearray(size)
     with memoryview(buf) as whole, whole[:size] as view:
-        got = read_into(fd, view, 0)
+        n = min(len(head), size)
+        view[:n] = head[:n]
+        got = n + read_into(fd, view[n:], n)
         if reuse:
             return view[:got]  # its own view of ``into``: it outlives these two
     if got < size:
