@@ -54,13 +54,13 @@ capped store had no room without evicting the chunk's own prefix; ``requests_hel
 blocks vLLM kept until the writer had copied their chunks out; ``requests_preempted``: preemptions the
 worker saw), blob bytes, background seconds
 (``load_seconds``, ``save_seconds``) and the seconds the engine step spent inside each hook
-(``idle_load_wait_seconds``: of ``get_finished``'s, waiting for the loader in steps that computed nothing)."""
+(``idle_load_wait_seconds``: of ``get_finished``'s, waiting for the loader in steps that computed nothing).
+``*_unavailable``: lookups (answered as misses), saves (dropped) and loads (recomputed) that found the
+store unreachable; ``loads_deferred``: lookups answered "later" at ``max_concurrent_loads``."""
 GAUGES = ("writer_queue_depth", "pending_save_bytes")
 """The largest seen in the interval: chunks waiting for a copy or a write; host bytes they hold."""
 STORE_STATS = tuple(f"store_{name}" for name in STORE_COUNTERS)
-"""The store's own counters (:meth:`~kvcodec.store.BlobStore.stats`), summed per interval like ours.
-``*_unavailable``: lookups (answered as misses), saves (dropped) and loads (recomputed) that found
-the store unreachable; ``loads_deferred``: lookups answered "later" at ``max_concurrent_loads``."""
+"""The store's own counters (:meth:`~kvcodec.store.BlobStore.stats`), summed per interval like ours."""
 
 
 class Counters:

@@ -9,10 +9,13 @@ caches :class:`FusedLayers` does a chunk of all layers at once with
   from the cache views into a host buffer) and one ``wait`` (headers packed
   from one template); the blobs are byte-identical to
   :func:`~.chunks.encode_chunk`'s, identity suffix ``|dk=..,dv=..`` included.
-* load: each blob is parsed and checked on the host as the per-layer path
-  checks it (CRC, identity hashes, geometry; the same ``CodecError``
-  subclasses), the payloads go to the device in one copy, and one
-  ``decode_scatter_layers`` writes every layer.
+* load: :meth:`FusedLayers.prepare` checks each blob (already parsed and
+  CRC-checked once, by the store read) on the host as the per-layer path
+  checks it (identity hashes, ids, geometry; the same ``CodecError``
+  subclasses), off the step; :meth:`FusedLayers.load` sends the payloads to
+  the device in one copy and one ``decode_scatter_layers`` writes every
+  layer, parsing nothing again. Blobs the kernels cannot decode go to the
+  one per-layer path (:func:`~.chunks.read_chunk`, :func:`~.chunks.write_chunk`).
 
 Served: 16- and 32-bit float caches (fp16, bf16, fp32) with
 ``head_size == head_size_v``, every layer the same shape, strides, dtype and

@@ -113,15 +113,10 @@ class SaveHandler:
         self.counters.gauge("pending_save_bytes", self.pending.held)
 
     def _already(self, spec: SaveSpec) -> bool:
-        """Queued already, or stored (by this engine or another one)."""
+        """Queued or being saved already (whether another engine stored it meanwhile is asked off the
+        step, by the writer: on a remote store that is a round trip)."""
         with self._lock:
-            if spec.ref.suffix in self.inflight:
-                return True
-        try:
-            return self.store.contains(self.keys.manifest(spec.ref))
-        except StoreUnavailableError:
-            self.counters.add(save_unavailable=1)
-            return True
+            return spec.ref.suffix in self.inflight
 
     def _save_inline(self, spec: SaveSpec) -> None:
         try:
@@ -298,8 +293,13 @@ class SaveHandler:
         ref, rank, layers = spec.ref, self.caches.rank, self.caches.layers
         todo: list[tuple[str, Any]] = []
         try:
-            items = [(self.keys.blob(rank, layers[name], ref), blob) for name, blob in blobs()]
-            present = self.store.contains_many([k for k, _ in items])
+            items = [
+                (self.keys.blob(rank, layers[name], ref), blob) for name, blob in blobs()
+            ]  # (fused: waits)
+            present = self.store.contains_many([self.keys.manifest(ref)] + [k for k, _ in items])
+            if present[0]:
+                return  # stored meanwhile (by this engine or another one)
+            present = present[1:]
             todo = [item for item, there in zip(items, present) if not there]
             self.store.put_many(todo)
             self.counters.add(blobs_saved=len(todo), bytes_written=sum(len(b) for _, b in todo))
