@@ -20,6 +20,8 @@ from ..format.header import (
     FIXED_HEADER,
     HASH_LEN,
     HASH_PAIR_COUNT,
+    IDS,
+    IDS_OFFSET,
     MAGIC,
     MAX_HASH_PAIRS,
     MAX_PAYLOAD_LEN,
@@ -67,6 +69,13 @@ class _Fields:
         return st.unpack(got)
 
 
+_IDS_END = IDS_OFFSET + IDS.size
+_last: tuple[bytes, bytes, int, int] | None = None
+"""The last short header walked: its bytes before and after the two ids (up to the CRC), its length
+and the total it declares. A connector's blobs share every header byte but the ids and the CRC, so
+most walks are two byte comparisons."""
+
+
 def declared_size(head: Any, size: int, fd: int | None = None) -> int:
     """Header + payload bytes that the header at the start of a ``size``-byte file declares.
 
@@ -76,6 +85,29 @@ def declared_size(head: Any, size: int, fd: int | None = None) -> int:
     ``NEGATIVE_PAYLOAD_LEN``, ``FIELD_OUT_OF_RANGE``, ``BAD_HASH_TABLE``,
     ``TRUNCATED_HEADER``); the full check is :func:`kvcodec.format.parse`'s.
     """
+    global _last
+    seen = _last
+    if seen is not None:
+        before, after, header_len, total = seen
+        if (
+            len(head) >= header_len
+            and head[:IDS_OFFSET] == before
+            and head[_IDS_END : header_len - CRC_FIELD.size] == after
+        ):
+            return total
+    header_len, total = _walk(head, size, fd)
+    if header_len <= min(len(head), PREFIX_LEN):  # only short headers: a real one is a few hundred bytes
+        _last = (
+            bytes(head[:IDS_OFFSET]),
+            bytes(head[_IDS_END : header_len - CRC_FIELD.size]),
+            header_len,
+            total,
+        )
+    return total
+
+
+def _walk(head: Any, size: int, fd: int | None) -> tuple[int, int]:
+    """``(header length, header + payload length)``, each field read bounds-checked."""
     f = _Fields(head, size, fd)
     fixed = f.unpack(FIXED_HEADER, 0, "fixed header")
     magic, n_scale = fixed[0], fixed[-1]
@@ -109,7 +141,7 @@ def declared_size(head: Any, size: int, fd: int | None = None) -> int:
             (length,) = f.unpack(HASH_LEN, off, f"hash string #{i} length")
         off += HASH_LEN.size + length
     f.unpack(CRC_FIELD, off, "header CRC")  # the header ends inside the file
-    return off + CRC_FIELD.size + sum(lens)
+    return off + CRC_FIELD.size, off + CRC_FIELD.size + sum(lens)
 
 
 def check_size(head: Any, size: int, fd: int | None = None) -> None:
