@@ -153,3 +153,20 @@ def test_bad_magic_in_a_large_file_is_refused_from_its_prefix(store: DirectorySt
     path.write_bytes(b"NOTLMCKV" + bytes(100))
     with raises_reason(CorruptEncodedKVError, Reason.BAD_MAGIC):
         store.get_parsed("k")
+
+
+def test_a_remembered_header_never_vouches_for_another(store: DirectoryStore) -> None:
+    """After a good blob's header is remembered, files that differ from it in a declared length, or
+    in their own size, are still refused."""
+    good = make_blob(2048, 6, version=2)
+    store.put("good", good)
+    store.get_parsed("good")
+    longer = bytearray(good)
+    k_len_at = _hash_count_offset(longer) - PAYLOAD_LENS.size
+    struct.pack_into("<q", longer, k_len_at, struct.unpack_from("<q", longer, k_len_at)[0] + 8)
+    cases = [(bytes(longer), Reason.TRUNCATED_PAYLOAD), (good + b"\0", Reason.SIZE_MISMATCH)]
+    for data, reason in cases:
+        (Path(store.root) / "k").write_bytes(data)
+        with raises_reason(CorruptEncodedKVError, reason):
+            store.get_parsed("k")
+    assert bytes(store.get_parsed("good").blob) == good
