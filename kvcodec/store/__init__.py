@@ -1,11 +1,17 @@
 """Blob stores: where the connectors keep LMCKV blobs, behind one interface.
 
-:class:`BlobStore` (``base.py``) is the interface and its semantics (what is
-atomic, what a miss and a damaged blob look like); :func:`open_store` picks a
-backend from a path or URL. :class:`DirectoryStore` is the embedded default
-(one file per key; ``directory.py`` composes key rules, file primitives, the
-size index, the eviction policy and quarantine); the Redis backend lives in
-``kvcodec.store.redis`` and is imported only when a ``redis://`` URL is opened.
+* ``base.py``: :class:`BlobStore` (the interface and its semantics: what is
+  atomic, what a miss and a damaged blob look like), :class:`StoreOptions`,
+  :data:`STORE_COUNTERS`, :class:`StoreFullError`;
+* ``factory.py``: :func:`open_store` picks a backend from a path or URL;
+* ``directory.py``: :class:`DirectoryStore`, the embedded default (one file per
+  key), composing ``keys.py`` (key rules), ``files.py`` (POSIX primitives),
+  ``reading.py`` (reads bounded by the sizes a header declares), ``index.py``
+  (sizes and recency), ``eviction.py`` (:class:`GroupLRU`, configured with the
+  caller's ``group_of``) and ``evictor.py``, ``quarantine.py``, ``recovery.py``
+  (dead writers' temp files) and ``counters.py`` (``stats()``);
+* ``redis.py``: the Redis / Redis Cluster backend, imported only when a
+  ``redis://`` URL is opened.
 """
 
 from __future__ import annotations
