@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..numerics import ScaleScope
 from .configs import pow2
 from .device import bf16_bits_rne, fp8_to_f32, layer_off, load_elems, row_off
@@ -164,7 +164,9 @@ def dequantize(
     if out is None:
         out = torch.empty((t, h, d), dtype=out_dtype, device=dev)
     elif tuple(out.shape) != (t, h, d):
-        raise UnsupportedConfigError(f"out is {tuple(out.shape)}; expected {(t, h, d)}")
+        raise UnsupportedConfigError(
+            f"out is {tuple(out.shape)}; expected {(t, h, d)}", reason=Reason.BAD_OUTPUT
+        )
     check_device(q, out)
     s = prep_scales(scales, scope, t, h, page_size, dev)
     if q.numel() == 0:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..numerics import ScaleScope, scale_shape
 from . import dequant_triton  # noqa: F401  (registers _dequant_tiles_kernel: the fused decode)
 from .configs import pow2
@@ -268,7 +268,9 @@ def encode_rows(
     layers, dev = pay.count, pay.base.device
     shape = scale_shape(g.scope, g.tokens, g.heads, g.page_size)
     if strategy not in STRATEGIES:
-        raise UnsupportedConfigError(f"strategy must be 'auto', 'single' or 'two_stage'; got {strategy!r}")
+        raise UnsupportedConfigError(
+            f"strategy must be 'auto', 'single' or 'two_stage'; got {strategy!r}", reason=Reason.BAD_VALUE
+        )
     if g.tokens == 0 or g.heads == 0:
         return torch.zeros((layers, *shape), dtype=torch.float32, device=dev)
     block_d = pow2(g.dim)
@@ -490,7 +492,9 @@ def encode_fused_layers(
     pl = payload_layers(payloads, g.payload_len)
     check_device(kl.base, vl.base, pl.base)
     if not kl.count == vl.count == pl.count:
-        raise UnsupportedConfigError(f"{kl.count} K, {vl.count} V and {pl.count} payloads: counts differ")
+        raise UnsupportedConfigError(
+            f"{kl.count} K, {vl.count} V and {pl.count} payloads: counts differ", reason=Reason.BAD_OUTPUT
+        )
     return encode_rows(
         dense_rows(kl, kst), dense_rows(vl, vst), pl, g, v_bf16=vdt == torch.bfloat16, strategy=strategy
     )
@@ -512,7 +516,9 @@ def decode_fused(
     check_tensor3("k_out", k_out)
     check_tensor3("v_out", v_out)
     if k_out.shape != v_out.shape:
-        raise UnsupportedConfigError(f"k_out {tuple(k_out.shape)} and v_out {tuple(v_out.shape)} differ")
+        raise UnsupportedConfigError(
+            f"k_out {tuple(k_out.shape)} and v_out {tuple(v_out.shape)} differ", reason=Reason.BAD_OUTPUT
+        )
     scope = check_scope(scope, page_size)
     check_device(payload, k_out, v_out)
     g = ChunkGeometry(*v_out.shape, k_out.element_size(), scope, page_size, fp8_dtype)
@@ -536,7 +542,9 @@ def decode_fused_layers(
     kl, kshape, kst, kdt, _ = as_layers(k_outs, "K outputs", "k")
     vl, vshape, vst, vdt, _ = as_layers(v_outs, "V outputs", "v")
     if len(kshape) != 3 or kshape != vshape:
-        raise UnsupportedConfigError(f"k_out {kshape} and v_out {vshape} must be same-shaped [T, H, D]")
+        raise UnsupportedConfigError(
+            f"k_out {kshape} and v_out {vshape} must be same-shaped [T, H, D]", reason=Reason.BAD_OUTPUT
+        )
     kind = out_kind(vdt)
     scope = check_scope(scope, page_size)
     g = ChunkGeometry(*vshape, kdt.itemsize, scope, page_size, fp8_dtype)
@@ -544,6 +552,7 @@ def decode_fused_layers(
     check_device(pl.base, kl.base, vl.base)
     if not kl.count == vl.count == pl.count:
         raise UnsupportedConfigError(
-            f"{pl.count} payloads, {kl.count} K and {vl.count} V outputs: counts differ"
+            f"{pl.count} payloads, {kl.count} K and {vl.count} V outputs: counts differ",
+            reason=Reason.BAD_OUTPUT,
         )
     decode_rows(pl, dense_rows(kl, kst), dense_rows(vl, vst), g, out_kind=kind)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..numerics import FP8_DTYPES, ScaleScope, fp8_max, scale_shape
 from .launch import INTERPRET, current_target, is_recording
 
@@ -129,9 +129,11 @@ def check_scope(scope: ScaleScope, page_size: int | None) -> ScaleScope:
     try:
         scope = ScaleScope(scope)
     except ValueError:
-        raise UnsupportedConfigError(f"unknown scale scope {scope!r}") from None
+        raise UnsupportedConfigError(f"unknown scale scope {scope!r}", reason=Reason.BAD_SCOPE) from None
     if scope == ScaleScope.PER_PAGE_HEAD and (not page_size or page_size < 1):
-        raise UnsupportedConfigError(f"per_page_head needs page_size >= 1; got {page_size}")
+        raise UnsupportedConfigError(
+            f"per_page_head needs page_size >= 1; got {page_size}", reason=Reason.BAD_VALUE
+        )
     scale_shape(scope, 1, 1, page_size)  # raises for scopes without computed scales
     return scope
 
@@ -141,11 +143,14 @@ def check_device(*ts: torch.Tensor) -> torch.device:
     dev = ts[0].device
     for t in ts[1:]:
         if t.device != dev:
-            raise UnsupportedConfigError(f"tensors on different devices: {dev} and {t.device}")
+            raise UnsupportedConfigError(
+                f"tensors on different devices: {dev} and {t.device}", reason=Reason.BAD_DEVICE
+            )
     if dev.type == "cpu" and not INTERPRET and not is_recording():
         raise UnsupportedConfigError(
             "Triton kernels need GPU tensors; for CPU tensors set TRITON_INTERPRET=1 "
-            "before kvcodec.kernels is imported"
+            "before kvcodec.kernels is imported",
+            reason=Reason.BAD_DEVICE,
         )
     return dev
 
@@ -154,16 +159,22 @@ def check_tensor3(name: str, x: torch.Tensor, dtypes: Sequence[torch.dtype] | No
     """``x`` is ``[tokens, heads, head_dim]`` (of one of ``dtypes``)."""
     if x.dim() != 3:
         raise UnsupportedConfigError(
-            f"expected {name} as [tokens, heads, head_dim]; got shape {tuple(x.shape)}"
+            f"expected {name} as [tokens, heads, head_dim]; got shape {tuple(x.shape)}",
+            reason=Reason.BAD_SHAPE,
         )
     if dtypes is not None and x.dtype not in dtypes:
-        raise UnsupportedConfigError(f"{name} dtype {x.dtype} unsupported; expected one of {tuple(dtypes)}")
+        raise UnsupportedConfigError(
+            f"{name} dtype {x.dtype} unsupported; expected one of {tuple(dtypes)}",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
 
 
 def check_fp8(q: torch.Tensor) -> None:
     """``q`` holds FP8 codes."""
     if q.dtype not in FP8_DTYPES:
-        raise UnsupportedConfigError(f"q dtype {q.dtype} is not FP8; expected one of {FP8_DTYPES}")
+        raise UnsupportedConfigError(
+            f"q dtype {q.dtype} is not FP8; expected one of {FP8_DTYPES}", reason=Reason.UNSUPPORTED_DTYPE
+        )
 
 
 def check_kv_meta(
@@ -172,14 +183,17 @@ def check_kv_meta(
     """K and V are same-shaped ``[T, H, D]``, V of :data:`V_DTYPES`, K of 1, 2 or 4 bytes."""
     if len(kshape) != 3 or len(vshape) != 3:
         raise UnsupportedConfigError(
-            f"expected K and V as [tokens, heads, head_dim]; got {kshape} and {vshape}"
+            f"expected K and V as [tokens, heads, head_dim]; got {kshape} and {vshape}",
+            reason=Reason.BAD_SHAPE,
         )
     if kshape != vshape:
-        raise UnsupportedConfigError(f"K {kshape} and V {vshape} differ in shape")
+        raise UnsupportedConfigError(f"K {kshape} and V {vshape} differ in shape", reason=Reason.BAD_SHAPE)
     if vdt not in V_DTYPES:
-        raise UnsupportedConfigError(f"V dtype {vdt} unsupported; expected one of {V_DTYPES}")
+        raise UnsupportedConfigError(
+            f"V dtype {vdt} unsupported; expected one of {V_DTYPES}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     if kdt.itemsize not in K_ELEM_VIEW or not (kdt.is_floating_point or kdt == torch.uint8):
-        raise UnsupportedConfigError(f"K dtype {kdt} unsupported")
+        raise UnsupportedConfigError(f"K dtype {kdt} unsupported", reason=Reason.UNSUPPORTED_DTYPE)
 
 
 def sm_count(dev: torch.device) -> int:
@@ -223,7 +237,9 @@ def int_view(x: torch.Tensor) -> torch.Tensor:
     try:
         return x.view(K_ELEM_VIEW[x.element_size()])
     except KeyError:
-        raise UnsupportedConfigError(f"dtype {x.dtype} of {x.element_size()} bytes unsupported") from None
+        raise UnsupportedConfigError(
+            f"dtype {x.dtype} of {x.element_size()} bytes unsupported", reason=Reason.UNSUPPORTED_DTYPE
+        ) from None
 
 
 def out_kind(dt: torch.dtype) -> int:
@@ -231,7 +247,9 @@ def out_kind(dt: torch.dtype) -> int:
     try:
         return OUT_KIND[dt]
     except KeyError:
-        raise UnsupportedConfigError(f"output dtype {dt} unsupported; expected fp32, fp16 or bf16") from None
+        raise UnsupportedConfigError(
+            f"output dtype {dt} unsupported; expected fp32, fp16 or bf16", reason=Reason.UNSUPPORTED_DTYPE
+        ) from None
 
 
 def out_view(out: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -279,7 +297,9 @@ def listed(xs: Sequence[torch.Tensor], view: torch.dtype | None = None) -> Layer
     for x in xs:
         d = x.data_ptr() - p0
         if d % es:
-            raise UnsupportedConfigError("layer tensors are not aligned to their element size")
+            raise UnsupportedConfigError(
+                "layer tensors are not aligned to their element size", reason=Reason.BAD_SHAPE
+            )
         offs.append(d // es)
     if len(offs) == 1:
         return single(base)
@@ -306,7 +326,8 @@ def same_layout(xs: Sequence[torch.Tensor], what: str) -> None:
         if x.shape != x0.shape or x.stride() != x0.stride() or x.dtype != x0.dtype or x.device != x0.device:
             raise UnsupportedConfigError(
                 f"all {what} must share shape, strides, dtype and device; got {tuple(x0.shape)}/"
-                f"{x0.stride()}/{x0.dtype} and {tuple(x.shape)}/{x.stride()}/{x.dtype}"
+                f"{x0.stride()}/{x0.dtype} and {tuple(x.shape)}/{x.stride()}/{x.dtype}",
+                reason=Reason.BAD_SHAPE,
             )
 
 
@@ -338,7 +359,9 @@ def _view_for(dt: torch.dtype, kind: str) -> torch.dtype | None:
     if kind == "k":
         view = K_ELEM_VIEW.get(dt.itemsize)
         if view is None:
-            raise UnsupportedConfigError(f"dtype {dt} of {dt.itemsize} bytes unsupported")
+            raise UnsupportedConfigError(
+                f"dtype {dt} of {dt.itemsize} bytes unsupported", reason=Reason.UNSUPPORTED_DTYPE
+            )
         return view
     if kind == "v" and dt == torch.bfloat16:
         return torch.int16
@@ -355,13 +378,14 @@ def as_layers(
     if isinstance(xs, torch.Tensor):
         if xs.dim() < 2 or xs.shape[0] == 0:
             raise UnsupportedConfigError(
-                f"stacked {what} need a non-empty leading layer dim; got {tuple(xs.shape)}"
+                f"stacked {what} need a non-empty leading layer dim; got {tuple(xs.shape)}",
+                reason=Reason.BAD_SHAPE,
             )
         dt = xs.dtype
         return stacked(xs, _view_for(dt, kind)), tuple(xs.shape[1:]), xs.stride()[1:], dt, xs.device
     xs = list(xs)
     if not xs:
-        raise UnsupportedConfigError(f"no {what} given")
+        raise UnsupportedConfigError(f"no {what} given", reason=Reason.MISSING_ARGUMENT)
     same_layout(xs, what)
     x0 = xs[0]
     return listed(xs, _view_for(x0.dtype, kind)), tuple(x0.shape), x0.stride(), x0.dtype, x0.device
@@ -408,22 +432,30 @@ def empty_payloads(layers: int, nbytes: int, device: torch.device | str) -> torc
 def check_payload(p: torch.Tensor, want: int) -> None:
     """``p`` is one contiguous 1-D uint8 payload of exactly ``want`` bytes."""
     if p.dtype != torch.uint8 or p.dim() != 1:
-        raise UnsupportedConfigError(f"payload must be a 1-D uint8 tensor; got {p.dim()}-D {p.dtype}")
+        raise UnsupportedConfigError(
+            f"payload must be a 1-D uint8 tensor; got {p.dim()}-D {p.dtype}", reason=Reason.BAD_OUTPUT
+        )
     if p.numel() != want:
-        raise UnsupportedConfigError(f"payload holds {p.numel()} bytes; the chunk needs exactly {want}")
+        raise UnsupportedConfigError(
+            f"payload holds {p.numel()} bytes; the chunk needs exactly {want}", reason=Reason.BAD_OUTPUT
+        )
     if p.numel() > 1 and p.stride(0) != 1:
-        raise UnsupportedConfigError("payload must be contiguous")
+        raise UnsupportedConfigError("payload must be contiguous", reason=Reason.BAD_OUTPUT)
 
 
 def payload_layers(payloads: Sequence[torch.Tensor] | torch.Tensor, want: int) -> Layers:
     """Payloads as layers (a stacked ``[L, nbytes]`` uint8 tensor or a list), size-checked."""
     lay, shp, st, dt, _ = as_layers(payloads, "payloads")
     if dt != torch.uint8 or len(shp) != 1:
-        raise UnsupportedConfigError(f"payloads must be 1-D uint8 (or stacked [L, nbytes]); got {shp} {dt}")
+        raise UnsupportedConfigError(
+            f"payloads must be 1-D uint8 (or stacked [L, nbytes]); got {shp} {dt}", reason=Reason.BAD_OUTPUT
+        )
     if shp[0] != want:
-        raise UnsupportedConfigError(f"payload holds {shp[0]} bytes; the chunk needs exactly {want}")
+        raise UnsupportedConfigError(
+            f"payload holds {shp[0]} bytes; the chunk needs exactly {want}", reason=Reason.BAD_OUTPUT
+        )
     if want > 1 and st[0] != 1:
-        raise UnsupportedConfigError("payload must be contiguous")
+        raise UnsupportedConfigError("payload must be contiguous", reason=Reason.BAD_OUTPUT)
     return lay
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..numerics import ScaleScope, amax_to_scale, check_finite_amax, fp8_max, scale_shape
 from .configs import pow2
 from .device import (
@@ -379,7 +379,9 @@ def compute_scales(
     scope = check_scope(scope, page_size)
     qmax = fp8_max(fp8_dtype)
     if nonfinite not in ("error", "saturate"):
-        raise UnsupportedConfigError(f"nonfinite must be 'error' or 'saturate'; got {nonfinite!r}")
+        raise UnsupportedConfigError(
+            f"nonfinite must be 'error' or 'saturate'; got {nonfinite!r}", reason=Reason.BAD_VALUE
+        )
     if amax is None:
         amax = group_amax(v, scope, page_size=page_size)
     if not bool(torch.isfinite(amax).all()):
@@ -406,7 +408,8 @@ def prep_scales(
     if tuple(scales.shape) != want:
         raise UnsupportedConfigError(
             f"scales of shape {tuple(scales.shape)} do not fit scope {scope.name} over "
-            f"{t} tokens x {h} heads (page_size {page_size}); expected {want}"
+            f"{t} tokens x {h} heads (page_size {page_size}); expected {want}",
+            reason=Reason.BAD_SCALES,
         )
     return scales.to(device=dev, dtype=torch.float32).contiguous()
 
@@ -430,7 +433,8 @@ def quantize(
         out = torch.empty((t, h, d), dtype=fp8_dtype, device=dev)
     elif tuple(out.shape) != (t, h, d) or out.dtype != fp8_dtype:
         raise UnsupportedConfigError(
-            f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}"
+            f"out is {tuple(out.shape)} {out.dtype}; expected {(t, h, d)} {fp8_dtype}",
+            reason=Reason.BAD_OUTPUT,
         )
     check_device(v, out)
     s = prep_scales(scales, scope, t, h, page_size, dev)
@@ -494,15 +498,19 @@ def quantize_1d(
     """FP8 of ``clamp(x / scale)`` over a flat contiguous tensor with one scale (cast tests)."""
     fp = fp8_constants(fp8_dtype)
     if x.dtype not in V_DTYPES:
-        raise UnsupportedConfigError(f"x dtype {x.dtype} unsupported; expected one of {V_DTYPES}")
+        raise UnsupportedConfigError(
+            f"x dtype {x.dtype} unsupported; expected one of {V_DTYPES}", reason=Reason.UNSUPPORTED_DTYPE
+        )
     if not x.is_contiguous():
-        raise UnsupportedConfigError("quantize_1d needs a contiguous tensor")
+        raise UnsupportedConfigError("quantize_1d needs a contiguous tensor", reason=Reason.BAD_SHAPE)
     dev = check_device(x)
     s = torch.as_tensor(scale, dtype=torch.float32).to(dev).reshape(1)
     if out is None:
         out = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
     elif out.shape != x.shape or out.dtype != fp8_dtype or not out.is_contiguous():
-        raise UnsupportedConfigError(f"out must be a contiguous {fp8_dtype} tensor of shape {tuple(x.shape)}")
+        raise UnsupportedConfigError(
+            f"out must be a contiguous {fp8_dtype} tensor of shape {tuple(x.shape)}", reason=Reason.BAD_OUTPUT
+        )
     n = x.numel()
     if n == 0:
         return out

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..numerics import ScaleScope
 from .fused_triton import ChunkGeometry, Strategy, decode_rows, encode_rows
 from .operands import (
@@ -91,24 +91,29 @@ class CacheViews:
 
 def _check_views(views: Sequence[torch.Tensor], head_size: int) -> torch.Tensor:
     if not views:
-        raise UnsupportedConfigError("no layer views given")
+        raise UnsupportedConfigError("no layer views given", reason=Reason.MISSING_ARGUMENT)
     x0 = views[0]
     if not isinstance(x0, torch.Tensor) or x0.dim() != 4:
         raise UnsupportedConfigError(
-            f"a vLLM layer view is 4-D [num_blocks, H, block_size, C]; got {getattr(x0, 'shape', type(x0))}"
+            f"a vLLM layer view is 4-D [num_blocks, H, block_size, C]; got {getattr(x0, 'shape', type(x0))}",
+            reason=Reason.BAD_SHAPE,
         )
     same_layout(views, "layer views")
     c = x0.shape[3]
     if isinstance(head_size, bool) or not isinstance(head_size, int) or not 0 < head_size < c:
-        raise UnsupportedConfigError(f"head_size={head_size!r} must leave room for V in C={c}")
+        raise UnsupportedConfigError(
+            f"head_size={head_size!r} must leave room for V in C={c}", reason=Reason.BAD_SHAPE
+        )
     if c != 2 * head_size:
         raise UnsupportedConfigError(
             f"C={c} holds head_size={head_size} and head_size_v={c - head_size}: the fused vLLM "
-            "kernels need head_size == head_size_v (encode K and V separately otherwise)"
+            "kernels need head_size == head_size_v (encode K and V separately otherwise)",
+            reason=Reason.BAD_SHAPE,
         )
     if x0.dtype not in V_DTYPES:
         raise UnsupportedConfigError(
-            f"cache dtype {x0.dtype} is not fp16/bf16/fp32; an FP8 cache holds V quantized already"
+            f"cache dtype {x0.dtype} is not fp16/bf16/fp32; an FP8 cache holds V quantized already",
+            reason=Reason.UNSUPPORTED_DTYPE,
         )
     return x0
 
@@ -139,7 +144,9 @@ def as_views(layers: Sequence[torch.Tensor] | CacheViews, head_size: int) -> Cac
     """``layers`` prepared once (:func:`prepare_views`), or already prepared views for ``head_size``."""
     if isinstance(layers, CacheViews):
         if layers.head_size != head_size:
-            raise UnsupportedConfigError(f"views prepared for head_size={layers.head_size}, not {head_size}")
+            raise UnsupportedConfigError(
+                f"views prepared for head_size={layers.head_size}, not {head_size}", reason=Reason.BAD_SHAPE
+            )
         return layers
     return prepare_views(layers, head_size)
 
@@ -156,26 +163,32 @@ def _block_table(
     bs = kbs if block_size is None else int(block_size)
     if bs < 1 or bs % kbs:
         raise UnsupportedConfigError(
-            f"block_size={block_size} is not a multiple of the views' {kbs} slots per block"
+            f"block_size={block_size} is not a multiple of the views' {kbs} slots per block",
+            reason=Reason.BAD_VALUE,
         )
     if num_tokens < 0 or start < 0:
-        raise UnsupportedConfigError(f"num_tokens and start must be >= 0; got {num_tokens}, {start}")
+        raise UnsupportedConfigError(
+            f"num_tokens and start must be >= 0; got {num_tokens}, {start}", reason=Reason.BAD_VALUE
+        )
     if start % bs:
         raise UnsupportedConfigError(
-            f"start={start} is not a multiple of block_size={bs}: the fused path needs block-aligned chunks"
+            f"start={start} is not a multiple of block_size={bs}: the fused path needs block-aligned chunks",
+            reason=Reason.BAD_VALUE,
         )
     ratio = bs // kbs
     first, need = start // bs, -(-num_tokens // bs)
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
             raise UnsupportedConfigError(
-                f"block_ids must be 1-D int32/int64; got {block_ids.dim()}-D {block_ids.dtype}"
+                f"block_ids must be 1-D int32/int64; got {block_ids.dim()}-D {block_ids.dtype}",
+                reason=Reason.BAD_VALUE,
             )
         if block_ids.device.type != "cpu" and ratio == 1:
             ids_dev = block_ids[first : first + need]
             if ids_dev.numel() < need:
                 raise UnsupportedConfigError(
-                    f"{num_tokens} tokens need {need} block ids; got {ids_dev.numel()}"
+                    f"{num_tokens} tokens need {need} block ids; got {ids_dev.numel()}",
+                    reason=Reason.BAD_SHAPE,
                 )
             return ids_dev.to(device=cv.device, dtype=torch.int64).contiguous(), kbs
         ids = [int(i) for i in block_ids.tolist()]
@@ -184,13 +197,18 @@ def _block_table(
     used = ids[first : first + need]
     if len(used) < need:
         raise UnsupportedConfigError(
-            f"{num_tokens} tokens at block_size {bs} need {need} block ids; got {len(used)}"
+            f"{num_tokens} tokens at block_size {bs} need {need} block ids; got {len(used)}",
+            reason=Reason.BAD_SHAPE,
         )
     nb = cv.num_blocks // ratio
     if used and (min(used) < 0 or max(used) >= nb):
-        raise UnsupportedConfigError(f"block ids span {min(used)}..{max(used)}; the cache has {nb} blocks")
+        raise UnsupportedConfigError(
+            f"block ids span {min(used)}..{max(used)}; the cache has {nb} blocks", reason=Reason.BAD_VALUE
+        )
     if distinct and len(set(used)) != len(used):
-        raise UnsupportedConfigError(f"block ids repeat: {used[:16]}; a chunk's blocks are distinct")
+        raise UnsupportedConfigError(
+            f"block ids repeat: {used[:16]}; a chunk's blocks are distinct", reason=Reason.BAD_VALUE
+        )
     if ratio > 1:
         used = [b * ratio + j for b in used for j in range(ratio)]
     t = torch.tensor(used or [0], dtype=torch.int64)
@@ -237,7 +255,9 @@ def gather_encode_layers(
     )
     pl = payload_layers(payloads, g.payload_len)
     if pl.count != cv.count:
-        raise UnsupportedConfigError(f"{cv.count} layer views but {pl.count} payloads")
+        raise UnsupportedConfigError(
+            f"{cv.count} layer views but {pl.count} payloads", reason=Reason.BAD_VALUE
+        )
     check_device(cv.k.layers.base, pl.base)
     return encode_rows(cv.k, cv.v, pl, g, v_bf16=cv.dtype == torch.bfloat16, strategy=strategy)
 
@@ -268,6 +288,8 @@ def decode_scatter_layers(
     )
     pl = payload_layers(payloads, g.payload_len)
     if pl.count != cv.count:
-        raise UnsupportedConfigError(f"{pl.count} payloads but {cv.count} layer views")
+        raise UnsupportedConfigError(
+            f"{pl.count} payloads but {cv.count} layer views", reason=Reason.BAD_VALUE
+        )
     check_device(cv.k.layers.base, pl.base)
     decode_rows(pl, cv.k, cv.v, g, out_kind=out_kind(cv.dtype))

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UnsupportedConfigError
+from ..errors import Reason, UnsupportedConfigError
 from ..format.crc import crc32
 from ..hostmem import copy_tensor
 from ..numerics import NonFinitePolicy, ScaleScope, scale_shape
@@ -42,13 +42,21 @@ __all__ = [
     "scatter_rows",
 ]
 
+
+class _CArgumentError(UnsupportedConfigError):
+    """What the C extension raises for an argument no caller can mean (a 2-D buffer, a wrong item
+    size or number of scales, an unknown code): a buffer it cannot take."""
+
+    default_reason = Reason.BAD_BUFFER
+
+
 try:
     from .. import _cpu  # type: ignore[attr-defined]
 except ImportError as e:  # pragma: no cover - depends on the install
     _cpu = None
     REASON = f"kvcodec._cpu is not built ({e}); reinstall with a C compiler present"
 else:
-    _cpu.set_error(UnsupportedConfigError)
+    _cpu.set_error(_CArgumentError)
     REASON = ""
 
 AVAILABLE: bool = _cpu is not None
@@ -390,7 +398,9 @@ def _cache_refusal(cache: torch.Tensor, dtypes: object) -> str | None:
 
 def _runs(runs: np.ndarray) -> np.ndarray:
     if runs.dtype != np.int64 or runs.ndim != 2 or runs.shape[1] != 4:
-        raise UnsupportedConfigError(f"runs must be an int64 [R, 4] array; got {runs.dtype} {runs.shape}")
+        raise UnsupportedConfigError(
+            f"runs must be an int64 [R, 4] array; got {runs.dtype} {runs.shape}", reason=Reason.BAD_VALUE
+        )
     return np.ascontiguousarray(runs)
 
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kvcodec import CodecError, UnsupportedConfigError
 from kvcodec.backends import cpu, reference
 from kvcodec.backends.base import Declined, Groups
+from kvcodec.errors import Reason
 from kvcodec.numerics import ScaleScope
 
 pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason=f"kvcodec._cpu is not built: {cpu.REASON}")
@@ -480,8 +481,9 @@ def test_c_declines_layouts_it_does_not_take(name: str) -> None:
 def test_every_c_error_is_a_codec_error(name: str) -> None:
     from kvcodec import _cpu
 
-    with pytest.raises(UnsupportedConfigError, match=r"kvcodec\._cpu\."):
+    with pytest.raises(UnsupportedConfigError, match=r"kvcodec\._cpu\.") as e:
         C_ERRORS[name](_cpu)
+    assert e.value.reason == Reason.BAD_BUFFER
 
 
 def test_c_accepts_valid_buffers_of_any_exporter() -> None:
