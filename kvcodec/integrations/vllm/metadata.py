@@ -58,6 +58,9 @@ class StepPlan:
     """Lookups since the last step that found the store unreachable (answered as misses)."""
     loads_deferred: int = 0
     """Lookups since the last step answered "ask again later" (``max_concurrent_loads`` in flight)."""
+    lookup_calls: int = 0
+    """``contains_many`` calls the scheduler side made since the last step (one round trip each on a
+    remote store): one per prompt looked up, one per step that plans a request's saves."""
     held: list[str] = field(default_factory=list)
     """Requests finished since the last step whose blocks vLLM keeps (``request_finished`` returned
     True) until ``get_finished`` reports them sent: their chunks may still be being copied out."""

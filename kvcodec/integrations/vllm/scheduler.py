@@ -101,7 +101,7 @@ class KvcodecScheduler:
         self._to_load: dict[str, LoadSpec] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._delta = dict.fromkeys(
-            ("tokens_hit", "tokens_missed", "lookups_unavailable", "loads_deferred"), 0
+            ("tokens_hit", "tokens_missed", "lookups_unavailable", "loads_deferred", "lookup_calls"), 0
         )
         self._held_new: list[str] = []
         self.loading: set[str] = set()
@@ -114,6 +114,7 @@ class KvcodecScheduler:
         if not refs:
             return []
         per = [self.shape.keys(self.keys, r) for r in refs]
+        self._delta["lookup_calls"] += 1
         try:
             found = self.lookup.contains_many([k for ks in per for k in ks])
         except StoreUnavailableError:
@@ -194,6 +195,7 @@ class KvcodecScheduler:
         meta.tokens_hit, meta.tokens_missed = self._delta["tokens_hit"], self._delta["tokens_missed"]
         meta.lookups_unavailable = self._delta["lookups_unavailable"]
         meta.loads_deferred = self._delta["loads_deferred"]
+        meta.lookup_calls = self._delta["lookup_calls"]
         self._delta = dict.fromkeys(self._delta, 0)
         meta.held, self._held_new = self._held_new, []
         meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0

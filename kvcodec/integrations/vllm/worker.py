@@ -126,6 +126,7 @@ class KvcodecWorker:
             tokens_missed=meta.tokens_missed,
             lookup_unavailable=meta.lookups_unavailable,
             loads_deferred=meta.loads_deferred,
+            lookup_calls=meta.lookup_calls,
             start_load_kv_seconds=time.perf_counter() - t0,
         )
 

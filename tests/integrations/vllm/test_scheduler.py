@@ -56,6 +56,7 @@ def test_leading_present_chunks_are_hit(tmp_path: Path) -> None:
         store.put(KEYS.manifest(ChunkRef.of(HASHES, c)), b"m")
     assert sched.get_num_new_matched_tokens(_request(), 0) == (2 * CHUNK, True)
     assert sched.get_num_new_matched_tokens(_request("s"), 2 * CHUNK) == (0, False)  # vLLM had them
+    assert sched.build_connector_meta(_output(None, 0), StepPlan()).lookup_calls == 2  # one per prompt
 
 
 def test_saves_are_planned_in_order_and_held_at_finish(tmp_path: Path) -> None:
