@@ -267,8 +267,18 @@ def _aliases(tree: ast.Module, classes: dict[str, bool]) -> dict[str, str]:
     return names
 
 
+def _is_remade(exc: ast.expr | None) -> bool:
+    """Whether ``exc`` is ``type(e)(...)``: a caught error rebuilt with another message."""
+    return (
+        isinstance(exc, ast.Call)
+        and isinstance(exc.func, ast.Call)
+        and isinstance(exc.func.func, ast.Name)
+        and exc.func.func.id == "type"
+    )
+
+
 def _sites_without_reason() -> list[str]:
-    """``file:line  Class`` for each construction of a CodecError class with no ``reason=``."""
+    """``file:line  Class`` for each construction of a CodecError class (or ``raise type(e)(...)``) with no ``reason=``."""
     trees = {p: ast.parse(p.read_text(), filename=str(p)) for p in _sources()}
     classes = _error_classes(trees)
     missing = []
@@ -276,7 +286,9 @@ def _sites_without_reason() -> list[str]:
         names = _aliases(tree, classes)
         for node in ast.walk(tree):
             name = names.get(_base_name(node.func) or "") if isinstance(node, ast.Call) else None
-            if name is None or classes[name]:
+            if name is None and isinstance(node, ast.Raise) and _is_remade(node.exc):
+                node, name = node.exc, "type(e)"  # a caught error raised anew: must keep its reason
+            elif name is None or classes[name]:
                 continue
             if not any(kw.arg in ("reason", None) for kw in node.keywords):
                 missing.append((str(path.relative_to(REPO_ROOT)), node.lineno, name))
