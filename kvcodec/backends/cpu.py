@@ -472,13 +472,22 @@ class BlobRows:
     groups: Groups
 
 
-def scatter_blob_rows(rows: BlobRows, cache: torch.Tensor, v_col: int, runs: np.ndarray) -> str | None:
+def scatter_blob_rows(
+    rows: BlobRows, cache: torch.Tensor, v_col: int, runs: np.ndarray, *, crc: int | None = None
+) -> str | int | None:
     """A blob's K rows (to columns ``0 ..``) and V dequantized (to columns ``v_col ..``) into a
     ``[N, H, S, C]`` cache view of K's dtype, in one C pass over ``runs`` (see :func:`scatter_rows`).
 
     Bit-exact with :meth:`CpuBackend.dequantize` and a copy of K. Returns None when done, or why C
     declined, with nothing written (NaN codes, a layout C does not take). A run outside the view,
     or rows that do not fit it, raise.
+
+    With ``crc`` (the CRC of the blob's header prefix: ``payload_crc(header, parsed.crc_prefix, ())``,
+    0 for version 1) and ``rows`` the blob's own K and codes views, returns, when done, that CRC
+    continued over all of K and the codes, folded into the same pass (a blob read without its CRC
+    check is then checked here: continue it over the scale bytes and compare with the stored CRC;
+    the cache has been written by then, so a mismatch must fail the load); None when C could not
+    fold it (the caller checks the blob's CRC itself).
     """
     page = _page(rows.groups)
     if isinstance(page, str):
@@ -497,4 +506,5 @@ def scatter_blob_rows(rows: BlobRows, cache: torch.Tensor, v_col: int, runs: np.
         _runs(runs),
         rows.k,
         0,
+        crc,
     )

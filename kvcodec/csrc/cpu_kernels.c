@@ -211,6 +211,28 @@ static uint32_t crc_update(uint32_t state, const uint8_t *p, size_t n) {
     return crc_bytes(state, p, n);
 }
 
+/* crc32_combine: the CRC of A || B from crc_a = CRC(A) and crc_b = CRC(B) (both from 0), multiplying
+ * crc_a by x^(8 |B|) mod P in the reflected representation (bit 31 is x^0), by squaring. For a CRC
+ * computed in two parts out of order (the codes before K, in the scatter's pre-pass). */
+static uint32_t gf2_mulmod(uint32_t a, uint32_t b) {
+    uint32_t p = 0;
+    for (uint32_t m = 1u << 31; m; m >>= 1) {
+        if (a & m) p ^= b;
+        b = b & 1 ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+    }
+    return p;
+}
+
+static uint32_t crc32_combine_len(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+    uint32_t sq = 1u << 23; /* x^8: one byte */
+    uint32_t shift = 1u << 31; /* x^0 */
+    for (; len_b; len_b >>= 1) {
+        if (len_b & 1) shift = gf2_mulmod(sq, shift);
+        sq = gf2_mulmod(sq, sq);
+    }
+    return gf2_mulmod(shift, crc_a) ^ crc_b;
+}
+
 /* zlib.crc32(data, crc): the CRC of p[0..n) continuing from crc. */
 static uint32_t kv_crc32(uint32_t crc, const void *p, size_t n) { return ~crc_update(~crc, (const uint8_t *)p, n); }
 
@@ -1139,11 +1161,39 @@ static int rows_have_nan(const Arr *q, nan_fn has_nan) {
     return 0;
 }
 
-/* scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs[, k, k_col]) -> None, or why the
- * reference must take it: float(q) * scale of the runs' rows into columns col .. col + D of the cache
- * view; with `k` (q's tokens and heads, each row the bytes of Dk elements of the cache's dtype, any
- * alignment), K's rows into columns k_col .. k_col + Dk in the same pass (a layer's whole chunk in one call). NaN codes anywhere in q,
- * non-finite scales or a layout the loops do not take: nothing written. */
+/* rows_have_nan with the running CRC state carried over q's bytes (dense), slice by slice. */
+static int rows_have_nan_crc(const Arr *q, nan_fn has_nan, uint32_t *state) {
+    Py_ssize_t step = crc_slice_tokens(q);
+    size_t row = (size_t)(q->H * q->D);
+    for (Py_ssize_t t0 = 0; t0 < q->T; t0 += step) {
+        Py_ssize_t t1 = q->T - t0 < step ? q->T : t0 + step;
+        *state = crc_update(*state, (const uint8_t *)q->base + (size_t)t0 * row, (size_t)(t1 - t0) * row);
+        for (Py_ssize_t t = t0; t < t1; t++)
+            for (Py_ssize_t h = 0; h < q->H; h++)
+                if (has_nan((const uint8_t *)q->base + t * q->st + h * q->sh, q->D)) return 1;
+    }
+    return 0;
+}
+
+/* Whether the runs take the tokens in increasing order without overlap (K's CRC can then follow them). */
+static int runs_in_order(const int64_t *rq, Py_ssize_t nq) {
+    int64_t end = 0;
+    for (Py_ssize_t i = 0; i < nq; i += 4) {
+        if (rq[i + 2] < end) return 0;
+        end = rq[i + 2] + rq[i + 3];
+    }
+    return 1;
+}
+
+/* scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs[, k, k_col[, crc]]) -> None, an
+ * int, or why the reference must take it: float(q) * scale of the runs' rows into columns col .. col + D
+ * of the cache view; with `k` (q's tokens and heads, each row the bytes of Dk elements of the cache's
+ * dtype, any alignment), K's rows into columns k_col .. k_col + Dk in the same pass (a layer's whole
+ * chunk in one call). NaN codes anywhere in q, non-finite scales or a layout the loops do not take:
+ * nothing written. With `crc` (the CRC of the blob's header, or 0) and `k` and q dense (a blob's K and
+ * codes), the result is that CRC continued over all of K then all of q, whatever the runs cover: q's
+ * folded into the NaN check that precedes the writes, K's after each run's rows are copied (runs in
+ * token order; else in a pass of its own), the two joined by crc32_combine_len. None: not folded. */
 static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
     (void)self;
     static const char *fn = "scatter_dequant";
@@ -1159,9 +1209,14 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
     memset(&s, 0, sizeof s);
     memset(&k, 0, sizeof k);
     memset(&c, 0, sizeof c);
-    if (parse(args, fn, "OOinOniO|On", &qo, &so, &scope, &page, &co, &col, &odt, &ro, &ko, &k_col) ||
-        check_dtype(fn, odt) || check_scope(fn, scope, page))
+    PyObject *cro = Py_None;
+    int want;
+    uint32_t seed = 0;
+    if (parse(args, fn, "OOinOniO|OnO", &qo, &so, &scope, &page, &co, &col, &odt, &ro, &ko, &k_col, &cro) ||
+        check_dtype(fn, odt) || check_scope(fn, scope, page) || take_crc(fn, cro, &want, &seed))
         return NULL;
+    int fold = 0;
+    uint32_t crc_k = 0, crc_q = 0;
     PyObject *ret = NULL;
     if (get_arr(qo, 1, 0, fn, "the codes", &q, &why) < 0) goto done;
     Py_ssize_t ng = groups_of(q.T, q.H, scope, page);
@@ -1192,14 +1247,20 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         Py_ssize_t nq = r.len / 8;
         const float *sc = (const float *)s.base;
         size_t k_row = (size_t)k.D;
+        fold = want && kv_crc_fast && k.held && dense_codes(&q) && dense_codes(&k);
+        uint32_t sq = ~0u, sk = ~seed;
+        size_t k_tok = (size_t)(k.H * k.D);
+        int64_t k_next = 0;
         Py_BEGIN_ALLOW_THREADS
+        int ordered = fold && runs_in_order(rq, nq);
+        if (fold && !ordered) sk = crc_update(sk, (const uint8_t *)k.base, (size_t)k.T * k_tok);
         if (!scales_ok(sc, ng, 0))
             why = "scales must be finite";
-        else if (rows_have_nan(&q, pick_nan(simd)))
+        else if (fold ? rows_have_nan_crc(&q, pick_nan(simd), &sq) : rows_have_nan(&q, pick_nan(simd)))
             why = "q holds NaN codes";
         else {
             char *v0 = c.base + col * c.view.itemsize, *k0 = c.base + k_col * c.view.itemsize;
-            for (Py_ssize_t i = 0; i < nq; i += 4)
+            for (Py_ssize_t i = 0; i < nq; i += 4) {
                 for (Py_ssize_t h = 0; h < q.H; h++)
                     for (int64_t j = 0; j < rq[i + 3]; j++) {
                         Py_ssize_t t = (Py_ssize_t)(rq[i + 2] + j);
@@ -1208,10 +1269,22 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
                             v0 + at);
                         if (k.held) memcpy(k0 + at, k.base + t * k.st + h * k.sh, k_row);
                     }
+                if (ordered) { /* K's bytes up to this run's end, the run's own still in cache */
+                    sk = crc_update(sk, (const uint8_t *)k.base + (size_t)k_next * k_tok,
+                                    (size_t)(rq[i + 2] + rq[i + 3] - k_next) * k_tok);
+                    k_next = rq[i + 2] + rq[i + 3];
+                }
+            }
+            if (ordered) sk = crc_update(sk, (const uint8_t *)k.base + (size_t)k_next * k_tok, (size_t)(k.T - k_next) * k_tok);
         }
         Py_END_ALLOW_THREADS
+        crc_k = ~sk;
+        crc_q = ~sq;
     }
-    ret = why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
+    if (why || !want || !fold)
+        ret = why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
+    else
+        ret = PyLong_FromUnsignedLong(crc32_combine_len(crc_k, crc_q, (uint64_t)q.T * (uint64_t)(q.H * q.D)));
 done:
     if (have_r) PyBuffer_Release(&r);
     if (have_rk) PyBuffer_Release(&rk);

@@ -181,3 +181,41 @@ def test_decode_names_a_damaged_header_as_the_parser_does(fast: Any) -> None:
         bad[i] ^= 0x41
         got = _reason(decode, bad, out_k=torch.empty_like(k), out_v=torch.empty_like(v))
         assert got == _reason(parse, bytes(bad)), i
+
+
+def _blob_rows(blob: Any) -> tuple[Any, Any]:
+    from kvcodec.backends import Groups
+    from kvcodec.backends.cpu import BlobRows
+
+    p = parse(blob)
+    h, at, buf = p.header, p.header_len, p.buffer
+    t, heads, d = h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim
+    k = np.frombuffer(buf, np.uint8, h.k_payload_len, at).reshape(t, heads, -1)
+    codes = np.frombuffer(buf, np.uint8, h.v_payload_len, at + h.k_payload_len).reshape(t, heads, d)
+    scales = np.frombuffer(buf, np.float32, h.scale_payload_len // 4, at + h.k_payload_len + h.v_payload_len)
+    groups = Groups(h.scale_scope, h.page_size, torch.float8_e4m3fn)
+    return p, BlobRows(k, codes, scales.copy().reshape(h.scale_shape), groups)
+
+
+@pytest.mark.parametrize("order", ["in_order", "shuffled", "skip_first_block"])
+def test_scatter_blob_rows_carries_the_blobs_crc(fast: Any, order: str) -> None:
+    from kvcodec.backends.cpu import scatter_blob_rows
+    from kvcodec.format import payload_crc
+
+    k, v = _layer(14, (64, 2, 32), torch.float16)
+    blob = encode(k, v, page_size=16)
+    p, rows = _blob_rows(blob)
+    runs = np.array([[b, 0, b * 16, 16] for b in range(4)], np.int64)
+    if order == "shuffled":
+        runs = runs[[2, 0, 3, 1]]
+    elif order == "skip_first_block":
+        runs = runs[1:]
+    cache = torch.zeros(6, 2, 16, 64, dtype=torch.float16)
+    got = scatter_blob_rows(rows, cache, 32, runs, crc=payload_crc(p.header, p.crc_prefix, ()))
+    if not fast.crc_fast(-1):
+        assert got is None
+        return
+    end = p.header_len + p.header.k_payload_len + p.header.v_payload_len
+    assert zlib.crc32(p.buffer[end : end + p.header.scale_payload_len], got) == p.crc
+    first = 1 if order == "skip_first_block" else 0
+    assert torch.equal(cache[first:4, :, :, :32].permute(0, 2, 1, 3).reshape(-1, 2, 32), k[first * 16 :])
