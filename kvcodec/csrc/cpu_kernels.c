@@ -393,6 +393,27 @@ AVX2_FN static int has_nan_code_avx2(const uint8_t *q, Py_ssize_t D) {
     return !_mm256_testz_si256(any, any) || (d < D && has_nan_code(q + d, D - d));
 }
 
+/* The largest |x| bit pattern (sign cleared) of `rows` rows of D 16-bit values `st` bytes apart: one
+ * vector maximum over a whole group, one horizontal reduction at its end. */
+AVX2_FN static uint16_t amax_rows_u16_avx2(const char *base, Py_ssize_t st, Py_ssize_t rows, Py_ssize_t D) {
+    const __m256i mag = _mm256_set1_epi16(0x7FFF);
+    __m256i acc = _mm256_setzero_si256();
+    uint16_t tail = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const uint16_t *p = (const uint16_t *)(base + r * st);
+        Py_ssize_t d = 0;
+        for (; d + 16 <= D; d += 16)
+            acc = _mm256_max_epu16(acc, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + d)), mag));
+        for (; d < D; d++) tail = (uint16_t)(p[d] & 0x7FFF) > tail ? (uint16_t)(p[d] & 0x7FFF) : tail;
+    }
+    __m128i m = _mm_max_epu16(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    m = _mm_max_epu16(m, _mm_srli_si128(m, 8));
+    m = _mm_max_epu16(m, _mm_srli_si128(m, 4));
+    m = _mm_max_epu16(m, _mm_srli_si128(m, 2));
+    uint16_t v = (uint16_t)_mm_extract_epi16(m, 0);
+    return v > tail ? v : tail;
+}
+
 AVX2_FN static void deq_row_f16_avx2(const uint8_t *q, Py_ssize_t D, float s, void *out) {
     uint16_t *o = (uint16_t *)out;
     const __m256 vs = _mm256_set1_ps(s);
@@ -736,11 +757,37 @@ static const char *group_scale(float amax, int sdt, float *out) {
 }
 
 /* Pass 1: every group's absmax, then its scale, into `scales`. Nothing else is written. */
+/* Pass 1 for 16-bit V with AVX2: each group's (page's or the whole tensor's tokens, one head) absmax
+ * bits in one vector pass over its rows. The maximum of the bit patterns is the same whatever the
+ * order, so the scales are those of the row-by-row pass. */
+static const char *group_amax_u16(const Arr *v, int vdt, int scope, Py_ssize_t page, float *scales) {
+#ifdef KV_HAVE_AVX2
+    Py_ssize_t block = scope == SC_PAGE_HEAD ? page : v->T;
+    for (Py_ssize_t t0 = 0; t0 < v->T; t0 += block) {
+        Py_ssize_t rows = v->T - t0 < block ? v->T - t0 : block;
+        for (Py_ssize_t h = 0; h < v->H; h++) {
+            uint16_t bits = amax_rows_u16_avx2(v->base + t0 * v->st + h * v->sh, v->st, rows, v->D);
+            float m = vdt == DT_F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
+            if (!finite_f32(m)) return "V holds NaN or Inf (the reference names the group)";
+            float *g = scales + group_of(scope, page, v->H, t0, h);
+            *g = f32_bits(m) > f32_bits(*g) ? m : *g;
+        }
+    }
+#else
+    (void)v, (void)vdt, (void)scope, (void)page, (void)scales;
+#endif
+    return NULL;
+}
+
 static const char *encode_scales(const Arr *v, int vdt, int scope, Py_ssize_t page, int sdt, float *scales,
-                                 Py_ssize_t ng) {
+                                 Py_ssize_t ng, int simd) {
     amax_fn amax = pick_amax(vdt);
     memset(scales, 0, (size_t)ng * sizeof(float));
-    for (Py_ssize_t t = 0; t < v->T; t++)
+    if (simd && vdt != DT_F32) {
+        const char *why = group_amax_u16(v, vdt, scope, page, scales);
+        if (why) return why;
+    } else
+        for (Py_ssize_t t = 0; t < v->T; t++)
         for (Py_ssize_t h = 0; h < v->H; h++) {
             float m = amax(v->base + t * v->st + h * v->sh, v->D);
             if (!finite_f32(m)) return "V holds NaN or Inf (the reference names the group)";
@@ -904,7 +951,7 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     int fold = want && kv_crc_fast && dense_codes(&b.out) && !(c.held && bufs_overlap(&c.src, &c.dst));
     uint32_t state = ~seed;
     Py_BEGIN_ALLOW_THREADS
-    why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng);
+    why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng, simd);
     if (!why && fold) {
         if (c.held) state = copy_crc(c.dst.buf, c.src.buf, (size_t)c.src.len, state);
         state = quantize_rows_crc(&b.in, &b.out, pick_quant(vdt, simd), scope, page, (const float *)b.s.base, state);
