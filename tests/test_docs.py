@@ -217,10 +217,19 @@ def test_vllm_doc_lists_every_connector_key() -> None:
     assert documented == set(KvcodecConfig.__dataclass_fields__)
 
 
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of ``path``: lower case, punctuation dropped, spaces as dashes."""
+    heads = re.findall(r"^#+ (.+)$", _FENCE.sub("", path.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 def test_every_relative_link_resolves() -> None:
     broken = []
     for path in DOCS:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
-            if "://" not in target and not (path.parent / target).exists():
-                broken.append(f"{path.relative_to(REPO_ROOT)} -> {target}")
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text()):
+            if "://" in target:
+                continue
+            dest = path.parent / target if target else path
+            if not dest.is_file() or (anchor and anchor not in _anchors(dest)):
+                broken.append(f"{path.relative_to(REPO_ROOT)} -> {target}#{anchor}")
     assert not broken, broken
