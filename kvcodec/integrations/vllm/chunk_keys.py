@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ChunkKeys", "ChunkRef", "group_of"]
+__all__ = ["ChunkKeys", "ChunkRef", "group_of", "is_manifest"]
 
 _TAIL_RE = re.compile(r"-C(\d+)-H([A-Za-z0-9]+)(?:-P([A-Za-z0-9]+))?\Z")
 
@@ -86,3 +86,10 @@ def group_of(key: str) -> tuple[str, int, str | None]:
     chunk = int(m.group(1))
     parent = None if m.group(3) is None or chunk == 0 else f"C{chunk - 1}-H{m.group(3)}"
     return f"C{chunk}-H{m.group(2)}", chunk, parent
+
+
+def is_manifest(key: str) -> bool:
+    """Whether ``key`` is a chunk's manifest: a store evicts it before the chunk's blobs, so no lookup
+    finds a manifest whose blobs are going."""
+    m = _TAIL_RE.search(key)
+    return m is not None and key[: m.start()].endswith("-M")

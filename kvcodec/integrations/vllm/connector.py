@@ -81,7 +81,7 @@ from kvcodec.errors import Reason, UnsupportedConfigError
 from kvcodec.store import BlobStore, StoreOptions, open_store
 from kvcodec.store.auth import load_fleet_key
 
-from .chunk_keys import ChunkKeys, group_of
+from .chunk_keys import ChunkKeys, group_of, is_manifest
 from .config import KvcodecConfig
 from .counters import Counters
 from .identity import cache_geometry, identity, layer_ids, model16
@@ -122,11 +122,13 @@ class KvcodecMetadata(StepPlan, KVConnectorMetadata):
 
 def open_connector_store(cfg: KvcodecConfig) -> BlobStore:
     """The configured store (``store`` URL, else the ``root`` directory), told the chunk grammar
-    (:func:`~.chunk_keys.group_of`) and the fleet key, if any."""
+    (:func:`~.chunk_keys.group_of`; manifests evicted first, :func:`~.chunk_keys.is_manifest`) and the
+    fleet key, if any."""
     options = StoreOptions(
         max_bytes=cfg.max_bytes,
         fsync=cfg.fsync,
         group_of=group_of,
+        evict_first=is_manifest,
         key_prefix=cfg.key_prefix,
         fleet_key=load_fleet_key(cfg.fleet_key_env, cfg.fleet_key_file),
         timeout_s=cfg.store_timeout_ms / 1000,

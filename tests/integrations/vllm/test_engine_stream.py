@@ -21,7 +21,13 @@ from tests.integrations.vllm.engines import bench_model, run_engine, store_files
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[random.Random(100 + i).randrange(3, 512) for _ in range(2049)] for i in range(5)]
+
+def _prompt(seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, 512) for _ in range(2049)]
+
+
+PROMPTS = [_prompt(100 + i) for i in range(5)]
 CHUNKS = len(PROMPTS) * (2048 // 256)
 
 

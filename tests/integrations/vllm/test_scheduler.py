@@ -81,3 +81,13 @@ def test_a_capped_scheduler_defers_loads_until_one_is_received(tmp_path: Path) -
     assert [ld.req_id for ld in meta.loads] == ["a"] and meta.loads_deferred == 1
     sched.update_connector_output(SimpleNamespace(finished_recving={"a"}))
     assert sched.get_num_new_matched_tokens(_request("b"), 0) == (CHUNK, True)
+
+
+def test_only_a_manifest_key_is_a_manifest() -> None:
+    """What the store evicts first from a chunk's group (so no lookup finds a manifest whose blobs go)."""
+    from kvcodec.integrations.vllm.chunk_keys import is_manifest
+
+    keys = ChunkKeys({0: "0123456789abcdef", 1: "fedcba9876543210"})
+    ref = ChunkRef.of(HASHES, 2)
+    assert is_manifest(keys.manifest(ref))
+    assert not any(is_manifest(k) for k in (keys.blob(0, 1, ref), keys.rank_marker(1, ref), "m-M-x", "plain"))

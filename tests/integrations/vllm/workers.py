@@ -14,7 +14,7 @@ import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvcodec.integrations.vllm.chunk_keys import group_of
+from kvcodec.integrations.vllm.chunk_keys import group_of, is_manifest
 from kvcodec.integrations.vllm.connector import KvcodecConnector
 from kvcodec.integrations.vllm.keys import prefix_hashes
 from kvcodec.integrations.vllm.worker import ConnectorParts
@@ -52,7 +52,9 @@ class HookedStore:
     ``on_write(key)`` (which may raise or wait); ``None``: no hook. Everything else is the store's."""
 
     def __init__(self, root: Path, on_read: Hook = None, on_write: Hook = None) -> None:
-        self.inner = DirectoryStore.from_options(root, StoreOptions(group_of=group_of, verify_blobs=False))
+        self.inner = DirectoryStore.from_options(
+            root, StoreOptions(group_of=group_of, evict_first=is_manifest, verify_blobs=False)
+        )
         self.on_read, self.on_write = on_read, on_write
         self.reads: list[str] = []
 
