@@ -233,3 +233,13 @@ def test_every_relative_link_resolves() -> None:
             if not dest.is_file() or (anchor and anchor not in _anchors(dest)):
                 broken.append(f"{path.relative_to(REPO_ROOT)} -> {target}#{anchor}")
     assert not broken, broken
+
+
+def test_benchmarks_doc_names_every_ci_step() -> None:
+    """docs/benchmarks.md "What CI runs" names each make target .ci/run runs, in order."""
+    ci = re.findall(r"^make ([\w-]+)", (REPO_ROOT / ".ci" / "run").read_text(), re.M)
+    section = (
+        (REPO_ROOT / "docs" / "benchmarks.md").read_text().split("## What CI runs", 1)[1].split("\n## ", 1)[0]
+    )
+    named = re.findall(r"`make\s+([\w-]+)`", section)
+    assert ci[0] == "install" and named == ci[1:], (named, ci)
