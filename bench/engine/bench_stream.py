@@ -28,6 +28,12 @@ RUNNER = REPO / "tests" / "integrations" / "vllm" / "engine" / "run_engine.py"
 CHUNK, PROMPT_LEN = 256, 2049
 
 
+def _prompt(seed: int) -> list[int]:
+    """One random prompt of ``PROMPT_LEN`` token ids (distinct seeds: distinct prompts)."""
+    r = random.Random(seed)
+    return [r.randrange(3, 512) for _ in range(PROMPT_LEN)]
+
+
 def run(work: Path, prompts: int, timeout: float) -> dict:
     """Build the model, run the stream, read the store; the result row."""
     sys.path.insert(0, str(HERE))
@@ -43,9 +49,7 @@ def run(work: Path, prompts: int, timeout: float) -> dict:
                 p.unlink()
     spec = {
         "model": str(model),
-        "prompts": [
-            [random.Random(1000 + i).randrange(3, 512) for _ in range(PROMPT_LEN)] for i in range(prompts)
-        ],
+        "prompts": [_prompt(1000 + i) for i in range(prompts)],
         "max_tokens": 1,
         "store": str(store),
         "block_size": 32,
