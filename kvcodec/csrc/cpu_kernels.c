@@ -34,6 +34,9 @@
 #include <immintrin.h>
 #define KV_HAVE_AVX2 1
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+/* The same AVX2 rows compiled for CPUs with AVX-512VL: EVEX encodings and 32 vector registers, so the
+ * quantize loop keeps its constants and four lanes of work in registers (no spills). */
+#define EVEX_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KV_NO_CLONES)
@@ -343,8 +346,8 @@ AVX2_FN static inline void store_codes32(uint8_t *q, __m256i c0, __m256i c1, __m
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define LOAD_F32(p) _mm256_loadu_ps(p)
 
-#define QUANT_ROW_AVX2(name, T, LOAD, tail)                                       \
-    AVX2_FN static int name(const void *row, Py_ssize_t D, float scale, uint8_t *q) { \
+#define QUANT_ROW_AVX2(attr, name, T, LOAD, tail)                                 \
+    attr static int name(const void *row, Py_ssize_t D, float scale, uint8_t *q) {    \
         const T *p = (const T *)row;                                              \
         const __m256 vs = _mm256_set1_ps(scale);                                  \
         __m256i amax = _mm256_setzero_si256();                                    \
@@ -362,9 +365,12 @@ AVX2_FN static inline void store_codes32(uint8_t *q, __m256i c0, __m256i c1, __m
         return bad;                                                               \
     }
 
-QUANT_ROW_AVX2(quant_row_f16_avx2, uint16_t, LOAD_F16, quant_row_f16)
-QUANT_ROW_AVX2(quant_row_bf16_avx2, uint16_t, LOAD_BF16, quant_row_bf16)
-QUANT_ROW_AVX2(quant_row_f32_avx2, float, LOAD_F32, quant_row_f32)
+QUANT_ROW_AVX2(AVX2_FN, quant_row_f16_avx2, uint16_t, LOAD_F16, quant_row_f16)
+QUANT_ROW_AVX2(AVX2_FN, quant_row_bf16_avx2, uint16_t, LOAD_BF16, quant_row_bf16)
+QUANT_ROW_AVX2(AVX2_FN, quant_row_f32_avx2, float, LOAD_F32, quant_row_f32)
+QUANT_ROW_AVX2(EVEX_FN, quant_row_f16_evex, uint16_t, LOAD_F16, quant_row_f16)
+QUANT_ROW_AVX2(EVEX_FN, quant_row_bf16_evex, uint16_t, LOAD_BF16, quant_row_bf16)
+QUANT_ROW_AVX2(EVEX_FN, quant_row_f32_evex, float, LOAD_F32, quant_row_f32)
 
 /* Sixteen codes to two vectors of float(q): the code's bits placed in an fp16
  * read as q / 256 (the exponent biases differ by 8), then times 256, exact. */
@@ -455,10 +461,15 @@ AVX2_FN static void deq_row_f32_avx2(const uint8_t *q, Py_ssize_t D, float s, vo
 }
 #endif
 
-static int cpu_has_simd(void) {
+/* The best row level the CPU runs: 0 portable, 1 AVX2 + F16C + FMA, 2 those compiled for AVX-512VL. */
+static int cpu_simd_level(void) {
 #ifdef KV_HAVE_AVX2
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))) return 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
+               ? 2
+               : 1;
 #else
     return 0;
 #endif
@@ -486,6 +497,7 @@ static amax_fn pick_amax(int dt) {
 
 static quant_fn pick_quant(int dt, int simd) {
 #ifdef KV_HAVE_AVX2
+    if (simd >= 2) return dt == DT_F16 ? quant_row_f16_evex : dt == DT_BF16 ? quant_row_bf16_evex : quant_row_f32_evex;
     if (simd) return dt == DT_F16 ? quant_row_f16_avx2 : dt == DT_BF16 ? quant_row_bf16_avx2 : quant_row_f32_avx2;
 #endif
     (void)simd;
@@ -1407,14 +1419,15 @@ static PyObject *py_crc_fast(PyObject *self, PyObject *args) {
     return PyLong_FromLong(prev);
 }
 
-/* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows where
- * the CPU has them (the default); -1 only reads. For tests of every path. */
+/* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows; 2: the quantize rows
+ * compiled for AVX-512VL; each where the CPU has it (else the best below; the best is the default);
+ * -1 only reads. For tests of every path. */
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     int level;
     if (parse(args, "simd", "i", &level)) return NULL;
-    int prev = kv_simd;
-    if (level >= 0) kv_simd = level > 0 && cpu_has_simd();
+    int prev = kv_simd, best = cpu_simd_level();
+    if (level >= 0) kv_simd = level < best ? level : best;
     return PyLong_FromLong(prev);
 }
 
@@ -1450,7 +1463,7 @@ static PyMethodDef methods[] = {
     {"bytes_to_fill", py_bytes_to_fill, METH_VARARGS, "bytes_to_fill(n): (bytes, its writable view), uninitialised."},
     {"crc32", py_crc32, METH_VARARGS, "crc32(data[, value]) -> int: zlib's CRC-32, with the loops the codec folds in."},
     {"crc_fast", py_crc_fast, METH_VARARGS, "crc_fast(level) -> previous: 1 folded CRC, 0 off, -1 read only."},
-    {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, -1 read only."},
+    {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, 2 with AVX-512VL, -1 read only."},
     {"set_error", py_set_error, METH_VARARGS, "set_error(cls): the exception class of every error."},
     {NULL, NULL, 0, NULL},
 };
@@ -1459,7 +1472,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvcodec._cpu",
                                     "The codec's FP8 row loops in C (see kvcodec.backends.cpu).", -1, methods};
 
 PyMODINIT_FUNC PyInit__cpu(void) {
-    kv_simd = cpu_has_simd();
+    kv_simd = cpu_simd_level();
     crc_init();
     kv_crc_fast = cpu_has_clmul();
     PyObject *m = PyModule_Create(&module);

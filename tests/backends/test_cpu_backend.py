@@ -43,9 +43,10 @@ GID = ["tensor", "layer_head", "page16", "page3"]
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(params=[0, 1], ids=["portable", "avx2"])
+@pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512vl"])
 def level(request: pytest.FixtureRequest) -> Any:
-    """Run the test on the portable C rows, then on the AVX2 + F16C rows (where the CPU has them)."""
+    """Run the test on the portable C rows, then on the AVX2 + F16C rows, then on those compiled for
+    AVX-512VL (each where the CPU has it; else the best level below it runs again)."""
     from kvcodec import _cpu
 
     prev = _cpu.simd(request.param)
