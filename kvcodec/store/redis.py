@@ -30,7 +30,9 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
   :class:`~kvcodec.store.StoreFullError`.
 * **Credentials** come from the URL (``redis://user:password@host:port/db``) or
   from ``KVCODEC_REDIS_USERNAME`` / ``KVCODEC_REDIS_PASSWORD``; ``location``,
-  ``repr`` and log lines show ``host:port/db`` only.
+  ``repr`` and log lines show ``host:port/db`` only. ``rediss://`` checks the
+  server's certificate against the system's CAs, or the bundle named by
+  ``?ca_certs=PATH`` / ``KVCODEC_REDIS_CA_CERTS``.
 
 redis-py is imported only when this module is (``import kvcodec`` never is).
 """
@@ -42,9 +44,10 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import parse_qsl
 
 import redis
 import redis.cluster
@@ -61,6 +64,7 @@ from .keys import validate_key
 from .reading import check_size
 
 __all__ = [
+    "CA_CERTS_ENV",
     "DEFAULT_KEY_PREFIX",
     "PASSWORD_ENV",
     "USERNAME_ENV",
@@ -76,6 +80,8 @@ PASSWORD_ENV = "KVCODEC_REDIS_PASSWORD"
 """The password when the URL has none."""
 USERNAME_ENV = "KVCODEC_REDIS_USERNAME"
 """The ACL user name when the URL has none."""
+CA_CERTS_ENV = "KVCODEC_REDIS_CA_CERTS"
+"""The CA bundle for ``rediss://`` when the URL names none (``?ca_certs=PATH``)."""
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _GROUP_SAFE = re.compile(r"[^{}]+")
@@ -106,10 +112,12 @@ class RedisURL:
     db: int = 0
     username: str | None = field(default=None, repr=False)
     password: str | None = field(default=None, repr=False)
+    ca_certs: str | None = None
+    """The CA bundle a TLS server's certificate is checked against (None: the system's)."""
 
     @classmethod
     def parse(cls, url: str) -> RedisURL:
-        """``redis[s][+cluster]://[user:password@]host:port[,host:port...][/db]``."""
+        """``redis[s][+cluster]://[user:password@]host:port[,host:port...][/db][?ca_certs=PATH]``."""
         scheme, sep, rest = url.partition("://")
         scheme = scheme.lower()
         if not sep or scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
@@ -120,7 +128,11 @@ class RedisURL:
         nodes = tuple(_host_port(url, h) for h in hosts.split(",") if h)
         if not nodes:
             _bad_url(url, "no host:port")
-        path = path.split("?", 1)[0].strip("/")
+        path, _, query = path.partition("?")
+        path = path.strip("/")
+        params = dict(parse_qsl(query, keep_blank_values=True))
+        if set(params) - {"ca_certs"}:
+            _bad_url(url, f"unknown parameters {sorted(set(params) - {'ca_certs'})}; only ca_certs")
         if path and not path.isdigit():
             _bad_url(url, f"database {path!r} is not a number")
         cluster = True if scheme.endswith("+cluster") else None
@@ -135,6 +147,7 @@ class RedisURL:
             db=int(path or 0),
             username=user or os.environ.get(USERNAME_ENV) or None,
             password=password or os.environ.get(PASSWORD_ENV) or None,
+            ca_certs=params.get("ca_certs") or os.environ.get(CA_CERTS_ENV) or None,
         )
 
     @property
@@ -155,6 +168,8 @@ def _connect(url: RedisURL, timeout_s: float) -> tuple[Any, bool]:
         "password": url.password,
         "ssl": url.tls,
     }
+    if url.tls and url.ca_certs:
+        common["ssl_ca_certs"] = url.ca_certs
     if url.cluster is None:
         host, port = url.nodes[0]
         single = redis.Redis(host=host, port=port, db=url.db, **common)
@@ -420,9 +435,7 @@ class RedisStore:
             with self._lock:
                 if self._client is None:
                     self._client, self._cluster = client, cluster
-                    self.location = RedisURL(
-                        self._url.tls, cluster or None, self._url.nodes, self._url.db
-                    ).location
+                    self.location = replace(self._url, cluster=cluster or None).location
                 else:  # another thread connected first
                     client.close()
                 client = self._client

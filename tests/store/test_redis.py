@@ -5,6 +5,7 @@ outages are test_redis_mac.py and test_redis_outage.py)."""
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from kvcodec.errors import CorruptEncodedKVError, Reason, StoreUnavailableError,
 from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef, group_of
 from kvcodec.store import InvalidKeyError, StoreFullError, StoreOptions, open_store
 from tests.raises import raises_reason
-from tests.redis_servers import chunk_keys, make_blob, redis_cluster, redis_missing, redis_single
+from tests.redis_servers import chunk_keys, free_port, make_blob, redis_cluster, redis_missing, redis_single
 
 pytestmark = pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
 
@@ -220,6 +221,7 @@ def test_urls_parse_and_bad_ones_are_refused() -> None:
     assert RedisURL.parse("redis://127.0.0.1:6379/3").db == 3
     for bad in (
         "http://h:1",
+        "redis://h:1/0?timeout=5",
         "redis://h",
         "redis://h:x",
         "redis://h1:1,h2:2",
@@ -271,3 +273,26 @@ def test_the_connector_key_grammar_groups_a_chunk(store) -> None:
     names = [store.name_of(k) for k in (keys.blob(0, 5, ref), keys.rank_marker(1, ref), keys.manifest(ref))]
     assert {n.split("}")[0] for n in names} == {"kvcodec:{C2-Habc"}
     assert isinstance(store, RedisStore) and store.partial_groups
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_rediss_checks_the_servers_certificate(tmp_path: Path, monkeypatch) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    req = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+    req += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(req, check=True, capture_output=True)
+    tls_port = free_port()
+    extra = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    extra += ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+    with redis_single(tmp_path, extra):
+        url = f"rediss://127.0.0.1:{tls_port}/0"
+        with open_store(f"{url}?ca_certs={cert}", OPTS) as st:
+            st.put("k", make_blob(64, 0))
+            assert st.contains("k") and st.location == url
+        monkeypatch.setenv("KVCODEC_REDIS_CA_CERTS", str(cert))
+        with open_store(url, OPTS) as st:
+            assert st.contains("k")
+        monkeypatch.delenv("KVCODEC_REDIS_CA_CERTS")
+        with open_store(url, OPTS) as st:  # a certificate no system CA signed
+            with raises_reason(StoreUnavailableError, Reason.STORE_UNAVAILABLE):
+                st.contains("k")
