@@ -86,6 +86,8 @@ CA_CERTS_ENV = "KVCODEC_REDIS_CA_CERTS"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _GROUP_SAFE = re.compile(r"[^{}]+")
 _SCAN_COUNT = 1000
+_NODE_IN_ERROR = re.compile(r"(?:connecting to|reading from|writing to) \[?([\w.:-]+?)\]?:(\d+)")
+"""A node in redis-py's error text ("Error 111 connecting to 10.0.0.5:7001."), when it names one."""
 _T = TypeVar("_T")
 
 
@@ -224,7 +226,8 @@ class RedisStore:
         self._lock = threading.Lock()
         self._client: Any = None
         self._cluster = bool(url.cluster)
-        self._down = False
+        self._down: set[str] = set()
+        """What is out: the server (its location), or on a cluster each node (``host:port``) that failed."""
         self._closed = False
         self._counts = Counters()
         self.location = url.location
@@ -296,13 +299,13 @@ class RedisStore:
                 pipe.set(name, value)
             pipe.execute()
 
-        self._call(run, self._trips([n for n, _ in values]))
+        self._call(run, [n for n, _ in values])
         self._count(bytes_written=sum(len(v) for _, v in values))
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if a value was removed."""
         name = self.name_of(key)
-        return bool(self._call(lambda c: c.delete(name)))
+        return bool(self._call(lambda c: c.delete(name), [name]))
 
     # ------------------------------------------------------------ reads
 
@@ -322,7 +325,7 @@ class RedisStore:
                 pipe.exists(name)
             return pipe.execute()
 
-        found = [bool(x) for x in self._call(run, self._trips(names))]
+        found = [bool(x) for x in self._call(run, names)]
         self._count(hits=sum(found), misses=len(found) - sum(found))
         return found
 
@@ -336,7 +339,7 @@ class RedisStore:
                 pipe.get(name)
             return pipe.execute()
 
-        values = self._call(run, self._trips(names)) if names else []
+        values = self._call(run, names) if names else []
         got = [v for v in values if v is not None]
         self._count(hits=len(got), misses=len(values) - len(got), bytes_read=sum(len(v) for v in got))
         return list(zip(keys, names, values))
@@ -354,7 +357,7 @@ class RedisStore:
         except CorruptEncodedKVError as e:
             self._count(errors=1)
             try:
-                self._call(lambda c: c.delete(name))
+                self._call(lambda c: c.delete(name), [name])
                 where = "deleted"
             except StoreUnavailableError:
                 where = "could not be deleted (store unavailable)"
@@ -387,7 +390,7 @@ class RedisStore:
         """Every key of this store's prefix, by ``SCAN`` (node after node on a cluster): bounded memory;
         a key written or removed during the scan may or may not be listed."""
         match = f"{self._prefix}:{{*"  # the prefix has no glob characters
-        for node in self._call(_nodes, 0):
+        for node in self._call(_nodes, trips=0):
             cursor = None
             while cursor != 0:
                 cursor, names = self._call(
@@ -435,30 +438,33 @@ class RedisStore:
             with self._lock:
                 if self._client is None:
                     self._client, self._cluster = client, cluster
-                    self.location = replace(self._url, cluster=cluster or None).location
+                    old, self.location = self.location, replace(self._url, cluster=cluster or None).location
+                    if old in self._down:  # an outage of the store under its former name
+                        self._down.discard(old)
+                        self._down.add(self.location)
                 else:  # another thread connected first
                     client.close()
                 client = self._client
         return client
 
-    def _call(self, fn: Callable[[Any], _T], trips: int = 1) -> _T:
-        """``fn(client)``, counted as ``trips`` round trips, with redis-py's failures turned into
-        StoreUnavailableError / StoreFullError and the outage logged once."""
+    def _call(self, fn: Callable[[Any], _T], names: Sequence[str] = (), trips: int | None = None) -> _T:
+        """``fn(client)`` on the values ``names`` (one round trip, or one per slot on a cluster, unless
+        ``trips`` says), with redis-py's failures turned into StoreUnavailableError / StoreFullError and
+        each outage logged once."""
+        trips = self._trips(names) if trips is None else trips
         try:
-            out = fn(self._connected())
+            client = self._connected()
+            out = fn(client)
         except redis.exceptions.TimeoutError as e:
-            self._failed(Reason.STORE_TIMEOUT, e)
+            self._failed(Reason.STORE_TIMEOUT, e, names)
         except redis.exceptions.OutOfMemoryError as e:
             self._count(errors=1)
             raise StoreFullError(f"{self.location} refused a write: {e}") from None
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
-            self._failed(Reason.STORE_UNAVAILABLE, e)
+            self._failed(Reason.STORE_UNAVAILABLE, e, names)
         self._count(round_trips=trips)
         if self._down and trips:  # only an answer from a server ends an outage
-            with self._lock:
-                back, self._down = self._down, False
-            if back:
-                log.info("kvcodec store %s is reachable again", self.location)
+            self._mend(client, names)
         return out
 
     def _trips(self, names: Sequence[str]) -> int:
@@ -467,18 +473,64 @@ class RedisStore:
             return 1
         return len({key_slot(n.encode()) for n in names})
 
-    def _failed(self, reason: Reason, e: BaseException) -> NoReturn:
+    def _target(self, e: BaseException, names: Sequence[str]) -> str:
+        """What failed: on a cluster the node (``host:port``) redis-py names, or the one node that
+        serves ``names``, or the node the error's text names; else the store as a whole."""
+        if not self._cluster:
+            return self.location
+        conn = getattr(e, "connection", None)
+        host, port = getattr(conn, "host", None), getattr(conn, "port", None)
+        if host and port:
+            return f"{host}:{port}"
+        nodes = self._nodes_of(names)
+        if len(nodes) == 1:
+            return nodes.pop()
+        m = _NODE_IN_ERROR.search(str(e))
+        return f"{m.group(1)}:{m.group(2)}" if m else self.location
+
+    def _nodes_of(self, names: Sequence[str]) -> set[str]:
+        """The nodes (``host:port``) that serve ``names`` by the cluster client's slot map."""
+        client, nodes = self._client, set()
+        if isinstance(client, redis.cluster.RedisCluster):
+            for name in names:
+                try:
+                    node = client.get_node_from_key(name)
+                except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+                    continue
+                nodes.add(f"{node.host}:{node.port}")
+        return nodes
+
+    def _failed(self, reason: Reason, e: BaseException, names: Sequence[str]) -> NoReturn:
         self._count(**{"timeouts" if reason is Reason.STORE_TIMEOUT else "errors": 1})
+        target = self._target(e, names)
         with self._lock:
-            first, self._down = not self._down, True
+            first = target not in self._down
+            self._down.add(target)
         what = f"{type(e).__name__}: {e}"
         if first:
+            where = "" if target == self.location else f" (node {target})"
             log.warning(
-                "kvcodec store %s is unavailable (%s): lookups miss and saves are dropped until it is back",
+                "kvcodec store %s%s is unavailable (%s): lookups miss and saves are dropped until it is back",
                 self.location,
+                where,
                 what,
             )
         raise StoreUnavailableError(f"store {self.location}: {what}", reason=reason) from None
+
+    def _mend(self, client: Any, names: Sequence[str]) -> None:
+        """End the outages an answer disproves: the store's; on a cluster also those of the nodes
+        that served ``names``."""
+        back = {self.location}
+        if isinstance(client, redis.cluster.RedisCluster):
+            back |= self._nodes_of(names)
+        else:
+            back |= self._down  # one server: any answer is all of it
+        with self._lock:
+            ended = self._down & back
+            self._down -= ended
+        for target in sorted(ended):
+            where = "" if target == self.location else f" (node {target})"
+            log.info("kvcodec store %s%s is reachable again", self.location, where)
 
     def close(self) -> None:
         """Drop the connections (no network wait); later calls raise."""
