@@ -173,6 +173,8 @@ CLMUL_FN static inline __m128i crc_fold(__m128i x, __m128i k) {
     return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
 }
 
+CLMUL_FN static uint32_t crc_reduce(__m128i a);
+
 /* The state over n >= 128 bytes (a multiple of 16), by folding; the caller does the rest of a run. */
 CLMUL_FN static uint32_t crc_clmul(uint32_t state, const uint8_t *p, size_t n) {
     const __m128i k1024 = _mm_set_epi64x(0x14a7fe880LL, 0x1e88ef372LL); /* x^(1024-32), x^(1024+32) */
@@ -188,7 +190,13 @@ CLMUL_FN static uint32_t crc_clmul(uint32_t state, const uint8_t *p, size_t n) {
     __m128i a = x[0];
     for (int i = 1; i < 8; i++) a = _mm_xor_si128(crc_fold(a, k128), x[i]);
     for (; n >= 16; p += 16, n -= 16) a = _mm_xor_si128(crc_fold(a, k128), _mm_loadu_si128((const __m128i *)p));
-    /* 128 -> 64 bits (x^64), then Barrett reduction by P' = 0x1DB710641, mu = 0x1F7011641. */
+    return crc_reduce(a);
+}
+
+/* The folded 128 bits to the 32-bit state: 128 -> 64 bits (x^64), then Barrett reduction by
+ * P' = 0x1DB710641, mu = 0x1F7011641. */
+CLMUL_FN static uint32_t crc_reduce(__m128i a) {
+    const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
     const __m128i mask32 = _mm_setr_epi32(-1, 0, -1, 0);
     __m128i t = _mm_clmulepi64_si128(a, k128, 0x10);
     a = _mm_xor_si128(_mm_srli_si128(a, 8), t);
@@ -198,6 +206,35 @@ CLMUL_FN static uint32_t crc_clmul(uint32_t state, const uint8_t *p, size_t n) {
     t = _mm_clmulepi64_si128(_mm_and_si128(a, mask32), poly, 0x10);
     t = _mm_clmulepi64_si128(_mm_and_si128(t, mask32), poly, 0x00);
     return (uint32_t)_mm_extract_epi32(_mm_xor_si128(a, t), 1);
+}
+
+/* crc_clmul over src's n >= 128 bytes (a multiple of 16) that also stores every 16 bytes it loads to
+ * dst: a copy and its CRC in one pass over the registers (the copy's stores ride beside the folds).
+ * dst and src do not overlap. */
+CLMUL_FN static uint32_t crc_clmul_copy(uint32_t state, uint8_t *dst, const uint8_t *p, size_t n) {
+    const __m128i k1024 = _mm_set_epi64x(0x14a7fe880LL, 0x1e88ef372LL);
+    const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+    __m128i x[8];
+    for (int i = 0; i < 8; i++) {
+        x[i] = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+        _mm_storeu_si128((__m128i *)(dst + 16 * i), x[i]);
+    }
+    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)state));
+    p += 128, dst += 128, n -= 128;
+    for (; n >= 128; p += 128, dst += 128, n -= 128)
+        for (int i = 0; i < 8; i++) {
+            __m128i d = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+            _mm_storeu_si128((__m128i *)(dst + 16 * i), d);
+            x[i] = _mm_xor_si128(crc_fold(x[i], k1024), d);
+        }
+    __m128i a = x[0];
+    for (int i = 1; i < 8; i++) a = _mm_xor_si128(crc_fold(a, k128), x[i]);
+    for (; n >= 16; p += 16, dst += 16, n -= 16) {
+        __m128i d = _mm_loadu_si128((const __m128i *)p);
+        _mm_storeu_si128((__m128i *)dst, d);
+        a = _mm_xor_si128(crc_fold(a, k128), d);
+    }
+    return crc_reduce(a);
 }
 #endif
 
@@ -234,6 +271,20 @@ static uint32_t crc32_combine_len(uint32_t crc_a, uint32_t crc_b, uint64_t len_b
         sq = gf2_mulmod(sq, sq);
     }
     return gf2_mulmod(shift, crc_a) ^ crc_b;
+}
+
+/* n bytes copied from src to dst (not overlapping) with the running state carried over them, in one
+ * pass where the folding runs. */
+static uint32_t crc_copy(uint32_t state, uint8_t *dst, const uint8_t *src, size_t n) {
+#ifdef KV_HAVE_AVX2
+    if (kv_crc_fast && n >= 128) {
+        size_t body = n & ~(size_t)15;
+        state = crc_clmul_copy(state, dst, src, body);
+        dst += body, src += body, n -= body;
+    }
+#endif
+    memcpy(dst, src, n);
+    return crc_bytes(state, src, n);
 }
 
 /* zlib.crc32(data, crc): the CRC of p[0..n) continuing from crc. */
@@ -840,15 +891,9 @@ static int dense_codes(const Arr *q) {
     return (q->H == 1 || q->sh == q->D) && (q->T == 1 || q->st == q->H * q->D);
 }
 
-/* memcpy of n bytes with the running CRC state carried over them, slice by slice while each is in cache. */
+/* memcpy of n bytes with the running CRC state carried over them, in the same pass. */
 static uint32_t copy_crc(char *dst, const char *src, size_t n, uint32_t state) {
-    const size_t slice = 16384;
-    for (size_t at = 0; at < n; at += slice) {
-        size_t m = n - at < slice ? n - at : slice;
-        memcpy(dst + at, src + at, m);
-        state = crc_update(state, (const uint8_t *)src + at, m);
-    }
-    return state;
+    return crc_copy(state, (uint8_t *)dst, (const uint8_t *)src, n);
 }
 
 /* quantize_span over every row, the CRC state carried over each slice of codes just written. */
