@@ -739,6 +739,11 @@ static inline Py_ssize_t group_of(int scope, Py_ssize_t page, Py_ssize_t H, Py_s
     return (t / page) * H + h;
 }
 
+/* Token t's row of scales: head h's is [h] (or [0] for per_tensor): group_of's division once a token. */
+static inline const float *token_scales(const float *sc, int scope, Py_ssize_t page, Py_ssize_t H, Py_ssize_t t) {
+    return scope == SC_PAGE_HEAD ? sc + (t / page) * H : sc;
+}
+
 static int check_dtype(const char *fn, int dtype) {
     return dtype < DT_F16 || dtype > DT_F32 ? fail(fn, "dtype code must be 0 (fp16), 1 (bf16) or 2 (fp32)") : 0;
 }
@@ -867,11 +872,13 @@ static const char *encode_scales(const Arr *v, int vdt, int scope, Py_ssize_t pa
 /* The codes of rows t0 .. t1, each with its group's scale; returns whether a row met a NaN. */
 static int quantize_span(const Arr *v, const Arr *q, quant_fn quant, int scope, Py_ssize_t page, const float *sc,
                          Py_ssize_t t0, Py_ssize_t t1) {
-    for (Py_ssize_t t = t0; t < t1; t++)
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        const float *st = token_scales(sc, scope, page, v->H, t);
         for (Py_ssize_t h = 0; h < v->H; h++)
-            if (quant(v->base + t * v->st + h * v->sh, v->D, sc[group_of(scope, page, v->H, t, h)],
+            if (quant(v->base + t * v->st + h * v->sh, v->D, st[scope == SC_TENSOR ? 0 : h],
                       (uint8_t *)q->base + t * q->st + h * q->sh))
                 return 1;
+    }
     return 0;
 }
 
@@ -1062,12 +1069,14 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 /* Rows t0 .. t1's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_nan, int scope, Py_ssize_t page,
                            const float *sc, Py_ssize_t t0, Py_ssize_t t1) {
-    for (Py_ssize_t t = t0; t < t1; t++)
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        const float *st = token_scales(sc, scope, page, q->H, t);
         for (Py_ssize_t h = 0; h < q->H; h++) {
             const uint8_t *row = (const uint8_t *)q->base + t * q->st + h * q->sh;
             if (has_nan(row, q->D)) return 1;
-            deq(row, q->D, sc[group_of(scope, page, q->H, t, h)], o->base + t * o->st + h * o->sh);
+            deq(row, q->D, st[scope == SC_TENSOR ? 0 : h], o->base + t * o->st + h * o->sh);
         }
+    }
     return 0;
 }
 
