@@ -1374,14 +1374,17 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         else {
             char *v0 = c.base + col * c.view.itemsize, *k0 = c.base + k_col * c.view.itemsize;
             for (Py_ssize_t i = 0; i < nq; i += 4) {
-                for (Py_ssize_t h = 0; h < q.H; h++)
-                    for (int64_t j = 0; j < rq[i + 3]; j++) {
-                        Py_ssize_t t = (Py_ssize_t)(rq[i + 2] + j);
+                for (Py_ssize_t h = 0; h < q.H; h++) {
+                    /* t's scale group followed token by token (no division per row) */
+                    Py_ssize_t t = (Py_ssize_t)rq[i + 2], tp = t / page, in_page = t % page;
+                    for (int64_t j = 0; j < rq[i + 3]; j++, t++) {
                         Py_ssize_t at = rq[i] * c.sn + h * c.sh + (rq[i + 1] + j) * c.ss;
-                        deq((const uint8_t *)q.base + t * q.st + h * q.sh, q.D, sc[group_of(scope, page, q.H, t, h)],
-                            v0 + at);
+                        float scale = sc[scope == SC_TENSOR ? 0 : scope == SC_LAYER_HEAD ? h : tp * q.H + h];
+                        deq((const uint8_t *)q.base + t * q.st + h * q.sh, q.D, scale, v0 + at);
                         if (k.held) memcpy(k0 + at, k.base + t * k.st + h * k.sh, k_row);
+                        if (++in_page == page) in_page = 0, tp++;
                     }
+                }
                 if (ordered) { /* K's bytes up to this run's end, the run's own still in cache */
                     sk = crc_update(sk, (const uint8_t *)k.base + (size_t)k_next * k_tok,
                                     (size_t)(rq[i + 2] + rq[i + 3] - k_next) * k_tok);
