@@ -18,7 +18,7 @@ import torch
 from _ratio import interleaved
 
 from kvcodec import decode, encode
-from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk, load_chunk
+from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk, read_chunk, write_chunk
 from kvcodec.integrations.vllm.layout import gather_kv
 
 H, D, BS, BLOCKS, T = 8, 128, 16, 400, 256
@@ -64,7 +64,11 @@ def test_save_layer_chunk(benchmark, cache: torch.Tensor) -> None:
 def test_load_layer_chunk(benchmark, cache: torch.Tensor) -> None:
     blob = bytes(encode_chunk(cache, IDS, CC, start=0, num_tokens=T, layer_id=0, chunk_id=0))
     dst = torch.zeros_like(cache)
-    load = lambda: load_chunk(blob, dst, IDS, CC, start=0, num_tokens=T)  # noqa: E731
+
+    def load() -> None:  # the connector's per-layer load: read and check, then write
+        chunk = read_chunk({"l": blob}, {"l": dst}, {"l": CC}, {"l": 0}, chunk_id=0, num_tokens=T)
+        write_chunk(chunk, {"l": dst}, IDS, start=0)
+
     load()
     want = decode(blob, out_v_dtype=torch.float16)
     k, v = gather_kv(dst, IDS, head_size=D, block_size=BS, num_tokens=T)
