@@ -39,8 +39,11 @@ CHUNK_RAW_BYTES = 2 * LAYERS * CHUNK * KV_HEADS * HEAD_DIM * 2
 
 
 def _extra(work: Path, name: str, store_url: str | None) -> dict[str, Any]:
+    """The connector keys of one host: its own empty local directory and the shared store (without a
+    store URL, the local directory is the store: host B's is then a copy of A's, shared here)."""
+    root = work / (f"{name}-local" if store_url is not None else "directory-shared")
     extra: dict[str, Any] = {
-        "root": str(work / f"{name}-local"),
+        "root": str(root),
         "chunk_size": CHUNK,
         "scope": "per_page_head",
         "async_save": False,
@@ -119,12 +122,13 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
             saver = _engine(
                 work, model, f"{name}-a", url, [ttft("warmup", [p.warmup]), ttft("save", p.timed)]
             )
-            run_engine(saver, work, timeout, pythonpath)
-            row: dict[str, Any] = {}
+            saved = _stats(run_engine(saver, work, timeout, pythonpath), "worker")
+            row: dict[str, Any] = {"value_bytes": saved.get("store_bytes_written")}
             if deployment is not None:
                 _settle(deployment)
                 row["bytes"] = deployment.used_memory() - before
                 row["bytes_vs_raw"] = row["bytes"] / out["raw_kv_bytes"]
+                row["value_bytes_vs_raw"] = (row["value_bytes"] or 0) / out["raw_kv_bytes"]
             hit_phases = [ttft("warmup", [p.fresh_warmup]), ttft("hit", p.timed)]
             row |= _hits(
                 run_engine(_engine(work, model, f"{name}-b", url, hit_phases), work, timeout, pythonpath)
@@ -137,17 +141,20 @@ def table(res: dict[str, Any]) -> str:
     rec = res["recompute_ttft_s"]
     lines = [
         f"{res['prompts']} prompts of {res['prompt_len']} tokens, chunks of {res['chunk']}; recompute TTFT {rec * 1e3:.0f} ms",
-        "| host B's hit from | TTFT ms | vs directory | recompute / hit | bytes vs raw KV | lookup trips / prompt | load trips / chunk |",
-        "|---|---|---|---|---|---|---|",
+        "| host B's hit from | TTFT ms | vs directory | recompute / hit | used_memory / raw KV | values / raw KV "
+        "| lookup trips / prompt | load trips / chunk |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     base = res["directory"]["hit_ttft_s"]
     for name in ("directory", "redis", "cluster"):
         r = res[name]
         vs_raw = f"{r['bytes_vs_raw']:.3f}" if "bytes_vs_raw" in r else "-"
+        values = f"{r['value_bytes_vs_raw']:.3f}" if "value_bytes_vs_raw" in r else "-"
         lookups = r["lookup_round_trips_per_prompt"]
         lines.append(
             f"| {name} | {r['hit_ttft_s'] * 1e3:.1f} | {r['hit_ttft_s'] / base:.2f}x | {rec / r['hit_ttft_s']:.1f}x "
-            f"| {vs_raw} | {'-' if lookups is None else f'{lookups:.2f}'} | {r['load_round_trips_per_chunk']:.2f} |"
+            f"| {vs_raw} | {values} | {'-' if lookups is None else f'{lookups:.2f}'} "
+            f"| {r['load_round_trips_per_chunk']:.2f} |"
         )
     return "\n".join(lines)
 
