@@ -6,13 +6,15 @@ scheduler outputs duck-typed, and reaches the store only through a :class:`Chunk
 
 * Lookup: the longest run of a prompt's leading chunks that are present: the manifest of each
   (written after every layer's and rank's blob) or, on a store that may lose one blob of a chunk
-  on its own (``partial_groups``, e.g. Redis LRU), every blob key too. An unreachable store is a
-  miss, counted.
+  on its own (``partial_groups``, e.g. Redis LRU), every blob key too. A store that fails (unreachable,
+  an I/O error such as EIO/ESTALE on a shared directory, any CodecError) is a miss, counted
+  (``lookup_unavailable``) and logged once per outage: nothing a store raises reaches vLLM's scheduler.
 * Loads: at most ``max_concurrent_loads`` asynchronous loads in flight; over it, a request that
   would load is answered ``(None, False)`` and vLLM asks again in a later step.
 * Saves: each chunk completed by a step and not present, in order (a chunk whose predecessor is
   neither stored nor planned could never be hit). With asynchronous saves a finished request that
   had chunks to save keeps its blocks (``request_finished`` -> True) until the worker reports it.
+  A request with no recorded seed (never looked up) is not saved: its keys are unknown.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvcodec.errors import StoreUnavailableError
+from kvcodec.errors import CodecError, StoreUnavailableError
 
 from .chunk_keys import ChunkKeys, ChunkRef
 from .config import KvcodecConfig
@@ -106,6 +108,8 @@ class KvcodecScheduler:
         self._held_new: list[str] = []
         self.loading: set[str] = set()
         """Requests whose asynchronous load is in flight (until the worker reports it received)."""
+        self._failing = False
+        """A lookup failed and none has succeeded since: the outage is logged already."""
 
     # ------------------------------------------------------------ lookup
 
@@ -117,14 +121,31 @@ class KvcodecScheduler:
         self._delta["lookup_calls"] += 1
         try:
             found = self.lookup.contains_many([k for ks in per for k in ks])
-        except StoreUnavailableError:
-            self._delta["lookups_unavailable"] += 1
+        except (CodecError, OSError) as e:  # never into vLLM's schedule(): the engine would die
+            self._lookup_failed(e)
             return [False] * len(refs)
+        if self._failing:
+            self._failing = False
+            logger.info("kvcodec: store lookups answer again")
         out, at = [], 0
         for ks in per:
             out.append(all(found[at : at + len(ks)]))
             at += len(ks)
         return out
+
+    def _lookup_failed(self, e: Exception) -> None:
+        """Count a failed lookup; log the first of an outage (an unreachable store logs it itself)."""
+        self._delta["lookups_unavailable"] += 1
+        if self._failing:
+            return
+        self._failing = True
+        if not isinstance(e, StoreUnavailableError):
+            logger.warning(
+                "kvcodec: store lookup failed (%s: %s): prompts miss until lookups answer again "
+                "(counter lookup_unavailable)",
+                type(e).__name__,
+                e,
+            )
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` covered by the prompt's leading present chunks; ``(None,
@@ -202,7 +223,7 @@ class KvcodecScheduler:
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            seed = self._seeds.get(new.req_id, "")
+            seed = self._seeds.get(new.req_id)  # none recorded: its keys are unknown, never save it
             tokens = list(new.prompt_token_ids or []) if seed is not None else []
             hashes = prefix_hashes(tokens, self.cfg.chunk_size, seed or "")
             self._reqs[new.req_id] = _ReqState(hashes, list(new.block_ids[0]))

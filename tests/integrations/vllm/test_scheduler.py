@@ -3,8 +3,13 @@ read duck-typed, the store is a real DirectoryStore reached only through ``conta
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef, group_of
 from kvcodec.integrations.vllm.config import KvcodecConfig
@@ -91,3 +96,35 @@ def test_only_a_manifest_key_is_a_manifest() -> None:
     ref = ChunkRef.of(HASHES, 2)
     assert is_manifest(keys.manifest(ref))
     assert not any(is_manifest(k) for k in (keys.blob(0, 1, ref), keys.rank_marker(1, ref), "m-M-x", "plain"))
+
+
+def test_an_io_error_of_the_store_is_a_counted_miss_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EIO/ESTALE from a shared directory must not reach vLLM's schedule() (the engine core would die)."""
+    sched, store = _scheduler(tmp_path)
+    store.put(KEYS.manifest(ChunkRef.of(HASHES, 0)), b"m")
+    real = os.lstat
+
+    def eio(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "lstat", eio)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvcodec"):
+        assert sched.get_num_new_matched_tokens(_request("a"), 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(_request("b"), 0) == (0, False)
+    assert sched.build_connector_meta(_output(None, 0), StepPlan()).lookups_unavailable == 2
+    lines = [r for r in caplog.records if "lookup failed" in r.getMessage()]
+    assert len(lines) == 1 and "OSError" in lines[0].getMessage(), [r.getMessage() for r in caplog.records]
+    monkeypatch.setattr(os, "lstat", real)
+    assert sched.get_num_new_matched_tokens(_request("c"), 0) == (CHUNK, True)  # the outage is over
+
+
+def test_a_request_never_looked_up_is_not_saved(tmp_path: Path) -> None:
+    """Without its recorded seed (LoRA, salt) its chunks' keys are unknown: base-model keys would be wrong."""
+    sched, _ = _scheduler(tmp_path)
+    assert sched.build_connector_meta(_output("r", len(TOKENS)), StepPlan()).saves == []
+    sched.get_num_new_matched_tokens(_request("s"), 0)
+    assert len(sched.build_connector_meta(_output("s", len(TOKENS)), StepPlan()).saves) == 3
