@@ -71,6 +71,7 @@ __all__ = [
     "header_fields",
     "header_memo_info",
     "parse",
+    "remember_header",
     "v_group",
 ]
 
@@ -438,6 +439,13 @@ def forget_header(parsed: ParsedBlob) -> bool:
     return _HEADERS.forget(parsed.buffer, parsed.header_len)
 
 
+def remember_header(parsed: ParsedBlob) -> None:
+    """Remember ``parsed``'s header once its blob passed every check: for a caller that parsed it with
+    ``remember=False`` and checked its CRC itself afterwards (never before that check passed)."""
+    if parsed.header_len <= len(parsed.buffer):
+        _HEADERS.remember(parsed.buffer, parsed.header, parsed.header_len, parsed.unknown_hashes)
+
+
 def clear_header_memo() -> None:
     """Empty :func:`parse`'s memo (it refills as blobs are parsed)."""
     _HEADERS.clear()
@@ -451,7 +459,14 @@ def _with_ids(h: Header, layer_id: int, chunk_id: int) -> Header:
     return out
 
 
-def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistency: bool = True) -> ParsedBlob:
+def parse(
+    buf: Any,
+    *,
+    verify_crc: bool = True,
+    strict: bool = False,
+    consistency: bool = True,
+    remember: bool = True,
+) -> ParsedBlob:
     """Parse and validate an LMCKV blob without copying its payload.
 
     ``buf`` is any C-contiguous buffer (bytes, bytearray, memoryview, mmap,
@@ -465,7 +480,9 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
     is small (:data:`MEMO_MAX_HEADER_BYTES`), in a memo bounded in bytes
     (:data:`MEMO_MAX_BYTES`, :func:`header_memo_info`); a refused blob leaves
     nothing there. A remembered header skips steps 1, 2 and 4 on its next
-    blob; every per-blob step still runs.
+    blob; every per-blob step still runs. ``remember=False`` keeps a new header
+    out of the memo (a caller that defers the CRC check: its blob may still
+    fail it); a header already there is still used.
     """
     mv = as_bytes_view(buf)
     seen = _HEADERS.recall(mv)
@@ -490,7 +507,7 @@ def parse(buf: Any, *, verify_crc: bool = True, strict: bool = False, consistenc
             check_consistency(header)
         scales_at = header_len + header.k_payload_len + header.v_payload_len
         check_stored_scales(header, mv[scales_at : scales_at + header.scale_payload_len])
-        if seen is None:  # only now: a blob refused by any check above leaves no header behind
+        if seen is None and remember:  # only now: a blob refused by any check above leaves nothing
             _HEADERS.remember(mv, header, header_len, unknown)
     return ParsedBlob(
         header=header,

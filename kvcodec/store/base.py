@@ -101,11 +101,14 @@ class BlobStore(Protocol):
         """The verified blob under ``key``; KeyError on a miss."""
         ...
 
-    def get_parsed(self, key: str, into: bytearray | None = None) -> ParsedBlob:
-        """The blob under ``key`` read once and parsed once, CRC checked; ``into`` may hold its bytes."""
+    def get_parsed(self, key: str, into: bytearray | None = None, *, verify_crc: bool = True) -> ParsedBlob:
+        """The blob under ``key`` read once and parsed once, CRC checked; ``into`` may hold its bytes.
+
+        ``verify_crc=False`` (optional: a backend may ignore it and check anyway) leaves the CRC to
+        the caller, who checks it in its own pass and must then treat a mismatch as damage."""
         ...
 
-    def get_parsed_many(self, keys: Sequence[str]) -> list[ParsedBlob]:
+    def get_parsed_many(self, keys: Sequence[str], *, verify_crc: bool = True) -> list[ParsedBlob]:
         """``get_parsed`` of each key, all or nothing: KeyError(key) if any one is missing."""
         ...
 

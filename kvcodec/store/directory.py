@@ -270,7 +270,7 @@ class DirectoryStore:
         self._check_open()
         return self._get(key, whole=False).blob
 
-    def get_parsed(self, key: str, into: bytearray | None = None) -> ParsedBlob:
+    def get_parsed(self, key: str, into: bytearray | None = None, *, verify_crc: bool = True) -> ParsedBlob:
         """The blob under ``key`` read into memory and parsed once, its CRC verified (whatever ``verify``).
 
         For a reader that decodes the blob at once (the vLLM connector's loads):
@@ -282,21 +282,26 @@ class DirectoryStore:
         ``into``: read into this buffer when it is large enough (the blob then
         views it: the caller must not reuse it while the blob is in use),
         sparing a fresh allocation and its page faults per read.
+
+        ``verify_crc=False``: every check but the CRC, for a caller that checks it itself in its
+        own pass over the payload (the connector's C scatter) and removes the blob when it fails;
+        its header is then not remembered by the parse memo.
         """
         validate_key(key)
         self._check_open()
-        return self._get(key, whole=True, into=into)
+        return self._get(key, whole=True, into=into, verify_crc=verify_crc)
 
-    def get_parsed_many(self, keys: Sequence[str]) -> list[ParsedBlob]:
+    def get_parsed_many(self, keys: Sequence[str], *, verify_crc: bool = True) -> list[ParsedBlob]:
         """``get_parsed`` of each key, all or nothing: ``KeyError(key)`` if any one is missing (checked
-        before any is read), a damaged one's :class:`CorruptEncodedKVError` after quarantining it."""
+        before any is read), a damaged one's :class:`CorruptEncodedKVError` after quarantining it
+        (``verify_crc`` as for :meth:`get_parsed`)."""
         keys = [validate_key(k) for k in keys]
         self._check_open()
         for k in keys:
             if not self._is_blob(k):
                 self._counters.add(round_trips=1, misses=1)
                 raise KeyError(k)
-        return [self._get(k, whole=True) for k in keys]
+        return [self._get(k, whole=True, verify_crc=verify_crc) for k in keys]
 
     def contains(self, key: str) -> bool:
         """Whether a regular file exists for ``key`` (not verified: ``get`` may still find it corrupt).
@@ -396,15 +401,17 @@ class DirectoryStore:
         st = lstat(self._path(key))
         return st is not None and stat.S_ISREG(st.st_mode)
 
-    def _get(self, key: str, *, whole: bool, into: bytearray | None = None) -> ParsedBlob:
+    def _get(
+        self, key: str, *, whole: bool, into: bytearray | None = None, verify_crc: bool = True
+    ) -> ParsedBlob:
         for attempt in range(3):
-            parsed = self._read(key, retry=attempt < 2, whole=whole, into=into)
+            parsed = self._read(key, retry=attempt < 2, whole=whole, into=into, verify_crc=verify_crc)
             if parsed is not None:
                 return parsed
         raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
     def _read(
-        self, key: str, *, retry: bool, whole: bool, into: bytearray | None = None
+        self, key: str, *, retry: bool, whole: bool, into: bytearray | None = None, verify_crc: bool = True
     ) -> ParsedBlob | None:
         """One read attempt; None when a damaged file was replaced meanwhile (and ``retry``)."""
         path = self._path(key)
@@ -417,7 +424,7 @@ class DirectoryStore:
         fd, st = opened
         try:
             try:
-                parsed = self._load(fd, st.st_size, whole=whole, into=into)
+                parsed = self._load(fd, st.st_size, whole=whole, into=into, verify_crc=verify_crc)
             except CorruptEncodedKVError as e:
                 return self._damaged(key, path, st, e, retry=retry)
             with self._lock:
@@ -432,7 +439,9 @@ class DirectoryStore:
         self._counters.add(round_trips=1, hits=1, bytes_read=st.st_size)
         return parsed
 
-    def _load(self, fd: int, size: int, *, whole: bool, into: bytearray | None) -> ParsedBlob:
+    def _load(
+        self, fd: int, size: int, *, whole: bool, into: bytearray | None, verify_crc: bool = True
+    ) -> ParsedBlob:
         """Check the size, then read (``whole``) or map the file and parse it.
 
         Raises a fresh :class:`CorruptEncodedKVError` (the parser's reason kept) whose traceback holds
@@ -442,7 +451,8 @@ class DirectoryStore:
         if whole:
             head = read_prefix(fd, size)
             check_size(head, size, fd)
-            return parse(read_blob(fd, size, into, head), verify_crc=True)
+            blob = read_blob(fd, size, into, head)
+            return parse(blob, verify_crc=verify_crc, remember=verify_crc)  # deferred: not memoised
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         failure: tuple[type[CorruptEncodedKVError], str, Reason] | None = None
         try:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcodec.errors import CorruptEncodedKVError
-from kvcodec.format import ParsedBlob, parse
+from kvcodec.errors import CorruptEncodedKVError, Reason
+from kvcodec.format import ParsedBlob, check_crc, parse, payload_crc
+from kvcodec.format.parser import clear_header_memo, header_memo_info
 from kvcodec.store import DirectoryStore
 from tests.store.test_store import make_blob
 
@@ -109,3 +110,54 @@ def test_into_a_buffer_damage_is_still_refused(tmp_path: Path, how: str) -> None
     with pytest.raises(CorruptEncodedKVError):
         st.get_parsed(how, into=bytearray(len(blob) + 64))
     assert not (tmp_path / how).exists()
+
+
+# ------------------------------------------------------------ the CRC left to the caller
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_verify_crc_false_leaves_the_crc_to_the_caller(tmp_path: Path, many: bool) -> None:
+    """A payload flip is handed over (the caller's own pass finds it); every other check still runs."""
+    st = DirectoryStore(tmp_path, verify=False, fsync=False)
+    blob = make_blob(20_000, 1, version=2, model="model-x")
+    st.put("k", blob)
+    damage(tmp_path / "k", "flip_payload")
+    p = st.get_parsed_many(["k"], verify_crc=False)[0] if many else st.get_parsed("k", verify_crc=False)
+    assert p.header == parse(blob).header and p.crc == parse(blob).crc
+    with pytest.raises(CorruptEncodedKVError) as ei:
+        check_crc(p.header, p.crc, payload_crc(p.header, p.crc_prefix, (p.payload,)))
+    assert ei.value.reason == Reason.CRC_MISMATCH
+    assert (tmp_path / "k").exists()  # not refused by the store: the caller removes it
+    with pytest.raises(CorruptEncodedKVError):
+        st.get_parsed("k")  # the default still checks (and quarantines)
+    assert not (tmp_path / "k").exists()
+
+
+@pytest.mark.parametrize("how", ["truncate", "empty"])
+def test_verify_crc_false_still_refuses_a_bad_size(tmp_path: Path, how: str) -> None:
+    st = DirectoryStore(tmp_path, verify=False, fsync=False)
+    st.put(how, make_blob(20_000, 1, version=2))
+    damage(tmp_path / how, how)
+    with pytest.raises(CorruptEncodedKVError):
+        st.get_parsed(how, verify_crc=False)
+    assert not (tmp_path / how).exists()
+
+
+def test_a_deferred_crc_blob_is_not_remembered_by_the_header_memo(tmp_path: Path) -> None:
+    """Read without its CRC, a blob that then fails it must leave no header behind (nor one that passes:
+    that path memoises nothing); a verified read of the same header does remember it."""
+    st = DirectoryStore(tmp_path, verify=False, fsync=False)
+    st.put("bad", make_blob(20_000, 1, version=2, model="model-x"))
+    st.put("good", make_blob(20_000, 2, version=2, model="model-x"))
+    damage(tmp_path / "bad", "flip_payload")
+    clear_header_memo()
+    try:
+        p = st.get_parsed("bad", verify_crc=False)
+        with pytest.raises(CorruptEncodedKVError):
+            check_crc(p.header, p.crc, payload_crc(p.header, p.crc_prefix, (p.payload,)))
+        st.get_parsed("good", verify_crc=False)
+        assert header_memo_info().entries == 0
+        st.get_parsed("good")
+        assert header_memo_info().entries == 1
+    finally:
+        clear_header_memo()
