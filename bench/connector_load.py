@@ -9,15 +9,19 @@ blob per layer and chunk) is loaded from a DirectoryStore into fresh paged cache
 * ``new``: per chunk, ``store.get_parsed`` of every layer (one read, one CRC-verified parse),
   ``read_chunk`` (every check, nothing decoded), ``write_chunk`` (slots once; K copied and V
   dequantized straight into each cache by one C pass per layer).
+* ``deferred``: the connector's CPU load path with ``loads.DEFER_CRC`` on: ``new`` with every blob read by
+  ``get_parsed(verify_crc=False)`` (every check but the CRC; the header memoised only once the CRC
+  passed) and its CRC checked by ``write_chunk``'s C pass while it writes K and V
+  (``read_chunk(crc_checked=False)``). Both read into reused buffers, as the connector does.
 * ``example``: vLLM's ExampleConnector's way: one safetensors file of raw 16-bit KV per layer
   (all ``--tokens`` tokens), loaded and copied into the cache by an indexed assignment.
 
-The three take turns round after round (``--rounds``); each one's median CPU time (the calling
+The four take turns round after round (``--rounds``); each one's median CPU time (the calling
 thread's: torch is held to one thread, kvcodec starts none) and wall time are reported with the
-ratios new/example and new/old, and the new path's split between what the connector's loader thread
-does (read and check) and what the engine step does (write), all written to
-``bench/results/connector-load.json``. Before
-timing, the new path's caches are checked bit-identical to the old path's.
+ratios against example and old, and the new and deferred paths' split between what the connector's
+loader thread does (read and check) and what the engine step does (write), all written to
+``bench/results/connector-load.json``. Before timing, the new and deferred paths' caches are checked
+bit-identical to the old path's.
 
 Run: ``.venv/bin/python bench/connector_load.py`` (defaults: a 12-layer model, 4 KV heads x 64,
 bf16, vLLM block 32, chunk 256, 2048 tokens, per_page_head page 16).
@@ -37,6 +41,8 @@ from pathlib import Path
 import safetensors.torch as st
 import torch
 
+from kvcodec.format.parser import clear_header_memo
+from kvcodec.integrations.vllm.buffers import ReadBuffers
 from kvcodec.integrations.vllm.chunks import ChunkCodec, decode_chunk, encode_chunk, read_chunk, write_chunk
 from kvcodec.integrations.vllm.layout import scatter_kv
 from kvcodec.store import DirectoryStore
@@ -102,7 +108,9 @@ class Setup:
             st.save_file({"kv_cache": source[n][index].contiguous()}, path)
             self.example_files[n] = path
         self.example_index = index
-        self.new_phases: list[tuple[float, float]] = []
+        self.phases: dict[str, list[tuple[float, float]]] = {"new": [], "deferred": []}
+        self.buffers = {way: ReadBuffers() for way in ("new", "deferred")}
+        """As the connector's loads: each blob read into a reused buffer, given back once written."""
         self.caches = {way: {n: torch.zeros(shape, dtype=torch.bfloat16) for n in self.names} for way in WAYS}
 
     def key(self, name: str, c: int) -> str:
@@ -137,14 +145,19 @@ class Setup:
                     start=c * g.chunk,
                 )
 
-    def load_new(self) -> None:
+    def load_new(self, way: str = "new") -> None:
         """As the connector's loader thread (read and check) then its step (write) would; CPU time of
-        each part recorded in ``new_phases``."""
-        g, caches = self.g, self.caches["new"]
+        each part recorded in ``phases``. ``deferred``: the CRC checked by the write's C pass."""
+        g, caches = self.g, self.caches[way]
+        verify = way == "new"
         reading = writing = 0.0
         for c in range(g.chunks):
             t0 = time.thread_time()
-            blobs = {n: self.store.get_parsed(self.key(n, c)) for n in self.names}
+            pool = self.buffers[way]
+            blobs = {
+                n: self.store.get_parsed(self.key(n, c), into=pool.take(), verify_crc=verify)
+                for n in self.names
+            }
             chunk = read_chunk(
                 blobs,
                 caches,
@@ -153,11 +166,16 @@ class Setup:
                 chunk_id=c,
                 num_tokens=g.chunk,
                 chunk_hash=self.chunk_hash(c),
+                crc_checked=verify,
             )
             t1 = time.thread_time()
             write_chunk(chunk, caches, self.block_ids, start=c * g.chunk)
+            pool.give([p.buffer.obj for p in blobs.values()])
             reading, writing = reading + t1 - t0, writing + time.thread_time() - t1
-        self.new_phases.append((reading, writing))
+        self.phases[way].append((reading, writing))
+
+    def load_deferred(self) -> None:
+        self.load_new("deferred")
 
     def load_example(self) -> None:
         caches = self.caches["example"]
@@ -166,19 +184,31 @@ class Setup:
             caches[n][self.example_index] = kv
 
 
-WAYS = ("old", "new", "example")
+WAYS = ("old", "new", "deferred", "example")
+
+
+RATIOS = (
+    ("deferred", "example"),
+    ("new", "example"),
+    ("old", "example"),
+    ("deferred", "new"),
+    ("new", "old"),
+)
 
 
 def _rounds(
-    fns: dict[str, Callable[[], None]], rounds: int, warmup: int
+    fns: dict[str, Callable[[], None]], rounds: int, warmup: int, fresh: bool = False
 ) -> dict[str, dict[str, list[float]]]:
-    """CPU and wall seconds of every call, the callables taking turns round after round."""
+    """CPU and wall seconds of every call, the callables taking turns round after round (``fresh``:
+    the parse memo emptied before each call, as for a hit whose chunks this process never read)."""
     for _ in range(warmup):
         for f in fns.values():
             f()
     out: dict[str, dict[str, list[float]]] = {n: {"cpu": [], "wall": []} for n in fns}
     for _ in range(rounds):
         for name, f in fns.items():
+            if fresh:
+                clear_header_memo()
             w0, c0 = time.perf_counter(), time.thread_time()
             f()
             out[name]["cpu"].append(time.thread_time() - c0)
@@ -187,13 +217,15 @@ def _rounds(
 
 
 def _check(s: Setup) -> None:
-    """The new path writes exactly the old path's bytes; the example writes its source."""
+    """The new and deferred paths write exactly the old path's bytes."""
     s.load_old()
     s.load_new()
-    for n in s.names:
-        old, new = s.caches["old"][n], s.caches["new"][n]
-        if not torch.equal(old.view(torch.int16), new.view(torch.int16)):
-            raise SystemExit(f"new and old loads differ in {n}")
+    s.load_deferred()
+    for way in ("new", "deferred"):
+        for n in s.names:
+            old, new = s.caches["old"][n], s.caches[way][n]
+            if not torch.equal(old.view(torch.int16), new.view(torch.int16)):
+                raise SystemExit(f"{way} and old loads differ in {n}")
 
 
 def main() -> None:
@@ -203,15 +235,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=Geometry.layers)
     ap.add_argument("--tokens", type=int, default=Geometry.tokens)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--fresh-headers", action="store_true", help="empty the parse memo before every timed load"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     g = Geometry(layers=args.layers, tokens=args.tokens)
     with tempfile.TemporaryDirectory() as root:
         s = Setup(g, root)
         _check(s)
-        s.new_phases.clear()
-        samples = _rounds({w: getattr(s, f"load_{w}") for w in WAYS}, args.rounds, args.warmup)
-        phases = s.new_phases[-args.rounds :]
+        samples = _rounds(
+            {w: getattr(s, f"load_{w}") for w in WAYS}, args.rounds, args.warmup, args.fresh_headers
+        )
+        phases = {w: p[-args.rounds :] for w, p in s.phases.items()}
         blob_bytes = sum(len(s.store.get_parsed(s.key(n, c)).blob) for n in s.names for c in range(g.chunks))
     med = {w: {k: statistics.median(v) * 1e3 for k, v in t.items()} for w, t in samples.items()}
     result = {
@@ -220,14 +256,19 @@ def main() -> None:
         "blob_bytes": blob_bytes,
         "rounds": args.rounds,
         "median_ms": {w: {k: round(v, 3) for k, v in m.items()} for w, m in med.items()},
-        "new_phases_median_cpu_ms": {
-            "read_and_check": round(statistics.median(r for r, _ in phases) * 1e3, 3),
-            "write": round(statistics.median(w for _, w in phases) * 1e3, 3),
+        "phases_median_cpu_ms": {
+            w: {
+                "read_and_check": round(statistics.median(r for r, _ in p) * 1e3, 3),
+                "write": round(statistics.median(x for _, x in p) * 1e3, 3),
+            }
+            for w, p in phases.items()
         },
-        "ratio_new_vs_example": {k: round(med["new"][k] / med["example"][k], 3) for k in ("cpu", "wall")},
-        "ratio_new_vs_old": {k: round(med["new"][k] / med["old"][k], 3) for k in ("cpu", "wall")},
-        "ratio_old_vs_example": {k: round(med["old"][k] / med["example"][k], 3) for k in ("cpu", "wall")},
-        "command": "python bench/connector_load.py",
+        **{
+            f"ratio_{a}_vs_{b}": {k: round(med[a][k] / med[b][k], 3) for k in ("cpu", "wall")}
+            for a, b in RATIOS
+        },
+        "fresh_headers": args.fresh_headers,
+        "command": "python bench/connector_load.py" + (" --fresh-headers" if args.fresh_headers else ""),
         "torch_threads": torch.get_num_threads(),
     }
     print(
@@ -236,12 +277,13 @@ def main() -> None:
     print(f"{'way':10s} {'CPU ms':>9s} {'wall ms':>9s}")
     for w in WAYS:
         print(f"{w:10s} {med[w]['cpu']:9.2f} {med[w]['wall']:9.2f}")
-    ph = result["new_phases_median_cpu_ms"]
-    print(
-        f"new = read and check {ph['read_and_check']:.2f} ms (loader thread) + write {ph['write']:.2f} ms (step)"
-    )
-    for r in ("ratio_new_vs_example", "ratio_new_vs_old", "ratio_old_vs_example"):
-        print(f"{r:22s} CPU {result[r]['cpu']:.3f}  wall {result[r]['wall']:.3f}")
+    for w, ph in result["phases_median_cpu_ms"].items():
+        print(
+            f"{w} = read and check {ph['read_and_check']:.2f} ms (loader thread) + write {ph['write']:.2f} ms (step)"
+        )
+    for a, b in RATIOS:
+        r = f"ratio_{a}_vs_{b}"
+        print(f"{r:27s} CPU {result[r]['cpu']:.3f}  wall {result[r]['wall']:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,8 +37,18 @@ from kvcodec import (
 from kvcodec.backends import Groups, call, select
 from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
 from kvcodec.backends.cpu import BlobRows, scatter_blob_rows
-from kvcodec.format import Hashes, ScaleScheme, ScaleScope, as_dtype, expected_scale_shape
+from kvcodec.format import (
+    Hashes,
+    ScaleScheme,
+    ScaleScope,
+    as_dtype,
+    check_crc,
+    expected_scale_shape,
+    payload_crc,
+)
+from kvcodec.format.crc import crc32
 from kvcodec.format.dtypes import FLOAT8_E4M3FN, FLOAT32
+from kvcodec.format.parser import remember_header
 from kvcodec.numerics import FP8_DTYPES
 
 from .layout import ChunkSlots, chunk_slots, gather_kv, scatter_kv
@@ -49,6 +59,7 @@ __all__ = [
     "LayerChunk",
     "PreparedChunk",
     "blob_identity",
+    "check_blob_crc",
     "check_ids",
     "check_k_exact",
     "decode_chunk",
@@ -291,6 +302,10 @@ class LayerChunk:
     rows: BlobRows | None = None
     """The blob's K bytes and V's codes and scales, which :func:`write_chunk` writes into a CPU
     cache in one C pass (V dequantized there, K copied)."""
+    unverified: ParsedBlob | None = None
+    """The blob ``rows`` view when its CRC is still unchecked (read with ``crc_checked=False``):
+    :func:`write_chunk` checks it in the same C pass and raises ``CorruptEncodedKVError`` after
+    writing (the load then fails and the blob is removed)."""
 
     def decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V in the cache's ``dtype`` (V dequantized now, as :func:`decode_chunk` does, when
@@ -327,6 +342,7 @@ def read_chunk(
     chunk_id: int,
     num_tokens: int,
     chunk_hash: str = "",
+    crc_checked: bool = True,
 ) -> PreparedChunk:
     """Check every layer's blob of chunk ``chunk_id`` as :func:`decode_chunk` does, writing nothing.
 
@@ -339,6 +355,12 @@ def read_chunk(
     Blobs are parsed once and not decoded here where :func:`write_chunk` can
     dequantize V straight into the cache (CPU 16-bit caches, e4m3 V): K and V's
     codes stay views into the blobs. May run on a background thread.
+
+    ``crc_checked=False``: the ParsedBlobs were parsed with every check but the
+    CRC (``get_parsed(verify_crc=False)``: none with ``consistency=False``).
+    Those :func:`write_chunk` writes in one C pass keep it for then
+    (:attr:`LayerChunk.unverified`; their header is remembered by the parse
+    memo once it passes); every other one is checked here first.
     """
     plans: dict[tuple[Any, ...], _Plan] = {}
     layers = {}
@@ -350,7 +372,12 @@ def read_chunk(
             plans[key] = _Plan.of(cache, cc, num_tokens, chunk_hash)
         ids = (layer_ids[name], chunk_id)
         layer = plans[key].rows(parsed, ids)
-        if layer is None:  # not the plain case: decoded now, by the general path (which names any refusal)
+        unchecked = not crc_checked and parsed is blob
+        if layer is not None and unchecked:
+            layer = replace(layer, unverified=parsed)
+        elif layer is None:  # not the plain case: decoded now, by the general path (which names any refusal)
+            if unchecked:
+                check_blob_crc(parsed)
             layer = LayerChunk(
                 cc, kv=decode_chunk(parsed, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
             )
@@ -427,6 +454,24 @@ class _Plan:
         return LayerChunk(self.codec, rows=BlobRows(k, codes, scales.reshape(h.scale_shape), groups))
 
 
+def check_blob_crc(p: ParsedBlob) -> None:
+    """Check a blob's CRC over its header and whole payload (CorruptEncodedKVError, CRC_MISMATCH)."""
+    check_crc(p.header, p.crc, payload_crc(p.header, p.crc_prefix, (p.payload,)))
+
+
+def _finish_crc(p: ParsedBlob, got: int | None) -> None:
+    """After a C pass that wrote the blob: ``got`` its CRC through K and V's codes (continued over the
+    scales here), or None when C did not fold it (the whole blob checked here). Only once it passed
+    is the header remembered (the store's read left it out of the memo)."""
+    if got is None:
+        check_blob_crc(p)
+    else:
+        h = p.header
+        end = p.header_len + h.k_payload_len + h.v_payload_len
+        check_crc(h, p.crc, crc32(p.buffer[end : end + h.scale_payload_len], got))
+    remember_header(p)
+
+
 def write_chunk(
     chunk: PreparedChunk,
     caches: Mapping[str, torch.Tensor],
@@ -441,6 +486,10 @@ def write_chunk(
     once for all layer views of one geometry, and all of them before the first write (bad block ids
     raise with nothing written). On a CPU cache, one C call per layer copies K and dequantizes V into
     the view. Runs on the thread that owns the caches (vLLM's step).
+
+    A layer read with its CRC unchecked (:attr:`LayerChunk.unverified`) is checked in that pass:
+    a mismatch raises :class:`~kvcodec.CorruptEncodedKVError` with the layer already written, so
+    the caller must fail the load (vLLM recomputes the blocks) and remove the blob.
     """
     if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip <= chunk.num_tokens:
         raise UnsupportedConfigError(
@@ -473,10 +522,17 @@ def _write_layer(
 ) -> None:
     """One layer: one C pass (K's rows, V dequantized in place) where C takes it, else V decoded first
     (as :func:`decode_chunk` does) and both scattered by :func:`~.layout.scatter_kv`."""
-    cc = layer.codec
-    if layer.rows is not None and scatter_blob_rows(layer.rows, cache, cc.head_size, runs) is None:
-        return
-    k, v = layer.decoded(cache.dtype)  # C declined (NaN codes, a layout): nothing was written
+    cc, p = layer.codec, layer.unverified
+    if layer.rows is not None:
+        seed = None if p is None else payload_crc(p.header, p.crc_prefix, ())
+        got = scatter_blob_rows(layer.rows, cache, cc.head_size, runs, crc=seed)
+        if not isinstance(got, str):  # written
+            if p is not None:
+                _finish_crc(p, got)
+            return
+        if p is not None:  # C declined (NaN codes, a layout): nothing was written; the CRC first
+            check_blob_crc(p)
+    k, v = layer.decoded(cache.dtype)
     scatter_kv(
         cache,
         block_ids,

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcodec import CodecMismatchError, CorruptEncodedKVError, UnsupportedConfigError, parse
+from kvcodec import CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError, parse
 from kvcodec.format import assemble
+from kvcodec.format.parser import clear_header_memo, header_memo_info
 from kvcodec.integrations.vllm.chunks import (
     ChunkCodec,
     FP8Scales,
@@ -84,7 +85,11 @@ def _old_load(blobs, caches, cc, c, tokens, skip) -> None:
         )
 
 
-def _new_load(blobs, caches, cc, c, tokens, skip) -> PreparedChunk:
+def _new_load(blobs, caches, cc, c, tokens, skip, defer=False) -> PreparedChunk:
+    """read_chunk + write_chunk; ``defer``: the blobs parsed without their CRC, which write_chunk's C
+    pass (or read_chunk, for a layer C does not take) then checks, as the connector's CPU loads do."""
+    if defer:
+        blobs = {n: parse(b, verify_crc=False, remember=False) for n, b in blobs.items()}
     chunk = read_chunk(
         blobs,
         caches,
@@ -93,7 +98,10 @@ def _new_load(blobs, caches, cc, c, tokens, skip) -> PreparedChunk:
         chunk_id=c,
         num_tokens=tokens,
         chunk_hash=_chunk_hash(c),
+        crc_checked=not defer,
     )
+    if defer:  # the C path keeps every blob for its CRC check
+        assert all(layer.unverified is not None for layer in chunk.layers.values() if layer.rows is not None)
     write_chunk(chunk, caches, TABLE, start=c * CHUNK, skip=skip)
     return chunk
 
@@ -102,36 +110,42 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in NAMES)
 
 
+DEFER = pytest.mark.parametrize("defer", [False, True], ids=["crc_first", "crc_deferred"])
+
+
+@DEFER
 @pytest.mark.parametrize("order", ["LNHSC", "LNSHC", "NLHSC", "HLNSC", "split"])
 @pytest.mark.parametrize("skip", [0, 5, 8])
-def test_whole_chunk_writes_the_per_layer_paths_bytes(order, skip):
+def test_whole_chunk_writes_the_per_layer_paths_bytes(order, skip, defer):
     src = _views(order, seed=1)
     cc = _codec()
     for c, tokens in ((0, CHUNK), (2, 80 - 2 * CHUNK)):  # a whole chunk, then the partial last one
         blobs = _blobs(src, cc, c, tokens)
         old, new = _views(order, seed=2), _views(order, seed=2)
         _old_load(blobs, old, cc, c, tokens, skip)
-        chunk = _new_load(blobs, new, cc, c, tokens, skip)
+        chunk = _new_load(blobs, new, cc, c, tokens, skip, defer)
         assert all(layer.rows is not None for layer in chunk.layers.values())  # C's path served it
         assert _same(old, new)
         assert not _same(new, _views(order, seed=2))  # something was written
 
 
+@DEFER
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("scope", ["per_tensor", "per_layer_head", "per_page_head"])
-def test_dtypes_and_scopes(dtype, scope):
+def test_dtypes_and_scopes(dtype, scope, defer):
     src = _views("LNHSC", dtype, seed=3)
     cc = _codec(scope=scope)
     blobs = _blobs(src, cc, 1)
     old, new = _views("LNHSC", dtype, seed=4), _views("LNHSC", dtype, seed=4)
     _old_load(blobs, old, cc, 1, CHUNK, 3)
-    chunk = _new_load(blobs, new, cc, 1, CHUNK, 3)
+    chunk = _new_load(blobs, new, cc, 1, CHUNK, 3, defer)
     assert all(layer.rows is not None for layer in chunk.layers.values())
     assert _same(old, new)
 
 
+@DEFER
 @pytest.mark.parametrize("prefix", ["p", "pp", "ppp", "pppp"])
-def test_any_header_length_any_alignment(prefix):
+def test_any_header_length_any_alignment(prefix, defer):
     """K starts wherever the header ends (odd offsets included): C copies its bytes either way."""
     src = _views("LNHSC", seed=5)
     cc = _codec(hashes={**HASHES, "model_id": prefix})
@@ -139,32 +153,45 @@ def test_any_header_length_any_alignment(prefix):
     assert {parse(b).header_len % 2 for b in blobs.values()} <= {0, 1}
     old, new = _views("LNHSC", seed=6), _views("LNHSC", seed=6)
     _old_load(blobs, old, cc, 0, CHUNK, 0)
-    chunk = _new_load(blobs, new, cc, 0, CHUNK, 0)
+    chunk = _new_load(blobs, new, cc, 0, CHUNK, 0, defer)
     assert all(layer.rows is not None for layer in chunk.layers.values())
     assert _same(old, new)
 
 
-def test_blobs_from_the_store_parsed_once(tmp_path):
+@DEFER
+def test_blobs_from_the_store_parsed_once(tmp_path, defer):
     src = _views("LNHSC", seed=7)
     cc = _codec()
     store = DirectoryStore(tmp_path, verify=False, fsync=False)
     for n, b in _blobs(src, cc, 1).items():
         store.put(n, b)
-    parsed = {n: store.get_parsed(n) for n in NAMES}
+    parsed = {n: store.get_parsed(n, verify_crc=not defer) for n in NAMES}
     old, new = _views("LNHSC", seed=8), _views("LNHSC", seed=8)
     _old_load({n: store.get(n) for n in NAMES}, old, cc, 1, CHUNK, 0)
-    _new_load(parsed, new, cc, 1, CHUNK, 0)
+    chunk = read_chunk(
+        parsed,
+        new,
+        dict.fromkeys(NAMES, cc),
+        LAYER_IDS,
+        chunk_id=1,
+        num_tokens=CHUNK,
+        chunk_hash=_chunk_hash(1),
+        crc_checked=not defer,
+    )
+    assert all((layer.unverified is not None) == defer for layer in chunk.layers.values())
+    write_chunk(chunk, new, TABLE, start=CHUNK)
     assert _same(old, new)
 
 
-def test_general_path_for_what_c_does_not_take():
+@DEFER
+def test_general_path_for_what_c_does_not_take(defer):
     """Padded V (head_size_v != head_size) and FP8 caches are decoded by decode_chunk, same bytes."""
     src = _views("LNHSC", seed=9, dv=8)
     cc = _codec()
     blobs = _blobs(src, cc, 0)
     old, new = _views("LNHSC", seed=10, dv=8), _views("LNHSC", seed=10, dv=8)
     _old_load(blobs, old, cc, 0, CHUNK, 2)
-    chunk = _new_load(blobs, new, cc, 0, CHUNK, 2)
+    chunk = _new_load(blobs, new, cc, 0, CHUNK, 2, defer)
     assert all(layer.rows is None and layer.kv is not None for layer in chunk.layers.values())
     assert _same(old, new)
 
@@ -177,7 +204,7 @@ def test_general_path_for_what_c_does_not_take():
     old8 = {n: torch.zeros_like(v) for n, v in src8.items()}
     new8 = {n: torch.zeros_like(v) for n, v in src8.items()}
     _old_load(blobs8, old8, cc8, 0, CHUNK, 0)
-    chunk8 = _new_load(blobs8, new8, cc8, 0, CHUNK, 0)
+    chunk8 = _new_load(blobs8, new8, cc8, 0, CHUNK, 0, defer)
     assert all(layer.rows is None for layer in chunk8.layers.values())
     assert _same(old8, new8)
     assert any(v.any() for v in new8.values())
@@ -191,14 +218,15 @@ def _nan_codes(blob: bytearray) -> bytearray:
     return assemble(p.header, p.k, v, p.scales)
 
 
-def test_nan_codes_take_the_reference_and_match():
+@DEFER
+def test_nan_codes_take_the_reference_and_match(defer):
     src = _views("LNHSC", seed=12)
     cc = _codec()
     blobs = _blobs(src, cc, 0)
     blobs["layer.1"] = _nan_codes(blobs["layer.1"])
     old, new = _views("LNHSC", seed=13), _views("LNHSC", seed=13)
     _old_load(blobs, old, cc, 0, CHUNK, 0)
-    _new_load(blobs, new, cc, 0, CHUNK, 0)
+    _new_load(blobs, new, cc, 0, CHUNK, 0, defer)
     assert _same(old, new)
 
 
@@ -321,3 +349,77 @@ def test_a_header_parsed_without_consistency_is_checked_by_the_general_path():
     bad = assemble(p.header.replace(scale_shape=(pages * heads, 1)), p.k, p.v, p.scales)
     loose = {**blobs, "layer.1": parse(bad, consistency=False)}
     _refused(loose, _views("LNHSC", seed=22), cc, CorruptEncodedKVError, "scale_shape")
+
+
+# ----------------------------------------------------------------------------
+# The CRC deferred to write_chunk's C pass: damage is found there
+# ----------------------------------------------------------------------------
+
+
+def _flipped(blob: bytearray, part: str) -> bytearray:
+    """The blob with one payload byte changed and its CRC left as it was (damage at rest)."""
+    p = parse(blob)
+    h = p.header
+    out = bytearray(blob)
+    if part == "k":
+        out[p.header_len + 3] ^= 0x01  # token 0: skipped by a load with skip > 0
+    elif part in ("v", "v_nan"):
+        at = p.header_len + h.k_payload_len + 7
+        out[at] = 0x7F if part == "v_nan" else (out[at] ^ 0x01 if out[at] & 0x7F != 0x7E else out[at] ^ 0x02)
+    else:  # a scale's lowest mantissa byte: still a valid (positive, finite) scale
+        out[p.header_len + h.k_payload_len + h.v_payload_len] ^= 0x01
+    return out
+
+
+@pytest.mark.parametrize("part", ["k", "v", "v_nan", "scale"])
+@pytest.mark.parametrize("skip", [0, 5])
+def test_deferred_crc_finds_damage_while_writing(part, skip):
+    src = _views("LNHSC", seed=23)
+    cc = _codec()
+    blobs = _blobs(src, cc, 0)
+    blobs["layer.1"] = _flipped(blobs["layer.1"], part)
+    with pytest.raises(CorruptEncodedKVError, match="CRC"):
+        parse(blobs["layer.1"])  # the damage is one the CRC alone finds
+    caches = _views("LNHSC", seed=24)
+    with pytest.raises(CorruptEncodedKVError) as e:
+        _new_load(blobs, caches, cc, 0, CHUNK, skip, defer=True)
+    assert e.value.reason == Reason.CRC_MISMATCH
+
+
+def test_deferred_crc_of_a_layer_c_does_not_take_is_checked_before_writing():
+    src = _views("LNHSC", seed=25, dv=8)
+    cc = _codec()
+    blobs = _blobs(src, cc, 0)
+    blobs["layer.2"] = _flipped(blobs["layer.2"], "k")
+    parsed = {n: parse(b, verify_crc=False, remember=False) for n, b in blobs.items()}
+    caches = _views("LNHSC", seed=26, dv=8)
+    before = {n: v.clone() for n, v in caches.items()}
+    with pytest.raises(CorruptEncodedKVError) as e:
+        read_chunk(
+            parsed,
+            caches,
+            dict.fromkeys(NAMES, cc),
+            LAYER_IDS,
+            chunk_id=0,
+            num_tokens=CHUNK,
+            chunk_hash=_chunk_hash(0),
+            crc_checked=False,
+        )
+    assert e.value.reason == Reason.CRC_MISMATCH
+    assert _same(caches, before)
+
+
+def test_the_header_memo_keeps_a_deferred_blob_only_once_its_crc_passed():
+    src = _views("LNHSC", seed=27)
+    cc = _codec()
+    blobs = _blobs(src, cc, 0)
+    bad = {**blobs, "layer.0": _flipped(blobs["layer.0"], "v")}
+    clear_header_memo()
+    try:
+        with pytest.raises(CorruptEncodedKVError):
+            _new_load(bad, _views("LNHSC", seed=28), cc, 0, CHUNK, 0, defer=True)
+        assert header_memo_info().entries == 0  # the failing blob (first written) left nothing
+        _new_load(blobs, _views("LNHSC", seed=28), cc, 0, CHUNK, 0, defer=True)
+        assert header_memo_info().entries == 1  # the layers share one header (ids aside): kept once passed
+    finally:
+        clear_header_memo()
