@@ -45,7 +45,13 @@ With ``async_save=false`` / ``async_load=false`` both happen inside the step (th
 inline); the blobs are the same bytes either way. ``shutdown`` drains the writer for up to 10 s
 and abandons the rest (writes are atomic: nothing half-written is ever served). An unreachable
 store (``StoreUnavailableError``) is a miss for a lookup, a dropped save, a recomputed load, each
-counted (``lookup_unavailable``, ``save_unavailable``, ``load_unavailable``).
+counted (``lookup_unavailable``, ``save_unavailable``, ``load_unavailable``); any other error of a
+lookup (an ``OSError`` such as EIO on a shared directory) is a miss too, counted and logged once
+per outage. A full store's refused saves are counted (``store_full``) and logged, rate limited.
+At start the connector asks the store once (a config error a store finds only when it connects
+stops the engine then), warns when a fleet key is set for a store that does not use one (refuses
+``fleet_key_file`` there) and when ``kv_load_failure_policy`` is not ``"recompute"``;
+``shutdown`` closes the store it opened.
 
 ``kv_connector_extra_config`` keys (:class:`~.config.KvcodecConfig`): ``root`` (the store
 directory; required unless ``store``), ``store`` (a store URL), ``store_timeout_ms`` (50),
@@ -77,7 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcodec.errors import Reason, UnsupportedConfigError
+from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
 from kvcodec.store import BlobStore, StoreOptions, open_store
 from kvcodec.store.auth import load_fleet_key
 
@@ -135,11 +141,68 @@ def open_connector_store(cfg: KvcodecConfig) -> BlobStore:
         verify_blobs=False,  # loads CRC-check every blob in get_parsed; nothing else reads
     )
     try:
-        return open_store(cfg.location, options)
+        store = open_store(cfg.location, options)
     except OSError as e:
         raise UnsupportedConfigError(
             f"store {cfg.location!r}: cannot open the store: {e}", reason=Reason.UNSUPPORTED
         ) from None
+    try:
+        _check_fleet_key(store, cfg, options.fleet_key is not None)
+        _probe(store)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _authenticates(store: BlobStore) -> bool:
+    """Whether the store seals values with the fleet key (only RedisStore does; a directory is local)."""
+    return type(store).__name__ == "RedisStore"
+
+
+def _check_fleet_key(store: BlobStore, cfg: KvcodecConfig, keyed: bool) -> None:
+    """A fleet key the store would ignore: refused when given as ``fleet_key_file``, else a WARNING."""
+    if not keyed or _authenticates(store):
+        return
+    what = f"store {getattr(store, 'location', cfg.location)!r} ({type(store).__name__}) does not use a fleet key"
+    if cfg.fleet_key_file is not None:
+        raise UnsupportedConfigError(
+            f"fleet_key_file is set but the {what}: remove it or use a Redis store", reason=Reason.UNSUPPORTED
+        )
+    logger.warning(
+        "kvcodec: a fleet key is set (%s) but the %s: values are neither sealed nor checked",
+        cfg.fleet_key_env,
+        what,
+    )
+
+
+def _probe(store: BlobStore) -> None:
+    """One ``contains`` now, so that a config error a store finds only when it connects (a Redis Cluster
+    URL naming a database other than 0) stops the engine at start; an unreachable store is an outage,
+    not a config error (the store logs it; lookups miss until it is back)."""
+    try:
+        store.contains_many([_PROBE_KEY])
+    except UnsupportedConfigError:
+        raise
+    except (CodecError, OSError):
+        pass
+
+
+_PROBE_KEY = "kvcodec-start-probe"
+"""A key no chunk has (chunk keys start with the 16-hex model prefix)."""
+
+
+def _check_failure_policy(ktc: Any) -> None:
+    """WARNING unless ``kv_load_failure_policy`` is "recompute": vLLM's default ("fail") fails the
+    request on every load error, and on a shared store some are routine (a chunk evicted between the
+    lookup and the load, a value the fleet key refuses, an outage)."""
+    policy = getattr(ktc, "kv_load_failure_policy", None)
+    if policy is not None and policy != "recompute":
+        logger.warning(
+            "kvcodec: kv_load_failure_policy is %r: a chunk that fails to load (evicted since the "
+            'lookup, refused, store unreachable) fails its request; set "recompute" to compute it instead',
+            policy,
+        )
 
 
 def _metadata(meta: Any, hook: str) -> KvcodecMetadata:
@@ -173,7 +236,9 @@ class KvcodecConnector(KVConnectorBase_V1):
         layers = layer_ids(names)
         hashes = {r: identity(vllm_config, cfg, geo, r, world) for r in range(world)}
         self.keys = ChunkKeys({r: model16(h) for r, h in hashes.items()})
+        self._owns_store = parts.store is None
         self.store = parts.store if parts.store is not None else open_connector_store(cfg)
+        _check_failure_policy(self._kv_transfer_config)
         self.counters = Counters()
         self.scheduler: KvcodecScheduler | None = None
         self.worker: KvcodecWorker | None = None
@@ -305,8 +370,12 @@ class KvcodecConnector(KVConnectorBase_V1):
         return self._work().drain(timeout)
 
     def shutdown(self) -> None:
+        """Drain the worker's saves (bounded), then close the store the connector opened (a store
+        passed in ``parts`` belongs to the caller)."""
         if self.worker is not None:
             self.worker.shutdown()
+        if self._owns_store:
+            self.store.close()
 
     def get_kv_connector_stats(self) -> KvcodecStats | None:
         self._sample()

@@ -57,7 +57,7 @@ worker saw), blob bytes, background seconds
 (``load_seconds``, ``save_seconds``) and the seconds the engine step spent inside each hook
 (``idle_load_wait_seconds``: of ``get_finished``'s, waiting for the loader in steps that computed nothing).
 ``*_unavailable``: lookups (answered as misses), saves (dropped) and loads (recomputed) that found the
-store unreachable; ``loads_deferred``: lookups answered "later" at ``max_concurrent_loads``;
+store unreachable (lookups: or failing in any other way, e.g. an I/O error); ``loads_deferred``: lookups answered "later" at ``max_concurrent_loads``;
 ``lookup_calls``: the scheduler side's ``contains_many`` calls (one round trip each on a remote store)."""
 GAUGES = ("writer_queue_depth", "pending_save_bytes")
 """The largest seen in the interval: chunks waiting for a copy or a write; host bytes they hold."""

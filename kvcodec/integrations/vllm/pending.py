@@ -76,8 +76,9 @@ class SkipLog:
     """Rate-limited WARNING for chunks not saved: the first at once, then one per interval with the
     count since the last."""
 
-    def __init__(self, interval_s: float = SKIP_LOG_INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = SKIP_LOG_INTERVAL_S, counter: str = "saves_skipped") -> None:
         self._interval = interval_s
+        self._counter = counter
         self._lock = threading.Lock()
         self._unlogged = 0
         self._last: float | None = None
@@ -90,4 +91,4 @@ class SkipLog:
             if self._last is not None and now - self._last < self._interval:
                 return
             count, self._unlogged, self._last = self._unlogged, 0, now
-        logger.warning("kvcodec: %d chunk save(s) skipped: %s (counter saves_skipped)", count, why)
+        logger.warning("kvcodec: %d chunk save(s) skipped: %s (counter %s)", count, why, self._counter)

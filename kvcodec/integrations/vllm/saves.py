@@ -70,6 +70,8 @@ class SaveHandler:
         self.gather = gather
         self.pending = PendingBytes(cfg.max_pending_save_bytes)
         self.skips = SkipLog()
+        self.full_log = SkipLog(counter="store_full")
+        """Chunks a full store refused (Redis ``noeviction``/``volatile-*`` with nothing to evict)."""
         self._lock = threading.Lock()
         self.inflight: set[str] = set()
         """Chunks (key suffixes) queued or being saved: not queued twice."""
@@ -288,7 +290,8 @@ class SaveHandler:
         release: torch.Tensor | None = None,
     ) -> None:
         """Store every layer's blob of a chunk (one ``put_many``), then its manifest; count and log
-        what fails (an unreachable store: counted only, an outage is logged once by the store)."""
+        what fails (a full store: the rate-limited skip WARNING; an unreachable store: counted only,
+        the store logs each outage once)."""
         t0 = time.perf_counter()
         ref, rank, layers = spec.ref, self.caches.rank, self.caches.layers
         todo: list[tuple[str, Any]] = []
@@ -309,6 +312,7 @@ class SaveHandler:
             self._give_back(todo)  # a chunk without all its layers can never be hit: give the room back
             self.counters.add(store_full=1)
             logger.debug("kvcodec: request %s chunk %d not saved: %s", spec.req_id, spec.chunk, e)
+            self.full_log.skipped(f"the store is full ({e})")
         except StoreUnavailableError:
             self.counters.add(save_unavailable=1)
         except Exception as e:  # any failure: counted and logged here, never left to the pool
