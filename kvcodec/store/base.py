@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import Reason, UnsupportedConfigError
 from ..format import ParsedBlob
 
-__all__ = ["STORE_COUNTERS", "BlobStore", "GroupOf", "StoreFullError", "StoreOptions"]
+__all__ = ["STORE_COUNTERS", "BlobStore", "GroupOf", "StoreFullError", "StoreOptions", "check_max_bytes"]
 
 STORE_COUNTERS: tuple[str, ...] = (
     "round_trips",
@@ -139,3 +139,15 @@ class BlobStore(Protocol):
     def close(self) -> None:
         """Release the store's resources; later calls raise."""
         ...
+
+
+def check_max_bytes(max_bytes: Any) -> None:
+    """Refuse a ``max_bytes`` that is neither None nor a positive int."""
+    if max_bytes is None:
+        return
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise UnsupportedConfigError(
+            f"max_bytes must be an int or None, got {max_bytes!r}", reason=Reason.BAD_TYPE
+        )
+    if max_bytes <= 0:
+        raise UnsupportedConfigError(f"max_bytes must be positive, got {max_bytes}", reason=Reason.BAD_VALUE)

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import Hashes, ParsedBlob, as_bytes_view, parse
-from .base import GroupOf, StoreFullError, StoreOptions
+from .base import GroupOf, StoreFullError, StoreOptions, check_max_bytes
 from .counters import Counters
 from .eviction import EvictionPolicy, GroupLRU
 from .evictor import Evictor
@@ -113,7 +113,7 @@ class DirectoryStore:
         group_of: GroupOf | None = None,
         eviction: EvictionPolicy | None = None,
     ) -> None:
-        _check_max_bytes(max_bytes)
+        check_max_bytes(max_bytes)
         if eviction is not None and group_of is not None:
             raise UnsupportedConfigError(
                 "pass group_of or an eviction policy, not both", reason=Reason.BAD_VALUE
@@ -496,14 +496,3 @@ class DirectoryStore:
     def _scan_locked(self) -> None:
         """Rebuild the index from the directory and remove dead temps (caller holds the lock)."""
         self._index.rebuild(scan(self._root, self._stale_temp_s))
-
-
-def _check_max_bytes(max_bytes: Any) -> None:
-    if max_bytes is None:
-        return
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
-        raise UnsupportedConfigError(
-            f"max_bytes must be an int or None, got {max_bytes!r}", reason=Reason.BAD_TYPE
-        )
-    if max_bytes <= 0:
-        raise UnsupportedConfigError(f"max_bytes must be positive, got {max_bytes}", reason=Reason.BAD_VALUE)
