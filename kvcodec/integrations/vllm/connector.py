@@ -238,7 +238,8 @@ class KvcodecConnector(KVConnectorBase_V1):
         self.keys = ChunkKeys({r: model16(h) for r, h in hashes.items()})
         self._owns_store = parts.store is None
         self.store = parts.store if parts.store is not None else open_connector_store(cfg)
-        _check_failure_policy(self._kv_transfer_config)
+        if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per worker
+            _check_failure_policy(self._kv_transfer_config)
         self.counters = Counters()
         self.scheduler: KvcodecScheduler | None = None
         self.worker: KvcodecWorker | None = None
