@@ -623,7 +623,7 @@ def source_info(rev: str | None) -> dict[str, str]:
     commit = git("log", "-1", "--format=%h %s", rev or "HEAD")[:120]
     if rev:
         return {"kvcodec": f"commit {commit}"}
-    edited = git("status", "--short", "--", "kvcodec/integrations/vllm", "kvcodec/store.py")
+    edited = git("status", "--short", "--", "kvcodec/integrations/vllm", "kvcodec/store")
     return {"kvcodec": f"working tree at {commit}", "uncommitted": edited}
 
 
