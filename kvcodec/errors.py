@@ -98,6 +98,8 @@ class Reason(str, Enum):
     """A model folder or file that could not be loaded (malformed config, weights or header)."""
     BACKEND_UNAVAILABLE = "backend_unavailable"
     """A backend asked for by name that cannot run here (not built, not installed, or not for this device)."""
+    STORE_AUTH = "store_auth"
+    """A store that refused this client's credentials or permissions (wrong password, ACL): a config error."""
 
     # -- a blob that is not to be trusted (CorruptEncodedKVError) --
     BAD_MAC = "bad_mac"

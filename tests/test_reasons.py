@@ -111,6 +111,7 @@ _RAISED_ELSEWHERE = {
     Reason.SIZE_MISMATCH: "tests/store (an object longer than its header declares)",
     Reason.STORE_UNAVAILABLE: "tests/store (a Redis store with its server down)",
     Reason.STORE_TIMEOUT: "tests/store (a Redis store whose server does not answer)",
+    Reason.STORE_AUTH: "tests/store/test_redis_auth.py (a wrong password, an ACL user without a command)",
 }
 """Reasons whose failure needs a server or a model folder: the owning suites assert them; here each
 must at least be named by the package's code (see ``test_every_reason_is_raised_somewhere``)."""

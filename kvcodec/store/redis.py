@@ -21,15 +21,20 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
   (default 50 ms) per socket operation (connect, send, each read), with no
   retries: a call on a dead server or node raises
   :class:`~kvcodec.errors.StoreUnavailableError` (``STORE_UNAVAILABLE``, or
-  ``STORE_TIMEOUT`` when it ran past its timeout). The first failure of an
+  ``STORE_TIMEOUT`` when it ran past its timeout). While the server (or node) is
+  down, its calls fail at once without I/O, but for one probe per
+  ``PROBE_INTERVAL_S`` (1 s) whose answer ends the outage. The first failure of an
   outage logs one WARNING, the first success after it one INFO; connections are
   re-made on the next call, so a restarted server serves the same store object.
+  Refused credentials or ACL permissions are no outage: they raise
+  :class:`~kvcodec.errors.UnsupportedConfigError` (``STORE_AUTH``), logged at ERROR
+  at most once a minute.
 * **Eviction** is Redis's own (``maxmemory-policy``): one blob of a chunk can go
   alone, so ``partial_groups`` is True. ``max_bytes`` and ``fsync`` are ignored;
   a server that refuses writes for memory (``noeviction``) raises
   :class:`~kvcodec.store.StoreFullError`.
 * **Credentials** come from the URL (``redis://user:password@host:port/db``) or
-  from ``KVCODEC_REDIS_USERNAME`` / ``KVCODEC_REDIS_PASSWORD``; ``location``,
+  from ``KVCODEC_REDIS_USERNAME`` / ``KVCODEC_REDIS_PASSWORD`` (percent-encoded in the URL); ``location``,
   ``repr`` and log lines show ``host:port/db`` only. ``rediss://`` checks the
   server's certificate against the system's CAs, or the bundle named by
   ``?ca_certs=PATH`` / ``KVCODEC_REDIS_CA_CERTS``.
@@ -40,20 +45,17 @@ redis-py is imported only when this module is (``import kvcodec`` never is).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import parse_qsl
 
 import redis
 import redis.cluster
-from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.retry import Retry
 
 from ..errors import CorruptEncodedKVError, Reason, StoreUnavailableError, UnsupportedConfigError
 from ..format import ParsedBlob, as_bytes_view, parse
@@ -62,8 +64,11 @@ from .base import StoreFullError, StoreOptions
 from .counters import Counters
 from .keys import validate_key
 from .reading import check_size
+from .redis_outage import PROBE_INTERVAL_S, Outages
+from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL, auth_refusal, connect
 
 __all__ = [
+    "AUTH_LOG_INTERVAL_S",
     "CA_CERTS_ENV",
     "DEFAULT_KEY_PREFIX",
     "PASSWORD_ENV",
@@ -76,12 +81,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KEY_PREFIX = "kvcodec"
 """The namespace of a store opened without ``key_prefix`` (the connector's keys carry the model identity)."""
-PASSWORD_ENV = "KVCODEC_REDIS_PASSWORD"
-"""The password when the URL has none."""
-USERNAME_ENV = "KVCODEC_REDIS_USERNAME"
-"""The ACL user name when the URL has none."""
-CA_CERTS_ENV = "KVCODEC_REDIS_CA_CERTS"
-"""The CA bundle for ``rediss://`` when the URL names none (``?ca_certs=PATH``)."""
+AUTH_LOG_INTERVAL_S = 60.0
+"""At most one ERROR line per this many seconds for refused credentials or permissions."""
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _GROUP_SAFE = re.compile(r"[^{}]+")
@@ -89,107 +90,6 @@ _SCAN_COUNT = 1000
 _NODE_IN_ERROR = re.compile(r"(?:connecting to|reading from|writing to) \[?([\w.:-]+?)\]?:(\d+)")
 """A node in redis-py's error text ("Error 111 connecting to 10.0.0.5:7001."), when it names one."""
 _T = TypeVar("_T")
-
-
-def _bad_url(url: str, why: str) -> NoReturn:
-    shown = re.sub(r"//[^@/]*@", "//***@", url)  # never echo a password
-    raise UnsupportedConfigError(f"bad Redis store URL {shown!r}: {why}", reason=Reason.BAD_VALUE)
-
-
-def _host_port(url: str, item: str) -> tuple[str, int]:
-    host, sep, port = item.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        _bad_url(url, f"{item!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-@dataclass(frozen=True)
-class RedisURL:
-    """A parsed store URL: scheme flags, the seed nodes, the database and (hidden) credentials."""
-
-    tls: bool
-    cluster: bool | None
-    """True: stated by the scheme; None: a plain URL, detected on connect."""
-    nodes: tuple[tuple[str, int], ...]
-    db: int = 0
-    username: str | None = field(default=None, repr=False)
-    password: str | None = field(default=None, repr=False)
-    ca_certs: str | None = None
-    """The CA bundle a TLS server's certificate is checked against (None: the system's)."""
-
-    @classmethod
-    def parse(cls, url: str) -> RedisURL:
-        """``redis[s][+cluster]://[user:password@]host:port[,host:port...][/db][?ca_certs=PATH]``."""
-        scheme, sep, rest = url.partition("://")
-        scheme = scheme.lower()
-        if not sep or scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-            _bad_url(url, "the scheme must be redis, rediss, redis+cluster or rediss+cluster")
-        netloc, _, path = rest.partition("/")
-        userinfo, _, hosts = netloc.rpartition("@")
-        user, _, password = userinfo.partition(":")
-        nodes = tuple(_host_port(url, h) for h in hosts.split(",") if h)
-        if not nodes:
-            _bad_url(url, "no host:port")
-        path, _, query = path.partition("?")
-        path = path.strip("/")
-        params = dict(parse_qsl(query, keep_blank_values=True))
-        if set(params) - {"ca_certs"}:
-            _bad_url(url, f"unknown parameters {sorted(set(params) - {'ca_certs'})}; only ca_certs")
-        if path and not path.isdigit():
-            _bad_url(url, f"database {path!r} is not a number")
-        cluster = True if scheme.endswith("+cluster") else None
-        if len(nodes) > 1 and cluster is None:
-            _bad_url(url, "several nodes need redis+cluster://")
-        if cluster and path not in ("", "0"):
-            _bad_url(url, "a Redis Cluster has only database 0")
-        return cls(
-            tls=scheme.startswith("rediss"),
-            cluster=cluster,
-            nodes=nodes,
-            db=int(path or 0),
-            username=user or os.environ.get(USERNAME_ENV) or None,
-            password=password or os.environ.get(PASSWORD_ENV) or None,
-            ca_certs=params.get("ca_certs") or os.environ.get(CA_CERTS_ENV) or None,
-        )
-
-    @property
-    def location(self) -> str:
-        """The URL without credentials, for logs."""
-        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
-        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-        return f"{scheme}://{hosts}" + ("" if self.cluster else f"/{self.db}")
-
-
-def _connect(url: RedisURL, timeout_s: float) -> tuple[Any, bool]:
-    """A client for ``url`` (one server, or a cluster: stated or found by ``INFO cluster``)."""
-    common: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "retry": Retry(NoBackoff(), 0),
-        "username": url.username,
-        "password": url.password,
-        "ssl": url.tls,
-    }
-    if url.tls and url.ca_certs:
-        common["ssl_ca_certs"] = url.ca_certs
-    if url.cluster is None:
-        host, port = url.nodes[0]
-        single = redis.Redis(host=host, port=port, db=url.db, **common)
-        try:
-            if not single.info("cluster").get("cluster_enabled"):
-                return single, False
-        except BaseException:
-            single.close()
-            raise
-        single.close()
-        if url.db:
-            raise UnsupportedConfigError(
-                f"{url.location} is a Redis Cluster node: clusters have only database 0",
-                reason=Reason.BAD_VALUE,
-            )
-    nodes = [redis.cluster.ClusterNode(h, p) for h, p in url.nodes]
-    client = redis.cluster.RedisCluster(startup_nodes=nodes, require_full_coverage=False, **common)
-    return client, True
 
 
 def _nodes(client: Any) -> list[Any]:
@@ -226,8 +126,9 @@ class RedisStore:
         self._lock = threading.Lock()
         self._client: Any = None
         self._cluster = bool(url.cluster)
-        self._down: set[str] = set()
+        self._down = Outages()
         """What is out: the server (its location), or on a cluster each node (``host:port``) that failed."""
+        self._auth_logged = -AUTH_LOG_INTERVAL_S - 1.0
         self._closed = False
         self._counts = Counters()
         self.location = url.location
@@ -325,9 +226,7 @@ class RedisStore:
                 pipe.exists(name)
             return pipe.execute()
 
-        found = [bool(x) for x in self._call(run, names)]
-        self._count(hits=sum(found), misses=len(found) - sum(found))
-        return found
+        return [bool(x) for x in self._call(run, names)]
 
     def _fetch(self, keys: Sequence[str]) -> list[tuple[str, str, bytes | None]]:
         """``(key, name, value or None)`` of each key, in one pipeline of ``GET``."""
@@ -372,14 +271,15 @@ class RedisStore:
             raise KeyError(key)
         return self._verified(key, name, value, self._opts.verify_blobs).blob
 
-    def get_parsed(self, key: str, into: bytearray | None = None) -> ParsedBlob:
+    def get_parsed(self, key: str, into: bytearray | None = None, *, verify_crc: bool = True) -> ParsedBlob:
         """The blob under ``key``, read in one ``GET`` and parsed once with its CRC (``into`` unused:
-        the client hands over the value as bytes already)."""
+        the client hands over the value as bytes already; ``verify_crc`` ignored: always checked)."""
         return self.get_parsed_many([key])[0]
 
-    def get_parsed_many(self, keys: Sequence[str]) -> list[ParsedBlob]:
+    def get_parsed_many(self, keys: Sequence[str], *, verify_crc: bool = True) -> list[ParsedBlob]:
         """Each key's parsed blob from one pipeline, all or nothing: ``KeyError`` names the first
-        missing key; a damaged value is deleted and raises with its check's reason."""
+        missing key; a damaged value is deleted and raises with its check's reason (``verify_crc``
+        ignored: the CRC is always checked)."""
         fetched = self._fetch(keys)
         for key, _, value in fetched:
             if value is None:
@@ -422,8 +322,9 @@ class RedisStore:
 
     def stats(self) -> dict[str, float]:
         """Cumulative counters (:data:`~kvcodec.store.STORE_COUNTERS`): ``round_trips`` counts pipelines
-        (one per slot on a cluster), ``hits``/``misses`` keys found or not by reads and ``contains``,
-        ``errors`` failed calls that did not time out plus refused values."""
+        (one per slot on a cluster), ``hits``/``misses`` keys found or not by the reads that return
+        blobs (``get``, ``get_parsed``, ``get_parsed_many``; not ``contains``), ``errors`` failed calls
+        that did not time out (also those refused at once during an outage) plus refused values."""
         return self._counts.snapshot()
 
     def _count(self, **deltas: float) -> None:
@@ -434,14 +335,12 @@ class RedisStore:
             raise UnsupportedConfigError(f"store at {self.location} is closed", reason=Reason.BAD_VALUE)
         client = self._client
         if client is None:
-            client, cluster = _connect(self._url, float(self._opts.timeout_s))
+            client, cluster = connect(self._url, float(self._opts.timeout_s))
             with self._lock:
                 if self._client is None:
                     self._client, self._cluster = client, cluster
                     old, self.location = self.location, replace(self._url, cluster=cluster or None).location
-                    if old in self._down:  # an outage of the store under its former name
-                        self._down.discard(old)
-                        self._down.add(self.location)
+                    self._down.rename(old, self.location)  # an outage under its former name
                 else:  # another thread connected first
                     client.close()
                 client = self._client
@@ -452,6 +351,8 @@ class RedisStore:
         ``trips`` says), with redis-py's failures turned into StoreUnavailableError / StoreFullError and
         each outage logged once."""
         trips = self._trips(names) if trips is None else trips
+        if self._down:
+            self._fail_fast(names)
         try:
             client = self._connected()
             out = fn(client)
@@ -461,6 +362,7 @@ class RedisStore:
             self._count(errors=1)
             raise StoreFullError(f"{self.location} refused a write: {e}") from None
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+            self._refused(e)
             self._failed(Reason.STORE_UNAVAILABLE, e, names)
         self._count(round_trips=trips)
         if self._down and trips:  # only an answer from a server ends an outage
@@ -500,12 +402,34 @@ class RedisStore:
                 nodes.add(f"{node.host}:{node.port}")
         return nodes
 
+    def _fail_fast(self, names: Sequence[str]) -> None:
+        """Raise at once, without I/O, when a target of this call is down and not due for a probe."""
+        targets = {self.location} | (self._nodes_of(names) if self._cluster else set())
+        target = self._down.blocked(targets)
+        if target is not None:
+            self._count(errors=1)
+            where = "" if target == self.location else f" (node {target})"
+            raise StoreUnavailableError(
+                f"store {self.location}{where} is down; it is probed again within {PROBE_INTERVAL_S} s",
+                reason=Reason.STORE_UNAVAILABLE,
+            )
+
+    def _refused(self, e: BaseException) -> None:
+        """Raise the configuration error a refused login or command is (ERROR logged, rate-limited)."""
+        refusal = auth_refusal(e, self.location)
+        if refusal is None:
+            return
+        self._count(errors=1)
+        now = time.monotonic()
+        if now - self._auth_logged >= AUTH_LOG_INTERVAL_S:
+            self._auth_logged = now
+            log.error("kvcodec %s (%s): calls fail until the store's user or password is fixed", refusal, e)
+        raise refusal from None
+
     def _failed(self, reason: Reason, e: BaseException, names: Sequence[str]) -> NoReturn:
         self._count(**{"timeouts" if reason is Reason.STORE_TIMEOUT else "errors": 1})
         target = self._target(e, names)
-        with self._lock:
-            first = target not in self._down
-            self._down.add(target)
+        first = self._down.failed(target)
         what = f"{type(e).__name__}: {e}"
         if first:
             where = "" if target == self.location else f" (node {target})"
@@ -520,15 +444,10 @@ class RedisStore:
     def _mend(self, client: Any, names: Sequence[str]) -> None:
         """End the outages an answer disproves: the store's; on a cluster also those of the nodes
         that served ``names``."""
-        back = {self.location}
+        back: set[str] | None = None  # one server: any answer is all of it
         if isinstance(client, redis.cluster.RedisCluster):
-            back |= self._nodes_of(names)
-        else:
-            back |= self._down  # one server: any answer is all of it
-        with self._lock:
-            ended = self._down & back
-            self._down -= ended
-        for target in sorted(ended):
+            back = {self.location} | self._nodes_of(names)
+        for target in self._down.mend(back):
             where = "" if target == self.location else f" (node {target})"
             log.info("kvcodec store %s%s is reachable again", self.location, where)
 

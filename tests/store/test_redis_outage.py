@@ -14,11 +14,18 @@ import pytest
 
 from kvcodec.errors import Reason, StoreUnavailableError
 from kvcodec.integrations.vllm.chunk_keys import group_of
-from kvcodec.store import StoreOptions, open_store
+from kvcodec.store import StoreOptions, open_store, redis_outage
 from tests.raises import raises_reason
 from tests.redis_servers import chunk_keys, free_port, make_blob, redis_cluster, redis_missing, redis_single
 
 pytestmark = pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
+
+
+@pytest.fixture(autouse=True)
+def probe_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check each call's own failure: every call is a probe (no fail-fast window)."""
+    monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 0.0)
+
 
 LOGGER = "kvcodec.store.redis"
 OPTS = StoreOptions(group_of=group_of, timeout_s=2.0)
