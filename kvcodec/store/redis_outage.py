@@ -18,11 +18,12 @@ PROBE_INTERVAL_S = 1.0
 
 
 class Outages:
-    """Thread-safe set of down targets, each with the time (monotonic) its next probe is due."""
+    """Thread-safe set of down targets, each with the time (monotonic) of its last failure or probe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._due: dict[str, float] = {}
+        """Target -> when it last failed or was probed; the next probe is due one interval later."""
 
     def __bool__(self) -> bool:
         return bool(self._due)
@@ -32,23 +33,23 @@ class Outages:
 
     def blocked(self, targets: Iterable[str]) -> str | None:
         """The first of ``targets`` that is down and not due for a probe (the call must fail at once),
-        or None: the call may go on; a due target's next probe is then pushed one interval on (this
+        or None: the call may go on; a due target's next probe is then one interval from now (this
         call is its probe, concurrent ones still fail fast)."""
         now = time.monotonic()
         with self._lock:
             down = [t for t in targets if t in self._due]
             for target in down:
-                if now < self._due[target]:
+                if now - self._due[target] < PROBE_INTERVAL_S:
                     return target
             for target in down:
-                self._due[target] = now + PROBE_INTERVAL_S
+                self._due[target] = now
         return None
 
     def failed(self, target: str) -> bool:
         """Mark ``target`` down until the next probe; True when this starts its outage."""
         with self._lock:
             first = target not in self._due
-            self._due[target] = time.monotonic() + PROBE_INTERVAL_S
+            self._due[target] = time.monotonic()
         return first
 
     def mend(self, back: Iterable[str] | None) -> list[str]:
