@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 __all__ = ["PROBE_INTERVAL_S", "Outages"]
 
@@ -30,6 +30,10 @@ class Outages:
 
     def __contains__(self, target: object) -> bool:
         return target in self._due
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(sorted(self._due))
 
     def blocked(self, targets: Iterable[str]) -> str | None:
         """The first of ``targets`` that is down and not due for a probe (the call must fail at once),

@@ -116,7 +116,10 @@ class RedisURL:
 
 
 def auth_refusal(e: BaseException, location: str) -> UnsupportedConfigError | None:
-    """The configuration error a refused login or command is (``STORE_AUTH``); None for anything else."""
+    """The configuration error a refused login or command is (``STORE_AUTH``); None for anything else.
+    A cluster client's "cannot be connected" error is judged by its cause."""
+    if isinstance(e, redis.exceptions.RedisClusterException) and e.__cause__ is not None:
+        e = e.__cause__
     if isinstance(e, redis.exceptions.AuthenticationError):
         why = "refused the credentials (an unknown user or a bad password)"
     elif isinstance(e, redis.exceptions.NoPermissionError):

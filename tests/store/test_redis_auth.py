@@ -15,7 +15,7 @@ from kvcodec.integrations.vllm.chunk_keys import group_of
 from kvcodec.store import StoreOptions, open_store
 from kvcodec.store.redis import RedisURL
 from tests.raises import raises_reason
-from tests.redis_servers import make_blob, redis_missing, redis_single
+from tests.redis_servers import make_blob, redis_cluster, redis_missing, redis_single
 
 pytestmark = pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
 
@@ -57,6 +57,26 @@ def test_a_refused_command_or_password_is_a_config_error_not_an_outage(tmp_path:
         assert "wrong-pass" not in str(info.value) + caplog.text
         assert len(_levels(caplog, logging.ERROR)) == 2  # one per store (rate-limited), never per call
         assert not _levels(caplog, logging.WARNING)  # no outage
+
+
+def test_a_cluster_refusing_a_password_or_a_command_is_a_config_error(tmp_path: Path, caplog) -> None:
+    with redis_cluster(tmp_path) as cl, caplog.at_level(logging.WARNING):
+        for node in cl.nodes:
+            _acl_user(node, "ro", "+get", "+exists", "+cluster", "+info", "+command", "+ping")
+        for url in (
+            cl.url.replace("://", "://ro:kvpass1234@"),
+            f"redis://ro:kvpass1234@127.0.0.1:{cl.nodes[0].port}",
+        ):
+            with open_store(url, OPTS) as st:
+                assert st.contains("k") is False
+                with raises_reason(UnsupportedConfigError, Reason.STORE_AUTH):
+                    st.put("k", make_blob(64, 0))
+                assert st.cluster
+        with open_store(cl.url.replace("://", "://ro:wrong-pass@"), OPTS) as st:
+            for _ in range(2):  # not an outage: never refused at once as "down"
+                with raises_reason(UnsupportedConfigError, Reason.STORE_AUTH):
+                    st.contains("k")
+        assert not _levels(caplog, logging.WARNING) and "wrong-pass" not in caplog.text
 
 
 @pytest.mark.parametrize("password", [SECRET, ENCODED])

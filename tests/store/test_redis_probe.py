@@ -16,7 +16,7 @@ from kvcodec.errors import Reason, StoreUnavailableError
 from kvcodec.integrations.vllm.chunk_keys import group_of
 from kvcodec.store import StoreOptions, open_store, redis_outage
 from tests.raises import raises_reason
-from tests.redis_servers import chunk_keys, make_blob, redis_missing, redis_single
+from tests.redis_servers import chunk_keys, make_blob, redis_cluster, redis_missing, redis_single
 from tests.store.test_redis_outage import every_call, records
 
 pytestmark = pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
@@ -52,3 +52,33 @@ def test_a_silent_server_costs_one_timeout_per_probe(tmp_path: Path, monkeypatch
         monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 60.0)
         assert [bytes(p.blob) for p in st.get_parsed_many(keys)] == [blob] * len(keys)
         assert len(records(caplog, logging.INFO)) == 1
+
+
+def test_a_silent_cluster_node_fails_fast_for_its_chunks_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 60.0)
+    with redis_cluster(tmp_path) as cl, open_store(cl.url, SILENT) as st:
+        chunks = [chunk_keys(layers=2, chunk=c) for c in range(12)]
+        blob = make_blob(256, 3)
+        for keys in chunks:
+            st.put_many([(k, blob) for k in keys])
+        victim = cl.node_of(st.name_of(chunks[0][0]))
+        lost = [k for k in chunks if cl.node_of(st.name_of(k[0])) is victim]
+        kept = [k for k in chunks if cl.node_of(st.name_of(k[0])) is not victim]
+        assert victim.proc is not None and lost and kept
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailableError):
+                st.get_parsed_many(lost[0])
+            timeouts = st.stats()["timeouts"]
+            assert timeouts >= 1
+            for keys in lost:  # the silent node's chunks: refused at once
+                with raises_reason(StoreUnavailableError, Reason.STORE_UNAVAILABLE):
+                    st.get_parsed_many(keys)
+            for keys in kept:  # the other nodes serve
+                assert len(st.get_parsed_many(keys)) == len(keys)
+            assert st.stats()["timeouts"] == timeouts
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 0.0)
+        assert len(st.get_parsed_many(lost[0])) == len(lost[0])  # the probe answered
+        assert victim.ping()
