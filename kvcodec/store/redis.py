@@ -59,12 +59,13 @@ from redis.crc import key_slot
 
 from ..errors import CorruptEncodedKVError, Reason, StoreUnavailableError, UnsupportedConfigError
 from ..format import ParsedBlob, as_bytes_view, parse
+from . import redis_outage
 from .auth import open_envelope, seal, strip_envelope
 from .base import StoreFullError, StoreOptions
 from .counters import Counters
 from .keys import validate_key
 from .reading import check_size
-from .redis_outage import PROBE_INTERVAL_S, Outages
+from .redis_outage import Outages
 from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL, auth_refusal, connect
 
 __all__ = [
@@ -351,7 +352,7 @@ class RedisStore:
         ``trips`` says), with redis-py's failures turned into StoreUnavailableError / StoreFullError and
         each outage logged once."""
         trips = self._trips(names) if trips is None else trips
-        if self._down:
+        if self._down and (trips or self._client is None):  # listing known nodes is no probe
             self._fail_fast(names)
         try:
             client = self._connected()
@@ -410,7 +411,7 @@ class RedisStore:
             self._count(errors=1)
             where = "" if target == self.location else f" (node {target})"
             raise StoreUnavailableError(
-                f"store {self.location}{where} is down; it is probed again within {PROBE_INTERVAL_S} s",
+                f"store {self.location}{where} is down; it is probed again within {redis_outage.PROBE_INTERVAL_S} s",
                 reason=Reason.STORE_UNAVAILABLE,
             )
 
