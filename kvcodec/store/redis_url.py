@@ -5,7 +5,6 @@ refused credential or permission (a configuration error) from an outage."""
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, unquote
@@ -26,24 +25,28 @@ USERNAME_ENV = "KVCODEC_REDIS_USERNAME"
 CA_CERTS_ENV = "KVCODEC_REDIS_CA_CERTS"
 """The CA bundle for ``rediss://`` when the URL names none (``?ca_certs=PATH``)."""
 
-_USERINFO = re.compile(r"//.*@", re.DOTALL)
-"""Everything from ``//`` to the last ``@``: the credentials, whatever characters they hold."""
 _SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 
 
 def mask_url(url: str) -> str:
-    """``url`` with its credentials (up to the last ``@``) replaced by ``***``."""
-    return _USERINFO.sub("//***@", url)
+    """``url`` with its netloc (credentials up to the last ``@``, and the hosts, which may be a password
+    whose ``@host`` was forgotten) replaced by ``***``: only the scheme, the database and the query show."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "***"
+    tail = rest[rest.rfind("@") + 1 :]
+    cut = min((i for i in (tail.find("/"), tail.find("?")) if i >= 0), default=len(tail))
+    return f"{scheme}://***{tail[cut:]}"
 
 
 def _bad_url(url: str, why: str) -> NoReturn:
     raise UnsupportedConfigError(f"bad Redis store URL {mask_url(url)!r}: {why}", reason=Reason.BAD_VALUE)
 
 
-def _host_port(url: str, item: str) -> tuple[str, int]:
+def _host_port(url: str, item: str, n: int) -> tuple[str, int]:
     host, sep, port = item.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        _bad_url(url, f"{item!r} is not host:port")
+        _bad_url(url, f"node {n} is not host:port with a port in 1..65535")  # no netloc text shown
     return host.strip("[]"), int(port)
 
 
@@ -82,7 +85,7 @@ class RedisURL:
         if not sep or scheme not in _SCHEMES:
             _bad_url(url, "the scheme must be redis, rediss, redis+cluster or rediss+cluster")
         user, password, hosts, path = _split(url, rest)
-        nodes = tuple(_host_port(url, h) for h in hosts.split(",") if h)
+        nodes = tuple(_host_port(url, h, n) for n, h in enumerate(hosts.split(","), 1) if h)
         if not nodes:
             _bad_url(url, "no host:port")
         path, _, query = path.partition("?")

@@ -103,3 +103,9 @@ def test_a_bad_url_never_echoes_its_password(password: str, tail: str) -> None:
         RedisURL.parse(url)
     text = str(info.value)
     assert password not in text and "s3cr" not in text and "user" not in text and "***" in text
+
+
+def test_a_url_without_an_at_sign_never_echoes_what_may_be_a_password() -> None:
+    with raises_reason(UnsupportedConfigError, Reason.BAD_VALUE) as info:
+        RedisURL.parse("redis://bob:hunter2")  # "@host:port" forgotten
+    assert "hunter2" not in str(info.value)
