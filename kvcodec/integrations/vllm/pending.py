@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["SKIP_LOG_INTERVAL_S", "PendingBytes", "SkipLog"]
 
@@ -46,12 +47,15 @@ class PendingBytes:
             self._held += n
             return True
 
-    def take(self, n: int) -> bool | None:
+    def take(self, n: int, on_wait: Callable[[], None] | None = None) -> bool | None:
         """Wait until ``n`` bytes fit and take them: True at once, False after waiting, None when
-        closed meanwhile (nothing taken)."""
+        closed meanwhile (nothing taken). ``on_wait`` runs once, when the wait begins (so a wait
+        still in progress is already counted)."""
         with self._cond:
             waited = False
             while not self._closed and not self._fits(n):
+                if not waited and on_wait is not None:
+                    on_wait()
                 waited = True
                 self._cond.wait()
             if self._closed:

@@ -182,12 +182,10 @@ class SaveHandler:
         """The gatherer's job: wait for room (nothing claimed meanwhile, so a preemption never waits
         for the disk), then copy the chunk unless ``handle_preemptions`` took it first."""
         n = self._chunk_bytes(g.spec)
-        took = self.pending.take(n)
+        took = self.pending.take(n, on_wait=lambda: self.counters.add(saves_waited=1))
         if took is None:  # shutting down
             self._gather_done(g, drop=True)
             return
-        if not took:
-            self.counters.add(saves_waited=1)
         with self._lock:
             mine = not g.claimed
             g.claimed = True
