@@ -22,8 +22,9 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
   retries: a call on a dead server or node raises
   :class:`~kvcodec.errors.StoreUnavailableError` (``STORE_UNAVAILABLE``, or
   ``STORE_TIMEOUT`` when it ran past its timeout). While the server (or node) is
-  down, its calls fail at once without I/O, but for one probe per
-  ``PROBE_INTERVAL_S`` (1 s) whose answer ends the outage. The first failure of an
+  down after a timeout, its calls fail at once without I/O, but for one probe per
+  ``PROBE_INTERVAL_S`` (1 s) whose answer ends the outage (a refused connection
+  costs no wait: the next call asks again). The first failure of an
   outage logs one WARNING, the first success after it one INFO; connections are
   re-made on the next call, so a restarted server serves the same store object.
   Refused credentials or ACL permissions are no outage: they raise
@@ -430,7 +431,7 @@ class RedisStore:
     def _failed(self, reason: Reason, e: BaseException, names: Sequence[str]) -> NoReturn:
         self._count(**{"timeouts" if reason is Reason.STORE_TIMEOUT else "errors": 1})
         target = self._target(e, names)
-        first = self._down.failed(target)
+        first = self._down.failed(target, costly=reason is Reason.STORE_TIMEOUT)
         what = f"{type(e).__name__}: {e}"
         if first:
             where = "" if target == self.location else f" (node {target})"

@@ -1,8 +1,9 @@
 """Which targets of a Redis store are out (the server, or cluster nodes), and when each may be probed.
 
-While a target is marked down, a call to it fails at once (no I/O: a silent server would otherwise
-cost every call its full timeout), except one call per :data:`PROBE_INTERVAL_S`, which goes through
-as the probe: its answer ends the outage, its failure keeps it.
+While a target is marked down after a timeout, a call to it fails at once (no I/O: a silent server
+would otherwise cost every call its full timeout), except one call per :data:`PROBE_INTERVAL_S`,
+which goes through as the probe: its answer ends the outage, its failure keeps it. A target that
+refused at once (connection refused: no wait) is probed by the next call.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ __all__ = ["PROBE_INTERVAL_S", "Outages"]
 
 PROBE_INTERVAL_S = 1.0
 """Seconds between the calls let through to a target that is down (each a probe of it)."""
+
+_ASK_NOW = float("-inf")
+"""The probe time of a target that refused at once: every call may ask it (no wait to save)."""
 
 
 class Outages:
@@ -45,15 +49,18 @@ class Outages:
             for target in down:
                 if now - self._due[target] < PROBE_INTERVAL_S:
                     return target
-            for target in down:
-                self._due[target] = now
+            for target in down:  # a costly outage's probe: alone for one interval
+                if self._due[target] != _ASK_NOW:
+                    self._due[target] = now
         return None
 
-    def failed(self, target: str) -> bool:
-        """Mark ``target`` down until the next probe; True when this starts its outage."""
+    def failed(self, target: str, costly: bool = True) -> bool:
+        """Mark ``target`` down; True when this starts its outage. ``costly`` (the failure took its
+        timeout): calls fail fast until the next probe; else (refused at once, no wait) the next call
+        may probe at once: a dead server costs nothing to ask, and a restarted one serves at once."""
         with self._lock:
             first = target not in self._due
-            self._due[target] = time.monotonic()
+            self._due[target] = time.monotonic() if costly else _ASK_NOW
         return first
 
     def mend(self, back: Iterable[str] | None) -> list[str]:
