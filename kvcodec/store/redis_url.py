@@ -163,14 +163,18 @@ def connect(url: RedisURL, timeout_s: float) -> tuple[Any, bool]:
         common["ssl_ca_certs"] = url.ca_certs
     if url.cluster is None:
         host, port = url.nodes[0]
-        single = redis.Redis(host=host, port=port, db=url.db, **common)
+        probe = redis.Redis(host=host, port=port, db=0, **common)  # a cluster node refuses SELECT n
         try:
-            if not _is_cluster(single):
-                return single, False
+            cluster = _is_cluster(probe)
         except BaseException:
-            single.close()
+            probe.close()
             raise
-        single.close()
+        if not cluster:
+            if not url.db:
+                return probe, False
+            probe.close()
+            return redis.Redis(host=host, port=port, db=url.db, **common), False
+        probe.close()
         if url.db:
             raise UnsupportedConfigError(
                 f"{url.location} is a Redis Cluster node: clusters have only database 0",

@@ -101,11 +101,6 @@ def test_shutdown_leaves_a_store_passed_in_open(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
-@pytest.mark.xfail(
-    reason="kvcodec/store/redis.py _connect: the client's SELECT 1 fails first (ResponseError, taken as an "
-    "outage) before the INFO cluster check that raises UnsupportedConfigError",
-    strict=False,
-)
 def test_a_cluster_url_with_a_database_is_refused_at_start(tmp_path: Path) -> None:
     """The store finds it only when it connects: the connector asks at start, not at the first request."""
     extra = ["--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")]
