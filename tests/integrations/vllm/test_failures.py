@@ -47,8 +47,7 @@ def _load(conn: KvcodecConnector, req_id: str = "r") -> tuple[set[str] | None, s
     conn.start_load_kv(None)  # type: ignore[arg-type]
     conn.clear_connector_metadata()
     errors: set[int] = set()
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
+    for _ in range(6000):  # a liveness bound (polls), not a speed check
         _, received = conn.get_finished(set())
         errors |= conn.get_block_ids_with_load_errors()
         if received:
@@ -134,9 +133,10 @@ def test_a_failing_store_write_is_counted_and_nothing_stalls(
     store.on_write = None
     _save_both_chunks(conn)  # the writer still works, and the chunks were not left marked in flight
     assert conn.stats["chunks_saved"] == 2
-    t0 = time.perf_counter()
-    conn.shutdown()
-    assert time.perf_counter() - t0 < 5
+    done = threading.Thread(target=conn.shutdown)
+    done.start()
+    done.join(60)  # shutdown returns (nothing left waiting on the failed jobs); a liveness bound only
+    assert not done.is_alive()
 
 
 def test_a_failing_gather_is_counted_and_the_step_goes_on(tmp_path: Path) -> None:
