@@ -7,7 +7,10 @@
  *   V_hat = float(q) * scale          one fp32 rounding, then RNE to fp16/bf16
  * Why C: torch's fp32 -> e4m3 cast and its FP8 widening are scalar loops on
  * CPU; here each is a few integer operations, eight lanes at a time with
- * AVX2 + F16C when the CPU has them (chosen at run time), portable C otherwise.
+ * AVX2 + F16C, sixteen or thirty-two with AVX-512 (the quantize multiplying by
+ * 1 / scale and dividing only next to a rounding boundary), each when the CPU
+ * has it (chosen at run time), portable C otherwise. The CRC-32 of the blob is
+ * folded into the same passes (PCLMULQDQ, or VPCLMULQDQ on 512-bit registers).
  *
  * Every call runs on the calling thread only and releases the GIL around its
  * loops. Arguments are Python buffers (numpy arrays over torch tensors,
@@ -236,14 +239,69 @@ CLMUL_FN static uint32_t crc_clmul_copy(uint32_t state, uint8_t *dst, const uint
     }
     return crc_reduce(a);
 }
+
+/* The same folding four 128-bit lanes per instruction (VPCLMULQDQ on 512-bit registers, as ISA-L's
+ * by16 loops): four registers of 64 bytes folded by x^2048 per 256 bytes, then together by x^512, then
+ * their lanes by x^128. With `dst` every loaded register is also stored there (a copy in the same pass;
+ * the compiler drops the stores from the copy-less instance). n >= 256, a multiple of 16. */
+#define VCLMUL_FN __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,vpclmulqdq,pclmul,sse4.1")))
+
+VCLMUL_FN static inline __m512i crc_fold512(__m512i x, __m512i k, __m512i data) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
+                                     data, 0x96);
+}
+
+VCLMUL_FN static inline __m512i crc_load512(const uint8_t *p, uint8_t *dst, size_t at) {
+    __m512i d = _mm512_loadu_si512((const void *)(p + at));
+    if (dst) _mm512_storeu_si512((void *)(dst + at), d);
+    return d;
+}
+
+__attribute__((always_inline)) VCLMUL_FN static inline uint32_t crc_vclmul_body(uint32_t state, uint8_t *dst,
+                                                                                 const uint8_t *p, size_t n) {
+    const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430LL, 0x11542778aLL)); /* x^(2048-+32) */
+    const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL));  /* x^(512-+32) */
+    const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+    __m512i x0 = crc_load512(p, dst, 0), x1 = crc_load512(p, dst, 64);
+    __m512i x2 = crc_load512(p, dst, 128), x3 = crc_load512(p, dst, 192);
+    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)state)));
+    size_t at = 256;
+    for (; n - at >= 256; at += 256) {
+        x0 = crc_fold512(x0, k2048, crc_load512(p, dst, at));
+        x1 = crc_fold512(x1, k2048, crc_load512(p, dst, at + 64));
+        x2 = crc_fold512(x2, k2048, crc_load512(p, dst, at + 128));
+        x3 = crc_fold512(x3, k2048, crc_load512(p, dst, at + 192));
+    }
+    __m512i a = crc_fold512(crc_fold512(crc_fold512(x0, k512, x1), k512, x2), k512, x3);
+    for (; n - at >= 64; at += 64) a = crc_fold512(a, k512, crc_load512(p, dst, at));
+    __m128i b = _mm512_castsi512_si128(a);
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 1));
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 2));
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 3));
+    for (; at < n; at += 16) {
+        __m128i d = _mm_loadu_si128((const __m128i *)(p + at));
+        if (dst) _mm_storeu_si128((__m128i *)(dst + at), d);
+        b = _mm_xor_si128(crc_fold(b, k128), d);
+    }
+    return crc_reduce(b);
+}
+
+VCLMUL_FN static uint32_t crc_vclmul(uint32_t state, const uint8_t *p, size_t n) {
+    return crc_vclmul_body(state, NULL, p, n);
+}
+
+VCLMUL_FN static uint32_t crc_vclmul_copy(uint32_t state, uint8_t *dst, const uint8_t *p, size_t n) {
+    return crc_vclmul_body(state, dst, p, n);
+}
 #endif
 
-/* The running state continued over n bytes: folded where it pays, byte by byte otherwise. */
+/* The running state continued over n bytes: folded where it pays (512-bit lanes from 256 bytes at
+ * level 2, 128-bit lanes from 128 bytes), byte by byte otherwise. */
 static uint32_t crc_update(uint32_t state, const uint8_t *p, size_t n) {
 #ifdef KV_HAVE_AVX2
     if (kv_crc_fast && n >= 128) {
         size_t body = n & ~(size_t)15;
-        state = crc_clmul(state, p, body);
+        state = kv_crc_fast >= 2 && body >= 256 ? crc_vclmul(state, p, body) : crc_clmul(state, p, body);
         p += body;
         n -= body;
     }
@@ -279,7 +337,8 @@ static uint32_t crc_copy(uint32_t state, uint8_t *dst, const uint8_t *src, size_
 #ifdef KV_HAVE_AVX2
     if (kv_crc_fast && n >= 128) {
         size_t body = n & ~(size_t)15;
-        state = crc_clmul_copy(state, dst, src, body);
+        state = kv_crc_fast >= 2 && body >= 256 ? crc_vclmul_copy(state, dst, src, body)
+                                                : crc_clmul_copy(state, dst, src, body);
         dst += body, src += body, n -= body;
     }
 #endif
@@ -510,6 +569,150 @@ AVX2_FN static void deq_row_f32_avx2(const uint8_t *q, Py_ssize_t D, float s, vo
     }
     if (d < D) deq_row_f32(q + d, D - d, s, o + d);
 }
+/* --------------------------------------------------- AVX-512 dequantize rows */
+/* The same arithmetic thirty-two codes at a time on 512-bit registers (simd level 2). The codes' bits
+ * placed in fp16 read as q / 256 (see e4m3_values16); the factor 256 goes into the scale, s * 256, which
+ * is exact, so (q / 256) * (256 s) is the same real product as q * s and rounds the same, unless 256 s
+ * overflows: such rows take the AVX2 row. */
+#define ZMM_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
+
+ZMM_FN static inline void e4m3_halves32(const uint8_t *q, __m512 *lo, __m512 *hi) {
+    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(~0x4000));
+    *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+ZMM_FN static void deq_row_f16_zmm(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    const float s256 = s * 256.0f;
+    if (!finite_f32(s256)) return deq_row_f16_avx2(q, D, s, out);
+    uint16_t *o = (uint16_t *)out;
+    const __m512 vs = _mm512_set1_ps(s256);
+    Py_ssize_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m512 lo, hi;
+        e4m3_halves32(q + d, &lo, &hi);
+        __m256i a = _mm512_cvtps_ph(_mm512_mul_ps(lo, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i b = _mm512_cvtps_ph(_mm512_mul_ps(hi, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm512_storeu_si512((void *)(o + d), _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+    if (d < D) deq_row_f16_avx2(q + d, D - d, s, o + d);
+}
+
+ZMM_FN static inline __m512i bf16_rne16(__m512 x) {
+    __m512i b = _mm512_castps_si512(x);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+}
+
+ZMM_FN static void deq_row_bf16_zmm(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    const float s256 = s * 256.0f;
+    if (!finite_f32(s256)) return deq_row_bf16_avx2(q, D, s, out);
+    uint16_t *o = (uint16_t *)out;
+    const __m512 vs = _mm512_set1_ps(s256);
+    Py_ssize_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m512 lo, hi;
+        e4m3_halves32(q + d, &lo, &hi);
+        _mm256_storeu_si256((__m256i *)(o + d), _mm512_cvtepi32_epi16(bf16_rne16(_mm512_mul_ps(lo, vs))));
+        _mm256_storeu_si256((__m256i *)(o + d + 16), _mm512_cvtepi32_epi16(bf16_rne16(_mm512_mul_ps(hi, vs))));
+    }
+    if (d < D) deq_row_bf16_avx2(q + d, D - d, s, o + d);
+}
+
+ZMM_FN static void deq_row_f32_zmm(const uint8_t *q, Py_ssize_t D, float s, void *out) {
+    const float s256 = s * 256.0f;
+    if (!finite_f32(s256)) return deq_row_f32_avx2(q, D, s, out);
+    float *o = (float *)out;
+    const __m512 vs = _mm512_set1_ps(s256);
+    Py_ssize_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m512 lo, hi;
+        e4m3_halves32(q + d, &lo, &hi);
+        _mm512_storeu_ps(o + d, _mm512_mul_ps(lo, vs));
+        _mm512_storeu_ps(o + d + 16, _mm512_mul_ps(hi, vs));
+    }
+    if (d < D) deq_row_f32_avx2(q + d, D - d, s, o + d);
+}
+
+/* --------------------------------------------------- AVX-512 quantize rows */
+/* y = V / scale by a multiplication with r = 1 / scale, sixteen lanes at a time, each code taken from
+ * y where it cannot differ from the code of the IEEE quotient, else from the quotient itself.
+ * - With scale and r normal, y is within a relative 3 * 2^-24 of fl(V / scale) (the roundings of r,
+ *   of the product, of the quotient): at most six steps of their bit patterns, even across a binade.
+ * - For |y| in e4m3's normal range (2^-6 .. 448, clamped above) the cast is round-to-nearest-even at
+ *   bit 20 of |y|'s bits: code = (bits + 0x7FFFF + bit 20 - (120 << 23)) >> 20, the carry moving into
+ *   the exponent where the mantissa rounds up. Its midpoints are the bits whose low 20 are 0x80000.
+ * - The cast is monotone, so y's code is the quotient's unless a midpoint lies within eight steps of
+ *   y. Those lanes, and those below 2^-6 (e4m3's subnormals, another rounding position; zeros), take
+ *   the division and the general cast (e4m3_mag16): bit for bit the division's codes. */
+ZMM_FN static inline __m512i e4m3_mag16(__m512i a) {
+    a = _mm512_min_epu32(a, _mm512_set1_epi32((int)E4M3_MAX_BITS));
+    __m512i e = _mm512_max_epi32(_mm512_and_si512(a, _mm512_set1_epi32(0x7F800000)),
+                                 _mm512_set1_epi32((int)E4M3_MIN_EXP));
+    __m512i m = _mm512_add_epi32(e, _mm512_set1_epi32(20 << 23));
+    __m512i sum = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(m)));
+    __m512i binades = _mm512_srli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32((int)E4M3_MIN_EXP)), 20);
+    return _mm512_add_epi32(_mm512_sub_epi32(sum, m), binades);
+}
+
+/* Sixteen codes of x / scale into q; `amax` keeps the largest |y| bits (the row's NaN check). */
+ZMM_FN static inline void quant16(__m512 x, __m512 vr, __m512 vs, uint8_t *q, __m512i *amax) {
+    __m512i b = _mm512_castps_si512(_mm512_mul_ps(x, vr));
+    __m512i a = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
+    *amax = _mm512_max_epu32(*amax, a);
+    __m512i c = _mm512_min_epu32(a, _mm512_set1_epi32((int)E4M3_MAX_BITS));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(c, 20), _mm512_set1_epi32(1));
+    __m512i code = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(0x7FFFF - (120 << 23))), odd), 20);
+    __m512i low = _mm512_and_si512(_mm512_add_epi32(c, _mm512_set1_epi32(8 - 0x80000)), _mm512_set1_epi32(0xFFFFF));
+    __mmask16 redo = _mm512_cmplt_epu32_mask(low, _mm512_set1_epi32(17)) |
+                     _mm512_cmplt_epu32_mask(c, _mm512_set1_epi32((int)E4M3_MIN_EXP));
+    if (__builtin_expect(redo != 0, 0)) {
+        __m512i bd = _mm512_castps_si512(_mm512_div_ps(x, vs));
+        code = _mm512_mask_mov_epi32(code, redo, e4m3_mag16(_mm512_and_si512(bd, _mm512_set1_epi32(0x7FFFFFFF))));
+        b = _mm512_mask_mov_epi32(b, redo, bd);
+    }
+    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(b, 24), _mm512_set1_epi32(0x80), 0xF8); /* code | (sign & 0x80) */
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(code));
+}
+
+/* Whether 1 / scale stands for the division: scale and its reciprocal normal (2^-125 .. 2^125). */
+static inline int reciprocal_ok(float scale) {
+    uint32_t e = (f32_bits(scale) >> 23) & 0xFFu;
+    return e >= 2u && e <= 252u;
+}
+
+#define LOADZ_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOADZ_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOADZ_F32(p) _mm512_loadu_ps(p)
+
+#define QUANT_ROW_ZMM(name, T, LOAD, fallback)                                        \
+    ZMM_FN static int name(const void *row, Py_ssize_t D, float scale, uint8_t *q) {  \
+        if (!reciprocal_ok(scale)) return fallback(row, D, scale, q);                 \
+        const T *p = (const T *)row;                                                  \
+        const __m512 vr = _mm512_set1_ps(1.0f / scale), vs = _mm512_set1_ps(scale);   \
+        __m512i amax = _mm512_setzero_si512();                                        \
+        Py_ssize_t d = 0;                                                             \
+        for (; d + 16 <= D; d += 16) quant16(LOAD(p + d), vr, vs, q + d, &amax);      \
+        int bad = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7F800000)) != 0;  \
+        if (d < D) bad |= fallback(p + d, D - d, scale, q + d);                       \
+        return bad;                                                                   \
+    }
+
+QUANT_ROW_ZMM(quant_row_f16_zmm, uint16_t, LOADZ_F16, quant_row_f16_evex)
+QUANT_ROW_ZMM(quant_row_bf16_zmm, uint16_t, LOADZ_BF16, quant_row_bf16_evex)
+QUANT_ROW_ZMM(quant_row_f32_zmm, float, LOADZ_F32, quant_row_f32_evex)
+
+ZMM_FN static int has_nan_code_zmm(const uint8_t *q, Py_ssize_t D) {
+    const __m512i m7f = _mm512_set1_epi8(0x7F);
+    __mmask64 any = 0;
+    Py_ssize_t d = 0;
+    for (; d + 64 <= D; d += 64)
+        any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512((const void *)(q + d)), m7f), m7f);
+    return any != 0 || (d < D && has_nan_code_avx2(q + d, D - d));
+}
 #endif
 
 /* The best row level the CPU runs: 0 portable, 1 AVX2 + F16C + FMA, 2 those compiled for AVX-512VL. */
@@ -526,10 +729,17 @@ static int cpu_simd_level(void) {
 #endif
 }
 
+/* The best CRC folding the CPU runs: 0 none, 1 PCLMULQDQ on 128-bit lanes, 2 VPCLMULQDQ on 512-bit
+ * registers (with AVX-512F/BW/VL/DQ). */
 static int cpu_has_clmul(void) {
 #ifdef KV_HAVE_AVX2
     __builtin_cpu_init();
-    return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+    if (!(__builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1"))) return 0;
+    return __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512dq")
+               ? 2
+               : 1;
 #else
     return 0;
 #endif
@@ -548,7 +758,7 @@ static amax_fn pick_amax(int dt) {
 
 static quant_fn pick_quant(int dt, int simd) {
 #ifdef KV_HAVE_AVX2
-    if (simd >= 2) return dt == DT_F16 ? quant_row_f16_evex : dt == DT_BF16 ? quant_row_bf16_evex : quant_row_f32_evex;
+    if (simd >= 2) return dt == DT_F16 ? quant_row_f16_zmm : dt == DT_BF16 ? quant_row_bf16_zmm : quant_row_f32_zmm;
     if (simd) return dt == DT_F16 ? quant_row_f16_avx2 : dt == DT_BF16 ? quant_row_bf16_avx2 : quant_row_f32_avx2;
 #endif
     (void)simd;
@@ -557,6 +767,7 @@ static quant_fn pick_quant(int dt, int simd) {
 
 static deq_fn pick_deq(int dt, int simd) {
 #ifdef KV_HAVE_AVX2
+    if (simd >= 2) return dt == DT_F16 ? deq_row_f16_zmm : dt == DT_BF16 ? deq_row_bf16_zmm : deq_row_f32_zmm;
     if (simd) return dt == DT_F16 ? deq_row_f16_avx2 : dt == DT_BF16 ? deq_row_bf16_avx2 : deq_row_f32_avx2;
 #endif
     (void)simd;
@@ -565,6 +776,7 @@ static deq_fn pick_deq(int dt, int simd) {
 
 static nan_fn pick_nan(int simd) {
 #ifdef KV_HAVE_AVX2
+    if (simd >= 2) return has_nan_code_zmm;
     if (simd) return has_nan_code_avx2;
 #endif
     (void)simd;
@@ -1298,6 +1510,62 @@ static int runs_in_order(const int64_t *rq, Py_ssize_t nq) {
     return 1;
 }
 
+/* One scatter_dequant call's fixed parts: the codes, K's rows (NULL: V only), the cache, the scales. */
+typedef struct {
+    const Arr *q, *k;
+    const Cache4 *c;
+    const float *sc;
+    int scope;
+    Py_ssize_t page;
+    char *v0, *k0; /* the cache's first V and K columns */
+    size_t k_row;  /* bytes of one K row */
+} ScatterJob;
+
+typedef void (*scatter_head_fn)(const ScatterJob *, deq_fn, const int64_t *, Py_ssize_t);
+
+/* One run's rows of head h (run: view block, first slot, first token, tokens): V dequantized by DEQ
+ * (a row function called directly, so the compiler inlines it; `deq` for the generic instance), K's
+ * row copied beside it. The scale group is followed token by token (no division per row). */
+#define SCATTER_HEAD(attr, name, DEQ, ROW_COPY)                                                       \
+    attr static void name(const ScatterJob *j, deq_fn deq, const int64_t *run, Py_ssize_t h) {        \
+        (void)deq;                                                                                      \
+        const Arr *q = j->q, *k = j->k;                                                                 \
+        const Cache4 *c = j->c;                                                                         \
+        Py_ssize_t t = (Py_ssize_t)run[2], tp = t / j->page, in_page = t % j->page;                     \
+        Py_ssize_t head_scale = j->scope == SC_TENSOR ? 0 : h;                                          \
+        Py_ssize_t at = run[0] * c->sn + h * c->sh + run[1] * c->ss; /* the slot's offset in the view */ \
+        for (int64_t r = 0; r < run[3]; r++, t++, at += c->ss) {                                        \
+            float scale = j->sc[j->scope == SC_PAGE_HEAD ? tp * q->H + h : head_scale];                 \
+            DEQ((const uint8_t *)q->base + t * q->st + h * q->sh, q->D, scale, j->v0 + at);             \
+            if (k) ROW_COPY(j->k0 + at, k->base + t * k->st + h * k->sh, j->k_row);                     \
+            if (++in_page == j->page) in_page = 0, tp++;                                                \
+        }                                                                                               \
+    }
+
+#define CALL_DEQ(row, D, s, out) deq(row, D, s, out)
+SCATTER_HEAD(, scatter_head_any, CALL_DEQ, memcpy)
+
+#ifdef KV_HAVE_AVX2
+/* A K row of whole 64-byte lines (head_dim 32, 64, 128, 256 of a 16-bit dtype) by 512-bit moves, inline;
+ * other sizes by memcpy. */
+ZMM_FN static inline void copy_k_row(char *dst, const char *src, size_t n) {
+    if (n % 64 || n > 512) return (void)memcpy(dst, src, n);
+    for (size_t i = 0; i < n; i += 64) _mm512_storeu_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+}
+
+SCATTER_HEAD(ZMM_FN, scatter_head_f16_zmm, deq_row_f16_zmm, copy_k_row)
+SCATTER_HEAD(ZMM_FN, scatter_head_bf16_zmm, deq_row_bf16_zmm, copy_k_row)
+#endif
+
+static scatter_head_fn pick_scatter_head(int odt, int simd) {
+#ifdef KV_HAVE_AVX2
+    if (simd >= 2 && odt == DT_F16) return scatter_head_f16_zmm;
+    if (simd >= 2 && odt == DT_BF16) return scatter_head_bf16_zmm;
+#endif
+    (void)odt, (void)simd;
+    return scatter_head_any;
+}
+
 /* scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs[, k, k_col[, crc]]) -> None, an
  * int, or why the reference must take it: float(q) * scale of the runs' rows into columns col .. col + D
  * of the cache view; with `k` (q's tokens and heads, each row the bytes of Dk elements of the cache's
@@ -1372,19 +1640,11 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         else if (fold ? rows_have_nan_crc(&q, pick_nan(simd), &sq) : rows_have_nan(&q, pick_nan(simd)))
             why = "q holds NaN codes";
         else {
-            char *v0 = c.base + col * c.view.itemsize, *k0 = c.base + k_col * c.view.itemsize;
+            ScatterJob job = {&q, k.held ? &k : NULL, &c, sc, scope, page,
+                              c.base + col * c.view.itemsize, c.base + k_col * c.view.itemsize, k_row};
+            scatter_head_fn head = pick_scatter_head(odt, simd);
             for (Py_ssize_t i = 0; i < nq; i += 4) {
-                for (Py_ssize_t h = 0; h < q.H; h++) {
-                    /* t's scale group followed token by token (no division per row) */
-                    Py_ssize_t t = (Py_ssize_t)rq[i + 2], tp = t / page, in_page = t % page;
-                    for (int64_t j = 0; j < rq[i + 3]; j++, t++) {
-                        Py_ssize_t at = rq[i] * c.sn + h * c.sh + (rq[i + 1] + j) * c.ss;
-                        float scale = sc[scope == SC_TENSOR ? 0 : scope == SC_LAYER_HEAD ? h : tp * q.H + h];
-                        deq((const uint8_t *)q.base + t * q.st + h * q.sh, q.D, scale, v0 + at);
-                        if (k.held) memcpy(k0 + at, k.base + t * k.st + h * k.sh, k_row);
-                        if (++in_page == page) in_page = 0, tp++;
-                    }
-                }
+                for (Py_ssize_t h = 0; h < q.H; h++) head(&job, deq, rq + i, h);
                 if (ordered) { /* K's bytes up to this run's end, the run's own still in cache */
                     sk = crc_update(sk, (const uint8_t *)k.base + (size_t)k_next * k_tok,
                                     (size_t)(rq[i + 2] + rq[i + 3] - k_next) * k_tok);
@@ -1465,14 +1725,16 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(got);
 }
 
-/* crc_fast(level) -> previous: whether the folded CRC runs (1: where the CPU has carry-less multiply,
- * the default; 0: byte by byte, and encode_v / dequantize leave the CRC to the caller; -1 only reads). */
+/* crc_fast(level) -> previous: which folded CRC runs (2: 512-bit VPCLMULQDQ, 1: 128-bit PCLMULQDQ, each
+ * where the CPU has it, else the best below; the best is the default; 0: byte by byte, and encode_v /
+ * dequantize leave the CRC to the caller; -1 only reads). */
 static PyObject *py_crc_fast(PyObject *self, PyObject *args) {
     (void)self;
     int level;
     if (parse(args, "crc_fast", "i", &level)) return NULL;
     int prev = kv_crc_fast;
-    if (level >= 0) kv_crc_fast = level > 0 && cpu_has_clmul();
+    int best = cpu_has_clmul();
+    if (level >= 0) kv_crc_fast = level < best ? level : best;
     return PyLong_FromLong(prev);
 }
 
@@ -1519,7 +1781,8 @@ static PyMethodDef methods[] = {
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
     {"bytes_to_fill", py_bytes_to_fill, METH_VARARGS, "bytes_to_fill(n): (bytes, its writable view), uninitialised."},
     {"crc32", py_crc32, METH_VARARGS, "crc32(data[, value]) -> int: zlib's CRC-32, with the loops the codec folds in."},
-    {"crc_fast", py_crc_fast, METH_VARARGS, "crc_fast(level) -> previous: 1 folded CRC, 0 off, -1 read only."},
+    {"crc_fast", py_crc_fast, METH_VARARGS,
+     "crc_fast(level) -> previous: 2 folded on 512-bit registers, 1 on 128-bit lanes, 0 off, -1 read only."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, 2 with AVX-512VL, -1 read only."},
     {"set_error", py_set_error, METH_VARARGS, "set_error(cls): the exception class of every error."},
     {NULL, NULL, 0, NULL},

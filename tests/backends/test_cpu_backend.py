@@ -94,6 +94,25 @@ def test_quantize_every_16bit_value(level: int, dtype: torch.dtype, scale: float
     )
 
 
+def test_quantize_next_to_every_rounding_boundary(level: int) -> None:
+    """fp32 V within a few steps of midpoint x scale for every e4m3 midpoint (ties included) at 32
+    scales: where multiplying by 1 / scale and dividing land on either side of a midpoint, the codes
+    must still be the division's."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float()  # every finite e4m3 magnitude
+    mids = ((grid[1:] + grid[:-1]) / 2).double()
+    g = torch.Generator().manual_seed(5)
+    for sv in torch.exp2(torch.rand(32, generator=g, dtype=torch.float64) * 40 - 20).tolist():
+        base = (mids * sv).float().view(torch.int32)
+        steps = torch.arange(-7, 8, dtype=torch.int32)
+        x = (base[:, None] + steps[None, :]).view(torch.float32).flatten()
+        v = torch.cat([x, -x]).view(1, 1, -1)
+        s = torch.tensor(sv, dtype=torch.float32)
+        assert _same(
+            C.quantize(v, s, Groups(S.PER_TENSOR), out=_q(v.shape)),
+            R.quantize(v, s, Groups(S.PER_TENSOR), out=_q(v.shape)),
+        ), sv
+
+
 def test_quantize_random_fp32_bits(level: int) -> None:
     g = torch.Generator().manual_seed(7)
     x = (

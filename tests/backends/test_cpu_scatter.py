@@ -143,3 +143,36 @@ def test_bad_arguments_raise():
     with pytest.raises(UnsupportedConfigError, match="heads"):
         scatter_rows(torch.randn(T, H + 1, D).to(torch.bfloat16), cache, 0, RUNS)
     assert scatter_rows(rows.float(), cache, 0, RUNS) is not None  # another dtype: declined
+
+
+@pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512"])
+def level(request: pytest.FixtureRequest):
+    """Each SIMD level of the C rows (where the CPU has it; else the best below runs again)."""
+    from kvcodec import _cpu
+
+    prev = _cpu.simd(request.param)
+    yield request.param
+    _cpu.simd(prev)
+
+
+@pytest.mark.parametrize("d", [16, 32, 48, 64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["vllm", "strided"])
+def test_blob_rows_at_every_head_dim_and_level(level, d, dtype, contiguous):
+    """K rows of whole 64-byte lines go by inline vector moves, others by memcpy; V's rows by the
+    level's loops and tails: every head_dim writes what the reference dequantize and a copy write."""
+    g = torch.Generator().manual_seed(d)
+    codes = (torch.randint(0, 256, (T, H, d), generator=g, dtype=torch.uint8) & 0x7E).view(
+        torch.float8_e4m3fn
+    )
+    scales = torch.rand(3, H, generator=g) + 0.1
+    groups = Groups(ScaleScope.PER_PAGE_HEAD, 8, torch.float8_e4m3fn)
+    k = torch.randn(T, H, d, generator=g).to(dtype)
+    v = torch.empty(T, H, d, dtype=dtype)
+    reference.BACKEND.dequantize(codes, scales, groups, out=v)
+    cache = torch.randn(N, H, S, 2 * d, generator=g).to(dtype) if contiguous else _cache(dtype, d, 2 * d)
+    want = _expect(_expect(cache, k, 0), v, d)
+    kb = k.view(torch.uint8).numpy().reshape(T, H, 2 * d)
+    rows = BlobRows(kb, codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups)
+    assert scatter_blob_rows(rows, cache, d, RUNS) is None
+    assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
