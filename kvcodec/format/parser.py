@@ -343,6 +343,36 @@ class MemoInfo:
     max_bytes: int = MEMO_MAX_BYTES
 
 
+_IDS_END = IDS_OFFSET + IDS.size
+_NO_IDS = bytes(IDS.size)
+"""What a memo key holds in place of the ids."""
+_Last = tuple[bytes, bytes, int, Header, tuple[tuple[str, str], ...]]
+"""A memo entry split around the ids: bytes before them, after them up to the CRC, the header's
+length, the header and its unknown hashes."""
+
+
+def _is_entry(entry: _Last, mv: memoryview, header_len: int) -> bool:
+    """Whether ``entry`` is the header of ``header_len`` bytes at the start of ``mv`` (ids aside)."""
+    return (
+        entry[2] == header_len
+        and mv[:IDS_OFFSET].tobytes() == entry[0]
+        and mv[_IDS_END : header_len - CRC_FIELD.size].tobytes() == entry[1]
+    )
+
+
+def _with_blob_ids(
+    mv: memoryview, header: Header, header_len: int, unknown: tuple[tuple[str, str], ...]
+) -> tuple[Header, int, tuple[tuple[str, str], ...]] | None:
+    """A remembered header with the ids of the blob at the start of ``mv`` (read and range-checked
+    anew); None when they are out of range (the full parse then names the error)."""
+    layer_id, chunk_id = IDS.unpack_from(mv, IDS_OFFSET)
+    if layer_id < -1 or chunk_id < -1:
+        return None
+    if layer_id != header.layer_id or chunk_id != header.chunk_id:
+        header = _with_ids(header, layer_id, chunk_id)
+    return header, header_len, unknown
+
+
 class _HeaderMemo:
     """Headers of blobs that passed every check, by their bytes up to the CRC with the ids zeroed.
 
@@ -352,7 +382,7 @@ class _HeaderMemo:
     only the per-blob steps run (trailing bytes, CRC, stored scales). Bounded in
     bytes, not entries: only headers up to :data:`MEMO_MAX_HEADER_BYTES` are
     remembered, and the memo starts over when it would pass :data:`MEMO_MAX_BYTES`.
-    Safe across threads (lookups are dict reads; changes take a lock).
+    Safe across threads (lookups read a dict and the last entry; changes take a lock).
     """
 
     MAX_LENGTHS = 8
@@ -362,51 +392,56 @@ class _HeaderMemo:
         self._lengths: tuple[int, ...] = ()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._last: _Last | None = None
+        """The entry found or kept last, split around the ids: the blobs of one chunk come one after
+        another, so most lookups are two byte comparisons (no key built, no dict lookup)."""
 
     @staticmethod
-    def _key(mv: memoryview, header_len: int) -> bytes:
-        key = bytearray(mv[: header_len - CRC_FIELD.size])
-        key[IDS_OFFSET : IDS_OFFSET + IDS.size] = bytes(IDS.size)
-        return bytes(key)
+    def _split(mv: memoryview, header_len: int) -> tuple[bytes, bytes]:
+        """The header's bytes before and after the two ids, up to its CRC (the key without the ids)."""
+        return mv[:IDS_OFFSET].tobytes(), mv[_IDS_END : header_len - CRC_FIELD.size].tobytes()
 
     def recall(self, mv: memoryview) -> tuple[Header, int, tuple[tuple[str, str], ...]] | None:
         """``(header, header_len, unknown hashes)`` of a known header at the start of ``mv``, else None."""
+        last = self._last
+        if last is not None and len(mv) >= last[2] and _is_entry(last, mv, last[2]):
+            return _with_blob_ids(mv, last[3], last[2], last[4])
         for n in self._lengths:
             if len(mv) < n:
                 continue
-            hit = self._entries.get(self._key(mv, n))
+            before, after = self._split(mv, n)
+            hit = self._entries.get(before + _NO_IDS + after)
             if hit is not None:
-                header, unknown = hit
-                layer_id, chunk_id = IDS.unpack_from(mv, IDS_OFFSET)
-                if layer_id < -1 or chunk_id < -1:
-                    return None  # the full parse names the error
-                if (layer_id, chunk_id) != (header.layer_id, header.chunk_id):
-                    header = _with_ids(header, layer_id, chunk_id)
-                return header, n, unknown
+                self._last = (before, after, n, *hit)
+                return _with_blob_ids(mv, hit[0], n, hit[1])
         return None
 
     def remember(
         self, mv: memoryview, header: Header, header_len: int, unknown: tuple[tuple[str, str], ...]
     ) -> None:
         """Keep the header of a blob that passed every check, if it is small enough."""
-        if header_len > MEMO_MAX_HEADER_BYTES:
+        last = self._last
+        if header_len > MEMO_MAX_HEADER_BYTES or (last is not None and _is_entry(last, mv, header_len)):
             return
-        key = self._key(mv, header_len)
+        before, after = self._split(mv, header_len)
+        key = before + _NO_IDS + after
         with self._lock:
-            if key in self._entries:
-                return
-            if self._bytes + len(key) > MEMO_MAX_BYTES:
-                self._entries.clear()
-                self._bytes = 0
-            self._entries[key] = (header, unknown)
-            self._bytes += len(key)
-            if header_len not in self._lengths:
-                self._lengths = (header_len, *self._lengths)[: self.MAX_LENGTHS]
+            if key not in self._entries:
+                if self._bytes + len(key) > MEMO_MAX_BYTES:
+                    self._entries.clear()
+                    self._bytes = 0
+                self._entries[key] = (header, unknown)
+                self._bytes += len(key)
+                if header_len not in self._lengths:
+                    self._lengths = (header_len, *self._lengths)[: self.MAX_LENGTHS]
+            self._last = (before, after, header_len, *self._entries[key])
 
     def forget(self, mv: memoryview, header_len: int) -> bool:
         """Drop the header at the start of ``mv`` (``header_len`` bytes); whether it was there."""
-        key = self._key(mv, header_len)
+        before, after = self._split(mv, header_len)
+        key = before + _NO_IDS + after
         with self._lock:
+            self._last = None
             if self._entries.pop(key, None) is None:
                 return False
             self._bytes -= len(key)
@@ -415,6 +450,7 @@ class _HeaderMemo:
     def clear(self) -> None:
         """Forget every header."""
         with self._lock:
+            self._last = None
             self._entries.clear()
             self._lengths = ()
             self._bytes = 0
@@ -509,7 +545,8 @@ def parse(
         check_stored_scales(header, mv[scales_at : scales_at + header.scale_payload_len])
         if seen is None and remember:  # only now: a blob refused by any check above leaves nothing
             _HEADERS.remember(mv, header, header_len, unknown)
-    return ParsedBlob(
+    out = object.__new__(ParsedBlob)  # the fields as __init__ sets them, without its frozen setattrs
+    out.__dict__.update(
         header=header,
         buffer=mv,
         header_len=header_len,
@@ -517,6 +554,7 @@ def parse(
         trailing=trailing,
         unknown_hashes=unknown,
     )
+    return out
 
 
 @dataclass(frozen=True)

@@ -235,3 +235,62 @@ def test_a_caller_refusing_a_blob_for_identity_can_drop_its_header():
     assert header_memo_info() == header_memo_info().__class__(entries=0, bytes=0)
     assert not forget_header(p)
     assert parse(blob).header.hashes.model_id == "someone-else"  # and it still parses
+
+
+# -- the last entry found or kept: a chunk's blobs are two byte comparisons, never a stale header --
+
+
+def _full_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts parse's full header reads (a memo miss) from now on."""
+    from kvcodec.format import parser
+
+    calls: list[int] = []
+    read_fixed = parser._read_fixed
+
+    def counting(r: object) -> object:
+        calls.append(1)
+        return read_fixed(r)
+
+    monkeypatch.setattr(parser, "_read_fixed", counting)
+    return calls
+
+
+def test_alternating_headers_are_each_served_with_their_own_fields(monkeypatch):
+    clear_header_memo()
+    a, b = parse(_blob(0, 0, model="alt-a")), parse(_blob(0, 0, model="alt-b"))
+    full = _full_parses(monkeypatch)
+    for i in range(1, 5):
+        for model, first in (("alt-a", a), ("alt-b", b)):
+            p = parse(_blob(i, 2 * i, model=model, seed=i))
+            assert p.header == first.header.replace(layer_id=i, chunk_id=2 * i)
+    assert not full and header_memo_info().entries == 2
+
+
+@pytest.mark.parametrize("drop", ["forget", "clear"])
+def test_a_dropped_header_is_parsed_in_full_again(monkeypatch, drop):
+    from kvcodec.format.parser import forget_header
+
+    clear_header_memo()
+    p = parse(_blob(1, 1, model="dropped"))
+    full = _full_parses(monkeypatch)
+    parse(_blob(2, 1, model="dropped"))
+    assert not full
+    forget_header(p) if drop == "forget" else clear_header_memo()
+    q = parse(_blob(3, 1, model="dropped"), remember=False)
+    assert len(full) == 1 and q.header.layer_id == 3 and header_memo_info().entries == 0
+    bad = _blob(4, 1, model="dropped")
+    IDS.pack_into(bad, IDS_OFFSET, -2, 1)
+    with pytest.raises(CorruptEncodedKVError) as ei:
+        parse(bad, verify_crc=False)
+    assert ei.value.reason == Reason.FIELD_OUT_OF_RANGE
+
+
+def test_a_header_kept_out_is_remembered_once_its_caller_checked_the_crc():
+    from kvcodec.format.parser import remember_header
+
+    clear_header_memo()
+    p = parse(_blob(1, 4, model="deferred"), verify_crc=False, remember=False)
+    assert header_memo_info().entries == 0
+    remember_header(p)
+    remember_header(parse(_blob(2, 4, model="deferred"), verify_crc=False, remember=False))
+    assert header_memo_info().entries == 1
