@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
 from kvcodec.backends.cpu import BlobRows, scatter_blob_rows
 from kvcodec.format import (
     Hashes,
+    Header,
     ScaleScheme,
     ScaleScope,
     as_dtype,
@@ -267,14 +268,13 @@ def read_chunk(
         parsed = blob if isinstance(blob, ParsedBlob) else parse(blob)
         cache, cc = caches[name], codecs[name]
         key = (id(cc), cache.shape, cache.dtype, cache.device)
-        if key not in plans:
-            plans[key] = _Plan.of(cache, cc, num_tokens, chunk_hash)
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = _Plan.of(cache, cc, num_tokens, chunk_hash)
         ids = (layer_ids[name], chunk_id)
-        layer = plans[key].rows(parsed, ids)
         unchecked = not crc_checked and parsed is blob
-        if layer is not None and unchecked:
-            layer = replace(layer, unverified=parsed)
-        elif layer is None:  # not the plain case: decoded now, by the general path (which names any refusal)
+        layer = plan.rows(parsed, ids, parsed if unchecked else None)
+        if layer is None:  # not the plain case: decoded now, by the general path (which names any refusal)
             if unchecked:
                 check_blob_crc(parsed)
             layer = LayerChunk(
@@ -285,6 +285,66 @@ def read_chunk(
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """Where a plain blob's K, V codes and scales lie after its header, their shapes and V's groups:
+    the same for every blob of one header layout, so worked out once per chunk and layout."""
+
+    k_shape: tuple[int, int, int]
+    codes_shape: tuple[int, int, int]
+    scales_shape: tuple[int, ...]
+    codes_at: int
+    """Bytes from the header's end to V's codes (K's length); the scales follow the codes."""
+    scales_at: int
+    groups: Groups
+
+    @classmethod
+    def of(cls, h: Header, fields: tuple[Any, ...]) -> _Rows | None:
+        """The layout of a blob whose header is ``h``; None when it is not the plain case ``fields``
+        describes (the general path then checks and decodes it, naming any refusal)."""
+        got = (h.kv_head_count, h.head_dim, h.k_dtype, h.v_dtype)
+        got += (h.k_payload_len, h.v_payload_len, h.scale_scheme, h.scale_dtype)
+        paged = h.scale_scope == ScaleScope.PER_PAGE_HEAD
+        if (
+            got != fields
+            or h.scale_scope not in _C_SCOPES
+            or not h.scale_payload_len
+            or (paged and h.page_size < 1)
+        ):
+            return None
+        heads, dk, k_len, v_len = h.kv_head_count, h.head_dim, h.k_payload_len, h.v_payload_len
+        tokens = v_len // (heads * dk)
+        shape = expected_scale_shape(h.scale_scope, tokens, heads, h.page_size)
+        if h.scale_shape != shape or h.scale_payload_len != 4 * math.prod(shape):
+            return None  # a header parsed without its consistency checks: the general path names it
+        return cls(
+            k_shape=(tokens, heads, k_len // (tokens * heads)),
+            codes_shape=(tokens, heads, dk),
+            scales_shape=shape,
+            codes_at=k_len,
+            scales_at=k_len + v_len,
+            groups=Groups(h.scale_scope, h.page_size if paged else None, torch.float8_e4m3fn),
+        )
+
+
+def _layout_key(h: Header) -> tuple[Any, ...]:
+    """Every header field :meth:`_Rows.of` reads: headers equal in these have the same layout."""
+    return (
+        h.kv_head_count,
+        h.head_dim,
+        h.k_dtype,
+        h.v_dtype,
+        h.k_payload_len,
+        h.v_payload_len,
+        h.scale_scheme,
+        h.scale_dtype,
+        h.scale_scope,
+        h.page_size,
+        h.scale_shape,
+        h.scale_payload_len,
+    )
+
+
+@dataclass
 class _Plan:
     """What every blob of a chunk for one codec and cache geometry must be: its identity and, for
     the plain case (CPU 16-bit cache, e4m3 V, C built), the header fields C's path takes."""
@@ -293,6 +353,9 @@ class _Plan:
     identity: Hashes
     fields: tuple[Any, ...] | None
     """``(kv_head_count, head_dim, k_dtype, v_dtype, k_len, v_len, scheme, scale_dtype)``; None: never plain."""
+    last: tuple[tuple[Any, ...], _Rows | None] | None = None
+    """The last header layout seen (:func:`_layout_key`) and its :class:`_Rows`: a chunk's blobs
+    share one, so all but the first compare one tuple (one read_chunk call's, so one thread's)."""
 
     @classmethod
     def of(cls, cache: torch.Tensor, cc: ChunkCodec, tokens: int, chunk_hash: str) -> _Plan:
@@ -324,33 +387,27 @@ class _Plan:
         )
         return cls(cc, identity, fields)
 
-    def rows(self, p: ParsedBlob, ids: tuple[int, int]) -> LayerChunk | None:
+    def rows(self, p: ParsedBlob, ids: tuple[int, int], unverified: ParsedBlob | None) -> LayerChunk | None:
         """The blob as K bytes and V codes for C, after the identity and id checks; None when it is
-        not the plain case (the general path then checks and decodes it)."""
+        not the plain case (the general path then checks and decodes it). ``unverified``: ``p``, when
+        its CRC is left to :func:`write_chunk`."""
         h = p.header
         if h.hashes != self.identity:  # equal: the strict check passes; else it names the difference
             check_hashes(h.hashes, self.identity, strict=True)
         check_ids(h.layer_id, h.chunk_id, *ids)
-        got = (h.kv_head_count, h.head_dim, h.k_dtype, h.v_dtype)
-        got += (h.k_payload_len, h.v_payload_len, h.scale_scheme, h.scale_dtype)
-        paged = h.scale_scope == ScaleScope.PER_PAGE_HEAD
-        if (
-            got != self.fields
-            or h.scale_scope not in _C_SCOPES
-            or not h.scale_payload_len
-            or (paged and h.page_size < 1)
-        ):
+        if self.fields is None:
             return None
-        tokens, heads, dk = h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim
-        shape = expected_scale_shape(h.scale_scope, tokens, heads, h.page_size)
-        if h.scale_shape != shape or h.scale_payload_len != 4 * math.prod(shape):
-            return None  # a header parsed without its consistency checks: the general path names it
-        buf, at, k_len, v_len = p.buffer, p.header_len, h.k_payload_len, h.v_payload_len
-        k = np.frombuffer(buf, np.uint8, k_len, at).reshape(tokens, heads, k_len // (tokens * heads))
-        codes = np.frombuffer(buf, np.uint8, v_len, at + k_len).reshape(tokens, heads, dk)
-        scales = np.frombuffer(buf, np.float32, h.scale_payload_len // 4, at + k_len + v_len).copy()
-        groups = Groups(h.scale_scope, h.page_size if paged else None, torch.float8_e4m3fn)
-        return LayerChunk(self.codec, rows=BlobRows(k, codes, scales.reshape(h.scale_shape), groups))
+        key = _layout_key(h)
+        if self.last is None or self.last[0] != key:
+            self.last = (key, _Rows.of(h, self.fields))
+        r = self.last[1]
+        if r is None:
+            return None
+        buf, at = p.buffer, p.header_len
+        k = np.ndarray(r.k_shape, np.uint8, buf, at)
+        codes = np.ndarray(r.codes_shape, np.uint8, buf, at + r.codes_at)
+        scales = np.ndarray(r.scales_shape, np.float32, buf, at + r.scales_at).copy()  # aligned, C-contiguous
+        return LayerChunk(self.codec, rows=BlobRows(k, codes, scales, r.groups), unverified=unverified)
 
 
 def check_blob_crc(p: ParsedBlob) -> None:
