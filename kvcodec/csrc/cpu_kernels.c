@@ -570,34 +570,43 @@ AVX2_FN static void deq_row_f32_avx2(const uint8_t *q, Py_ssize_t D, float s, vo
     if (d < D) deq_row_f32(q + d, D - d, s, o + d);
 }
 /* --------------------------------------------------- AVX-512 dequantize rows */
-/* The same arithmetic thirty-two codes at a time on 512-bit registers (simd level 2). The codes' bits
- * placed in fp16 read as q / 256 (see e4m3_values16); the factor 256 goes into the scale, s * 256, which
- * is exact, so (q / 256) * (256 s) is the same real product as q * s and rounds the same, unless 256 s
- * overflows: such rows take the AVX2 row. */
+/* The same products sixteen codes at a time on 512-bit registers (simd level 2), float(q) built from
+ * the code's bits by integer operations rather than through fp16 (the conversions are the slow part):
+ * exponent e and mantissa m placed under a biased exponent give 2^e (1 + m / 8) = float(q) * 2^7 for a
+ * normal code; a subnormal one (e = 0) is 2 (1 + m / 8) - 2 = m / 4, exact. The factor 2^7 goes into
+ * the scale, s * 2^-7, exact where s is zero or at least 2^-119 (else the AVX2 row runs), so
+ * (float(q) * 2^7) * (s * 2^-7) is the same real product as float(q) * s and rounds the same. */
 #define ZMM_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
 
-ZMM_FN static inline void e4m3_halves32(const uint8_t *q, __m512 *lo, __m512 *hi) {
-    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
-    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(~0x4000));
-    *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-    *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+ZMM_FN static inline __m512 e4m3_x128(__m128i codes) {
+    __m512i c = _mm512_cvtepu8_epi32(codes);
+    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20);
+    __m512 f = _mm512_castsi512_ps(_mm512_add_epi32(mag, _mm512_set1_epi32(127 << 23)));
+    __mmask16 sub = _mm512_testn_epi32_mask(c, _mm512_set1_epi32(0x78));
+    f = _mm512_mask_sub_ps(f, sub, _mm512_add_ps(f, f), _mm512_set1_ps(2.0f));
+    __m512i sign = _mm512_slli_epi32(c, 24); /* bit 7 to bit 31 */
+    return _mm512_castsi512_ps(
+        _mm512_ternarylogic_epi32(_mm512_castps_si512(f), sign, _mm512_set1_epi32((int)0x80000000u), 0xF8));
 }
 
-ZMM_FN static void deq_row_f16_zmm(const uint8_t *q, Py_ssize_t D, float s, void *out) {
-    const float s256 = s * 256.0f;
-    if (!finite_f32(s256)) return deq_row_f16_avx2(q, D, s, out);
-    uint16_t *o = (uint16_t *)out;
-    const __m512 vs = _mm512_set1_ps(s256);
-    Py_ssize_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-        __m512 lo, hi;
-        e4m3_halves32(q + d, &lo, &hi);
-        __m256i a = _mm512_cvtps_ph(_mm512_mul_ps(lo, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i b = _mm512_cvtps_ph(_mm512_mul_ps(hi, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm512_storeu_si512((void *)(o + d), _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-    }
-    if (d < D) deq_row_f16_avx2(q + d, D - d, s, o + d);
+/* s * 2^-7 where that is exact (s zero or |s| >= 2^-119, finite): *ok; else *ok cleared. */
+static inline float scale_div128(float s, int *ok) {
+    uint32_t e = (f32_bits(s) >> 23) & 0xFFu;
+    *ok = (f32_bits(s) & 0x7FFFFFFFu) == 0 || (e >= 8u && e < 255u);
+    return *ok ? s * 0.0078125f : 0.0f;
 }
+
+#define DEQ_ROW_ZMM(name, T, STORE16, fallback)                                               \
+    ZMM_FN static void name(const uint8_t *q, Py_ssize_t D, float s, void *out) {             \
+        int ok;                                                                               \
+        const __m512 vs = _mm512_set1_ps(scale_div128(s, &ok));                               \
+        if (!ok) return fallback(q, D, s, out);                                               \
+        T *o = (T *)out;                                                                      \
+        Py_ssize_t d = 0;                                                                     \
+        for (; d + 16 <= D; d += 16)                                                          \
+            STORE16(o + d, _mm512_mul_ps(e4m3_x128(_mm_loadu_si128((const __m128i *)(q + d))), vs)); \
+        if (d < D) fallback(q + d, D - d, s, o + d);                                          \
+    }
 
 ZMM_FN static inline __m512i bf16_rne16(__m512 x) {
     __m512i b = _mm512_castps_si512(x);
@@ -605,35 +614,19 @@ ZMM_FN static inline __m512i bf16_rne16(__m512 x) {
     return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
 }
 
-ZMM_FN static void deq_row_bf16_zmm(const uint8_t *q, Py_ssize_t D, float s, void *out) {
-    const float s256 = s * 256.0f;
-    if (!finite_f32(s256)) return deq_row_bf16_avx2(q, D, s, out);
-    uint16_t *o = (uint16_t *)out;
-    const __m512 vs = _mm512_set1_ps(s256);
-    Py_ssize_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-        __m512 lo, hi;
-        e4m3_halves32(q + d, &lo, &hi);
-        _mm256_storeu_si256((__m256i *)(o + d), _mm512_cvtepi32_epi16(bf16_rne16(_mm512_mul_ps(lo, vs))));
-        _mm256_storeu_si256((__m256i *)(o + d + 16), _mm512_cvtepi32_epi16(bf16_rne16(_mm512_mul_ps(hi, vs))));
-    }
-    if (d < D) deq_row_bf16_avx2(q + d, D - d, s, o + d);
+ZMM_FN static inline void store16_f16(uint16_t *o, __m512 x) {
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-ZMM_FN static void deq_row_f32_zmm(const uint8_t *q, Py_ssize_t D, float s, void *out) {
-    const float s256 = s * 256.0f;
-    if (!finite_f32(s256)) return deq_row_f32_avx2(q, D, s, out);
-    float *o = (float *)out;
-    const __m512 vs = _mm512_set1_ps(s256);
-    Py_ssize_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-        __m512 lo, hi;
-        e4m3_halves32(q + d, &lo, &hi);
-        _mm512_storeu_ps(o + d, _mm512_mul_ps(lo, vs));
-        _mm512_storeu_ps(o + d + 16, _mm512_mul_ps(hi, vs));
-    }
-    if (d < D) deq_row_f32_avx2(q + d, D - d, s, o + d);
+ZMM_FN static inline void store16_bf16(uint16_t *o, __m512 x) {
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16_rne16(x)));
 }
+
+ZMM_FN static inline void store16_f32(float *o, __m512 x) { _mm512_storeu_ps(o, x); }
+
+DEQ_ROW_ZMM(deq_row_f16_zmm, uint16_t, store16_f16, deq_row_f16_avx2)
+DEQ_ROW_ZMM(deq_row_bf16_zmm, uint16_t, store16_bf16, deq_row_bf16_avx2)
+DEQ_ROW_ZMM(deq_row_f32_zmm, float, store16_f32, deq_row_f32_avx2)
 
 /* --------------------------------------------------- AVX-512 quantize rows */
 /* y = V / scale by a multiplication with r = 1 / scale, sixteen lanes at a time, each code taken from
