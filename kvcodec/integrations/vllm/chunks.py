@@ -298,18 +298,12 @@ class _Rows:
     groups: Groups
 
     @classmethod
-    def of(cls, h: Header, fields: tuple[Any, ...]) -> _Rows | None:
-        """The layout of a blob whose header is ``h``; None when it is not the plain case ``fields``
-        describes (the general path then checks and decodes it, naming any refusal)."""
-        got = (h.kv_head_count, h.head_dim, h.k_dtype, h.v_dtype)
-        got += (h.k_payload_len, h.v_payload_len, h.scale_scheme, h.scale_dtype)
+    def of(cls, h: Header, key: tuple[Any, ...], fields: tuple[Any, ...]) -> _Rows | None:
+        """The layout of a blob whose header is ``h`` (``key``: its :func:`_layout_key`); None when it
+        is not the plain case ``fields`` describes (the general path then checks and decodes it)."""
         paged = h.scale_scope == ScaleScope.PER_PAGE_HEAD
-        if (
-            got != fields
-            or h.scale_scope not in _C_SCOPES
-            or not h.scale_payload_len
-            or (paged and h.page_size < 1)
-        ):
+        plain = key[: len(fields)] == fields and h.scale_scope in _C_SCOPES and h.scale_payload_len
+        if not plain or (paged and h.page_size < 1):
             return None
         heads, dk, k_len, v_len = h.kv_head_count, h.head_dim, h.k_payload_len, h.v_payload_len
         tokens = v_len // (heads * dk)
@@ -327,7 +321,8 @@ class _Rows:
 
 
 def _layout_key(h: Header) -> tuple[Any, ...]:
-    """Every header field :meth:`_Rows.of` reads: headers equal in these have the same layout."""
+    """Every header field :meth:`_Rows.of` reads, :attr:`_Plan.fields`' first: headers equal in these
+    have the same layout."""
     return (
         h.kv_head_count,
         h.head_dim,
@@ -399,7 +394,7 @@ class _Plan:
             return None
         key = _layout_key(h)
         if self.last is None or self.last[0] != key:
-            self.last = (key, _Rows.of(h, self.fields))
+            self.last = (key, _Rows.of(h, key, self.fields))
         r = self.last[1]
         if r is None:
             return None
