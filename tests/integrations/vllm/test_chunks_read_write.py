@@ -423,3 +423,20 @@ def test_the_header_memo_keeps_a_deferred_blob_only_once_its_crc_passed():
         assert header_memo_info().entries == 1  # the layers share one header (ids aside): kept once passed
     finally:
         clear_header_memo()
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["crc-first", "crc-deferred"])
+def test_blobs_of_other_layouts_in_one_chunk_each_write_their_own(defer):
+    """read_chunk works a layout out once per run of blobs that share it: blobs of one chunk in
+    other scopes (and so other scale shapes), one after another, each write what the per-layer path
+    writes, through C."""
+    src = _views("LNHSC", seed=5)
+    scopes = dict(zip(NAMES, ("per_page_head", "per_tensor", "per_page_head")))
+    blobs = {n: _blobs(src, _codec(scope=s), 1)[n] for n, s in scopes.items()}
+    old, new = _views("LNHSC", seed=6), _views("LNHSC", seed=6)
+    _old_load(blobs, old, _codec(), 1, CHUNK, 0)
+    chunk = _new_load(blobs, new, _codec(), 1, CHUNK, 0, defer=defer)
+    assert all(layer.rows is not None for layer in chunk.layers.values())
+    shapes = [tuple(layer.rows.scales.shape) for layer in chunk.layers.values()]
+    assert shapes == [(CHUNK // 8, H), (), (CHUNK // 8, H)]
+    assert _same(old, new)
