@@ -33,7 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(KV_PORTABLE_ONLY)
 #include <immintrin.h>
 #define KV_HAVE_AVX2 1
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
@@ -424,6 +424,30 @@ KV_CLONES static void deq_row_f32(const uint8_t *q, Py_ssize_t D, float s, void 
     for (Py_ssize_t d = 0; d < D; d++) o[d] = e4m3_value(q[d]) * s;
 }
 
+/* Per-head tables of a scale's 128 results (built and read by the AVX-512 rows below). */
+#define TABLE_HEADS 16
+
+typedef struct {
+    uint16_t tab[TABLE_HEADS][128] __attribute__((aligned(64)));
+    uint32_t bits[TABLE_HEADS]; /* the scale each table was built for (a NaN pattern: none yet) */
+    int odt;
+} DeqTables;
+
+static void tables_init(DeqTables *t, int odt) {
+    t->odt = odt;
+    for (int i = 0; i < TABLE_HEADS; i++) t->bits[i] = 0x7FC00001u;
+}
+
+/* Tables for a call's rows where they apply (AVX-512, fp16 / bf16 output), else NULL. */
+static DeqTables *tables_if(DeqTables *t, int odt, int simd) {
+#ifndef KV_HAVE_AVX2
+    simd = 0;
+#endif
+    if (simd < 2 || (odt != DT_F16 && odt != DT_BF16)) return NULL;
+    tables_init(t, odt);
+    return t;
+}
+
 /* ------------------------------------------------------ AVX2 + F16C rows */
 /* Same arithmetic as the portable rows above, eight lanes at a time; tails use the portable rows. */
 #ifdef KV_HAVE_AVX2
@@ -627,6 +651,65 @@ ZMM_FN static inline void store16_f32(float *o, __m512 x) { _mm512_storeu_ps(o, 
 DEQ_ROW_ZMM(deq_row_f16_zmm, uint16_t, store16_f16, deq_row_f16_avx2)
 DEQ_ROW_ZMM(deq_row_bf16_zmm, uint16_t, store16_bf16, deq_row_bf16_avx2)
 DEQ_ROW_ZMM(deq_row_f32_zmm, float, store16_f32, deq_row_f32_avx2)
+
+/* A group's 128 magnitudes looked up rather than computed: every code of one scale gives one of 128
+ * results (the sign of the code flips the sign of the result: rounding is symmetric), so per head the
+ * 128 fp16 / bf16 results of the current scale are built once (eight vectors of the row arithmetic
+ * above) and each row becomes table lookups, 32 codes per pair of permutes (VPERMI2W over the four
+ * registers of the table). A table is rebuilt when its head's scale changes (per page for
+ * per_page_head: 16 tokens of rows per build). Heads beyond TABLE_HEADS, fp32 output and scales
+ * whose 2^-7 product is not exact take the rows above. */
+ZMM_FN static void build_table(uint16_t *tab, float s128, int odt) {
+    const __m512 vs = _mm512_set1_ps(s128);
+    const __m128i lane = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < 128; i += 16) {
+        __m512 x = _mm512_mul_ps(e4m3_x128(_mm_add_epi8(lane, _mm_set1_epi8((char)i))), vs);
+        if (odt == DT_F16)
+            store16_f16(tab + i, x);
+        else
+            store16_bf16(tab + i, x);
+    }
+}
+
+/* Head h's table for scale s, built if it holds another; NULL where the rows must compute. */
+ZMM_FN static inline const uint16_t *table_for(DeqTables *t, Py_ssize_t h, float s) {
+    int ok;
+    float s128 = scale_div128(s, &ok);
+    if (!ok || h >= TABLE_HEADS) return NULL;
+    if (t->bits[h] != f32_bits(s)) {
+        build_table(t->tab[h], s128, t->odt);
+        t->bits[h] = f32_bits(s);
+    }
+    return t->tab[h];
+}
+
+ZMM_FN static void deq_row_table(const uint8_t *q, Py_ssize_t D, const uint16_t *tab, uint16_t *o) {
+    const __m512i t0 = _mm512_load_si512((const void *)tab), t1 = _mm512_load_si512((const void *)(tab + 32));
+    const __m512i t2 = _mm512_load_si512((const void *)(tab + 64)), t3 = _mm512_load_si512((const void *)(tab + 96));
+    const __m512i sign = _mm512_set1_epi16((short)0x8000), bit6 = _mm512_set1_epi16(0x40);
+    Py_ssize_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + d)));
+        __m512i lo = _mm512_permutex2var_epi16(t0, idx, t1); /* codes' bits 0-5 pick the word */
+        __m512i hi = _mm512_permutex2var_epi16(t2, idx, t3);
+        __m512i v = _mm512_mask_mov_epi16(lo, _mm512_test_epi16_mask(idx, bit6), hi);
+        v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(idx, 8), sign, 0x78); /* v ^ (code's sign) */
+        _mm512_storeu_si512((void *)(o + d), v);
+    }
+    for (; d < D; d++) o[d] = (uint16_t)(tab[q[d] & 0x7F] ^ ((q[d] & 0x80u) << 8));
+}
+
+/* One row by head h's table where it has one, else by the level's row. */
+ZMM_FN static inline void deq_row_tables(DeqTables *t, Py_ssize_t h, const uint8_t *q, Py_ssize_t D, float s,
+                                         void *out) {
+    const uint16_t *tab = table_for(t, h, s);
+    if (tab)
+        deq_row_table(q, D, tab, (uint16_t *)out);
+    else if (t->odt == DT_F16)
+        deq_row_f16_zmm(q, D, s, out);
+    else
+        deq_row_bf16_zmm(q, D, s, out);
+}
 
 /* --------------------------------------------------- AVX-512 quantize rows */
 /* y = V / scale by a multiplication with r = 1 / scale, sixteen lanes at a time, each code taken from
@@ -1273,13 +1356,20 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 /* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 /* Rows t0 .. t1's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_nan, int scope, Py_ssize_t page,
-                           const float *sc, Py_ssize_t t0, Py_ssize_t t1) {
+                           const float *sc, Py_ssize_t t0, Py_ssize_t t1, DeqTables *tabs) {
     for (Py_ssize_t t = t0; t < t1; t++) {
         const float *st = token_scales(sc, scope, page, q->H, t);
         for (Py_ssize_t h = 0; h < q->H; h++) {
             const uint8_t *row = (const uint8_t *)q->base + t * q->st + h * q->sh;
             if (has_nan(row, q->D)) return 1;
-            deq(row, q->D, st[scope == SC_TENSOR ? 0 : h], o->base + t * o->st + h * o->sh);
+            float s = st[scope == SC_TENSOR ? 0 : h];
+#ifdef KV_HAVE_AVX2
+            if (tabs) {
+                deq_row_tables(tabs, h, row, q->D, s, o->base + t * o->st + h * o->sh);
+                continue;
+            }
+#endif
+            deq(row, q->D, s, o->base + t * o->st + h * o->sh);
         }
     }
     return 0;
@@ -1288,7 +1378,9 @@ static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_na
 /* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 static int dequantize_rows(const Arr *q, const Arr *o, int odt, int scope, Py_ssize_t page, const float *sc,
                            int simd) {
-    return dequantize_span(q, o, pick_deq(odt, simd), pick_nan(simd), scope, page, sc, 0, q->T);
+    DeqTables t;
+    return dequantize_span(q, o, pick_deq(odt, simd), pick_nan(simd), scope, page, sc, 0, q->T,
+                           tables_if(&t, odt, simd));
 }
 
 /* dequantize_rows with the running CRC state carried over q's bytes (dense), each slice checksummed
@@ -1298,12 +1390,14 @@ static int dequantize_rows_crc(const Arr *q, const Arr *o, int odt, int scope, P
                                int simd, uint32_t *state) {
     deq_fn deq = pick_deq(odt, simd);
     nan_fn has_nan = pick_nan(simd);
+    DeqTables t;
+    DeqTables *tabs = tables_if(&t, odt, simd);
     Py_ssize_t step = crc_slice_tokens(q);
     size_t row = (size_t)(q->H * q->D);
     for (Py_ssize_t t0 = 0; t0 < q->T; t0 += step) {
         Py_ssize_t t1 = q->T - t0 < step ? q->T : t0 + step;
         *state = crc_update(*state, (const uint8_t *)q->base + (size_t)t0 * row, (size_t)(t1 - t0) * row);
-        if (dequantize_span(q, o, deq, has_nan, scope, page, sc, t0, t1)) return 1;
+        if (dequantize_span(q, o, deq, has_nan, scope, page, sc, t0, t1, tabs)) return 1;
     }
     return 0;
 }
@@ -1512,6 +1606,7 @@ typedef struct {
     Py_ssize_t page;
     char *v0, *k0; /* the cache's first V and K columns */
     size_t k_row;  /* bytes of one K row */
+    DeqTables *tabs; /* the AVX-512 instances' tables */
 } ScatterJob;
 
 typedef void (*scatter_head_fn)(const ScatterJob *, deq_fn, const int64_t *, Py_ssize_t);
@@ -1546,14 +1641,13 @@ ZMM_FN static inline void copy_k_row(char *dst, const char *src, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm512_storeu_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
 }
 
-SCATTER_HEAD(ZMM_FN, scatter_head_f16_zmm, deq_row_f16_zmm, copy_k_row)
-SCATTER_HEAD(ZMM_FN, scatter_head_bf16_zmm, deq_row_bf16_zmm, copy_k_row)
+#define TABLE_DEQ(row, D, s, out) deq_row_tables(j->tabs, h, row, D, s, out)
+SCATTER_HEAD(ZMM_FN, scatter_head_zmm, TABLE_DEQ, copy_k_row)
 #endif
 
 static scatter_head_fn pick_scatter_head(int odt, int simd) {
 #ifdef KV_HAVE_AVX2
-    if (simd >= 2 && odt == DT_F16) return scatter_head_f16_zmm;
-    if (simd >= 2 && odt == DT_BF16) return scatter_head_bf16_zmm;
+    if (simd >= 2 && (odt == DT_F16 || odt == DT_BF16)) return scatter_head_zmm;
 #endif
     (void)odt, (void)simd;
     return scatter_head_any;
@@ -1633,8 +1727,10 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         else if (fold ? rows_have_nan_crc(&q, pick_nan(simd), &sq) : rows_have_nan(&q, pick_nan(simd)))
             why = "q holds NaN codes";
         else {
+            DeqTables tabs;
             ScatterJob job = {&q, k.held ? &k : NULL, &c, sc, scope, page,
-                              c.base + col * c.view.itemsize, c.base + k_col * c.view.itemsize, k_row};
+                              c.base + col * c.view.itemsize, c.base + k_col * c.view.itemsize, k_row,
+                              tables_if(&tabs, odt, simd)};
             scatter_head_fn head = pick_scatter_head(odt, simd);
             for (Py_ssize_t i = 0; i < nq; i += 4) {
                 for (Py_ssize_t h = 0; h < q.H; h++) head(&job, deq, rq + i, h);

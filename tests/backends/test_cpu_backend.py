@@ -141,6 +141,33 @@ def test_dequantize_every_code(level: int, out_dtype: torch.dtype) -> None:
         assert _same(a, b), sv
 
 
+@pytest.mark.parametrize("out_dtype", FLOATS, ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("g", GROUPS, ids=GID)
+@pytest.mark.parametrize("heads,dim", [(1, 8), (3, 72), (16, 64), (17, 32), (40, 128)])
+def test_dequantize_tables_at_every_scope_and_head_count(
+    level: int, out_dtype: torch.dtype, g: Groups, heads: int, dim: int
+) -> None:
+    """The AVX-512 rows look each head's results up in a table rebuilt when its scale changes (a
+    table per head up to 16 heads, computed rows beyond): every scope, head count and row length
+    (tails), with scales of both signs, zero and too small for the table, is the reference's."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    tokens = 37
+    codes = torch.randint(0, 256, (tokens, heads, dim), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+    q = codes.view(E4M3)
+    if g.scope == S.PER_PAGE_HEAD:
+        shape: tuple[int, ...] = (-(-tokens // g.page_size), heads)
+    else:
+        shape = () if g.scope == S.PER_TENSOR else (heads,)
+    s = (torch.rand(shape, generator=gen) * 4 - 1).float()
+    if s.numel() > 1:
+        s.view(-1)[::5] = 0.0
+        s.view(-1)[1::7] = 1.0e-38  # below 2^-119: the table's 2^-7 product would not be exact
+    a = C.dequantize(q, s, g, out=torch.empty(q.shape, dtype=out_dtype))
+    b = R.dequantize(q, s, g, out=torch.empty(q.shape, dtype=out_dtype))
+    assert _same(a, b)
+
+
 @pytest.mark.parametrize("sdt", FLOATS, ids=["s16", "sbf16", "s32"])
 @pytest.mark.parametrize("g", GROUPS, ids=GID)
 def test_encode_v_every_16bit_value(level: int, g: Groups, sdt: torch.dtype) -> None:
