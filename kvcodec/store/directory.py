@@ -36,7 +36,7 @@ from .files import create_temp, fsync_dir, lstat, open_regular, write_all
 from .index import SizeIndex
 from .keys import MAX_KEY_LEN, InvalidKeyError, model_key, validate_key
 from .quarantine import QUARANTINE_DIRNAME, Quarantine
-from .reading import check_size, read_blob, read_prefix
+from .reading import check_size, read_checked
 from .recovery import iter_blob_names, scan
 
 __all__ = ["MAX_KEY_LEN", "QUARANTINE_DIRNAME", "DirectoryStore", "InvalidKeyError", "validate_key"]
@@ -449,9 +449,7 @@ class DirectoryStore:
         if size == 0:
             raise CorruptEncodedKVError("file is empty", reason=Reason.TRUNCATED_HEADER)
         if whole:
-            head = read_prefix(fd, size)
-            check_size(head, size, fd)
-            blob = read_blob(fd, size, into, head)
+            blob = read_checked(fd, size, into)
             return parse(blob, verify_crc=verify_crc, remember=verify_crc)  # deferred: not memoised
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         failure: tuple[type[CorruptEncodedKVError], str, Reason] | None = None

@@ -31,7 +31,7 @@ from ..format.header import (
 )
 from .files import read_into
 
-__all__ = ["PREFIX_LEN", "check_size", "declared_size", "read_blob", "read_prefix"]
+__all__ = ["PREFIX_LEN", "check_size", "declared_size", "read_blob", "read_checked", "read_prefix"]
 
 PREFIX_LEN = 4096
 """Bytes read before anything else: a real header (a few hundred bytes) fits in them."""
@@ -175,3 +175,17 @@ def read_blob(fd: int, size: int, into: bytearray | None = None, head: bytes = b
     if got < size:
         del buf[got:]
     return buf
+
+
+def read_checked(fd: int, size: int, into: bytearray | None = None) -> bytearray | memoryview:
+    """A ``size``-byte blob file's bytes (see :func:`read_blob`), its size checked against its header
+    (:func:`check_size`) before anything parses them. When ``into`` holds the whole file (a reused
+    buffer, already allocated) the file is read in one call and its header checked there; else the
+    prefix is read and checked first, so that no buffer is sized by a header that lies."""
+    if into is not None and len(into) >= size:
+        blob = read_blob(fd, size, into)
+        check_size(blob, size)  # a file that shrank meanwhile reads short: the parser finds it truncated
+        return blob
+    head = read_prefix(fd, size)
+    check_size(head, size, fd)
+    return read_blob(fd, size, into, head)

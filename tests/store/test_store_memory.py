@@ -166,7 +166,8 @@ def test_a_remembered_header_never_vouches_for_another(store: DirectoryStore) ->
     struct.pack_into("<q", longer, k_len_at, struct.unpack_from("<q", longer, k_len_at)[0] + 8)
     cases = [(bytes(longer), Reason.TRUNCATED_PAYLOAD), (good + b"\0", Reason.SIZE_MISMATCH)]
     for data, reason in cases:
-        (Path(store.root) / "k").write_bytes(data)
-        with raises_reason(CorruptEncodedKVError, reason):
-            store.get_parsed("k")
+        for into in (None, bytearray(len(good) + 64)):  # prefix first; one read into a reused buffer
+            (Path(store.root) / "k").write_bytes(data)
+            with raises_reason(CorruptEncodedKVError, reason):
+                store.get_parsed("k", into=into)
     assert bytes(store.get_parsed("good").blob) == good
