@@ -3,7 +3,7 @@
 A blob damaged at rest (a K byte, a V code or a scale byte flipped, its CRC left as it was) passes
 every check of the read and is found while written: the chunk is reported as a load error (vLLM
 recomputes its blocks), its manifest and blobs are removed, and the chunks before it load as usual.
-(Off by default, ``loads.DEFER_CRC``; turned on here.) No engine: the hooks are called as vLLM's model runner calls them (``tests/.../workers.py``).
+(On by default, ``loads.DEFER_CRC``; set here so that each test says which it tests.) No engine: the hooks are called as vLLM's model runner calls them (``tests/.../workers.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def _load(conn: KvcodecConnector) -> set[int]:
 def test_a_clean_hit_loads_the_same_bytes_as_with_the_crc_checked_first(tmp_path: Path) -> None:
     deferred = _saved(tmp_path)
     first = cpu_worker(tmp_path)  # the same caches, the same store
-    assert not first.worker.loads.defer_crc  # type: ignore[union-attr]  # the default: DEFER_CRC
+    assert first.worker.loads.defer_crc  # type: ignore[union-attr]  # the default: DEFER_CRC
+    first.worker.loads.defer_crc = False  # type: ignore[union-attr]  # the CRC checked in the read
     before = {n: c.clone() for n, c in first.worker.caches.caches.items()}  # type: ignore[union-attr]
     assert _load(deferred) == set() and _load(first) == set()
     assert deferred.stats["chunks_loaded"] == first.stats["chunks_loaded"] == 2
