@@ -658,7 +658,7 @@ DEQ_ROW_ZMM(deq_row_f32_zmm, float, store16_f32, deq_row_f32_avx2)
  * above) and each row becomes table lookups, 32 codes per pair of permutes (VPERMI2W over the four
  * registers of the table). A table is rebuilt when its head's scale changes (per page for
  * per_page_head: 16 tokens of rows per build). Heads beyond TABLE_HEADS, fp32 output and scales
- * whose 2^-7 product is not exact take the rows above. */
+ * whose 2^-7 product is not exact take the rows above. Used by the dense decode (dequantize). */
 ZMM_FN static void build_table(uint16_t *tab, float s128, int odt) {
     const __m512 vs = _mm512_set1_ps(s128);
     const __m128i lane = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -1606,7 +1606,6 @@ typedef struct {
     Py_ssize_t page;
     char *v0, *k0; /* the cache's first V and K columns */
     size_t k_row;  /* bytes of one K row */
-    DeqTables *tabs; /* the AVX-512 instances' tables */
 } ScatterJob;
 
 typedef void (*scatter_head_fn)(const ScatterJob *, deq_fn, const int64_t *, Py_ssize_t);
@@ -1641,13 +1640,16 @@ ZMM_FN static inline void copy_k_row(char *dst, const char *src, size_t n) {
     for (size_t i = 0; i < n; i += 64) _mm512_storeu_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
 }
 
-#define TABLE_DEQ(row, D, s, out) deq_row_tables(j->tabs, h, row, D, s, out)
-SCATTER_HEAD(ZMM_FN, scatter_head_zmm, TABLE_DEQ, copy_k_row)
+/* The rows computed, not looked up: a run covers a page or two of each head, and rebuilding tables per
+ * run measured 8-10% slower here than computing (the decode into dense rows gains from them). */
+SCATTER_HEAD(ZMM_FN, scatter_head_f16_zmm, deq_row_f16_zmm, copy_k_row)
+SCATTER_HEAD(ZMM_FN, scatter_head_bf16_zmm, deq_row_bf16_zmm, copy_k_row)
 #endif
 
 static scatter_head_fn pick_scatter_head(int odt, int simd) {
 #ifdef KV_HAVE_AVX2
-    if (simd >= 2 && (odt == DT_F16 || odt == DT_BF16)) return scatter_head_zmm;
+    if (simd >= 2 && odt == DT_F16) return scatter_head_f16_zmm;
+    if (simd >= 2 && odt == DT_BF16) return scatter_head_bf16_zmm;
 #endif
     (void)odt, (void)simd;
     return scatter_head_any;
@@ -1727,10 +1729,8 @@ static PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         else if (fold ? rows_have_nan_crc(&q, pick_nan(simd), &sq) : rows_have_nan(&q, pick_nan(simd)))
             why = "q holds NaN codes";
         else {
-            DeqTables tabs;
             ScatterJob job = {&q, k.held ? &k : NULL, &c, sc, scope, page,
-                              c.base + col * c.view.itemsize, c.base + k_col * c.view.itemsize, k_row,
-                              tables_if(&tabs, odt, simd)};
+                              c.base + col * c.view.itemsize, c.base + k_col * c.view.itemsize, k_row};
             scatter_head_fn head = pick_scatter_head(odt, simd);
             for (Py_ssize_t i = 0; i < nq; i += 4) {
                 for (Py_ssize_t h = 0; h < q.H; h++) head(&job, deq, rq + i, h);
