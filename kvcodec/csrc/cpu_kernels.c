@@ -671,6 +671,24 @@ ZMM_FN static void build_table(uint16_t *tab, float s128, int odt) {
     }
 }
 
+/* amax_rows_u16_avx2 on 512-bit registers: 32 values a load, one reduction at the end. */
+ZMM_FN static uint16_t amax_rows_u16_zmm(const char *base, Py_ssize_t st, Py_ssize_t rows, Py_ssize_t D) {
+    if (D % 32) return amax_rows_u16_avx2(base, st, rows, D);
+    const __m512i mag = _mm512_set1_epi16(0x7FFF);
+    __m512i acc = _mm512_setzero_si512();
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const uint16_t *p = (const uint16_t *)(base + r * st);
+        for (Py_ssize_t d = 0; d < D; d += 32)
+            acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_loadu_si512((const void *)(p + d)), mag));
+    }
+    __m256i m = _mm256_max_epu16(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    __m128i x = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    x = _mm_max_epu16(x, _mm_srli_si128(x, 8));
+    x = _mm_max_epu16(x, _mm_srli_si128(x, 4));
+    x = _mm_max_epu16(x, _mm_srli_si128(x, 2));
+    return (uint16_t)_mm_extract_epi16(x, 0);
+}
+
 /* Head h's table for scale s, built if it holds another; NULL where the rows must compute. */
 ZMM_FN static inline const uint16_t *table_for(DeqTables *t, Py_ssize_t h, float s) {
     int ok;
@@ -1116,13 +1134,15 @@ static const char *group_scale(float amax, int sdt, float *out) {
 /* Pass 1 for 16-bit V with AVX2: each group's (page's or the whole tensor's tokens, one head) absmax
  * bits in one vector pass over its rows. The maximum of the bit patterns is the same whatever the
  * order, so the scales are those of the row-by-row pass. */
-static const char *group_amax_u16(const Arr *v, int vdt, int scope, Py_ssize_t page, float *scales) {
+static const char *group_amax_u16(const Arr *v, int vdt, int scope, Py_ssize_t page, float *scales, int simd) {
 #ifdef KV_HAVE_AVX2
     Py_ssize_t block = scope == SC_PAGE_HEAD ? page : v->T;
     for (Py_ssize_t t0 = 0; t0 < v->T; t0 += block) {
         Py_ssize_t rows = v->T - t0 < block ? v->T - t0 : block;
         for (Py_ssize_t h = 0; h < v->H; h++) {
-            uint16_t bits = amax_rows_u16_avx2(v->base + t0 * v->st + h * v->sh, v->st, rows, v->D);
+            const char *first = v->base + t0 * v->st + h * v->sh;
+            uint16_t bits = simd >= 2 ? amax_rows_u16_zmm(first, v->st, rows, v->D)
+                                      : amax_rows_u16_avx2(first, v->st, rows, v->D);
             float m = vdt == DT_F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
             if (!finite_f32(m)) return "V holds NaN or Inf (the reference names the group)";
             float *g = scales + group_of(scope, page, v->H, t0, h);
@@ -1130,7 +1150,7 @@ static const char *group_amax_u16(const Arr *v, int vdt, int scope, Py_ssize_t p
         }
     }
 #else
-    (void)v, (void)vdt, (void)scope, (void)page, (void)scales;
+    (void)v, (void)vdt, (void)scope, (void)page, (void)scales, (void)simd;
 #endif
     return NULL;
 }
@@ -1140,7 +1160,7 @@ static const char *encode_scales(const Arr *v, int vdt, int scope, Py_ssize_t pa
     amax_fn amax = pick_amax(vdt);
     memset(scales, 0, (size_t)ng * sizeof(float));
     if (simd && vdt != DT_F32) {
-        const char *why = group_amax_u16(v, vdt, scope, page, scales);
+        const char *why = group_amax_u16(v, vdt, scope, page, scales, simd);
         if (why) return why;
     } else
         for (Py_ssize_t t = 0; t < v->T; t++)
