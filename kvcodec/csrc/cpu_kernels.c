@@ -750,17 +750,19 @@ ZMM_FN static inline __m512i e4m3_mag16(__m512i a) {
     return _mm512_add_epi32(_mm512_sub_epi32(sum, m), binades);
 }
 
-/* Sixteen codes of x / scale into q; `amax` keeps the largest |y| bits (the row's NaN check). */
-ZMM_FN static inline void quant16(__m512 x, __m512 vr, __m512 vs, uint8_t *q, __m512i *amax) {
-    __m512i b = _mm512_castps_si512(_mm512_mul_ps(x, vr));
-    __m512i a = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
-    *amax = _mm512_max_epu32(*amax, a);
-    __m512i c = _mm512_min_epu32(a, _mm512_set1_epi32((int)E4M3_MAX_BITS));
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(c, 20), _mm512_set1_epi32(1));
-    __m512i code = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(0x7FFFF - (120 << 23))), odd), 20);
-    __m512i low = _mm512_and_si512(_mm512_add_epi32(c, _mm512_set1_epi32(8 - 0x80000)), _mm512_set1_epi32(0xFFFFF));
-    __mmask16 redo = _mm512_cmplt_epu32_mask(low, _mm512_set1_epi32(17)) |
+/* Sixteen codes of x / scale into q. Outside e4m3's subnormals and the lanes next to a midpoint, the
+ * cast is round-half-up at bit 20 of min(|y|, 448)'s bits (a tie is next to a midpoint, so it never
+ * gets here): code = (bits + 0x80000 - (120 << 23)) >> 20, the carry moving into the exponent where
+ * the mantissa rounds up. "Next to a midpoint" is the low 20 bits of that sum within -8 .. +7 of zero.
+ * `nan_check`: `amax` keeps the largest |y| bits (the row's NaN check; encode_v has checked V). */
+ZMM_FN static inline void quant16(__m512 x, __m512 vr, __m512 vs, uint8_t *q, __m512i *amax, int nan_check) {
+    __m512 y = _mm512_mul_ps(x, vr);
+    __m512i b = _mm512_castps_si512(y);
+    if (nan_check) *amax = _mm512_max_epu32(*amax, _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)));
+    __m512i c = _mm512_castps_si512(_mm512_range_ps(y, _mm512_set1_ps(448.0f), 0x0A)); /* min(|y|, 448) */
+    __m512i t = _mm512_add_epi32(c, _mm512_set1_epi32(0x80000 - (120 << 23)));
+    __m512i code = _mm512_srli_epi32(t, 20);
+    __mmask16 redo = _mm512_testn_epi32_mask(_mm512_add_epi32(t, _mm512_set1_epi32(8)), _mm512_set1_epi32(0xFFFF0)) |
                      _mm512_cmplt_epu32_mask(c, _mm512_set1_epi32((int)E4M3_MIN_EXP));
     if (__builtin_expect(redo != 0, 0)) {
         __m512i bd = _mm512_castps_si512(_mm512_div_ps(x, vs));
@@ -782,22 +784,26 @@ static inline int reciprocal_ok(float scale) {
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define LOADZ_F32(p) _mm512_loadu_ps(p)
 
-#define QUANT_ROW_ZMM(name, T, LOAD, fallback)                                        \
-    ZMM_FN static int name(const void *row, Py_ssize_t D, float scale, uint8_t *q) {  \
-        if (!reciprocal_ok(scale)) return fallback(row, D, scale, q);                 \
-        const T *p = (const T *)row;                                                  \
-        const __m512 vr = _mm512_set1_ps(1.0f / scale), vs = _mm512_set1_ps(scale);   \
-        __m512i amax = _mm512_setzero_si512();                                        \
-        Py_ssize_t d = 0;                                                             \
-        for (; d + 16 <= D; d += 16) quant16(LOAD(p + d), vr, vs, q + d, &amax);      \
-        int bad = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7F800000)) != 0;  \
-        if (d < D) bad |= fallback(p + d, D - d, scale, q + d);                       \
-        return bad;                                                                   \
+#define QUANT_ROW_ZMM(name, T, LOAD, fallback, nan_check)                               \
+    ZMM_FN static int name(const void *row, Py_ssize_t D, float scale, uint8_t *q) {    \
+        if (!reciprocal_ok(scale)) return fallback(row, D, scale, q);                   \
+        const T *p = (const T *)row;                                                    \
+        const __m512 vr = _mm512_set1_ps(1.0f / scale), vs = _mm512_set1_ps(scale);     \
+        __m512i amax = _mm512_setzero_si512();                                          \
+        Py_ssize_t d = 0;                                                               \
+        for (; d + 16 <= D; d += 16) quant16(LOAD(p + d), vr, vs, q + d, &amax, nan_check); \
+        int bad = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7F800000)) != 0;    \
+        if (d < D) bad |= fallback(p + d, D - d, scale, q + d);                         \
+        return bad;                                                                     \
     }
 
-QUANT_ROW_ZMM(quant_row_f16_zmm, uint16_t, LOADZ_F16, quant_row_f16_evex)
-QUANT_ROW_ZMM(quant_row_bf16_zmm, uint16_t, LOADZ_BF16, quant_row_bf16_evex)
-QUANT_ROW_ZMM(quant_row_f32_zmm, float, LOADZ_F32, quant_row_f32_evex)
+QUANT_ROW_ZMM(quant_row_f16_zmm, uint16_t, LOADZ_F16, quant_row_f16_evex, 1)
+QUANT_ROW_ZMM(quant_row_bf16_zmm, uint16_t, LOADZ_BF16, quant_row_bf16_evex, 1)
+QUANT_ROW_ZMM(quant_row_f32_zmm, float, LOADZ_F32, quant_row_f32_evex, 1)
+/* For V already checked finite (encode_v's scales pass): no NaN tracking. */
+QUANT_ROW_ZMM(quant_row_f16_zmm_finite, uint16_t, LOADZ_F16, quant_row_f16_evex, 0)
+QUANT_ROW_ZMM(quant_row_bf16_zmm_finite, uint16_t, LOADZ_BF16, quant_row_bf16_evex, 0)
+QUANT_ROW_ZMM(quant_row_f32_zmm_finite, float, LOADZ_F32, quant_row_f32_evex, 0)
 
 ZMM_FN static int has_nan_code_zmm(const uint8_t *q, Py_ssize_t D) {
     const __m512i m7f = _mm512_set1_epi8(0x7F);
@@ -857,6 +863,15 @@ static quant_fn pick_quant(int dt, int simd) {
 #endif
     (void)simd;
     return dt == DT_F16 ? quant_row_f16 : dt == DT_BF16 ? quant_row_bf16 : quant_row_f32;
+}
+
+/* pick_quant for V known finite (encode_v checked it in its scales pass). */
+static quant_fn pick_quant_finite(int dt, int simd) {
+#ifdef KV_HAVE_AVX2
+    if (simd >= 2)
+        return dt == DT_F16 ? quant_row_f16_zmm_finite : dt == DT_BF16 ? quant_row_bf16_zmm_finite : quant_row_f32_zmm_finite;
+#endif
+    return pick_quant(dt, simd);
 }
 
 static deq_fn pick_deq(int dt, int simd) {
@@ -1326,9 +1341,11 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng, simd);
     if (!why && fold) {
         if (c.held) state = copy_crc(c.dst.buf, c.src.buf, (size_t)c.src.len, state);
-        state = quantize_rows_crc(&b.in, &b.out, pick_quant(vdt, simd), scope, page, (const float *)b.s.base, state);
+        state = quantize_rows_crc(&b.in, &b.out, pick_quant_finite(vdt, simd), scope, page, (const float *)b.s.base,
+                                  state);
     } else if (!why) {
-        (void)quantize_rows(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, simd); /* no NaN left */
+        (void)quantize_span(&b.in, &b.out, pick_quant_finite(vdt, simd), scope, page, (const float *)b.s.base, 0,
+                            b.in.T); /* no NaN left */
         if (c.held && c.src.len) memmove(c.dst.buf, c.src.buf, (size_t)c.src.len);
     }
     Py_END_ALLOW_THREADS
