@@ -22,6 +22,14 @@ class Counters:
             for name, n in amounts.items():
                 self._values[name] += n
 
+    def hit(self, n_bytes: int) -> None:
+        """One read that found its blob: a round trip, a hit and its ``n_bytes`` (``add`` without kwargs)."""
+        with self._lock:
+            values = self._values
+            values["round_trips"] += 1
+            values["hits"] += 1
+            values["bytes_read"] += n_bytes
+
     def snapshot(self) -> dict[str, float]:
         """A copy of every counter, in :data:`STORE_COUNTERS` order."""
         with self._lock:

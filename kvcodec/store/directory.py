@@ -32,8 +32,8 @@ from .base import GroupOf, StoreFullError, StoreOptions, check_max_bytes
 from .counters import Counters
 from .eviction import EvictionPolicy, GroupLRU
 from .evictor import Evictor
-from .files import create_temp, fsync_dir, lstat, open_regular, write_all
-from .index import SizeIndex
+from .files import create_temp, fsync_dir, lstat, open_regular, set_mtime, write_all
+from .index import RECENCY_PERSIST_S, SizeIndex
 from .keys import MAX_KEY_LEN, InvalidKeyError, model_key, validate_key
 from .quarantine import QUARANTINE_DIRNAME, Quarantine
 from .reading import check_size, read_checked
@@ -73,12 +73,13 @@ class DirectoryStore:
       ``stale_temp_s``.
 
     Size bound and its limits: the index (size and recency per key) is rebuilt
-    from the directory on open, ``refresh()`` and ``keys()``. Recency is the
-    file's mtime: ``put`` and reads set it, so another process or a reopened
-    store rebuilds the same order. With ``max_bytes``, ``put`` asks the eviction
-    policy for groups to remove until the new total fits, rescanning first when
-    the index is older than ``rescan_interval_s`` (0 rescans on every bounded
-    ``put``). Blobs other processes wrote since the last scan are not counted,
+    from the directory on open, ``refresh()`` and ``keys()``. Recency is kept in
+    the file's mtime: ``put`` sets it, a read only when it is ``RECENCY_PERSIST_S``
+    (10 s) old, so another process or a reopened store rebuilds the same order to
+    within that (this instance's is exact). With ``max_bytes``, ``put`` asks the
+    eviction policy for groups to remove until the new total fits, rescanning
+    first when the index is older than ``rescan_interval_s`` (0 rescans on every
+    bounded ``put``). Blobs other processes wrote since the last scan are not counted,
     so the directory can exceed ``max_bytes`` by what they wrote in between.
 
     Eviction: ``eviction`` (an :class:`~kvcodec.store.eviction.EvictionPolicy`),
@@ -119,6 +120,8 @@ class DirectoryStore:
                 "pass group_of or an eviction policy, not both", reason=Reason.BAD_VALUE
             )
         self._root = os.path.abspath(os.fspath(root))
+        self._prefix = os.path.join(self._root, "")
+        self._persist_ns = int(RECENCY_PERSIST_S * 1e9)
         self._max_bytes = max_bytes
         self._verify = bool(verify)
         self._fsync = bool(fsync)
@@ -210,10 +213,7 @@ class DirectoryStore:
             with self._lock:
                 self._make_room(key, n)
                 stamp = self._index.next_stamp()
-                try:
-                    os.utime(fd, ns=(stamp, stamp))
-                except OSError:  # pragma: no cover - filesystems refusing explicit times
-                    pass
+                set_mtime(fd, stamp)  # a filesystem refusing explicit times: recency stays in memory
                 os.replace(tmp, path)
                 tmp_pending = False
                 self._index.record(key, stamp, n)
@@ -268,7 +268,7 @@ class DirectoryStore:
         """
         validate_key(key)
         self._check_open()
-        return self._get(key, whole=False).blob
+        return self._get(key, False).blob
 
     def get_parsed(self, key: str, into: bytearray | None = None, *, verify_crc: bool = True) -> ParsedBlob:
         """The blob under ``key`` read into memory and parsed once, its CRC verified (whatever ``verify``).
@@ -289,7 +289,7 @@ class DirectoryStore:
         """
         validate_key(key)
         self._check_open()
-        return self._get(key, whole=True, into=into, verify_crc=verify_crc)
+        return self._get(key, True, into, verify_crc)
 
     def get_parsed_many(self, keys: Sequence[str], *, verify_crc: bool = True) -> list[ParsedBlob]:
         """``get_parsed`` of each key, all or nothing: ``KeyError(key)`` if any one is missing (checked
@@ -301,7 +301,7 @@ class DirectoryStore:
             if not self._is_blob(k):
                 self._counters.add(round_trips=1, misses=1)
                 raise KeyError(k)
-        return [self._get(k, whole=True, verify_crc=verify_crc) for k in keys]
+        return [self._get(k, True, None, verify_crc) for k in keys]
 
     def contains(self, key: str) -> bool:
         """Whether a regular file exists for ``key`` (not verified: ``get`` may still find it corrupt).
@@ -395,26 +395,26 @@ class DirectoryStore:
             raise UnsupportedConfigError(f"store at {self._root} is closed", reason=Reason.BAD_VALUE)
 
     def _path(self, key: str) -> str:
-        return os.path.join(self._root, key)
+        return self._prefix + key  # the root is absolute and normalised; keys hold no separator
 
     def _is_blob(self, key: str) -> bool:
         st = lstat(self._path(key))
         return st is not None and stat.S_ISREG(st.st_mode)
 
     def _get(
-        self, key: str, *, whole: bool, into: bytearray | None = None, verify_crc: bool = True
+        self, key: str, whole: bool, into: bytearray | None = None, verify_crc: bool = True
     ) -> ParsedBlob:
-        for attempt in range(3):
-            parsed = self._read(key, retry=attempt < 2, whole=whole, into=into, verify_crc=verify_crc)
+        for retry in (True, True, False):  # a damaged file replaced by a writer meanwhile: read it again
+            parsed = self._read(key, retry, whole, into, verify_crc)
             if parsed is not None:
                 return parsed
         raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
     def _read(
-        self, key: str, *, retry: bool, whole: bool, into: bytearray | None = None, verify_crc: bool = True
+        self, key: str, retry: bool, whole: bool, into: bytearray | None, verify_crc: bool
     ) -> ParsedBlob | None:
         """One read attempt; None when a damaged file was replaced meanwhile (and ``retry``)."""
-        path = self._path(key)
+        path = self._prefix + key
         opened = open_regular(path)
         if opened is None:
             with self._lock:
@@ -424,24 +424,26 @@ class DirectoryStore:
         fd, st = opened
         try:
             try:
-                parsed = self._load(fd, st.st_size, whole=whole, into=into, verify_crc=verify_crc)
+                parsed = self._load(fd, st.st_size, whole, into, verify_crc)
             except CorruptEncodedKVError as e:
                 return self._damaged(key, path, st, e, retry=retry)
-            with self._lock:
-                stamp = self._index.next_stamp()
-                try:
-                    os.utime(fd, ns=(stamp, stamp))
-                except OSError:  # not the owner / read-only mount: recency stays in memory
-                    pass
-                self._index.record(key, stamp, st.st_size)
+            self._used(key, fd, st)
         finally:
             os.close(fd)
-        self._counters.add(round_trips=1, hits=1, bytes_read=st.st_size)
+        self._counters.hit(st.st_size)
         return parsed
 
-    def _load(
-        self, fd: int, size: int, *, whole: bool, into: bytearray | None, verify_crc: bool = True
-    ) -> ParsedBlob:
+    def _used(self, key: str, fd: int, st: os.stat_result) -> None:
+        """Make ``key`` the most recent in the index; persist that to its mtime only when the file's
+        mtime is :data:`~kvcodec.store.index.RECENCY_PERSIST_S` old (a ``utime`` per read is dear)."""
+        with self._lock:
+            stamp = self._index.next_stamp()
+            disk = st.st_mtime_ns
+            if stamp - disk >= self._persist_ns and set_mtime(fd, stamp):
+                disk = stamp  # else: not the owner / read-only mount: recency stays in memory
+            self._index.record(key, stamp, st.st_size, disk)
+
+    def _load(self, fd: int, size: int, whole: bool, into: bytearray | None, verify_crc: bool) -> ParsedBlob:
         """Check the size, then read (``whole``) or map the file and parse it.
 
         Raises a fresh :class:`CorruptEncodedKVError` (the parser's reason kept) whose traceback holds

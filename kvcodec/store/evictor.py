@@ -60,15 +60,22 @@ class Evictor:
             if entry is None or st is None or not stat.S_ISREG(st.st_mode):
                 self.index.forget(victim)  # gone, or no longer a blob: not ours to remove
                 continue
-            if st.st_mtime_ns > entry.stamp:
+            if st.st_mtime_ns > entry.disk:  # what we last wrote or saw there, not our in-memory recency
                 # Another process used or rewrote part of the group since our scan: it is recent.
-                for k in members:
-                    cur = lstat(self.path(k))
-                    if cur is not None and stat.S_ISREG(cur.st_mode):
-                        self.index.record(k, max(cur.st_mtime_ns, st.st_mtime_ns), cur.st_size)
+                self.restamp(members, st.st_mtime_ns)
                 return False
             examined.append((victim, st))
         for victim, st in examined:
             remove_exact(self.root, self.path(victim), st)
             self.index.forget(victim)
         return True
+
+    def restamp(self, members: list[str], used: int) -> None:
+        """Make a kept group's files recent: as of ``used`` (the mtime that showed another process's
+        use), their own mtime or their in-memory stamp, whichever is latest; each one's ``disk`` its mtime."""
+        for k in members:
+            cur = lstat(self.path(k))
+            if cur is not None and stat.S_ISREG(cur.st_mode):
+                old = self.index.get(k)
+                stamp = max(cur.st_mtime_ns, used, old.stamp if old is not None else 0)
+                self.index.record(k, stamp, cur.st_size, cur.st_mtime_ns)

@@ -29,6 +29,7 @@ __all__ = [
     "read_into",
     "remove_exact",
     "same_file",
+    "set_mtime",
     "temp_name",
     "try_lock",
     "write_all",
@@ -78,11 +79,20 @@ def read_into(fd: int, view: memoryview, offset: int) -> int:
     """Fill ``view`` from ``fd`` starting at file ``offset``; the bytes read (fewer at end of file)."""
     got, n = 0, len(view)
     while got < n:
-        k = os.preadv(fd, [view[got:]], offset + got)
+        k = os.preadv(fd, [view[got:] if got else view], offset + got)
         if k == 0:
             break
         got += k
     return got
+
+
+def set_mtime(fd: int, ns: int) -> bool:
+    """Set ``fd``'s atime and mtime to ``ns``; False where that is refused (not the owner, read-only mount)."""
+    try:
+        os.utime(fd, ns=(ns, ns))
+    except OSError:
+        return False
+    return True
 
 
 def lstat(path: str) -> os.stat_result | None:
@@ -173,7 +183,7 @@ def remove_exact(root: str, path: str, st: os.stat_result) -> bool:
     """Unlink ``path`` only if it is still the file examined as ``st`` (inode, size, mtime).
 
     It is renamed aside (into ``root`` under a temp name) first and compared
-    there: a blob that another process put (or read, which refreshes its mtime)
+    there: a blob that another process put (or read, when that refreshed its mtime)
     after the examination is linked back under its name (never over a newer one)
     instead of being deleted.
     """

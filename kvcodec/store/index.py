@@ -1,7 +1,13 @@
-"""The size/recency index of a directory store: per key its size and its recency stamp.
+"""The size/recency index of a directory store: per key its size, its recency stamp and its file's mtime.
 
-Recency is the file's mtime in ns (``put`` and reads set it), so another
-process, or a reopened store, rebuilds the same order from the directory. The
+Recency is a wall-clock ns stamp. ``put`` writes it to the file's mtime; a read
+writes it only when the file's mtime is at least :data:`RECENCY_PERSIST_S` older
+(a ``utime`` per read costs more than the rest of the store's work on it), so
+another process, or a reopened store, rebuilds the same order from the
+directory to within that limit, while this instance's order is exact. Each
+entry also keeps the mtime its file had when last written or seen (``disk``):
+the evictor's "another process used it since" test compares against that, and
+a rescan keeps the in-memory stamp of a file whose mtime has not moved. The
 index is one instance's view: blobs another process wrote since the last scan
 are not in it. Not thread-safe by itself: the store calls it under its lock.
 """
@@ -12,20 +18,26 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-__all__ = ["Entry", "SizeIndex"]
+__all__ = ["RECENCY_PERSIST_S", "Entry", "SizeIndex"]
+
+RECENCY_PERSIST_S = 10.0
+"""A read persists its recency to the file's mtime only when that mtime is at least this many
+seconds older: after a restart, or for another process sharing the directory, a blob's recency is
+known to within this limit (in memory it is exact)."""
 
 
 class Entry:
-    """Size and recency stamp (the file's mtime in ns) of one stored blob."""
+    """Size, recency stamp (ns) and the file's mtime last written or seen (``disk``, ns) of one blob."""
 
-    __slots__ = ("size", "stamp")
+    __slots__ = ("disk", "size", "stamp")
 
-    def __init__(self, stamp: int, size: int) -> None:
+    def __init__(self, stamp: int, size: int, disk: int | None = None) -> None:
         self.stamp = stamp
         self.size = size
+        self.disk = stamp if disk is None else disk
 
     def __repr__(self) -> str:
-        return f"Entry(stamp={self.stamp}, size={self.size})"
+        return f"Entry(stamp={self.stamp}, size={self.size}, disk={self.disk})"
 
 
 class SizeIndex:
@@ -62,12 +74,17 @@ class SizeIndex:
         self._last_stamp = t
         return t
 
-    def record(self, key: str, stamp: int, size: int) -> None:
-        """Set ``key``'s entry and make it the most recent."""
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.total -= old.size
-        self._entries[key] = Entry(stamp, size)
+    def record(self, key: str, stamp: int, size: int, disk: int | None = None) -> None:
+        """Set ``key``'s entry and make it the most recent; ``disk``: its file's mtime (default ``stamp``).
+
+        An existing entry is updated in place (a read of a known key allocates nothing)."""
+        e = self._entries.get(key)
+        if e is None:
+            self._entries[key] = Entry(stamp, size, disk)
+        else:
+            self._entries.move_to_end(key)
+            self.total -= e.size
+            e.stamp, e.size, e.disk = stamp, size, stamp if disk is None else disk
         self.total += size
 
     def forget(self, key: str) -> None:
@@ -77,10 +94,18 @@ class SizeIndex:
             self.total -= old.size
 
     def rebuild(self, found: Iterable[tuple[int, str, int]]) -> None:
-        """Replace the entries with ``(mtime_ns, key, size)`` of a directory scan."""
-        ordered = sorted(found)
-        self._entries = OrderedDict((name, Entry(mt, size)) for mt, name, size in ordered)
-        self.total = sum(size for _, _, size in ordered)
-        if ordered:
-            self._last_stamp = max(self._last_stamp, ordered[-1][0])
+        """Replace the entries with ``(mtime_ns, key, size)`` of a directory scan.
+
+        A file whose mtime is still the one its entry saw keeps the entry's stamp (reads since then
+        that were not persisted, see :data:`RECENCY_PERSIST_S`); any other is as recent as its mtime."""
+        old = self._entries
+        rows = []
+        for mt, name, size in found:
+            e = old.get(name)
+            rows.append((max(e.stamp, mt) if e is not None and e.disk == mt else mt, name, size, mt))
+        rows.sort()
+        self._entries = OrderedDict((name, Entry(st, size, mt)) for st, name, size, mt in rows)
+        self.total = sum(row[2] for row in rows)
+        if rows:
+            self._last_stamp = max(self._last_stamp, rows[-1][0])
         self.last_scan = time.monotonic()

@@ -183,7 +183,9 @@ def read_checked(fd: int, size: int, into: bytearray | None = None) -> bytearray
     buffer, already allocated) the file is read in one call and its header checked there; else the
     prefix is read and checked first, so that no buffer is sized by a header that lies."""
     if into is not None and len(into) >= size:
-        blob = read_blob(fd, size, into)
+        view = memoryview(into)[:size]  # one view of ``into`` (the slice's base is released with it)
+        got = read_into(fd, view, 0)
+        blob = view if got == size else view[:got]
         check_size(blob, size)  # a file that shrank meanwhile reads short: the parser finds it truncated
         return blob
     head = read_prefix(fd, size)

@@ -591,7 +591,10 @@ def test_lru_eviction_and_accounting(tmp_path: Path) -> None:
     assert st.total_bytes == 2 * size and st.keys() == ["e", "f"]
 
 
-def test_eviction_sees_other_instances_writes(tmp_path: Path) -> None:
+def test_eviction_sees_other_instances_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcodec.store.directory as store_mod
+
+    monkeypatch.setattr(store_mod, "RECENCY_PERSIST_S", 0.0)  # every read persists its recency
     size = len(make_blob(8 << 10, 0))
     cap = 3 * size
     one = DirectoryStore(tmp_path, max_bytes=cap, rescan_interval_s=0)
