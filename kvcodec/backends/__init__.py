@@ -109,12 +109,40 @@ def _device(device: torch.device | str) -> torch.device:
         raise UnsupportedConfigError(f"bad device {device!r}: {e}", reason=Reason.BAD_DEVICE) from None
 
 
+_CPU = torch.device("cpu")
+_on_cpu: dict[tuple[str | None, bool], Backend] = {}
+"""What :func:`select` gave for a name (as passed, or ``KVCODEC_BACKEND``'s) on the CPU, by whether
+the C loops are available: a name that resolves without any other switch (not Triton, which reads
+``TRITON_INTERPRET``) gives the same backend every time, so a decode need not resolve it again."""
+
+
 def select(backend: str | None, device: torch.device | str) -> Backend:
     """The backend for ``device``: ``None`` reads ``KVCODEC_BACKEND`` (default ``"auto"``).
 
     An explicit backend that cannot run on ``device`` raises :class:`UnsupportedConfigError`.
     """
-    dev = _device(device)
+    if type(device) is torch.device and device == _CPU:
+        name = backend if backend else os.environ.get("KVCODEC_BACKEND")
+        if name is None or type(name) is str:
+            return _select_cpu(name)
+    return _select(backend, _device(device))
+
+
+def _select_cpu(name: str | None) -> Backend:
+    """:func:`select` on the CPU for a name (None: ``auto``) already read from the environment."""
+    key = (name, _cpu().AVAILABLE)
+    got = _on_cpu.get(key)
+    if got is None:
+        got = _select(name, _CPU)
+        if got.name != "triton":
+            if len(_on_cpu) >= 64:  # names differing only in case: keep it small
+                _on_cpu.clear()
+            _on_cpu[key] = got
+    return got
+
+
+def _select(backend: str | None, dev: torch.device) -> Backend:
+    """:func:`select` for a parsed device."""
     name = _resolve_name(backend, dev)
     if name == "cpu":
         return _cpu().BACKEND

@@ -78,7 +78,7 @@ def _rows_refusal(x: torch.Tensor, dtypes: object, name: str) -> str | None:
     """Why the C loops cannot read or write ``x`` as ``[T, H, D]`` rows (None when they can)."""
     if type(x) not in _PLAIN:
         return f"{name} is a {type(x).__name__}, not a plain tensor"
-    if x.device.type != "cpu" or x.layout != torch.strided or x.is_nested:
+    if not x.is_cpu or x.layout != torch.strided or x.is_nested:  # is_cpu: no device object made
         return f"{name} is not a strided CPU tensor"
     if x.dtype not in dtypes:  # type: ignore[operator]
         return f"{name} is {x.dtype}"
@@ -136,7 +136,7 @@ def _refusal(
 
 def _scales_refusal(scales: Any, groups: Groups, shape: torch.Size, page: int) -> str | None:
     """Why the caller's scales are not for C (None when they are)."""
-    if not isinstance(scales, torch.Tensor) or scales.device.type != "cpu" or scales.layout != torch.strided:
+    if not isinstance(scales, torch.Tensor) or not scales.is_cpu or scales.layout != torch.strided:
         return "scales are not a strided CPU tensor"
     if not scales.dtype.is_floating_point:
         return f"scales are {scales.dtype}"
@@ -158,7 +158,9 @@ def _buf(x: torch.Tensor) -> Any:
 def _scales32(scales: torch.Tensor) -> Any:
     """The caller's scales for C: themselves when dense fp32 (so C sees any overlap with the
     output), else a dense fp32 copy taken now."""
-    s = scales.detach().resolve_neg()
+    s = scales.detach() if scales.requires_grad else scales
+    if s.is_neg():
+        s = s.resolve_neg()
     if s.dtype != torch.float32 or not s.is_contiguous():
         s = s.to(torch.float32).contiguous()
     return s.numpy()

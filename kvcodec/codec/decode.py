@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .. import backends
@@ -33,7 +34,7 @@ from ..format import (
     payload_crc,
 )
 from ..format.crc import crc32
-from ..hostmem import byte_span, copy_tensor, overlaps_buffer, owned_copy
+from ..hostmem import buffer_address, byte_span, copy_tensor, overlaps_buffer, owned_copy
 from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
 from .encode import as_scales, external_scope
@@ -145,6 +146,8 @@ def _fits(name: str, t: torch.Tensor, shape: tuple[int, int, int] | None, n: int
             raise UnsupportedConfigError(
                 f"{name} has {t.numel()} elements; the blob holds {n}", reason=Reason.BAD_SHAPE
             )
+        return
+    if t.shape == shape:  # the common case, in one comparison
         return
     if t.dim() < 2 or tuple(t.shape[-2:]) != shape[1:] or math.prod(t.shape[:-2]) != shape[0]:
         raise UnsupportedConfigError(
@@ -375,7 +378,8 @@ def _host_lane_inputs(
         return None
     _fits("out_k", req.out_k, shape, h.k_payload_len // h.k_dtype.itemsize)
     _fits("out_v", req.out_v, shape, n)
-    if overlaps_buffer(req.out_k, payload) or overlaps_buffer(req.out_v, payload):
+    base = buffer_address(payload)  # once for both outputs
+    if overlaps_buffer(req.out_k, payload, base) or overlaps_buffer(req.out_v, payload, base):
         return None  # the general path refuses it
     s_t = _scale_tensor(h, payload, req)
     groups, dq_shape = _groups(h, s_t, shape, n)
@@ -430,6 +434,20 @@ def _kv_tensors(
     return k, _tensor(payload[k_len : k_len + v_len], v_dt, False)
 
 
+_NP_OF = {torch.float16: np.float16, torch.float32: np.float32}
+"""Scale dtypes numpy has: their copy is one numpy call (no bytearray, no torch view)."""
+
+
+def _stored_scales(
+    payload: memoryview, off: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A copy of the ``n`` scale bytes at ``off``, as a CPU tensor of ``dtype`` and ``shape``."""
+    np_dt = _NP_OF.get(dtype)
+    if np_dt is None:
+        return _tensor(payload[off : off + n], dtype, True).reshape(shape)
+    return torch.from_numpy(np.frombuffer(payload, np_dt, n // dtype.itemsize, off).reshape(shape).copy())
+
+
 def _scale_tensor(h: Header, payload: memoryview, req: DecodeRequest) -> torch.Tensor | None:
     """V's scales: stored, unit, or the caller's for an external scope."""
     dev, s_dt = req.device, to_torch(h.scale_dtype)
@@ -437,7 +455,7 @@ def _scale_tensor(h: Header, payload: memoryview, req: DecodeRequest) -> torch.T
         return torch.ones((), dtype=torch.float32, device=dev)
     if h.scale_payload_len:
         off = h.k_payload_len + h.v_payload_len
-        s_t = _tensor(payload[off : off + h.scale_payload_len], s_dt, True).reshape(h.scale_shape).to(dev)
+        s_t = _stored_scales(payload, off, h.scale_payload_len, s_dt, h.scale_shape).to(dev)
         if req.scales is not None:
             given = as_scales(req.scales, dev, s_dt)
             if given.numel() != s_t.numel() or not torch.equal(given.reshape(s_t.shape), s_t):

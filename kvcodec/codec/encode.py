@@ -33,7 +33,7 @@ from ..format import (
     pack_header_into,
     payload_crc,
 )
-from ..hostmem import copy_scale_bytes, copy_tensor, new_buffer, overlaps_buffer
+from ..hostmem import buffer_address, copy_scale_bytes, copy_tensor, new_buffer, overlaps_buffer
 from ..numerics import FP8_DTYPES, check_amax, check_layers_amax, check_scales, scale_shape
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
@@ -476,8 +476,9 @@ def _out_view(out: Any, size: int) -> memoryview:
 def _refuse_overlap(p: EncodePlan, mv: memoryview) -> None:
     """Refuse an ``out`` whose bytes lie within K's, V's or the given scales' memory: the payload
     writes would overwrite inputs still to be read (and a blob could come out CRC-valid but wrong)."""
+    base = buffer_address(mv) if len(mv) else 0  # once for every input
     for name, t in (("K", p.k), ("V", p.v), ("scales", p.scales)):
-        if overlaps_buffer(t, mv):
+        if overlaps_buffer(t, mv, base):
             raise UnsupportedConfigError(
                 f"out overlaps {name}'s memory; encode into a buffer of its own", reason=Reason.OVERLAP
             )
