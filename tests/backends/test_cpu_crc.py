@@ -199,25 +199,31 @@ def _blob_rows(blob: Any) -> tuple[Any, Any]:
     return p, BlobRows(k, codes, scales.copy().reshape(h.scale_shape), groups)
 
 
-@pytest.mark.parametrize("order", ["in_order", "shuffled", "skip_first_block"])
-def test_scatter_blob_rows_carries_the_blobs_crc(fast: Any, order: str) -> None:
+@pytest.mark.parametrize("order", ["in_order", "shuffled", "skip_first_block", "skip_middle"])
+@pytest.mark.parametrize("heads,dim", [(2, 32), (4, 32), (4, 64), (8, 128)], ids=lambda x: str(x))
+def test_scatter_blob_rows_carries_the_blobs_crc(fast: Any, order: str, heads: int, dim: int) -> None:
+    """Runs in token order with a token's K in whole 256-byte blocks fold K's CRC into its copy (the
+    512-bit level); others fold it per run or in a pass of its own. Either way the CRC is the blob's
+    and the cache holds what the scatter without a CRC writes."""
     from kvcodec.backends.cpu import scatter_blob_rows
     from kvcodec.format import payload_crc
 
-    k, v = _layer(14, (64, 2, 32), torch.float16)
+    k, v = _layer(14, (64, heads, dim), torch.float16)
     blob = encode(k, v, page_size=16)
     p, rows = _blob_rows(blob)
     runs = np.array([[b, 0, b * 16, 16] for b in range(4)], np.int64)
-    if order == "shuffled":
-        runs = runs[[2, 0, 3, 1]]
-    elif order == "skip_first_block":
-        runs = runs[1:]
-    cache = torch.zeros(6, 2, 16, 64, dtype=torch.float16)
-    got = scatter_blob_rows(rows, cache, 32, runs, crc=payload_crc(p.header, p.crc_prefix, ()))
+    runs = {"shuffled": runs[[2, 0, 3, 1]], "skip_first_block": runs[1:], "skip_middle": runs[[0, 1, 3]]}.get(
+        order, runs
+    )
+    cache = torch.zeros(6, heads, 16, 2 * dim, dtype=torch.float16)
+    plain = cache.clone()
+    assert scatter_blob_rows(rows, plain, dim, runs) is None
+    got = scatter_blob_rows(rows, cache, dim, runs, crc=payload_crc(p.header, p.crc_prefix, ()))
+    assert torch.equal(cache.view(torch.int16), plain.view(torch.int16))
     if not fast.crc_fast(-1):
         assert got is None
         return
     end = p.header_len + p.header.k_payload_len + p.header.v_payload_len
     assert zlib.crc32(p.buffer[end : end + p.header.scale_payload_len], got) == p.crc
-    first = 1 if order == "skip_first_block" else 0
-    assert torch.equal(cache[first:4, :, :, :32].permute(0, 2, 1, 3).reshape(-1, 2, 32), k[first * 16 :])
+    for b, _, t, n in runs.tolist():
+        assert torch.equal(cache[b, :, :n, :dim].transpose(0, 1), k[t : t + n])
