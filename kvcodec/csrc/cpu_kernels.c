@@ -755,7 +755,7 @@ ZMM_FN static inline __m512i e4m3_mag16(__m512i a) {
  * gets here): code = (bits + 0x80000 - (120 << 23)) >> 20, the carry moving into the exponent where
  * the mantissa rounds up. "Next to a midpoint" is the low 20 bits of that sum within -8 .. +7 of zero.
  * `nan_check`: `amax` keeps the largest |y| bits (the row's NaN check; encode_v has checked V). */
-ZMM_FN static inline void quant16(__m512 x, __m512 vr, __m512 vs, uint8_t *q, __m512i *amax, int nan_check) {
+ZMM_FN static inline __m512i quant16(__m512 x, __m512 vr, __m512 vs, uint8_t *q, __m512i *amax, int nan_check) {
     __m512 y = _mm512_mul_ps(x, vr);
     __m512i b = _mm512_castps_si512(y);
     if (nan_check) *amax = _mm512_max_epu32(*amax, _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)));
@@ -770,7 +770,18 @@ ZMM_FN static inline void quant16(__m512 x, __m512 vr, __m512 vs, uint8_t *q, __
         b = _mm512_mask_mov_epi32(b, redo, bd);
     }
     code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(b, 24), _mm512_set1_epi32(0x80), 0xF8); /* code | (sign & 0x80) */
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(code));
+    if (q) _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(code));
+    return code;
+}
+
+/* Sixty-four codes (quant16 four times) packed into one 512-bit store: two dword->word packs, one
+ * word->byte pack (each per 128-bit lane), then the lanes put in order. */
+ZMM_FN static inline void quant64(const __m512 x[4], __m512 vr, __m512 vs, uint8_t *q, __m512i *amax, int nan_check) {
+    __m512i c0 = quant16(x[0], vr, vs, NULL, amax, nan_check), c1 = quant16(x[1], vr, vs, NULL, amax, nan_check);
+    __m512i c2 = quant16(x[2], vr, vs, NULL, amax, nan_check), c3 = quant16(x[3], vr, vs, NULL, amax, nan_check);
+    __m512i w = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    w = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
+    _mm512_storeu_si512((void *)q, w);
 }
 
 /* Whether 1 / scale stands for the division: scale and its reciprocal normal (2^-125 .. 2^125). */
@@ -791,7 +802,11 @@ static inline int reciprocal_ok(float scale) {
         const __m512 vr = _mm512_set1_ps(1.0f / scale), vs = _mm512_set1_ps(scale);     \
         __m512i amax = _mm512_setzero_si512();                                          \
         Py_ssize_t d = 0;                                                               \
-        for (; d + 16 <= D; d += 16) quant16(LOAD(p + d), vr, vs, q + d, &amax, nan_check); \
+        for (; d + 64 <= D; d += 64) {                                                  \
+            const __m512 x[4] = {LOAD(p + d), LOAD(p + d + 16), LOAD(p + d + 32), LOAD(p + d + 48)}; \
+            quant64(x, vr, vs, q + d, &amax, nan_check);                                \
+        }                                                                               \
+        for (; d + 16 <= D; d += 16) (void)quant16(LOAD(p + d), vr, vs, q + d, &amax, nan_check); \
         int bad = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7F800000)) != 0;    \
         if (d < D) bad |= fallback(p + d, D - d, scale, q + d);                         \
         return bad;                                                                     \
