@@ -624,7 +624,10 @@ static inline float scale_div128(float s, int *ok) {
     ZMM_FN static void name(const uint8_t *q, Py_ssize_t D, float s, void *out) {             \
         int ok;                                                                               \
         const __m512 vs = _mm512_set1_ps(scale_div128(s, &ok));                               \
-        if (!ok) return fallback(q, D, s, out);                                               \
+        if (!ok) {                                                                            \
+            fallback(q, D, s, out);                                                           \
+            return;                                                                           \
+        }                                                                                     \
         T *o = (T *)out;                                                                      \
         Py_ssize_t d = 0;                                                                     \
         for (; d + 16 <= D; d += 16)                                                          \
@@ -1409,6 +1412,9 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 /* Rows t0 .. t1's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_nan, int scope, Py_ssize_t page,
                            const float *sc, Py_ssize_t t0, Py_ssize_t t1, DeqTables *tabs) {
+#ifndef KV_HAVE_AVX2
+    (void)tabs; /* tables_if gives none without the AVX-512 rows */
+#endif
     for (Py_ssize_t t = t0; t < t1; t++) {
         const float *st = token_scales(sc, scope, page, q->H, t);
         for (Py_ssize_t h = 0; h < q->H; h++) {
@@ -1688,7 +1694,10 @@ SCATTER_HEAD(, scatter_head_any, CALL_DEQ, memcpy)
 /* A K row of whole 64-byte lines (head_dim 32, 64, 128, 256 of a 16-bit dtype) by 512-bit moves, inline;
  * other sizes by memcpy. */
 ZMM_FN static inline void copy_k_row(char *dst, const char *src, size_t n) {
-    if (n % 64 || n > 512) return (void)memcpy(dst, src, n);
+    if (n % 64 || n > 512) {
+        memcpy(dst, src, n);
+        return;
+    }
     for (size_t i = 0; i < n; i += 64) _mm512_storeu_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
 }
 
