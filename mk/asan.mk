@@ -24,3 +24,21 @@ test-asan:
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(ASAN_DIR)" in m.__file__ else "not the sanitized build: " + m.__file__)'
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/backends/test_cpu_backend.py \
 	  tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py
+
+# `make test-portable`: the same C tests against kvcodec._cpu built with -DKV_PORTABLE_ONLY (the
+# portable loops alone, as on a CPU without x86 vector extensions), in build-portable/.
+PORTABLE_DIR := build-portable
+
+.PHONY: test-portable
+test-portable:
+	rm -rf $(PORTABLE_DIR) && mkdir -p $(PORTABLE_DIR)
+	cp -r kvcodec tests $(PORTABLE_DIR)/
+	rm -f $(PORTABLE_DIR)/kvcodec/_cpu*.so
+	$(ASAN_CC) -O2 -std=gnu11 -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -Wextra \
+	  -Wno-missing-field-initializers -Werror -shared -fPIC -DKV_PORTABLE_ONLY \
+	  $$($(BIN)/python -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])') kvcodec/csrc/cpu_kernels.c \
+	  -o $(PORTABLE_DIR)/kvcodec/_cpu$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -c \
+	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(PORTABLE_DIR)" in m.__file__ and m.simd(-1) == 0 and m.crc_fast(-1) == 0 else "not the portable build")'
+	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider \
+	  tests/backends/test_cpu_backend.py tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py
