@@ -119,6 +119,12 @@ def test_copy_limit(benchmark, layer):
     ratios = cpu_speedups({f"kvcodec_{n}": f for n, f in jobs.items()}, _memcpy(), blocks=7, rounds=15)
     benchmark.extra_info.update({f"speedup_{n}_vs_yardstick": r for n, r in ratios.items()})
     benchmark.extra_info.update({f"target_kvcodec_{n}_vs_memcpy": t for n, t in TARGETS.items()})
+    from kvcodec import _cpu
+
     benchmark.extra_info.update(
-        yardstick="numpy.copyto of 8 MiB", copy_bytes=COPY_BYTES, blob_bytes=len(blob)
+        yardstick="numpy.copyto of 8 MiB",
+        copy_bytes=COPY_BYTES,
+        blob_bytes=len(blob),
+        c_simd_level=_cpu.simd(-1),
+        c_crc_level=_cpu.crc_fast(-1),  # the floors assume 2 and 2
     )
