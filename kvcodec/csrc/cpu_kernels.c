@@ -1411,7 +1411,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 /* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 /* Rows t0 .. t1's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_nan, int scope, Py_ssize_t page,
-                           const float *sc, Py_ssize_t t0, Py_ssize_t t1, DeqTables *tabs) {
+                           const float *sc, Py_ssize_t t0, Py_ssize_t t1, DeqTables *tabs) { /* has_nan NULL: checked */
 #ifndef KV_HAVE_AVX2
     (void)tabs; /* tables_if gives none without the AVX-512 rows */
 #endif
@@ -1419,7 +1419,7 @@ static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_na
         const float *st = token_scales(sc, scope, page, q->H, t);
         for (Py_ssize_t h = 0; h < q->H; h++) {
             const uint8_t *row = (const uint8_t *)q->base + t * q->st + h * q->sh;
-            if (has_nan(row, q->D)) return 1;
+            if (has_nan && has_nan(row, q->D)) return 1;
             float s = st[scope == SC_TENSOR ? 0 : h];
 #ifdef KV_HAVE_AVX2
             if (tabs) {
@@ -1454,8 +1454,10 @@ static int dequantize_rows_crc(const Arr *q, const Arr *o, int odt, int scope, P
     size_t row = (size_t)(q->H * q->D);
     for (Py_ssize_t t0 = 0; t0 < q->T; t0 += step) {
         Py_ssize_t t1 = q->T - t0 < step ? q->T : t0 + step;
-        *state = crc_update(*state, (const uint8_t *)q->base + (size_t)t0 * row, (size_t)(t1 - t0) * row);
-        if (dequantize_span(q, o, deq, has_nan, scope, page, sc, t0, t1, tabs)) return 1;
+        const uint8_t *slice = (const uint8_t *)q->base + (size_t)t0 * row; /* dense: the caller's fold */
+        *state = crc_update(*state, slice, (size_t)(t1 - t0) * row);
+        if (has_nan(slice, (Py_ssize_t)((size_t)(t1 - t0) * row))) return 1; /* the slice's rows at once */
+        (void)dequantize_span(q, o, deq, NULL, scope, page, sc, t0, t1, tabs);
     }
     return 0;
 }
@@ -1625,6 +1627,7 @@ done:
 
 /* Whether any of the rows holds a NaN code. */
 static int rows_have_nan(const Arr *q, nan_fn has_nan) {
+    if (dense_codes(q)) return has_nan((const uint8_t *)q->base, q->T * q->H * q->D); /* one call, no row loop */
     for (Py_ssize_t t = 0; t < q->T; t++)
         for (Py_ssize_t h = 0; h < q->H; h++)
             if (has_nan((const uint8_t *)q->base + t * q->st + h * q->sh, q->D)) return 1;
@@ -1637,10 +1640,9 @@ static int rows_have_nan_crc(const Arr *q, nan_fn has_nan, uint32_t *state) {
     size_t row = (size_t)(q->H * q->D);
     for (Py_ssize_t t0 = 0; t0 < q->T; t0 += step) {
         Py_ssize_t t1 = q->T - t0 < step ? q->T : t0 + step;
-        *state = crc_update(*state, (const uint8_t *)q->base + (size_t)t0 * row, (size_t)(t1 - t0) * row);
-        for (Py_ssize_t t = t0; t < t1; t++)
-            for (Py_ssize_t h = 0; h < q->H; h++)
-                if (has_nan((const uint8_t *)q->base + t * q->st + h * q->sh, q->D)) return 1;
+        const uint8_t *slice = (const uint8_t *)q->base + (size_t)t0 * row; /* dense: the caller's fold */
+        *state = crc_update(*state, slice, (size_t)(t1 - t0) * row);
+        if (has_nan(slice, (Py_ssize_t)((size_t)(t1 - t0) * row))) return 1;
     }
     return 0;
 }
