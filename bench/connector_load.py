@@ -43,7 +43,8 @@ import torch
 
 from kvcodec.format.parser import clear_header_memo
 from kvcodec.integrations.vllm.buffers import ReadBuffers
-from kvcodec.integrations.vllm.chunks import ChunkCodec, decode_chunk, encode_chunk, read_chunk, write_chunk
+from kvcodec.integrations.vllm.chunk_writes import write_chunk
+from kvcodec.integrations.vllm.chunks import ChunkCodec, decode_chunk, encode_chunk, read_chunk
 from kvcodec.integrations.vllm.layout import scatter_kv
 from kvcodec.store import DirectoryStore
 

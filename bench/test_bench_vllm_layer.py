@@ -18,7 +18,8 @@ import torch
 from _ratio import interleaved
 
 from kvcodec import decode, encode
-from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk, read_chunk, write_chunk
+from kvcodec.integrations.vllm.chunk_writes import write_chunk
+from kvcodec.integrations.vllm.chunks import ChunkCodec, encode_chunk, read_chunk
 from kvcodec.integrations.vllm.layout import gather_kv
 
 H, D, BS, BLOCKS, T = 8, 128, 16, 400, 256

@@ -19,6 +19,7 @@ have written the rows before one holding NaN. The extension is optional (built a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "BlobRows",
     "CpuBackend",
     "scatter_blob_rows",
+    "scatter_blob_rows_many",
     "scatter_dequantize",
     "scatter_rows",
 ]
@@ -510,3 +512,26 @@ def scatter_blob_rows(
         0,
         crc,
     )
+
+
+def scatter_blob_rows_many(
+    writes: Sequence[tuple[BlobRows, torch.Tensor, int | None]], v_col: int, runs: np.ndarray
+) -> list[str | int | None]:
+    """:func:`scatter_blob_rows` of each ``(rows, cache, crc)`` (a chunk's layers: one ``v_col``, the
+    same ``runs``): the runs checked once and no Python frame per layer. Each result is that call's."""
+    runs = _runs(runs)
+    out: list[str | int | None] = []
+    for rows, cache, crc in writes:
+        page = _page(rows.groups)
+        why = page if isinstance(page, str) else _cache_refusal(cache, _DECODE[1])
+        if why is not None:
+            out.append(why)
+            continue
+        scope = _SCOPE[rows.groups.scope]
+        cache_buf, dtype = _buf(cache), _DTYPE[cache.dtype]
+        out.append(
+            _cpu.scatter_dequant(
+                rows.codes, rows.scales, scope, page, cache_buf, v_col, dtype, runs, rows.k, 0, crc
+            )
+        )
+    return out

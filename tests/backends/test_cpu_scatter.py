@@ -176,3 +176,25 @@ def test_blob_rows_at_every_head_dim_and_level(level, d, dtype, contiguous):
     rows = BlobRows(kb, codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups)
     assert scatter_blob_rows(rows, cache, d, RUNS) is None
     assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
+
+
+def test_many_writes_each_layer_as_its_own_call_would():
+    """A chunk's layers in one scatter_blob_rows_many: each result and cache is what its own
+    scatter_blob_rows gives, a declined layer (NaN codes) included, with nothing written there."""
+    from kvcodec.backends.cpu import scatter_blob_rows_many
+
+    layers = []
+    for seed in range(3):
+        codes, scales, groups = _codes(seed + 5)
+        if seed == 1:
+            codes.view(torch.uint8)[4, 1, 3] = 0x7F  # a NaN code: C declines this layer
+        k = torch.randn(T, H, D, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        kb = k.view(torch.uint8).numpy().reshape(T, H, 2 * D)
+        layers.append(BlobRows(kb, codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups))
+    one = [_cache(seed=s) for s in range(3)]
+    many = [c.clone() for c in one]
+    want = [scatter_blob_rows(r, c, D, RUNS) for r, c in zip(layers, one)]
+    got = scatter_blob_rows_many([(r, c, None) for r, c in zip(layers, many)], D, RUNS)
+    assert got == want and isinstance(got[1], str) and got[0] is None and got[2] is None
+    assert all(torch.equal(a, b) for a, b in zip(one, many))
+    assert torch.equal(many[1], _cache(seed=1))  # the declined layer: untouched

@@ -35,7 +35,7 @@ from kvcodec import (
 )
 from kvcodec.backends import Groups, call, select
 from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
-from kvcodec.backends.cpu import BlobRows, scatter_blob_rows
+from kvcodec.backends.cpu import BlobRows
 from kvcodec.format import (
     Hashes,
     Header,
@@ -46,9 +46,7 @@ from kvcodec.format import (
     expected_scale_shape,
     payload_crc,
 )
-from kvcodec.format.crc import crc32
 from kvcodec.format.dtypes import FLOAT8_E4M3FN, FLOAT32
-from kvcodec.format.parser import remember_header
 
 from .chunk_codec import (
     ChunkCodec,
@@ -62,7 +60,7 @@ from .chunk_codec import (
     layer_scales,
     pad_to,
 )
-from .layout import ChunkSlots, chunk_slots, gather_kv, scatter_kv
+from .layout import gather_kv
 
 __all__ = [
     "ChunkCodec",
@@ -76,7 +74,6 @@ __all__ = [
     "decode_chunk",
     "encode_chunk",
     "read_chunk",
-    "write_chunk",
 ]
 
 
@@ -200,7 +197,7 @@ class LayerChunk:
     kv: tuple[torch.Tensor, torch.Tensor] | None = None
     """K ``[T, H, head_size]`` and V ``[T, H, head_size_v]`` in the cache's dtype (``rows`` unset)."""
     rows: BlobRows | None = None
-    """The blob's K bytes and V's codes and scales, which :func:`write_chunk` writes into a CPU
+    """The blob's K bytes and V's codes and scales, which :func:`~.chunk_writes.write_chunk` writes into a CPU
     cache in one C pass (V dequantized there, K copied)."""
     unverified: ParsedBlob | None = None
     """The blob ``rows`` view when its CRC is still unchecked (read with ``crc_checked=False``):
@@ -408,89 +405,3 @@ class _Plan:
 def check_blob_crc(p: ParsedBlob) -> None:
     """Check a blob's CRC over its header and whole payload (CorruptEncodedKVError, CRC_MISMATCH)."""
     check_crc(p.header, p.crc, payload_crc(p.header, p.crc_prefix, (p.payload,)))
-
-
-def _finish_crc(p: ParsedBlob, got: int | None) -> None:
-    """After a C pass that wrote the blob: ``got`` its CRC through K and V's codes (continued over the
-    scales here), or None when C did not fold it (the whole blob checked here). Only once it passed
-    is the header remembered (the store's read left it out of the memo)."""
-    if got is None:
-        check_blob_crc(p)
-    else:
-        h = p.header
-        end = p.header_len + h.k_payload_len + h.v_payload_len
-        check_crc(h, p.crc, crc32(p.buffer[end : end + h.scale_payload_len], got))
-    remember_header(p)
-
-
-def write_chunk(
-    chunk: PreparedChunk,
-    caches: Mapping[str, torch.Tensor],
-    block_ids: Sequence[int] | torch.Tensor,
-    *,
-    start: int,
-    skip: int = 0,
-) -> None:
-    """Write a :func:`read_chunk` result into every layer's cache: the chunk's tokens ``skip ..``
-    go to request tokens ``start + skip ..`` (``start``: the chunk's first token; the first ``skip``
-    stay as vLLM computed them). Writes the bytes :func:`decode_chunk` + :func:`~.layout.scatter_kv` write. The slots are computed
-    once for all layer views of one geometry, and all of them before the first write (bad block ids
-    raise with nothing written). On a CPU cache, one C call per layer copies K and dequantizes V into
-    the view. Runs on the thread that owns the caches (vLLM's step).
-
-    A layer read with its CRC unchecked (:attr:`LayerChunk.unverified`) is checked in that pass:
-    a mismatch raises :class:`~kvcodec.CorruptEncodedKVError` with the layer already written, so
-    the caller must fail the load (vLLM recomputes the blocks) and remove the blob.
-    """
-    if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip <= chunk.num_tokens:
-        raise UnsupportedConfigError(
-            f"skip must be an int in 0..{chunk.num_tokens}; got {skip!r}", reason=Reason.BAD_VALUE
-        )
-    n = chunk.num_tokens - skip
-    memo: dict[tuple[int, int, int], tuple[ChunkSlots, Any]] = {}
-    plan = []
-    for name, layer in chunk.layers.items():
-        cache = caches[name]
-        key = (cache.shape[0], cache.shape[2], layer.codec.block_size) if cache.dim() == 4 else (-1, -1, -1)
-        if key not in memo:
-            s = chunk_slots(
-                cache, block_ids, block_size=layer.codec.block_size, start=start + skip, num_tokens=n
-            )
-            memo[key] = (s, s.runs_array(shift=skip))
-        plan.append((cache, layer, *memo[key]))
-    for cache, layer, slots, runs in plan:
-        _write_layer(cache, layer, block_ids, slots, runs, start, skip)
-
-
-def _write_layer(
-    cache: torch.Tensor,
-    layer: LayerChunk,
-    block_ids: Any,
-    slots: ChunkSlots,
-    runs: Any,
-    start: int,
-    skip: int,
-) -> None:
-    """One layer: one C pass (K's rows, V dequantized in place) where C takes it, else V decoded first
-    (as :func:`decode_chunk` does) and both scattered by :func:`~.layout.scatter_kv`."""
-    cc, p = layer.codec, layer.unverified
-    if layer.rows is not None:
-        seed = None if p is None else payload_crc(p.header, p.crc_prefix, ())
-        got = scatter_blob_rows(layer.rows, cache, cc.head_size, runs, crc=seed)
-        if not isinstance(got, str):  # written
-            if p is not None:
-                _finish_crc(p, got)
-            return
-        if p is not None:  # C declined (NaN codes, a layout): nothing was written; the CRC first
-            check_blob_crc(p)
-    k, v = layer.decoded(cache.dtype)
-    scatter_kv(
-        cache,
-        block_ids,
-        k[skip:],
-        v[skip:],
-        head_size=cc.head_size,
-        block_size=cc.block_size,
-        start=start + skip,
-        slots=slots,
-    )

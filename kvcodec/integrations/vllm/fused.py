@@ -15,7 +15,7 @@ caches :class:`FusedLayers` does a chunk of all layers at once with
   subclasses), off the step; :meth:`FusedLayers.load` sends the payloads to
   the device in one copy and one ``decode_scatter_layers`` writes every
   layer, parsing nothing again. Blobs the kernels cannot decode go to the
-  one per-layer path (:func:`~.chunks.read_chunk`, :func:`~.chunks.write_chunk`).
+  one per-layer path (:func:`~.chunks.read_chunk`, :func:`~.chunk_writes.write_chunk`).
 
 Served: 16- and 32-bit float caches (fp16, bf16, fp32) with
 ``head_size == head_size_v``, every layer the same shape, strides, dtype and

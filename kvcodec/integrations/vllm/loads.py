@@ -8,7 +8,7 @@ then checked against its key (identity, prefix hash, ids, geometry): by
 the one per-layer path. CPU caches: the loader writes the chunks too (vLLM leaves a loading
 request's blocks alone until it is reported), and with ``defer_crc`` (on: :data:`DEFER_CRC`) the CRC
 is left out of the read (``verify_crc=False``) and checked in the C pass that writes each blob
-(:func:`~.chunks.write_chunk`; a mismatch found there fails the chunk after writing it, as any failure
+(:func:`~.chunk_writes.write_chunk`; a mismatch found there fails the chunk after writing it, as any failure
 does, and removes its keys); CUDA caches: ``get_finished`` writes them on the step.
 A chunk that fails is reported through ``get_block_ids_with_load_errors`` (vLLM recomputes it
 with ``kv_load_failure_policy="recompute"``) and its manifest removed, so a lookup does not
@@ -34,7 +34,8 @@ from .background import BackgroundPool
 from .buffers import ReadBuffers
 from .caches import LayerCaches
 from .chunk_keys import ChunkKeys
-from .chunks import PreparedChunk, read_chunk, write_chunk
+from .chunk_writes import write_chunk
+from .chunks import PreparedChunk, read_chunk
 from .config import KvcodecConfig
 from .counters import Counters
 from .fused import FusedChunk
@@ -83,7 +84,7 @@ class LoadResult:
 
 
 class LoadHandler:
-    """Loads of one worker; ``write`` writes a checked chunk into the caches (:func:`~.chunks.write_chunk`)."""
+    """Loads of one worker; ``write`` writes a checked chunk into the caches (:func:`~.chunk_writes.write_chunk`)."""
 
     def __init__(
         self,

@@ -20,7 +20,8 @@ from kvcodec.store import BlobStore
 
 from .caches import LayerCaches
 from .chunk_keys import ChunkKeys
-from .chunks import ChunkCodec, FP8Scales, write_chunk
+from .chunk_writes import write_chunk
+from .chunks import ChunkCodec, FP8Scales
 from .config import KvcodecConfig
 from .counters import Counters
 from .fused import FusedLayers

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from kvcodec import ParsedBlob, parse
-from kvcodec.integrations.vllm.chunks import ChunkCodec, decode_chunk, read_chunk, write_chunk
+from kvcodec.integrations.vllm.chunk_writes import write_chunk
+from kvcodec.integrations.vllm.chunks import ChunkCodec, decode_chunk, read_chunk
 from kvcodec.integrations.vllm.fused import FusedLayers
 from kvcodec.integrations.vllm.layout import scatter_kv
 

@@ -15,6 +15,7 @@ import torch
 from kvcodec import CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError, parse
 from kvcodec.format import assemble
 from kvcodec.format.parser import clear_header_memo, header_memo_info
+from kvcodec.integrations.vllm.chunk_writes import write_chunk
 from kvcodec.integrations.vllm.chunks import (
     ChunkCodec,
     FP8Scales,
@@ -22,7 +23,6 @@ from kvcodec.integrations.vllm.chunks import (
     decode_chunk,
     encode_chunk,
     read_chunk,
-    write_chunk,
 )
 from kvcodec.integrations.vllm.layout import scatter_kv
 from kvcodec.store import DirectoryStore

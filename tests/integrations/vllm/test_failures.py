@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs vLLM")
 
 from kvcodec.integrations.vllm.chunk_keys import ChunkRef
-from kvcodec.integrations.vllm.chunks import write_chunk
+from kvcodec.integrations.vllm.chunk_writes import write_chunk
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
 from kvcodec.integrations.vllm.worker import ConnectorParts
 from tests.integrations.vllm.workers import BLOCK_IDS, CHUNK, HASHES, HEAD, LAYERS, HookedStore, cpu_worker

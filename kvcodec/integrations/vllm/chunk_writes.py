@@ -1,0 +1,131 @@
+"""Writing a chunk read by :func:`~.chunks.read_chunk` into every layer's paged cache (vLLM's step).
+
+On CPU caches the C loops copy K and dequantize V straight into each layer's view, the chunk's
+layers in one :func:`~kvcodec.backends.cpu.scatter_blob_rows_many` call; a blob read with its CRC
+unchecked has it checked in that pass. Anything C declines is decoded and scattered as
+:func:`~.chunks.decode_chunk` + :func:`~.layout.scatter_kv` would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvcodec import ParsedBlob, Reason, UnsupportedConfigError
+from kvcodec.backends.cpu import scatter_blob_rows, scatter_blob_rows_many
+from kvcodec.format import check_crc, payload_crc
+from kvcodec.format.crc import crc32
+from kvcodec.format.parser import remember_header
+
+from .chunks import LayerChunk, PreparedChunk, check_blob_crc
+from .layout import ChunkSlots, chunk_slots, scatter_kv
+
+__all__ = ["write_chunk"]
+
+
+def _finish_crc(p: ParsedBlob, got: int | None) -> None:
+    """After a C pass that wrote the blob: ``got`` its CRC through K and V's codes (continued over the
+    scales here), or None when C did not fold it (the whole blob checked here). Only once it passed
+    is the header remembered (the store's read left it out of the memo)."""
+    if got is None:
+        check_blob_crc(p)
+    else:
+        h = p.header
+        end = p.header_len + h.k_payload_len + h.v_payload_len
+        check_crc(h, p.crc, crc32(p.buffer[end : end + h.scale_payload_len], got))
+    remember_header(p)
+
+
+def write_chunk(
+    chunk: PreparedChunk,
+    caches: Mapping[str, torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    *,
+    start: int,
+    skip: int = 0,
+) -> None:
+    """Write a :func:`read_chunk` result into every layer's cache: the chunk's tokens ``skip ..``
+    go to request tokens ``start + skip ..`` (``start``: the chunk's first token; the first ``skip``
+    stay as vLLM computed them). Writes the bytes :func:`decode_chunk` + :func:`~.layout.scatter_kv` write. The slots are computed
+    once for all layer views of one geometry, and all of them before the first write (bad block ids
+    raise with nothing written). On a CPU cache, one C call per layer copies K and dequantizes V into
+    the view. Runs on the thread that owns the caches (vLLM's step).
+
+    A layer read with its CRC unchecked (:attr:`LayerChunk.unverified`) is checked in that pass:
+    a mismatch raises :class:`~kvcodec.CorruptEncodedKVError` with the layer already written, so
+    the caller must fail the load (vLLM recomputes the blocks) and remove the blob.
+    """
+    if isinstance(skip, bool) or not isinstance(skip, int) or not 0 <= skip <= chunk.num_tokens:
+        raise UnsupportedConfigError(
+            f"skip must be an int in 0..{chunk.num_tokens}; got {skip!r}", reason=Reason.BAD_VALUE
+        )
+    n = chunk.num_tokens - skip
+    memo: dict[tuple[int, int, int], tuple[ChunkSlots, Any]] = {}
+    plan = []
+    for name, layer in chunk.layers.items():
+        cache = caches[name]
+        key = (cache.shape[0], cache.shape[2], layer.codec.block_size) if cache.dim() == 4 else (-1, -1, -1)
+        if key not in memo:
+            s = chunk_slots(
+                cache, block_ids, block_size=layer.codec.block_size, start=start + skip, num_tokens=n
+            )
+            memo[key] = (s, s.runs_array(shift=skip))
+        plan.append((cache, layer, *memo[key]))
+    c_runs = [(c, lay, sl, r) for c, lay, sl, r in plan if lay.rows is not None and r is plan[0][3]]
+    done = _write_c(c_runs) if c_runs else set()
+    for cache, layer, slots, runs in plan:
+        if id(layer) not in done:
+            _write_layer(cache, layer, block_ids, slots, runs, start, skip)
+
+
+def _write_c(plan: list[tuple[torch.Tensor, LayerChunk, ChunkSlots, Any]]) -> set[int]:
+    """The layers of one geometry with rows for C, in one :func:`scatter_blob_rows_many`; the ids of
+    those written (a CRC read unchecked is checked here, in order: a mismatch raises after its write)."""
+    writes = [(lay.rows, c, _seed(lay.unverified)) for c, lay, _, _ in plan]
+    got = scatter_blob_rows_many(writes, plan[0][1].codec.head_size, plan[0][3])
+    done = set()
+    for (_, layer, _, _), res in zip(plan, got):
+        if not isinstance(res, str):
+            if layer.unverified is not None:
+                _finish_crc(layer.unverified, res)
+            done.add(id(layer))
+    return done
+
+
+def _seed(p: ParsedBlob | None) -> int | None:
+    return None if p is None else payload_crc(p.header, p.crc_prefix, ())
+
+
+def _write_layer(
+    cache: torch.Tensor,
+    layer: LayerChunk,
+    block_ids: Any,
+    slots: ChunkSlots,
+    runs: Any,
+    start: int,
+    skip: int,
+) -> None:
+    """One layer: one C pass (K's rows, V dequantized in place) where C takes it, else V decoded first
+    (as :func:`decode_chunk` does) and both scattered by :func:`~.layout.scatter_kv`."""
+    cc, p = layer.codec, layer.unverified
+    if layer.rows is not None:
+        got = scatter_blob_rows(layer.rows, cache, cc.head_size, runs, crc=_seed(p))
+        if not isinstance(got, str):  # written
+            if p is not None:
+                _finish_crc(p, got)
+            return
+        if p is not None:  # C declined (NaN codes, a layout): nothing was written; the CRC first
+            check_blob_crc(p)
+    k, v = layer.decoded(cache.dtype)
+    scatter_kv(
+        cache,
+        block_ids,
+        k[skip:],
+        v[skip:],
+        head_size=cc.head_size,
+        block_size=cc.block_size,
+        start=start + skip,
+        slots=slots,
+    )
