@@ -1454,10 +1454,8 @@ static int dequantize_rows_crc(const Arr *q, const Arr *o, int odt, int scope, P
     size_t row = (size_t)(q->H * q->D);
     for (Py_ssize_t t0 = 0; t0 < q->T; t0 += step) {
         Py_ssize_t t1 = q->T - t0 < step ? q->T : t0 + step;
-        const uint8_t *slice = (const uint8_t *)q->base + (size_t)t0 * row; /* dense: the caller's fold */
-        *state = crc_update(*state, slice, (size_t)(t1 - t0) * row);
-        if (has_nan(slice, (Py_ssize_t)((size_t)(t1 - t0) * row))) return 1; /* the slice's rows at once */
-        (void)dequantize_span(q, o, deq, NULL, scope, page, sc, t0, t1, tabs);
+        *state = crc_update(*state, (const uint8_t *)q->base + (size_t)t0 * row, (size_t)(t1 - t0) * row);
+        if (dequantize_span(q, o, deq, has_nan, scope, page, sc, t0, t1, tabs)) return 1;
     }
     return 0;
 }
