@@ -1411,7 +1411,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 /* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 /* Rows t0 .. t1's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_nan, int scope, Py_ssize_t page,
-                           const float *sc, Py_ssize_t t0, Py_ssize_t t1, DeqTables *tabs) { /* has_nan NULL: checked */
+                           const float *sc, Py_ssize_t t0, Py_ssize_t t1, DeqTables *tabs) {
 #ifndef KV_HAVE_AVX2
     (void)tabs; /* tables_if gives none without the AVX-512 rows */
 #endif
@@ -1419,7 +1419,7 @@ static int dequantize_span(const Arr *q, const Arr *o, deq_fn deq, nan_fn has_na
         const float *st = token_scales(sc, scope, page, q->H, t);
         for (Py_ssize_t h = 0; h < q->H; h++) {
             const uint8_t *row = (const uint8_t *)q->base + t * q->st + h * q->sh;
-            if (has_nan && has_nan(row, q->D)) return 1;
+            if (has_nan(row, q->D)) return 1;
             float s = st[scope == SC_TENSOR ? 0 : h];
 #ifdef KV_HAVE_AVX2
             if (tabs) {
