@@ -779,12 +779,13 @@ ZMM_FN static inline __m512i quant16(__m512 x, __m512 vr, __m512 vs, uint8_t *q,
 
 /* Sixty-four codes (quant16 four times) packed into one 512-bit store: two dword->word packs, one
  * word->byte pack (each per 128-bit lane), then the lanes put in order. */
-ZMM_FN static inline void quant64(const __m512 x[4], __m512 vr, __m512 vs, uint8_t *q, __m512i *amax, int nan_check) {
+ZMM_FN static inline __m512i quant64(const __m512 x[4], __m512 vr, __m512 vs, uint8_t *q, __m512i *amax, int nan_check) {
     __m512i c0 = quant16(x[0], vr, vs, NULL, amax, nan_check), c1 = quant16(x[1], vr, vs, NULL, amax, nan_check);
     __m512i c2 = quant16(x[2], vr, vs, NULL, amax, nan_check), c3 = quant16(x[3], vr, vs, NULL, amax, nan_check);
     __m512i w = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
     w = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
     _mm512_storeu_si512((void *)q, w);
+    return w;
 }
 
 /* Whether 1 / scale stands for the division: scale and its reciprocal normal (2^-125 .. 2^125). */
@@ -807,7 +808,7 @@ static inline int reciprocal_ok(float scale) {
         Py_ssize_t d = 0;                                                               \
         for (; d + 64 <= D; d += 64) {                                                  \
             const __m512 x[4] = {LOAD(p + d), LOAD(p + d + 16), LOAD(p + d + 32), LOAD(p + d + 48)}; \
-            quant64(x, vr, vs, q + d, &amax, nan_check);                                \
+            (void)quant64(x, vr, vs, q + d, &amax, nan_check);                          \
         }                                                                               \
         for (; d + 16 <= D; d += 16) (void)quant16(LOAD(p + d), vr, vs, q + d, &amax, nan_check); \
         int bad = _mm512_cmpgt_epu32_mask(amax, _mm512_set1_epi32(0x7F800000)) != 0;    \
@@ -822,6 +823,59 @@ QUANT_ROW_ZMM(quant_row_f32_zmm, float, LOADZ_F32, quant_row_f32_evex, 1)
 QUANT_ROW_ZMM(quant_row_f16_zmm_finite, uint16_t, LOADZ_F16, quant_row_f16_evex, 0)
 QUANT_ROW_ZMM(quant_row_bf16_zmm_finite, uint16_t, LOADZ_BF16, quant_row_bf16_evex, 0)
 QUANT_ROW_ZMM(quant_row_f32_zmm_finite, float, LOADZ_F32, quant_row_f32_evex, 0)
+
+/* The codes' CRC carried by the quantize (encode_v, V finite, rows of whole 64-byte lines, codes
+ * dense in blob order): each 64-byte store of quant64 also folded by x^512 into one running register,
+ * so the codes are not read again. Rows whose scale has no usable reciprocal are quantized by the
+ * division and their bytes folded from memory. */
+#define ZMMC_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,vpclmulqdq,pclmul,sse4.1")))
+
+typedef struct {
+    __m512i x;
+    int started;
+    uint32_t state; /* the running state before the first 64 bytes */
+} Crc1;
+
+ZMMC_FN static inline void crc1_fold(Crc1 *a, __m512i d) {
+    if (!a->started) {
+        a->x = _mm512_xor_si512(d, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)a->state)));
+        a->started = 1;
+        return;
+    }
+    a->x = crc_fold512(a->x, _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL)), d);
+}
+
+ZMMC_FN static uint32_t crc1_state(const Crc1 *a) {
+    if (!a->started) return a->state;
+    const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+    __m128i b = _mm512_castsi512_si128(a->x);
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a->x, 1));
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a->x, 2));
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a->x, 3));
+    return crc_reduce(b);
+}
+
+typedef void (*quant_crc_fn)(const void *, Py_ssize_t, float, uint8_t *, Crc1 *);
+
+#define QUANT_ROW_CRC(name, T, LOAD, fallback)                                                     \
+    ZMMC_FN static void name(const void *row, Py_ssize_t D, float scale, uint8_t *q, Crc1 *crc) {     \
+        const T *p = (const T *)row;                                                               \
+        if (!reciprocal_ok(scale)) {                                                               \
+            (void)fallback(row, D, scale, q);                                                      \
+            for (Py_ssize_t d = 0; d < D; d += 64) crc1_fold(crc, _mm512_loadu_si512((const void *)(q + d))); \
+            return;                                                                                \
+        }                                                                                          \
+        const __m512 vr = _mm512_set1_ps(1.0f / scale), vs = _mm512_set1_ps(scale);                \
+        __m512i unused = _mm512_setzero_si512();                                                   \
+        for (Py_ssize_t d = 0; d < D; d += 64) {                                                   \
+            const __m512 x[4] = {LOAD(p + d), LOAD(p + d + 16), LOAD(p + d + 32), LOAD(p + d + 48)}; \
+            crc1_fold(crc, quant64(x, vr, vs, q + d, &unused, 0));                                 \
+        }                                                                                          \
+    }
+
+QUANT_ROW_CRC(quant_crc_f16, uint16_t, LOADZ_F16, quant_row_f16_evex)
+QUANT_ROW_CRC(quant_crc_bf16, uint16_t, LOADZ_BF16, quant_row_bf16_evex)
+QUANT_ROW_CRC(quant_crc_f32, float, LOADZ_F32, quant_row_f32_evex)
 
 ZMM_FN static int has_nan_code_zmm(const uint8_t *q, Py_ssize_t D) {
     const __m512i m7f = _mm512_set1_epi8(0x7F);
@@ -1257,6 +1311,27 @@ static uint32_t quantize_rows_crc(const Arr *v, const Arr *q, quant_fn quant, in
     return state;
 }
 
+#ifdef KV_HAVE_AVX2
+/* quantize_rows_crc with the CRC carried by the rows (see QUANT_ROW_CRC): every row, in blob order. */
+ZMMC_FN static uint32_t quantize_rows_fold(const Arr *v, const Arr *q, int vdt, int scope, Py_ssize_t page,
+                                           const float *sc, uint32_t state) {
+    quant_crc_fn quant = vdt == DT_F16 ? quant_crc_f16 : vdt == DT_BF16 ? quant_crc_bf16 : quant_crc_f32;
+    Crc1 crc = {.started = 0, .state = state};
+    for (Py_ssize_t t = 0; t < v->T; t++) {
+        const float *st = token_scales(sc, scope, page, v->H, t);
+        for (Py_ssize_t h = 0; h < v->H; h++)
+            quant(v->base + t * v->st + h * v->sh, v->D, st[scope == SC_TENSOR ? 0 : h],
+                  (uint8_t *)q->base + t * q->st + h * q->sh, &crc);
+    }
+    return crc1_state(&crc);
+}
+
+/* Whether quantize_rows_fold takes the codes' CRC (512-bit folding and rows, whole 64-byte rows). */
+static int can_fold_codes(const Arr *q, int simd) {
+    return simd >= 2 && kv_crc_fast >= 2 && q->D % 64 == 0;
+}
+#endif
+
 /* An optional byte copy that rides along with an encode (K beside V's codes): one GIL
  * release per chunk instead of two. Both buffers C-contiguous, equal lengths; they may overlap each
  * other (memmove), not the encode's outputs. */
@@ -1359,8 +1434,13 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng, simd);
     if (!why && fold) {
         if (c.held) state = copy_crc(c.dst.buf, c.src.buf, (size_t)c.src.len, state);
-        state = quantize_rows_crc(&b.in, &b.out, pick_quant_finite(vdt, simd), scope, page, (const float *)b.s.base,
-                                  state);
+#ifdef KV_HAVE_AVX2
+        if (can_fold_codes(&b.out, simd))
+            state = quantize_rows_fold(&b.in, &b.out, vdt, scope, page, (const float *)b.s.base, state);
+        else
+#endif
+            state = quantize_rows_crc(&b.in, &b.out, pick_quant_finite(vdt, simd), scope, page,
+                                      (const float *)b.s.base, state);
     } else if (!why) {
         (void)quantize_span(&b.in, &b.out, pick_quant_finite(vdt, simd), scope, page, (const float *)b.s.base, 0,
                             b.in.T); /* no NaN left */

@@ -114,6 +114,27 @@ def test_encode_with_the_crc_folded_in_writes_the_same_bytes(
     assert bytes(got) == bytes(want)
 
 
+@pytest.mark.parametrize("magnitude", [1.0, 1.0e-37, 1.0e37], ids=["normal", "tiny_scale", "large_scale"])
+def test_encode_folding_the_codes_crc_into_the_quantize_writes_the_same_bytes(
+    fast: Any, magnitude: float
+) -> None:
+    """Rows of whole 64-byte lines carry the codes' CRC in the quantize's stores (512-bit level), a
+    row whose scale has no usable reciprocal (fp32 V near the range's ends) folds its bytes after the
+    division: the same blob as the CRC computed afterwards."""
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(40, 3, 64, generator=g)
+    v = torch.randn(40, 3, 64, generator=g) * magnitude
+    v[:8] = torch.randn(8, 3, 64, generator=g)  # page 0 of ordinary scale, the others of V's
+    kw = {"scope": "per_page_head", "page_size": 8}
+    got = encode(k, v, out=bytearray(len(encode(k, v, **kw))), **kw)
+    prev = fast.crc_fast(0)
+    try:
+        want = encode(k, v, **kw)
+    finally:
+        fast.crc_fast(prev)
+    assert bytes(got) == bytes(want)
+
+
 def test_encode_v_returns_the_crc_over_k_then_the_codes(fast: Any) -> None:
     k, v = _layer(5, (64, 4, 32), torch.float16)
     q = np.empty((64, 4, 32), np.uint8)
