@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +61,20 @@ class Gate:
         return cpu_worker(root, ConnectorParts(gather=self.gather))
 
 
+def _returns(call: Callable[[], Any], within_s: float = 30.0) -> tuple[bool, Any]:
+    """(whether ``call`` returned within ``within_s`` while the gate stays closed, what it returned):
+    run on a thread and waited for on an event, so a call that blocks fails instead of hanging."""
+    done, out = threading.Event(), []
+
+    def run() -> None:
+        out.append(call())
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    returned = done.wait(within_s)
+    return returned, out[0] if returned else None
+
+
 def _gathering(conn: KvcodecConnector) -> dict[str, list[Any]]:
     return conn.worker.saves.gathering  # type: ignore[union-attr]
 
@@ -79,9 +94,8 @@ def _sync_blobs(root: Path) -> dict[str, bytes]:
 def test_a_finished_request_is_reported_sent_once_its_copies_are_done(tmp_path: Path) -> None:
     gate = Gate()
     conn = gate.worker(tmp_path)
-    t0 = time.perf_counter()
-    assert _step(conn, KvcodecMetadata(saves=_saves("w"))) is None
-    assert time.perf_counter() - t0 < 30 and gate.copies == 0  # the step did not copy
+    assert _returns(lambda: _step(conn, KvcodecMetadata(saves=_saves("w")))) == (True, None)
+    assert gate.copies == 0  # the step did not copy (nor wait for the gate)
     assert _step(conn, KvcodecMetadata(held=["w"])) is None  # finished, its copies still pending
     gate.event.set()
     assert conn.drain(60)
@@ -195,9 +209,9 @@ def test_a_preemption_waits_for_no_other_requests_copies(tmp_path: Path) -> None
     gate = Gate()
     conn = gate.worker(tmp_path)
     _step(conn, KvcodecMetadata(saves=_saves("o")))
-    t0 = time.perf_counter()
-    conn.handle_preemptions(KvcodecMetadata(preempted=["w"]))  # w has no copies: returns at once
-    assert time.perf_counter() - t0 < 30 and gate.copies == 0
+    # w has no copies: returns with the gate still closed
+    assert _returns(lambda: conn.handle_preemptions(KvcodecMetadata(preempted=["w"])))[0]
+    assert gate.copies == 0
     gate.event.set()
     assert conn.drain(60)
     conn.shutdown()
