@@ -493,25 +493,7 @@ def scatter_blob_rows(
     the cache has been written by then, so a mismatch must fail the load); None when C could not
     fold it (the caller checks the blob's CRC itself).
     """
-    page = _page(rows.groups)
-    if isinstance(page, str):
-        return page
-    why = _cache_refusal(cache, _DECODE[1])
-    if why is not None:
-        return why
-    return _cpu.scatter_dequant(
-        rows.codes,
-        rows.scales,
-        _SCOPE[rows.groups.scope],
-        page,
-        _buf(cache),
-        v_col,
-        _DTYPE[cache.dtype],
-        _runs(runs),
-        rows.k,
-        0,
-        crc,
-    )
+    return scatter_blob_rows_many([(rows, cache, crc)], v_col, runs)[0]
 
 
 def scatter_blob_rows_many(

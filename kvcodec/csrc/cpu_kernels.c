@@ -257,6 +257,15 @@ VCLMUL_FN static inline __m512i crc_load512(const uint8_t *p, uint8_t *dst, size
     return d;
 }
 
+/* A 512-bit register's four 128-bit lanes (the first the earliest bytes) folded into one by x^128. */
+VCLMUL_FN static inline __m128i crc_lanes(__m512i a) {
+    const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+    __m128i b = _mm512_castsi512_si128(a);
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 1));
+    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 2));
+    return _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 3));
+}
+
 __attribute__((always_inline)) VCLMUL_FN static inline uint32_t crc_vclmul_body(uint32_t state, uint8_t *dst,
                                                                                  const uint8_t *p, size_t n) {
     const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430LL, 0x11542778aLL)); /* x^(2048-+32) */
@@ -274,10 +283,7 @@ __attribute__((always_inline)) VCLMUL_FN static inline uint32_t crc_vclmul_body(
     }
     __m512i a = crc_fold512(crc_fold512(crc_fold512(x0, k512, x1), k512, x2), k512, x3);
     for (; n - at >= 64; at += 64) a = crc_fold512(a, k512, crc_load512(p, dst, at));
-    __m128i b = _mm512_castsi512_si128(a);
-    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 1));
-    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 2));
-    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a, 3));
+    __m128i b = crc_lanes(a);
     for (; at < n; at += 16) {
         __m128i d = _mm_loadu_si128((const __m128i *)(p + at));
         if (dst) _mm_storeu_si128((__m128i *)(dst + at), d);
@@ -846,13 +852,7 @@ ZMMC_FN static inline void crc1_fold(Crc1 *a, __m512i d) {
 }
 
 ZMMC_FN static uint32_t crc1_state(const Crc1 *a) {
-    if (!a->started) return a->state;
-    const __m128i k128 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
-    __m128i b = _mm512_castsi512_si128(a->x);
-    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a->x, 1));
-    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a->x, 2));
-    b = _mm_xor_si128(crc_fold(b, k128), _mm512_extracti32x4_epi32(a->x, 3));
-    return crc_reduce(b);
+    return a->started ? crc_reduce(crc_lanes(a->x)) : a->state;
 }
 
 typedef void (*quant_crc_fn)(const void *, Py_ssize_t, float, uint8_t *, Crc1 *);

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvcodec import ParsedBlob, Reason, UnsupportedConfigError
-from kvcodec.backends.cpu import scatter_blob_rows, scatter_blob_rows_many
+from kvcodec.backends.cpu import scatter_blob_rows_many
 from kvcodec.format import check_crc, payload_crc
 from kvcodec.format.crc import crc32
 from kvcodec.format.parser import remember_header
@@ -50,8 +50,8 @@ def write_chunk(
     go to request tokens ``start + skip ..`` (``start``: the chunk's first token; the first ``skip``
     stay as vLLM computed them). Writes the bytes :func:`decode_chunk` + :func:`~.layout.scatter_kv` write. The slots are computed
     once for all layer views of one geometry, and all of them before the first write (bad block ids
-    raise with nothing written). On a CPU cache, one C call per layer copies K and dequantizes V into
-    the view. Runs on the thread that owns the caches (vLLM's step).
+    raise with nothing written). On a CPU cache, one C pass per layer copies K and dequantizes V into
+    the view, a geometry's layers in one call. Runs on the thread that owns the caches (vLLM's step).
 
     A layer read with its CRC unchecked (:attr:`LayerChunk.unverified`) is checked in that pass:
     a mismatch raises :class:`~kvcodec.CorruptEncodedKVError` with the layer already written, so
@@ -73,51 +73,45 @@ def write_chunk(
             )
             memo[key] = (s, s.runs_array(shift=skip))
         plan.append((cache, layer, *memo[key]))
-    c_runs = [(c, lay, sl, r) for c, lay, sl, r in plan if lay.rows is not None and r is plan[0][3]]
-    done = _write_c(c_runs) if c_runs else set()
-    for cache, layer, slots, runs in plan:
-        if id(layer) not in done:
-            _write_layer(cache, layer, block_ids, slots, runs, start, skip)
+    by_runs: dict[int, list[tuple[torch.Tensor, LayerChunk, ChunkSlots, Any]]] = {}
+    for entry in plan:  # the layers C can take, one batch per geometry (its runs)
+        if entry[1].rows is not None:
+            by_runs.setdefault(id(entry[3]), []).append(entry)
+    written: set[int] = set()
+    for group in by_runs.values():
+        written |= _write_c(group)
+    for cache, layer, slots, _ in plan:
+        if id(layer) not in written:
+            _write_decoded(cache, layer, block_ids, slots, start, skip)
 
 
 def _write_c(plan: list[tuple[torch.Tensor, LayerChunk, ChunkSlots, Any]]) -> set[int]:
-    """The layers of one geometry with rows for C, in one :func:`scatter_blob_rows_many`; the ids of
-    those written (a CRC read unchecked is checked here, in order: a mismatch raises after its write)."""
+    """Layers of one geometry, each with rows for C, in one :func:`scatter_blob_rows_many`: the ids of
+    those written (a CRC read unchecked is checked after the writes, in order: a mismatch raises)."""
     writes = [(lay.rows, c, _seed(lay.unverified)) for c, lay, _, _ in plan]
     got = scatter_blob_rows_many(writes, plan[0][1].codec.head_size, plan[0][3])
-    done = set()
+    written = set()
     for (_, layer, _, _), res in zip(plan, got):
         if not isinstance(res, str):
             if layer.unverified is not None:
                 _finish_crc(layer.unverified, res)
-            done.add(id(layer))
-    return done
+            written.add(id(layer))
+    return written
 
 
 def _seed(p: ParsedBlob | None) -> int | None:
     return None if p is None else payload_crc(p.header, p.crc_prefix, ())
 
 
-def _write_layer(
-    cache: torch.Tensor,
-    layer: LayerChunk,
-    block_ids: Any,
-    slots: ChunkSlots,
-    runs: Any,
-    start: int,
-    skip: int,
+def _write_decoded(
+    cache: torch.Tensor, layer: LayerChunk, block_ids: Any, slots: ChunkSlots, start: int, skip: int
 ) -> None:
-    """One layer: one C pass (K's rows, V dequantized in place) where C takes it, else V decoded first
-    (as :func:`decode_chunk` does) and both scattered by :func:`~.layout.scatter_kv`."""
-    cc, p = layer.codec, layer.unverified
-    if layer.rows is not None:
-        got = scatter_blob_rows(layer.rows, cache, cc.head_size, runs, crc=_seed(p))
-        if not isinstance(got, str):  # written
-            if p is not None:
-                _finish_crc(p, got)
-            return
-        if p is not None:  # C declined (NaN codes, a layout): nothing was written; the CRC first
-            check_blob_crc(p)
+    """A layer C did not write (no rows for it, or C declined: NaN codes, a layout): its CRC first if
+    unchecked, then V decoded (as :func:`decode_chunk` does) and both scattered by
+    :func:`~.layout.scatter_kv`."""
+    cc = layer.codec
+    if layer.unverified is not None:
+        check_blob_crc(layer.unverified)
     k, v = layer.decoded(cache.dtype)
     scatter_kv(
         cache,
