@@ -7,8 +7,8 @@ A backend that cannot serve a particular call (a dtype, an alignment, NaN in
 the data...) raises :class:`Declined`; the dispatcher in :mod:`kvcodec.backends`
 then runs the reference on the same arguments and records why. A backend may
 have written part of ``out`` before declining (the C loops stop at a row
-holding NaN); the reference then writes all of it, and ``encode_v`` declines
-before writing any code.
+holding NaN, the C encode of per_page_head V at the page holding it); the
+reference then writes all of it, or raises.
 
 Beyond the interface, a backend may offer one optional lane the codec uses
 when present: ``encode_fused`` (Triton: K, codes and scales of a blob in one

@@ -12,8 +12,11 @@ declines (:class:`~.base.Declined`) what the loops do not handle as a tensor
 checks every buffer's shape, strides, alignment and overlaps and declines a
 layout it does not take, or data it cannot reproduce bit for bit (NaN, unusable
 scales); the dispatcher then runs the reference over the whole output.
-``encode_v`` declines before writing any code; ``quantize``/``dequantize`` may
-have written the rows before one holding NaN. The extension is optional (built at install when a C compiler is present):
+``encode_v`` of per_page_head 16-bit V goes page by page (a page's scales,
+then its codes while its rows are in cache: V read from memory once) and may
+have written the pages before one it declines; other scopes decline before
+writing any code; ``quantize``/``dequantize`` may have written the rows before
+one holding NaN. The extension is optional (built at install when a C compiler is present):
 :data:`AVAILABLE` says whether it is and :data:`REASON` why not.
 """
 

@@ -152,6 +152,9 @@ KV_CLONES static float amax_row_f32(const void *row, Py_ssize_t D) {
 
 static uint32_t crc_table[256];
 static int kv_crc_fast = 0;
+/* Whether encode_v takes per_page_head 16-bit V page by page (encode_paged) rather than in two passes. */
+static int kv_paged = 1;
+
 
 static void crc_init(void) {
     for (uint32_t n = 0; n < 256; n++) {
@@ -1330,6 +1333,78 @@ ZMMC_FN static uint32_t quantize_rows_fold(const Arr *v, const Arr *q, int vdt, 
 static int can_fold_codes(const Arr *q, int simd) {
     return simd >= 2 && kv_crc_fast >= 2 && q->D % 64 == 0;
 }
+
+/* per_page_head with 16-bit V: one page at a time, its scales (the absmax pass over its rows) and then
+ * its codes while those rows are still in L1, so V comes from memory once instead of twice. A page
+ * holding NaN/Inf, or one whose scale the stored dtype cannot hold, stops the pass with its reason:
+ * the codes of the pages before it are written by then (the reference then writes all of q, or
+ * raises). While a page is quantized its successor's rows are prefetched. */
+static const char *page_scales(const Arr *v, int vdt, Py_ssize_t t0, Py_ssize_t rows, int sdt, float *sc, int simd) {
+    for (Py_ssize_t h = 0; h < v->H; h++) {
+        const char *first = v->base + t0 * v->st + h * v->sh;
+        uint16_t bits = simd >= 2 ? amax_rows_u16_zmm(first, v->st, rows, v->D)
+                                  : amax_rows_u16_avx2(first, v->st, rows, v->D);
+        float m = vdt == DT_F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
+        if (!finite_f32(m)) return "V holds NaN or Inf (the reference names the group)";
+        const char *why = group_scale(m, sdt, sc + h);
+        if (why) return why;
+    }
+    return NULL;
+}
+
+static inline void prefetch_row(const char *row, Py_ssize_t bytes) {
+    for (Py_ssize_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+}
+
+/* How many tokens ahead the rows are prefetched: about 32 KiB of V (a page of 16 tokens x 8 heads x 128
+ * in fp16), so the next page's absmax reads L1 while this page's quantize keeps the core busy. */
+static inline Py_ssize_t prefetch_tokens(const Arr *v) {
+    Py_ssize_t st = v->st > 0 ? v->st : 1;
+    return (32768 + st - 1) / st;
+}
+
+/* The CRC state carried over the codes in blob order: `want` none (0), per page from memory (1). */
+static const char *encode_paged(const Arr *v, const Arr *q, int vdt, Py_ssize_t page, int sdt, float *scales,
+                                int simd, int want, uint32_t *state) {
+    quant_fn quant = pick_quant_finite(vdt, simd);
+    Py_ssize_t row_bytes = v->D * 2, lead = prefetch_tokens(v), ahead = lead * v->st;
+    for (Py_ssize_t t0 = 0; t0 < v->T; t0 += page) {
+        Py_ssize_t rows = v->T - t0 < page ? v->T - t0 : page;
+        float *sc = scales + (t0 / page) * v->H;
+        const char *why = page_scales(v, vdt, t0, rows, sdt, sc, simd);
+        if (why) return why;
+        for (Py_ssize_t t = t0; t < t0 + rows; t++)
+            for (Py_ssize_t h = 0; h < v->H; h++) {
+                const char *row = v->base + t * v->st + h * v->sh;
+                if (t + lead < v->T) prefetch_row(row + ahead, row_bytes);
+                (void)quant(row, v->D, sc[h], (uint8_t *)q->base + t * q->st + h * q->sh);
+            }
+        if (want) *state = crc_update(*state, (const uint8_t *)q->base + t0 * q->st, (size_t)(rows * q->st));
+    }
+    return NULL;
+}
+
+/* encode_paged with the codes' CRC carried by the stores (can_fold_codes: codes dense). */
+ZMMC_FN static const char *encode_paged_fold(const Arr *v, const Arr *q, int vdt, Py_ssize_t page, int sdt,
+                                             float *scales, uint32_t *state) {
+    quant_crc_fn quant = vdt == DT_F16 ? quant_crc_f16 : quant_crc_bf16;
+    Crc1 crc = {.started = 0, .state = *state};
+    Py_ssize_t row_bytes = v->D * 2, lead = prefetch_tokens(v), ahead = lead * v->st;
+    for (Py_ssize_t t0 = 0; t0 < v->T; t0 += page) {
+        Py_ssize_t rows = v->T - t0 < page ? v->T - t0 : page;
+        float *sc = scales + (t0 / page) * v->H;
+        const char *why = page_scales(v, vdt, t0, rows, sdt, sc, 2);
+        if (why) return why;
+        for (Py_ssize_t t = t0; t < t0 + rows; t++)
+            for (Py_ssize_t h = 0; h < v->H; h++) {
+                const char *row = v->base + t * v->st + h * v->sh;
+                if (t + lead < v->T) prefetch_row(row + ahead, row_bytes);
+                quant(row, v->D, sc[h], (uint8_t *)q->base + t * q->st + h * q->sh, &crc);
+            }
+    }
+    *state = crc1_state(&crc);
+    return NULL;
+}
 #endif
 
 /* An optional byte copy that rides along with an encode (K beside V's codes): one GIL
@@ -1373,11 +1448,6 @@ static int copy_overlaps(const Copy *c, const Py_buffer *buf, const Arr *a) {
     return b0 < a->hi && a0 < b0 + buf->len;
 }
 
-/* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales[, copy_src, copy_dst]) -> None, or why the
- * reference must take it. V's group scales (fp32 values of the stored scale dtype) into `scales`, then
- * its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds NaN/Inf or a scale is
- * unusable. (One fused pass, page by page, measured no faster.) The optional copy (K's bytes into the
- * blob) is made only when the encode is served, in the same GIL release. */
 /* Take an optional CRC seed: Py_None (no CRC wanted: *want = 0) or an int 0 .. 2^32 - 1. -1: error raised. */
 static int take_crc(const char *fn, PyObject *obj, int *want, uint32_t *seed) {
     *want = 0;
@@ -1397,11 +1467,34 @@ static PyObject *crc_result(Bufs *b, int done, uint32_t state) {
     return done ? PyLong_FromUnsignedLong(~state & 0xFFFFFFFFu) : Py_NewRef(Py_None);
 }
 
+#ifdef KV_HAVE_AVX2
+/* encode_paged (its codes' CRC from a fresh state when `fold`), then the copy once the encode is
+ * served, its CRC continuing *state; the two CRCs joined in blob order (copy, then codes). */
+static const char *encode_paged_then_copy(const Bufs *b, const Copy *c, int vdt, Py_ssize_t page, int sdt, int simd,
+                                          int fold, uint32_t *state) {
+    uint32_t codes = 0xFFFFFFFFu;
+    const char *why = fold && can_fold_codes(&b->out, simd)
+                          ? encode_paged_fold(&b->in, &b->out, vdt, page, sdt, (float *)b->s.base, &codes)
+                          : encode_paged(&b->in, &b->out, vdt, page, sdt, (float *)b->s.base, simd, fold, &codes);
+    if (why) return why;
+    if (c->held && c->src.len) {
+        if (fold)
+            *state = copy_crc(c->dst.buf, c->src.buf, (size_t)c->src.len, *state);
+        else
+            memmove(c->dst.buf, c->src.buf, (size_t)c->src.len);
+    }
+    if (fold) *state = ~crc32_combine_len(~*state, ~codes, (uint64_t)(b->out.T * b->out.H * b->out.D));
+    return NULL;
+}
+#endif
+
 /* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales[, copy_src, copy_dst[, crc]]) -> None, an
  * int, or why the reference must take it. V's group scales (fp32 values of the stored scale dtype)
- * into `scales`, then its e4m3 codes into `q`: two passes, so that nothing reaches q when V holds
- * NaN/Inf or a scale is unusable. The optional copy (K's bytes into the blob) is made only when the
- * encode is served, in the same GIL release. With `crc` (an int: the CRC so far, e.g. of the header)
+ * into `scales`, and its e4m3 codes into `q`: per_page_head 16-bit V page by page (encode_paged: V
+ * read from memory once; a decline met at a page leaves the codes of the pages before it written),
+ * other V in two passes (every scale, then every code: nothing reaches q when V holds NaN/Inf or a
+ * scale is unusable). The optional copy (K's bytes into the blob) is made only when the encode is
+ * served, in the same GIL release. With `crc` (an int: the CRC so far, e.g. of the header)
  * the result is that CRC continued over the copy's destination, then over q's bytes (a blob's K and
  * codes, in order), each slice checksummed right after it is written; None when the CRC could not be
  * folded in (no carry-less multiply, q not dense, or a copy overlapping itself): the caller computes it. */
@@ -1431,6 +1524,12 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
     int fold = want && kv_crc_fast && dense_codes(&b.out) && !(c.held && bufs_overlap(&c.src, &c.dst));
     uint32_t state = ~seed;
     Py_BEGIN_ALLOW_THREADS
+#ifdef KV_HAVE_AVX2
+    if (scope == SC_PAGE_HEAD && vdt != DT_F32 && simd && kv_paged)
+        why = encode_paged_then_copy(&b, &c, vdt, page, sdt, simd, fold, &state);
+    else
+#endif
+    {
     why = encode_scales(&b.in, vdt, scope, page, sdt, (float *)b.s.base, b.ng, simd);
     if (!why && fold) {
         if (c.held) state = copy_crc(c.dst.buf, c.src.buf, (size_t)c.src.len, state);
@@ -1445,6 +1544,7 @@ static PyObject *py_encode_v(PyObject *self, PyObject *args) {
         (void)quantize_span(&b.in, &b.out, pick_quant_finite(vdt, simd), scope, page, (const float *)b.s.base, 0,
                             b.in.T); /* no NaN left */
         if (c.held && c.src.len) memmove(c.dst.buf, c.src.buf, (size_t)c.src.len);
+    }
     }
     Py_END_ALLOW_THREADS
     release_copy(&c);
@@ -1971,6 +2071,15 @@ static PyObject *py_crc_fast(PyObject *self, PyObject *args) {
 /* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows; 2: the quantize rows
  * compiled for AVX-512VL; each where the CPU has it (else the best below; the best is the default);
  * -1 only reads. For tests of every path. */
+static PyObject *py_paged(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (parse(args, "paged", "i", &on)) return NULL;
+    int prev = kv_paged;
+    if (on >= 0) kv_paged = on != 0;
+    return PyLong_FromLong(prev);
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     int level;
@@ -2013,6 +2122,9 @@ static PyMethodDef methods[] = {
     {"crc32", py_crc32, METH_VARARGS, "crc32(data[, value]) -> int: zlib's CRC-32, with the loops the codec folds in."},
     {"crc_fast", py_crc_fast, METH_VARARGS,
      "crc_fast(level) -> previous: 2 folded on 512-bit registers, 1 on 128-bit lanes, 0 off, -1 read only."},
+    {"paged", py_paged, METH_VARARGS,
+     "paged(on) -> previous: 1 encodes per_page_head 16-bit V a page at a time (scales, then codes), 0 in two "
+     "passes over V; -1 read only."},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> previous: 0 portable, 1 AVX2 + F16C, 2 with AVX-512VL, -1 read only."},
     {"set_error", py_set_error, METH_VARARGS, "set_error(cls): the exception class of every error."},
     {NULL, NULL, 0, NULL},

@@ -170,7 +170,7 @@ def test_dequantize_tables_at_every_scope_and_head_count(
 
 @pytest.mark.parametrize("sdt", FLOATS, ids=["s16", "sbf16", "s32"])
 @pytest.mark.parametrize("g", GROUPS, ids=GID)
-def test_encode_v_every_16bit_value(level: int, g: Groups, sdt: torch.dtype) -> None:
+def test_encode_v_every_16bit_value(level: int, encode_pass: int, g: Groups, sdt: torch.dtype) -> None:
     """Every finite fp16 and bf16 value in groups of varied absmax, each scope and stored scale dtype."""
     for dtype in (torch.float16, torch.bfloat16):
         x = _every(dtype).flatten()
@@ -194,7 +194,7 @@ SHAPES = [(1, 1, 1), (1, 1, 8), (17, 3, 33), (5, 1, 256), (40, 2, 1), (64, 8, 12
 @pytest.mark.parametrize("g", GROUPS, ids=GID)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_encode_quantize_dequantize_equal_reference(
-    level: int, shape: tuple[int, int, int], g: Groups, dtype: torch.dtype
+    level: int, encode_pass: int, shape: tuple[int, int, int], g: Groups, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(sum(shape) * 7 + len(GID))
     v = (torch.randn(shape, generator=gen) * 4).to(dtype)
@@ -212,7 +212,7 @@ def test_encode_quantize_dequantize_equal_reference(
         assert _same(a, R.dequantize(qb, sb, g, out=torch.empty(shape, dtype=od)))
 
 
-def test_strided_inputs_and_outputs(level: int) -> None:
+def test_strided_inputs_and_outputs(level: int, encode_pass: int) -> None:
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(2, 30, 4, 72, generator=gen).half()
     v = base[1, :, 1:3, :64]  # token and head strides of a bigger tensor, head_dim contiguous
@@ -356,12 +356,43 @@ def _storage(x: torch.Tensor) -> bytes:
 
 
 @pytest.mark.parametrize("name", list(DECLINE_ENCODE))
-def test_encode_v_declines_before_writing(name: str) -> None:
+def test_encode_v_declines_before_writing(encode_pass: int, name: str) -> None:
+    """Every decline leaves ``out`` and V as they were (page by page, a NaN in page 0: one met later is
+    the next test)."""
     v, g, out, kw = DECLINE_ENCODE[name]
+    if encode_pass and name == "v_nan":
+        v = _with(_v(6, 2, 8), (1, 1, 3), float("nan"))
     before = _storage(out), _storage(v)
     with pytest.raises(Declined):
         C.encode_v(v, g, out=out, **kw)
     assert (_storage(out), _storage(v)) == before
+
+
+def _huge(v: torch.Tensor, idx: tuple[int, ...]) -> torch.Tensor:
+    return _with(v, idx, 1.0e9)  # bf16 holds it, an fp16 scale (1e9 / 448) does not
+
+
+@pytest.mark.parametrize("vdtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", ["nan", "inf", "scale_overflow"])
+def test_encode_v_page_by_page_stops_at_the_first_bad_page(
+    level: int, encode_pass: int, vdtype: torch.dtype, bad: str
+) -> None:
+    """Page by page (SIMD levels), a decline met at page 2 leaves pages 0 and 1 coded as the reference
+    codes them and the rest of ``out`` as it was; in two passes (or portable C) nothing is written."""
+    if bad == "scale_overflow" and vdtype == torch.float16:
+        vdtype = torch.bfloat16  # fp16 V always has an fp16 scale
+    v = _v(8, 2, 64, dtype=vdtype)
+    idx = (5, 1, 7)
+    v = _huge(v, idx) if bad == "scale_overflow" else _with(v, idx, float("nan" if bad == "nan" else "inf"))
+    sdt = torch.float16 if bad == "scale_overflow" else torch.float32
+    out = torch.zeros(8, 2, 64, dtype=torch.uint8).view(E4M3)
+    with pytest.raises(Declined):
+        C.encode_v(v, PH, out=out, scale_dtype=sdt, nonfinite="error")
+    written = 4 if encode_pass and level > 0 else 0
+    if written:
+        _, want = _encode(R, v[:written].contiguous(), PH, sdt)
+        assert _same(out[:written], want)
+    assert not out[written:].view(torch.uint8).any()
 
 
 def test_encode_v_declines_an_out_overlapping_v() -> None:

@@ -100,7 +100,7 @@ def _layer(seed: int, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple[
 @pytest.mark.parametrize("shape", [(48, 2, 64), (33, 3, 17), (1, 1, 1), (2048, 1, 8)])
 @pytest.mark.parametrize("version", [1, 2])
 def test_encode_with_the_crc_folded_in_writes_the_same_bytes(
-    fast: Any, dtype: torch.dtype, shape: tuple[int, int, int], version: int
+    fast: Any, encode_pass: int, dtype: torch.dtype, shape: tuple[int, int, int], version: int
 ) -> None:
     k, v = _layer(sum(shape), shape, dtype)
     kw = {"scope": "per_page_head", "page_size": 16, "version": version}
@@ -116,7 +116,7 @@ def test_encode_with_the_crc_folded_in_writes_the_same_bytes(
 
 @pytest.mark.parametrize("magnitude", [1.0, 1.0e-37, 1.0e37], ids=["normal", "tiny_scale", "large_scale"])
 def test_encode_folding_the_codes_crc_into_the_quantize_writes_the_same_bytes(
-    fast: Any, magnitude: float
+    fast: Any, encode_pass: int, magnitude: float
 ) -> None:
     """Rows of whole 64-byte lines carry the codes' CRC in the quantize's stores (512-bit level), a
     row whose scale has no usable reciprocal (fp32 V near the range's ends) folds its bytes after the
@@ -135,7 +135,7 @@ def test_encode_folding_the_codes_crc_into_the_quantize_writes_the_same_bytes(
     assert bytes(got) == bytes(want)
 
 
-def test_encode_v_returns_the_crc_over_k_then_the_codes(fast: Any) -> None:
+def test_encode_v_returns_the_crc_over_k_then_the_codes(fast: Any, encode_pass: int) -> None:
     k, v = _layer(5, (64, 4, 32), torch.float16)
     q = np.empty((64, 4, 32), np.uint8)
     s = np.empty((4, 4), np.float32)
