@@ -388,7 +388,9 @@ def test_encode_v_page_by_page_stops_at_the_first_bad_page(
     out = torch.zeros(8, 2, 64, dtype=torch.uint8).view(E4M3)
     with pytest.raises(Declined):
         C.encode_v(v, PH, out=out, scale_dtype=sdt, nonfinite="error")
-    written = 4 if encode_pass and level > 0 else 0
+    from kvcodec import _cpu
+
+    written = 4 if encode_pass and _cpu.simd(-1) > 0 else 0  # the level this build and CPU run
     if written:
         _, want = _encode(R, v[:written].contiguous(), PH, sdt)
         assert _same(out[:written], want)

@@ -21,7 +21,7 @@ import torch
 from kvcodec.backends.cpu import AVAILABLE
 from kvcodec.codec import decode, encode
 from kvcodec.errors import CodecError, CorruptEncodedKVError, Reason
-from kvcodec.format import parse
+from kvcodec.format import parse, payload_crc
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="kvcodec._cpu is not built")
 
@@ -175,11 +175,54 @@ def test_decode_with_the_crc_folded_in_equals_the_checked_path(
     assert torch.equal(got.scales, want.scales) and got.header == want.header
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape,magnitude",
+    [((40, 3, 128), 1.0), ((20, 18, 64), 1.0), ((33, 2, 192), 1.0e-37), ((1, 1, 64), 1.0)],
+    ids=["tables", "heads_past_the_tables", "tiny_scales", "one_row"],
+)
+def test_decode_folding_the_codes_crc_into_the_rows_equals_the_checked_path(
+    fast: Any, dtype: torch.dtype, shape: tuple[int, int, int], magnitude: float
+) -> None:
+    """Rows of whole 64-byte lines carry the codes' CRC in the dequantizing loop (512-bit level): by
+    table, by computed rows past the tables' heads, and for scales too small for a table."""
+    k, v = _layer(14, shape, torch.float32)
+    v = v * magnitude
+    blob = encode(k.to(dtype), v.to(dtype) if magnitude == 1.0 else v, page_size=16)
+    want = decode(parse(blob), out_v_dtype=dtype)
+    got = decode(blob, out_k=torch.empty_like(want.k), out_v=torch.empty(want.v.shape, dtype=dtype))
+    assert torch.equal(got.k.view(torch.uint8), want.k.contiguous().view(torch.uint8))
+    assert torch.equal(got.v.view(torch.uint8), want.v.contiguous().view(torch.uint8))
+
+
+def _with_nan_code(blob: bytes, at_code: int) -> bytearray:
+    """The blob with one V code made a NaN (0x7F) and its CRC recomputed: valid bytes, a NaN inside."""
+    p = parse(blob)
+    h, at = p.header, p.header_len
+    out = bytearray(blob)
+    out[at + h.k_payload_len + at_code] = 0x7F
+    crc = payload_crc(h, p.crc_prefix, (memoryview(out)[at : at + h.payload_len],))
+    out[at - 4 : at] = crc.to_bytes(4, "little")
+    return out
+
+
+@pytest.mark.parametrize("where", [0, 128 * 2 * 17 + 5, 128 * 2 * 40 - 1], ids=["first", "middle", "last"])
+def test_decode_meeting_a_nan_code_mid_fold_equals_the_checked_path(fast: Any, where: int) -> None:
+    """A NaN code stops the folded rows; the checked path then decodes the whole blob (NaN kept)."""
+    k, v = _layer(15, (40, 2, 128), torch.float16)
+    blob = _with_nan_code(encode(k, v, page_size=16), where)
+    want = decode(parse(blob), out_v_dtype=torch.float16)
+    got = decode(blob, out_k=torch.empty_like(k), out_v=torch.empty_like(v))
+    assert torch.isnan(got.v).sum() == 1
+    assert torch.equal(got.v.view(torch.int16), want.v.contiguous().view(torch.int16))
+
+
 def test_decode_with_the_crc_folded_in_refuses_a_damaged_payload(fast: Any) -> None:
-    k, v = _layer(12, (64, 2, 32), torch.float16)
+    k, v = _layer(12, (64, 2, 64), torch.float16)  # rows of 64 bytes: the folding rows at level 2
     blob = encode(k, v, page_size=16)
     at = parse(blob).header_len
-    for off in (0, k.numel() * 2 - 1, k.numel() * 2 + 5, len(blob) - at - 1):  # K, V's codes, the scales
+    codes = k.numel() * 2
+    for off in (0, codes - 1, codes + 5, codes + 64 * 70 + 3, codes + v.numel() - 1, len(blob) - at - 1):
         bad = bytearray(blob)
         bad[at + off] ^= 0x10
         with pytest.raises(CorruptEncodedKVError) as e:
