@@ -25,8 +25,9 @@
  * reproduce bit for bit (NaN/Inf in V, NaN codes, unusable scales; torch's own
  * NaN bits differ with the tensor's size). All of these are found before any
  * output is written, except NaN met by quantize and dequantize, which stop at
- * that row: the reference then rewrites the whole output (it never fails on
- * NaN), so no partial result is ever seen.
+ * that row, and NaN/Inf or an unusable scale met by the page-by-page encode
+ * (encode_paged), which stops at that page: the reference then rewrites the
+ * whole output (or raises), so no partial result is ever returned.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1328,7 +1329,7 @@ static int quantize_rows(const Arr *v, const Arr *q, int vdt, int scope, Py_ssiz
  * slice is checksummed while it is still in L1. */
 static Py_ssize_t crc_slice_tokens(const Arr *q) {
     Py_ssize_t row = q->H * q->D;
-    return row >= 16384 ? 1 : 16384 / row;
+    return row >= 16384 || row == 0 ? 1 : 16384 / row;
 }
 
 /* Whether q's codes lie densely in token-major order (the blob's order, which the CRC follows). */
@@ -1419,7 +1420,10 @@ static const char *encode_paged(const Arr *v, const Arr *q, int vdt, Py_ssize_t 
                 if (t + lead < v->T) prefetch_row(row + ahead, row_bytes);
                 (void)quant(row, v->D, sc[h], (uint8_t *)q->base + t * q->st + h * q->sh);
             }
-        if (want) *state = crc_update(*state, (const uint8_t *)q->base + t0 * q->st, (size_t)(rows * q->st));
+        if (want) { /* dense codes: a token is H * D bytes whatever q's token stride says (T == 1) */
+            size_t token = (size_t)(q->H * q->D);
+            *state = crc_update(*state, (const uint8_t *)q->base + (size_t)t0 * token, (size_t)rows * token);
+        }
     }
     return NULL;
 }
@@ -1628,7 +1632,6 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 
 /* ----------------------------------------------------------- dequantize */
 
-/* Every row's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 /* Rows t0 .. t1's float(q) * scale; stops before a row holding a NaN code (returns 1). */
 /* The rows dequantize_span reaches `lead` tokens from now (about 16 KiB of codes ahead): the codes
  * prefetched for reading, the output rows for writing, so that their lines are owned before the
@@ -2149,9 +2152,8 @@ static PyObject *py_crc_fast(PyObject *self, PyObject *args) {
     return PyLong_FromLong(prev);
 }
 
-/* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows; 2: the quantize rows
- * compiled for AVX-512VL; each where the CPU has it (else the best below; the best is the default);
- * -1 only reads. For tests of every path. */
+/* paged(on) -> previous: 1 (the default) encodes per_page_head 16-bit V page by page, 0 in two passes
+ * over V; -1 only reads. For tests and benchmarks of both ways. */
 static PyObject *py_paged(PyObject *self, PyObject *args) {
     (void)self;
     int on;
@@ -2161,6 +2163,9 @@ static PyObject *py_paged(PyObject *self, PyObject *args) {
     return PyLong_FromLong(prev);
 }
 
+/* simd(level) -> previous level. 0: portable C rows; 1: AVX2 + F16C rows; 2: the quantize rows
+ * compiled for AVX-512VL; each where the CPU has it (else the best below; the best is the default);
+ * -1 only reads. For tests of every path. */
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     (void)self;
     int level;

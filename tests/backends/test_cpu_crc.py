@@ -149,6 +149,34 @@ def test_encode_v_returns_the_crc_over_k_then_the_codes(fast: Any, encode_pass: 
     assert bytes(k_dst) == bytes(k_src)
 
 
+@pytest.mark.parametrize("dim", [32, 64])
+def test_encode_v_crc_of_one_token_with_a_long_token_stride(fast: Any, encode_pass: int, dim: int) -> None:
+    """One token's codes are dense whatever q's token stride says: the CRC covers exactly H x D bytes
+    (in the unfolded rows and the folded stores alike), never bytes past q."""
+    _testbuffer = pytest.importorskip("_testbuffer")  # numpy exports a length-1 axis's canonical stride
+
+    _, v = _layer(16, (1, 2, dim), torch.float16)
+    q = _testbuffer.ndarray(
+        [0] * (2 * dim),
+        shape=[1, 2, dim],
+        strides=[1 << 16, dim, 1],
+        format="B",
+        flags=_testbuffer.ND_WRITABLE,
+    )
+    s = np.empty((1, 2), np.float32)
+    got = _cpu_module().encode_v(v.numpy(), 0, 2, 16, 2, q, s, None, None, 0)
+    if fast.crc_fast(-1):
+        assert got == zlib.crc32(bytes(memoryview(q)))
+    else:
+        assert got is None
+
+
+def _cpu_module() -> Any:
+    from kvcodec import _cpu
+
+    return _cpu
+
+
 def test_encode_v_with_a_strided_output_leaves_the_crc_to_the_caller(fast: Any) -> None:
     _, v = _layer(6, (32, 2, 16), torch.float16)
     q = np.empty((32, 2, 32), np.uint8)[:, :, :16]
