@@ -1265,17 +1265,24 @@ static const char *group_scale(float amax, int sdt, float *out) {
 /* Pass 1 for 16-bit V with AVX2: each group's (page's or the whole tensor's tokens, one head) absmax
  * bits in one vector pass over its rows. The maximum of the bit patterns is the same whatever the
  * order, so the scales are those of the row-by-row pass. */
+#ifdef KV_HAVE_AVX2
+/* Head h's absmax over rows t0 .. t0 + rows of 16-bit V (one vector pass); 0 when it is NaN or Inf. */
+static int head_amax_u16(const Arr *v, int vdt, Py_ssize_t t0, Py_ssize_t rows, Py_ssize_t h, int simd, float *m) {
+    const char *first = v->base + t0 * v->st + h * v->sh;
+    uint16_t bits = simd >= 2 ? amax_rows_u16_zmm(first, v->st, rows, v->D) : amax_rows_u16_avx2(first, v->st, rows, v->D);
+    *m = vdt == DT_F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
+    return finite_f32(*m);
+}
+#endif
+
 static const char *group_amax_u16(const Arr *v, int vdt, int scope, Py_ssize_t page, float *scales, int simd) {
 #ifdef KV_HAVE_AVX2
     Py_ssize_t block = scope == SC_PAGE_HEAD ? page : v->T;
     for (Py_ssize_t t0 = 0; t0 < v->T; t0 += block) {
         Py_ssize_t rows = v->T - t0 < block ? v->T - t0 : block;
         for (Py_ssize_t h = 0; h < v->H; h++) {
-            const char *first = v->base + t0 * v->st + h * v->sh;
-            uint16_t bits = simd >= 2 ? amax_rows_u16_zmm(first, v->st, rows, v->D)
-                                      : amax_rows_u16_avx2(first, v->st, rows, v->D);
-            float m = vdt == DT_F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
-            if (!finite_f32(m)) return "V holds NaN or Inf (the reference names the group)";
+            float m;
+            if (!head_amax_u16(v, vdt, t0, rows, h, simd, &m)) return "V holds NaN or Inf (the reference names the group)";
             float *g = scales + group_of(scope, page, v->H, t0, h);
             *g = f32_bits(m) > f32_bits(*g) ? m : *g;
         }
@@ -1382,11 +1389,8 @@ static int can_fold_codes(const Arr *q, int simd) {
  * raises). While a page is quantized its successor's rows are prefetched. */
 static const char *page_scales(const Arr *v, int vdt, Py_ssize_t t0, Py_ssize_t rows, int sdt, float *sc, int simd) {
     for (Py_ssize_t h = 0; h < v->H; h++) {
-        const char *first = v->base + t0 * v->st + h * v->sh;
-        uint16_t bits = simd >= 2 ? amax_rows_u16_zmm(first, v->st, rows, v->D)
-                                  : amax_rows_u16_avx2(first, v->st, rows, v->D);
-        float m = vdt == DT_F16 ? f16_to_f32(bits) : bf16_to_f32(bits);
-        if (!finite_f32(m)) return "V holds NaN or Inf (the reference names the group)";
+        float m;
+        if (!head_amax_u16(v, vdt, t0, rows, h, simd, &m)) return "V holds NaN or Inf (the reference names the group)";
         const char *why = group_scale(m, sdt, sc + h);
         if (why) return why;
     }

@@ -164,17 +164,11 @@ def test_encode_v_crc_of_one_token_with_a_long_token_stride(fast: Any, encode_pa
         flags=_testbuffer.ND_WRITABLE,
     )
     s = np.empty((1, 2), np.float32)
-    got = _cpu_module().encode_v(v.numpy(), 0, 2, 16, 2, q, s, None, None, 0)
+    got = fast.encode_v(v.numpy(), 0, 2, 16, 2, q, s, None, None, 0)
     if fast.crc_fast(-1):
         assert got == zlib.crc32(bytes(memoryview(q)))
     else:
         assert got is None
-
-
-def _cpu_module() -> Any:
-    from kvcodec import _cpu
-
-    return _cpu
 
 
 def test_encode_v_with_a_strided_output_leaves_the_crc_to_the_caller(fast: Any) -> None:

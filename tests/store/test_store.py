@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import random
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -350,7 +349,7 @@ def test_crash_mid_write_never_leaves_partial_files(tmp_path: Path) -> None:
 def test_temp_cleanup_spares_live_writers(tmp_path: Path) -> None:
     DirectoryStore(tmp_path)
     ctx = multiprocessing.get_context()
-    p = ctx.Process(target=time.sleep, args=(0,))
+    p = ctx.Process(target=os.getpid)
     p.start()
     p.join()
     dead = p.pid
@@ -361,7 +360,7 @@ def test_temp_cleanup_spares_live_writers(tmp_path: Path) -> None:
     junk_name = tmp_path / ".tmp.notapid.eeee"
     for f in (mine_fresh, mine_old, locked_old, dead_fresh, junk_name):
         f.write_bytes(b"partial")
-    old = time.time() - 3600
+    old = 1_000_000_000  # 2001: older than any age the cleanup spares
     for f in (mine_old, locked_old):
         os.utime(f, (old, old))
     fcntl = pytest.importorskip("fcntl")
