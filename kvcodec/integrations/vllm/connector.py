@@ -84,12 +84,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
-from kvcodec.store import BlobStore, StoreOptions, open_store
+from kvcodec.store import BlobStore, DirectoryStore, StoreOptions, open_store
 from kvcodec.store.auth import load_fleet_key
 
 from .chunk_keys import ChunkKeys, group_of, is_manifest
 from .config import KvcodecConfig
 from .counters import Counters
+from .generation import Generations
 from .identity import cache_geometry, identity, layer_ids, model16
 from .loads import IDLE_LOAD_WAIT_S
 from .metadata import LoadSpec, SaveSpec, StepPlan
@@ -205,6 +206,17 @@ def _check_failure_policy(ktc: Any) -> None:
         )
 
 
+def hit_source(store: BlobStore, default: Any) -> Any:
+    """The ``CacheHitSource`` vLLM counts this connector's hits under: ``DISK`` for a directory store;
+    ``default`` (``EXTERNAL_UNSPECIFIED``, vLLM's label for a remote store) for any other, Redis
+    included (a network store is none of DEVICE, HOST, P2P or DISK)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:  # a vLLM without per-source hit metrics
+        return default
+    return CacheHitSource.DISK if isinstance(store, DirectoryStore) else default
+
+
 def _metadata(meta: Any, hook: str) -> KvcodecMetadata:
     if not isinstance(meta, KvcodecMetadata):
         raise TypeError(f"KvcodecConnector.{hook} needs KvcodecMetadata; got {type(meta).__name__}")
@@ -238,6 +250,7 @@ class KvcodecConnector(KVConnectorBase_V1):
         self.keys = ChunkKeys({r: model16(h) for r, h in hashes.items()})
         self._owns_store = parts.store is None
         self.store = parts.store if parts.store is not None else open_connector_store(cfg)
+        self._cache_hit_source = hit_source(self.store, getattr(type(self), "_cache_hit_source", None))
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per worker
             _check_failure_policy(self._kv_transfer_config)
         self.counters = Counters()
@@ -245,7 +258,8 @@ class KvcodecConnector(KVConnectorBase_V1):
         self.worker: KvcodecWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             shape = LookupShape(tuple(sorted(layers.values())), world, bool(self.store.partial_groups))
-            self.scheduler = KvcodecScheduler(cfg, self.keys, self.store, shape, geo.block_size)
+            gens = Generations(self.store, self.keys.model16[0], hashes[0])
+            self.scheduler = KvcodecScheduler(cfg, self.keys, self.store, shape, geo.block_size, gens)
         else:
             setup = WorkerSetup(
                 cfg,
@@ -298,6 +312,12 @@ class KvcodecConnector(KVConnectorBase_V1):
     def shutdown_timeout_s(self, value: float) -> None:
         self._work().shutdown_timeout_s = value
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a cache, not a hand-off. A save dropped by a preemption is a future miss, so vLLM need
+        not recompute the preempted request to deliver it (as vLLM's own offloading connectors)."""
+        return False
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """Any layout: blobs are token-major, whatever the cache's memory order."""
@@ -323,6 +343,12 @@ class KvcodecConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        """A new cache generation (:mod:`.generation`): no blob written before loads again, here or in
+        an engine that reads this store later. False when the store could not record it (this engine
+        still loads nothing older); None on the worker side (vLLM calls the scheduler's)."""
+        return self.scheduler.reset() if self.scheduler is not None else None
 
     # ------------------------------------------------------------ worker side
 

@@ -28,6 +28,7 @@ from kvcodec.errors import CodecError, StoreUnavailableError
 
 from .chunk_keys import ChunkKeys, ChunkRef
 from .config import KvcodecConfig
+from .generation import Generations
 from .keys import prefix_hashes, request_seed
 from .metadata import LoadSpec, SaveSpec, StepPlan
 
@@ -93,8 +94,11 @@ class KvcodecScheduler:
         lookup: ChunkLookup,
         shape: LookupShape,
         block_size: int,
+        generations: Generations | None = None,
     ) -> None:
         self.cfg, self.keys, self.lookup, self.shape = cfg, keys, lookup, shape
+        self.generations = generations
+        """The cache generation (:mod:`.generation`): seeds prefix hashes, checked by every lookup."""
         self._block_size = block_size
         self._reqs: dict[str, _ReqState] = {}
         self._seeds: dict[str, str | None] = {}
@@ -118,6 +122,9 @@ class KvcodecScheduler:
         if not refs:
             return []
         per = [self.shape.keys(self.keys, r) for r in refs]
+        gens = self.generations
+        if gens is not None:  # one more key in the same call: the generation still stands
+            per.insert(0, [gens.check_key])
         self._delta["lookup_calls"] += 1
         try:
             found = self.lookup.contains_many([k for ks in per for k in ks])
@@ -127,6 +134,10 @@ class KvcodecScheduler:
         if self._failing:
             self._failing = False
             logger.info("kvcodec: store lookups answer again")
+        if gens is not None:
+            per.pop(0)
+            if not gens.confirmed(found.pop(0)):
+                return [False] * len(refs)  # another generation now: these keys are not its
         out, at = [], 0
         for ks in per:
             out.append(all(found[at : at + len(ks)]))
@@ -153,7 +164,7 @@ class KvcodecScheduler:
         rid = request.request_id
         tokens = list(request.prompt_token_ids or [])
         embeds = getattr(request, "prompt_embeds", None) is not None
-        seed = self._seeds[rid] = None if embeds else request_seed(request)
+        seed = self._seeds[rid] = None if embeds else self._seed(request)
         hit, hashes = 0, []
         if seed is not None and tokens:
             cs = self.cfg.chunk_size
@@ -176,6 +187,17 @@ class KvcodecScheduler:
         self._count_lookup(rid, len(tokens), hit, num_computed_tokens)
         self._hits[rid] = (num_computed_tokens, hit, hashes)
         return hit - num_computed_tokens, self.cfg.async_load
+
+    def _seed(self, request: Any) -> str:
+        """The request's prefix-hash seed: what changes its KV besides token ids, and the generation."""
+        seed = request_seed(request)
+        return seed if self.generations is None else self.generations.seed(seed)
+
+    def reset(self) -> bool:
+        """``reset_cache``: a new generation, so no blob written before loads (False: not stored)."""
+        if self.generations is None:
+            return False
+        return self.generations.reset()
 
     def _count_lookup(self, req_id: str, prompt: int, hit: int, local: int) -> None:
         """Tokens hit and missed, once per request (a request may be looked up again while it waits)."""

@@ -14,7 +14,55 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["ENGINE", "bench_model", "run_engine", "store_files", "tiny_model"]
+__all__ = [
+    "ENGINE",
+    "LONG_CACHED",
+    "TIE_NATS",
+    "assert_same_greedy",
+    "bench_model",
+    "long_prompts",
+    "run_engine",
+    "store_files",
+    "tiny_model",
+]
+
+TIE_NATS = 0.05
+"""The engine test rule: greedy tokens equal, or a first divergence only where the reference's top-2
+log-probability gap is at most this (random-weight bf16 models have exact ties)."""
+
+LONG_CACHED = 2048
+"""What a fresh engine reports cached for a :func:`long_prompts` prompt: every full 256-token chunk
+below its last token."""
+
+
+def long_prompts(n: int = 1, *, seed: int = 11, vocab: int = 512) -> list[list[int]]:
+    """``n`` distinct 2049-token prompts (the engine test rule's: engine A saves them, a fresh engine B
+    reports :data:`LONG_CACHED` cached tokens for each)."""
+    import random
+
+    r = random.Random(seed)
+    return [[r.randrange(3, vocab) for _ in range(LONG_CACHED + 1)] for _ in range(n)]
+
+
+def assert_same_greedy(ref: list[dict], got: list[dict], *, tie: float = TIE_NATS) -> int:
+    """The engine test rule, for every prompt: ``got``'s greedy tokens are ``ref``'s, or they first
+    differ at a position where ``ref``'s two best log-probabilities are within ``tie`` nats (a tie
+    the FP8 V or another reduction order may break either way; nothing after it is compared).
+    Returns the positions that matched."""
+    matched = 0
+    assert len(ref) == len(got), (len(ref), len(got))
+    for i, (r, g) in enumerate(zip(ref, got)):
+        for pos, (tok, top2) in enumerate(zip(r["tokens"], r["top2"])):
+            if g["tokens"][pos] != tok:
+                gap = top2[0] - top2[1]
+                assert gap <= tie, (
+                    f"prompt {i}: first divergence at position {pos} where the reference's top-2 gap is "
+                    f"{gap:.4f} nats (> {tie}): {g['tokens']} vs {r['tokens']}"
+                )
+                break
+            matched += 1
+    return matched
+
 
 ENGINE = Path(__file__).parent / "engine"
 

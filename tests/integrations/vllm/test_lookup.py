@@ -92,7 +92,9 @@ def test_lookup_is_one_call_of_one_manifest_per_chunk(tmp_path: Path, layers: in
     _mark(conn, hashes, range(3))  # chunks 0..2 have manifests; chunk 3 does not
     n, load_async = conn.get_num_new_matched_tokens(_request(tokens), 0)
     assert (n, load_async) == (3 * CHUNK, True)
-    assert len(store.calls) == 1 and len(store.calls[0]) == 4 and all("-M-" in k for k in store.calls[0])
+    (call,) = store.calls
+    assert call[0].endswith("-G")  # the cache generation's check (no reset yet: the pointer, absent)
+    assert len(call) == 1 + 4 and all("-M-" in k for k in call[1:])
 
 
 def test_a_store_that_loses_single_blobs_is_asked_for_every_blob(tmp_path: Path) -> None:
@@ -104,7 +106,7 @@ def test_a_store_that_loses_single_blobs_is_asked_for_every_blob(tmp_path: Path)
     _mark(conn, hashes, range(1), layers=2)
     _mark(conn, hashes, range(1, 3), layers=1)  # chunks 1 and 2 lost layer 1's blob
     assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (CHUNK, True)
-    assert len(store.calls) == 1 and len(store.calls[0]) == 3 * 3
+    assert len(store.calls) == 1 and len(store.calls[0]) == 1 + 3 * 3
 
 
 def test_an_unreachable_store_is_a_counted_miss(tmp_path: Path) -> None:
@@ -157,3 +159,23 @@ def test_constructor_refuses_bad_roots(tmp_path: Path) -> None:
     for root in (f, f / "below", "bad\x00root"):
         with pytest.raises(UnsupportedConfigError, match="root"):
             _connector(root, 2)  # type: ignore[arg-type]
+
+
+def test_hooks_of_vllm_0_32_cache_hit_source_delivery_and_reset(tmp_path: Path) -> None:
+    """A directory store's hits are DISK in vLLM's per-source metrics, any other store's
+    EXTERNAL_UNSPECIFIED (vLLM's label for a remote store); a dropped save needs no delivery; a reset
+    makes every chunk saved before it a miss."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    conn = _connector(tmp_path / "d", 2)
+    assert conn.get_external_cache_hit_sources(_request([1]), 64) == {CacheHitSource.DISK: 64}
+    other = _connector(tmp_path / "o", 2, ConnectorParts(store=CountingStore(tmp_path / "o")))
+    assert other.get_external_cache_hit_sources(_request([1]), 64) == {
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 64
+    }
+    assert conn.requires_kv_delivery is False
+    tokens = list(range(5, 5 + 2 * CHUNK + 3))
+    _mark(conn, prefix_hashes(tokens[: 2 * CHUNK], CHUNK), range(2))
+    assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (2 * CHUNK, True)
+    assert conn.reset_cache() is True
+    assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (0, False)

@@ -14,7 +14,11 @@ pending writes after each prompt), and faults injected by ``faulty_connector.py`
 store write sleeps that long first: a slow store), ``fail_get`` (every store read of a key containing
 that text raises RuntimeError: a bug in the read path), ``slow_gather_s`` (every copy out of the cache
 waits that long first), ``shutdown_timeout_s`` (how long the connector's shutdown drains pending writes; default: its own), ``log_stats`` (vLLM's
-stat loggers on; the ``vllm:kvcodec*`` Prometheus metrics are returned).
+stat loggers on; the ``vllm:kvcodec*`` Prometheus metrics and vLLM's prompt tokens cached by source,
+as ``vllm:prompt_tokens_cached_by_source{SOURCE}``, are returned), ``update_at`` (indices of the
+prompts before which the weights are changed in place, through ``collective_rpc``, and
+``reset_prefix_cache(reset_connector=True)`` is called, as after an RL weight update: each reset's
+result in ``resets``).
 After the prompts the connector is shut down (pending writes drained or abandoned) before its
 counters are read. Output (last stdout line):
 ``{"outputs": [{"cached": n, "tokens": [...], "top2": [[lp1, lp2], ...]}, ...], "stats": {...},
@@ -27,6 +31,8 @@ import json
 import os
 import sys
 
+# faulty_connector.py beside this script, also when PYTHONSAFEPATH (set by the tests) keeps it off sys.path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
@@ -68,8 +74,34 @@ def _transfer_config(spec: dict) -> dict | None:
 
 
 def _metrics(llm) -> dict:
-    """The kvcodec Prometheus metrics vLLM's stat loggers recorded: name -> value."""
-    return {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "kvcodec" in m.name}
+    """The kvcodec Prometheus metrics vLLM's stat loggers recorded, and the cached tokens by source."""
+    out = {}
+    for m in llm.get_metrics():
+        if "kvcodec" in m.name:
+            out[m.name] = getattr(m, "value", None)
+        elif m.name == "vllm:prompt_tokens_cached_by_source":
+            out[f"{m.name}{{{m.labels.get('source')}}}"] = m.value
+    return out
+
+
+def _perturb_weights(worker) -> int:
+    """An in-place weight update (run in each worker): every attention projection moves, so the KV
+    the engine computes from now on differs from what it saved before."""
+    import torch
+
+    n = 0
+    with torch.no_grad():
+        for name, p in worker.model_runner.get_model().named_parameters():
+            if "qkv" in name or "kv_a" in name or "kv_b" in name:
+                p.add_(torch.randn_like(p) * 0.05 * p.float().std().to(p.dtype))
+                n += 1
+    return n
+
+
+def _update_and_reset(llm) -> bool:
+    """Change the weights in place, then reset the prefix caches, the connector's included."""
+    assert all(llm.collective_rpc(_perturb_weights)), "no attention weights to update"
+    return llm.reset_prefix_cache(reset_connector=True)
 
 
 def main(path: str) -> None:
@@ -103,7 +135,8 @@ def main(path: str) -> None:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"] * spec.get("repeat", 1)]
     # One at a time (a later prompt may reuse earlier chunks), or all at once ("batch").
     batches = [prompts] if spec.get("batch") else [[p] for p in prompts]
-    for o in (o for b in batches for o in llm.generate(b, params, use_tqdm=False)):
+    resets = []
+    for o in _generate(llm, batches, params, spec.get("update_at", []), resets):
         if spec.get("drain"):
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -122,7 +155,18 @@ def main(path: str) -> None:
             conn.shutdown_timeout_s = spec["shutdown_timeout_s"]
         conn.shutdown()
         stats = dict(conn.stats)
-    print(json.dumps({"outputs": outs, "stats": stats, "metrics": metrics}), flush=True)
+    print(json.dumps({"outputs": outs, "stats": stats, "metrics": metrics, "resets": resets}), flush=True)
+
+
+def _generate(llm, batches: list, params, update_at: list[int], resets: list):
+    """Each batch's outputs in order; before the prompt at each index of ``update_at``, the weights
+    change and the caches reset (one prompt a batch then)."""
+    done = 0
+    for batch in batches:
+        if done in update_at:
+            resets.append(_update_and_reset(llm))
+        yield from llm.generate(batch, params, use_tqdm=False)
+        done += len(batch)
 
 
 if __name__ == "__main__":
