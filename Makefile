@@ -3,15 +3,25 @@
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+PIP ?= pip==26.3
 BIN := $(VENV)/bin
-PYTEST := $(BIN)/python -m pytest
+# The console script: `python -m pytest` would put the repo root on sys.path.
+PYTEST := $(BIN)/pytest
+# No python that make starts puts its working directory or script folder first on sys.path (3.11+):
+# the root's kernels/ (installed as kvcodec.kernels) would shadow the installed `kernels` that
+# transformers imports. Scripts that import files beside them add their own folder.
+export PYTHONSAFEPATH := 1
 
 .PHONY: install test test-interpret lint demo bench bench-threads bench-gate bench-gate-selftest bench-lmcache lmcache gpu-check clean
 
+# The locked environment (requirements/dev.txt, every dependency pinned; `make lock` in mk/lock.mk):
+# torch's build first, then the lock without resolving anything, then kvcodec editable, built
+# with the lock's setuptools.
 install: $(BIN)/python
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(PIP)"
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -78,12 +88,12 @@ gpu-check:
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks
 
-# LMCache 0.5.6 beside kvcodec, for the byte-compatibility harness and the
-# side-by-side benchmarks (its kv_codec import chain needs only these).
-LMCACHE_DEPS := numba cachetools prometheus_client py-cpuinfo psutil aiohttp requests pyyaml
+# LMCache 0.5.6 beside kvcodec, for the byte-compatibility harness, the side-by-side benchmarks,
+# its storage and server, and its Redis adapters. Installed --no-deps (its own metadata pulls CUDA
+# builds); what those parts import is locked in requirements/lmcache.txt.
 lmcache:
 	$(BIN)/python -m pip install -q --no-deps lmcache==0.5.6
-	$(BIN)/python -m pip install -q $(LMCACHE_DEPS)
+	$(BIN)/python -m pip install -q --no-deps -r requirements/lmcache.txt
 	$(BIN)/python -c "import lmcache.v1.kv_codec as m; print('lmcache kv_codec importable:', m.AsymK16V8Codec)"
 
 bench-lmcache: lmcache

@@ -14,9 +14,14 @@ slowdown fails the gate. It exists only in this suite.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 
+# The benchmarks import their helpers (_ratio) from this folder; pytest's importlib mode puts no
+# folder on sys.path (the repo root must never be there: its kernels/ would shadow `kernels`).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)
 
 _FACTOR = float(os.environ.get("KVCODEC_BENCH_SLOWDOWN", "1"))

@@ -17,7 +17,7 @@ BENCH_VLLM_ARGS ?=
 .PHONY: bench-vllm bench-vllm-stream
 
 bench-vllm:
-	@rc=0; bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
+	@rc=0; $(VLLM_SETUP) || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "SKIP bench-vllm: $(VLLM_PKG) could not be installed here; nothing was measured"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	mkdir -p bench/results; \

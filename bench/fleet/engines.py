@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import runpy
 import sys
 import tempfile
 import time
@@ -26,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "engine"))
+runpy.run_path(str(REPO / "tests" / "paths.py"))["import_tests_package"]()  # no repo root on sys.path
 
-from bench.engine.bench_vllm import CHUNK, PROMPT_LEN, Engine, Prompts, med, run_engine, ttft  # noqa: E402
+from bench_vllm import CHUNK, PROMPT_LEN, Engine, Prompts, med, run_engine, ttft  # noqa: E402
+
 from tests.redis_servers import RedisCluster, RedisServer, redis_cluster, redis_single, wait_for  # noqa: E402
 
 CONNECTOR = "TimedKvcodecConnector"

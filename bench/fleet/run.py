@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import runpy
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tests.integrations.lmcache.fleet import harness as h
+runpy.run_path(str(Path(__file__).resolve().parents[2] / "tests" / "paths.py"))["import_tests_package"]()
+from tests.integrations.lmcache.fleet import harness as h  # noqa: E402  (by location: no repo root on sys.path)
 
 SHAPE_SPEC = "(2,256,16,8,128):bfloat16:32"  # Llama-3-8B's KV: 32 layers, 8 KV heads x 128, 16-token blocks
 OBJECT_BYTES = 2 * 32 * 256 * 8 * 128 * 2

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvcodec import CodecError, decode
 from tests._helpers import raw_blob
-from tests.paths import REPO_ROOT
+from tests.paths import IMPORT_TESTS, REPO_ROOT
 
 
 def _backends() -> list[str]:
@@ -138,7 +138,7 @@ _PROPERTY_UNDER_RLIMIT = textwrap.dedent(
 def test_boundary_headers_stay_within_a_fixed_memory_bound() -> None:
     """The property above, run with the address space capped at +256 MiB: a header-driven allocation fails it."""
     proc = subprocess.run(
-        [sys.executable, "-c", _PROPERTY_UNDER_RLIMIT],
+        [sys.executable, "-c", IMPORT_TESTS + _PROPERTY_UNDER_RLIMIT],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ import kvcodec.store.evictor as evictor_mod
 from kvcodec.errors import UnsupportedConfigError
 from kvcodec.integrations.vllm.chunk_keys import group_of
 from kvcodec.store import DirectoryStore, StoreFullError
-from tests.paths import REPO_ROOT
+from tests.paths import IMPORT_TESTS, REPO_ROOT
 from tests.store.test_store import digest, make_blob
 
 LAYERS = 2
@@ -190,7 +190,7 @@ def test_processes_racing_on_one_store_leave_whole_blobs(tmp_path: Path) -> None
     root.mkdir()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RACER, str(root), role, "80"],
+            [sys.executable, "-c", IMPORT_TESTS + _RACER, str(root), role, "80"],
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 LAUNCHER = [sys.executable, "-m", "kvcodec.integrations.lmcache.launcher"]
-CLIENT = [sys.executable, "-m", "tests.integrations.lmcache.fleet.client"]
+CLIENT = [sys.executable, str(Path(__file__).with_name("client.py"))]  # a script: no repo root on sys.path
 SHAPE_SPEC = "(2,512,16,8,128):bfloat16:4"
 """The engine's KV cache as LMCache's bench client allocates it: 4 layers, 8 KV heads x 128, bf16, 16-token blocks."""
 HEAD_DIM = 128
@@ -206,9 +206,8 @@ def lmcache_servers(
 
 
 def _env() -> dict[str, str]:
-    repo = str(Path(__file__).resolve().parents[4])
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": f"{repo}:{path}" if path else repo}
+    """The servers' and clients' environment: kvcodec comes from the venv's editable install."""
+    return dict(os.environ)
 
 
 @dataclass(frozen=True)
