@@ -90,6 +90,7 @@ from kvcodec.store.auth import load_fleet_key
 from .chunk_keys import ChunkKeys, group_of, is_manifest
 from .config import KvcodecConfig
 from .counters import Counters
+from .events import KvcodecKVEvents, block_stored
 from .generation import Generations
 from .identity import cache_geometry, identity, layer_ids, model16
 from .loads import IDLE_LOAD_WAIT_S
@@ -255,11 +256,15 @@ class KvcodecConnector(KVConnectorBase_V1):
             _check_failure_policy(self._kv_transfer_config)
         self.counters = Counters()
         self.scheduler: KvcodecScheduler | None = None
+        self._events: list[Any] = []
+        """KV events the workers reported, until vLLM takes them (scheduler side)."""
         self.worker: KvcodecWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             shape = LookupShape(tuple(sorted(layers.values())), world, bool(self.store.partial_groups))
             gens = Generations(self.store, self.keys.model16[0], hashes[0])
             self.scheduler = KvcodecScheduler(cfg, self.keys, self.store, shape, geo.block_size, gens)
+            ev = getattr(vllm_config, "kv_events_config", None)
+            self.scheduler.events = bool(getattr(ev, "enable_kv_cache_events", False))
         else:
             setup = WorkerSetup(
                 cfg,
@@ -340,6 +345,14 @@ class KvcodecConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().update_connector_output(connector_output)
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, KvcodecKVEvents):
+            self._events.extend(events.get_all_events())
+
+    def take_events(self) -> list[Any]:
+        """``BlockStored`` events of the chunks made loadable since the last call (:mod:`.events`)."""
+        events, self._events = self._events, []
+        return events
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
@@ -385,6 +398,10 @@ class KvcodecConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         return self._work().get_finished(meta if isinstance(meta, KvcodecMetadata) else None)
+
+    def get_kv_connector_kv_cache_events(self) -> KvcodecKVEvents | None:
+        locality = "LOCAL" if isinstance(self.store, DirectoryStore) else "REMOTE"
+        return block_stored(self._work().saves.take_stored(), locality)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().loads.take_errors()

@@ -4,10 +4,24 @@ facade's ``KvcodecMetadata`` adds vLLM's ``KVConnectorMetadata`` base to :class:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .chunk_keys import ChunkRef
 
-__all__ = ["LoadSpec", "SaveSpec", "StepPlan"]
+__all__ = ["ChunkEvent", "LoadSpec", "SaveSpec", "StepPlan"]
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    """What vLLM's KV event for a stored chunk names (a ``BlockStored`` of its blocks, vLLM's own block
+    hashes, so a cache-aware router matches them to prompts)."""
+
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass
@@ -19,6 +33,8 @@ class SaveSpec:
     chunk_hash: str
     parent_hash: str | None
     block_ids: list[int]
+    event: ChunkEvent | None = None
+    """The KV event to report once the chunk is loadable (None: KV events off, or no block hashes)."""
 
     @property
     def ref(self) -> ChunkRef:

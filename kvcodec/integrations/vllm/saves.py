@@ -31,7 +31,7 @@ from .chunks import encode_kv
 from .config import KvcodecConfig
 from .counters import Counters
 from .layout import gather_kv
-from .metadata import SaveSpec
+from .metadata import ChunkEvent, SaveSpec
 from .pending import PendingBytes, SkipLog
 
 __all__ = ["SaveHandler"]
@@ -82,6 +82,8 @@ class SaveHandler:
         self.gatherer = BackgroundPool("gather", threads=1, capacity=_UNBOUNDED)
         """Copies chunks out of CPU caches off the step, each once its bytes fit the bound."""
         self._host_bufs: list[torch.Tensor] = []
+        self._stored: list[ChunkEvent] = []
+        """KV events of chunks made loadable since the last :meth:`take_stored`."""
 
     @property
     def depth(self) -> int:
@@ -339,6 +341,15 @@ class SaveHandler:
             if not all(self.store.contains_many(markers)):
                 return
         self.store.put(self.keys.manifest(ref), blob)
+        if spec.event is not None:  # the rank that writes the manifest reports it, once
+            with self._lock:
+                self._stored.append(spec.event)
+
+    def take_stored(self) -> list[ChunkEvent]:
+        """The KV events of chunks made loadable since the last call."""
+        with self._lock:
+            out, self._stored = self._stored, []
+        return out
 
     def _save_failed(self, spec: SaveSpec, e: Exception) -> None:
         """Count and log one chunk not saved (a traceback for what is neither a codec nor an I/O error)."""

@@ -30,7 +30,7 @@ from .chunk_keys import ChunkKeys, ChunkRef
 from .config import KvcodecConfig
 from .generation import Generations
 from .keys import prefix_hashes, request_seed
-from .metadata import LoadSpec, SaveSpec, StepPlan
+from .metadata import ChunkEvent, LoadSpec, SaveSpec, StepPlan
 
 __all__ = ["ChunkLookup", "KvcodecScheduler", "LookupShape"]
 
@@ -67,6 +67,8 @@ class _ReqState:
     hashes: list[str]
     """Prefix hash of each full prompt chunk."""
     block_ids: list[int]
+    request: Any = None
+    """vLLM's request (its block hashes, prompt and LoRA name the KV events), when events are on."""
     next_chunk: int = 0
     saved_upto: int = 0
     """Chunks below this are stored or planned: a chunk is saved only after its predecessor."""
@@ -99,6 +101,9 @@ class KvcodecScheduler:
         self.cfg, self.keys, self.lookup, self.shape = cfg, keys, lookup, shape
         self.generations = generations
         """The cache generation (:mod:`.generation`): seeds prefix hashes, checked by every lookup."""
+        self.events = False
+        """Attach a KV event to every save (vLLM's ``enable_kv_cache_events``)."""
+        self._requests: dict[str, Any] = {}
         self._block_size = block_size
         self._reqs: dict[str, _ReqState] = {}
         self._seeds: dict[str, str | None] = {}
@@ -165,6 +170,8 @@ class KvcodecScheduler:
         tokens = list(request.prompt_token_ids or [])
         embeds = getattr(request, "prompt_embeds", None) is not None
         seed = self._seeds[rid] = None if embeds else self._seed(request)
+        if self.events:
+            self._requests[rid] = request
         hit, hashes = 0, []
         if seed is not None and tokens:
             cs = self.cfg.chunk_size
@@ -248,7 +255,8 @@ class KvcodecScheduler:
             seed = self._seeds.get(new.req_id)  # none recorded: its keys are unknown, never save it
             tokens = list(new.prompt_token_ids or []) if seed is not None else []
             hashes = prefix_hashes(tokens, self.cfg.chunk_size, seed or "")
-            self._reqs[new.req_id] = _ReqState(hashes, list(new.block_ids[0]))
+            request = self._requests.pop(new.req_id, None)
+            self._reqs[new.req_id] = _ReqState(hashes, list(new.block_ids[0]), request)
             self._plan(meta, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -277,12 +285,31 @@ class KvcodecScheduler:
                 break  # its predecessor is neither stored nor being saved: it could never be hit
             ref = ChunkRef.of(state.hashes, c)
             blocks = state.block_ids[: -(-(c + 1) * cs // bs)]
-            meta.saves.append(SaveSpec(req_id, c, ref.chunk_hash, ref.parent_hash, blocks))
+            event = self._event(state.request, c)
+            meta.saves.append(SaveSpec(req_id, c, ref.chunk_hash, ref.parent_hash, blocks, event))
             state.saved_upto = c + 1
             state.planned += 1
             if req_id in self._lookups:
                 self._lookups[req_id].saves += 1
         state.next_chunk = max(state.next_chunk, done)
+
+    def _event(self, request: Any, chunk: int) -> ChunkEvent | None:
+        """The KV event of a request's chunk: its blocks' vLLM hashes (None when events are off, the
+        chunk is not whole blocks, or vLLM has not hashed its blocks)."""
+        cs, bs = self.cfg.chunk_size, self._block_size
+        hashes = getattr(request, "block_hashes", None) or []
+        first, end = chunk * cs // bs, (chunk + 1) * cs // bs
+        if request is None or cs % bs or len(hashes) < end:
+            return None
+        lora = getattr(request, "lora_request", None)
+        return ChunkEvent(
+            list(hashes[first:end]),
+            hashes[first - 1] if first else None,
+            list(request.prompt_token_ids[chunk * cs : (chunk + 1) * cs]),
+            bs,
+            getattr(lora, "adapter_id", None),
+            getattr(lora, "name", None),
+        )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """With asynchronous saves, a request that had any chunk to save keeps its blocks (True) until
@@ -294,6 +321,7 @@ class KvcodecScheduler:
         if hold:
             self._held_new.append(rid)
         self._seeds.pop(rid, None)
+        self._requests.pop(rid, None)
         self._hits.pop(rid, None)
         self.loading.discard(rid)
         look = self._lookups.pop(rid, None)

@@ -5,7 +5,8 @@ then loaded (2048 tokens); the weights change in place (``collective_rpc``) and
 ``reset_prefix_cache(reset_connector=True)`` resets the connector; the prompt then loads nothing
 (no blob written before the reset), is saved again, and the next repeat loads 2048 tokens of the
 new generation. A fresh engine over the same store and weights starts in that generation. vLLM's
-per-source metrics count the hits as ``disk``.
+per-source metrics count the hits as ``disk``; vLLM's KV event publisher gets one ``BlockStored``
+(medium STORAGE) per chunk saved.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
         tmp,
         "a",
         {**common, "prompts": PROMPT, "repeat": 4, "update_at": [2], "prefix_caching": False, "drain": True}
-        | {"log_stats": True},
+        | {"log_stats": True, "kv_events": True},
     )[0]
     res["a_files"] = store_files(store)
     res["b"] = run_engine(tmp, "b", {**common, "prompts": PROMPT})[0]
@@ -85,3 +86,13 @@ def test_hits_are_counted_as_disk_in_vllms_per_source_metrics(engines):
     m = engines["a"]["metrics"]
     assert m.get("vllm:prompt_tokens_cached_by_source{disk}", 0) == 2 * LONG_CACHED, m
     assert m.get("vllm:prompt_tokens_cached_by_source{external_unspecified}", 0) == 0, m
+
+
+def test_each_saved_chunk_is_published_as_a_kv_event(engines):
+    events = engines["a"]["events"]
+    assert len(events) == 2 * CHUNKS  # before and after the reset
+    assert all(e["type"] == "BlockStored" and e["locality"] == "LOCAL" for e in events)
+    assert {(e["blocks"], e["tokens"], e["block_size"]) for e in events} == {(256 // 32, 256, 32)}
+    assert sorted(e["first_token"] for e in events[:CHUNKS]) == sorted(
+        PROMPT[0][c * 256] for c in range(CHUNKS)
+    )

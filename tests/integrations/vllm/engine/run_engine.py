@@ -18,7 +18,8 @@ stat loggers on; the ``vllm:kvcodec*`` Prometheus metrics and vLLM's prompt toke
 as ``vllm:prompt_tokens_cached_by_source{SOURCE}``, are returned), ``update_at`` (indices of the
 prompts before which the weights are changed in place, through ``collective_rpc``, and
 ``reset_prefix_cache(reset_connector=True)`` is called, as after an RL weight update: each reset's
-result in ``resets``).
+result in ``resets``), ``kv_events`` (vLLM's KV events on, "null" publisher; the events published
+with ``medium`` STORAGE, the connector's, are returned as ``events``).
 After the prompts the connector is shut down (pending writes drained or abandoned) before its
 counters are read. Output (last stdout line):
 ``{"outputs": [{"cached": n, "tokens": [...], "top2": [[lp1, lp2], ...]}, ...], "stats": {...},
@@ -84,6 +85,38 @@ def _metrics(llm) -> dict:
     return out
 
 
+def _events_config(spec: dict):
+    if not spec.get("kv_events"):
+        return None
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+
+
+def _capture_events(llm) -> list:
+    """Record every STORAGE event the scheduler publishes (the engine core runs in this process)."""
+    pub = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
+    publish, got = pub.publish, []
+
+    def record(batch) -> None:
+        for e in batch.events:
+            if getattr(e, "medium", None) == "STORAGE":
+                got.append(
+                    {
+                        "type": type(e).__name__,
+                        "blocks": len(e.block_hashes),
+                        "tokens": len(e.token_ids),
+                        "block_size": e.block_size,
+                        "locality": e.locality,
+                        "first_token": e.token_ids[0],
+                    }
+                )
+        publish(batch)
+
+    pub.publish = record
+    return got
+
+
 def _perturb_weights(worker) -> int:
     """An in-place weight update (run in each worker): every attention projection moves, so the KV
     the engine computes from now on differs from what it saved before."""
@@ -127,7 +160,9 @@ def main(path: str) -> None:
         disable_log_stats=not spec.get("log_stats", False),
         enable_prefix_caching=spec.get("prefix_caching", True),
         num_gpu_blocks_override=spec.get("num_blocks"),
+        kv_events_config=_events_config(spec),
     )
+    events = _capture_events(llm) if spec.get("kv_events") else []
     params = SamplingParams(
         temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=2
     )
@@ -155,7 +190,10 @@ def main(path: str) -> None:
             conn.shutdown_timeout_s = spec["shutdown_timeout_s"]
         conn.shutdown()
         stats = dict(conn.stats)
-    print(json.dumps({"outputs": outs, "stats": stats, "metrics": metrics, "resets": resets}), flush=True)
+    print(
+        json.dumps({"outputs": outs, "stats": stats, "metrics": metrics, "resets": resets, "events": events}),
+        flush=True,
+    )
 
 
 def _generate(llm, batches: list, params, update_at: list[int], resets: list):
