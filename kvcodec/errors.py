@@ -100,18 +100,25 @@ class Reason(str, Enum):
     """A backend asked for by name that cannot run here (not built, not installed, or not for this device)."""
     STORE_AUTH = "store_auth"
     """A store that refused this client's credentials or permissions (wrong password, ACL): a config error."""
+    STORE_READONLY = "store_readonly"
+    """A store that refuses every write (a read-only Redis replica named by the URL): a config error."""
 
     # -- a blob that is not to be trusted (CorruptEncodedKVError) --
     BAD_MAC = "bad_mac"
     """A store with a fleet key found a blob without a valid MAC: written by someone without the key."""
     SIZE_MISMATCH = "size_mismatch"
-    """A stored object whose size is not the header + payload its header declares."""
+    """A stored object whose size is not the header + payload its header declares, or larger than the
+    blob its reader expects."""
+    WRONG_TYPE = "wrong_type"
+    """A store key holding another kind of value than a blob (a Redis list or hash under a blob's name)."""
 
     # -- the store itself (StoreUnavailableError) --
     STORE_UNAVAILABLE = "store_unavailable"
     """The store could not be reached (connection refused, node down)."""
     STORE_TIMEOUT = "store_timeout"
     """A store call ran past its timeout."""
+    STORE_PROTOCOL = "store_protocol"
+    """A store server answered with a reply its command never gives (not a Redis, or a broken proxy)."""
 
     def __str__(self) -> str:
         return self.value

@@ -112,6 +112,9 @@ _RAISED_ELSEWHERE = {
     Reason.STORE_UNAVAILABLE: "tests/store (a Redis store with its server down)",
     Reason.STORE_TIMEOUT: "tests/store (a Redis store whose server does not answer)",
     Reason.STORE_AUTH: "tests/store/test_redis_auth.py (a wrong password, an ACL user without a command)",
+    Reason.STORE_READONLY: "tests/store/test_redis_hostile.py (a put to a read-only replica)",
+    Reason.STORE_PROTOCOL: "tests/store/test_redis_hostile.py (a server answering GET with an array)",
+    Reason.WRONG_TYPE: "tests/store/test_redis_hostile.py (a Redis list under a blob's name)",
 }
 """Reasons whose failure needs a server or a model folder: the owning suites assert them; here each
 must at least be named by the package's code (see ``test_every_reason_is_raised_somewhere``)."""

@@ -10,16 +10,29 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
   share one hash tag, so on a cluster they live in one slot (one node) and a
   chunk is written and read in one pipeline.
 * **Round trips.** ``get_parsed_many``, ``contains_many`` and ``put_many`` are
-  one pipeline each (on a cluster, one per slot they touch; ``stats`` counts
-  that). Values are read whole; ``get_parsed``'s ``into`` is not used.
+  one pipeline each (on a cluster, one per node, each counted per slot it
+  touches in ``stats``; see :mod:`.redis_calls`). ``get_parsed``'s ``into`` is not used.
+* **Bounded reads.** A read never holds more of a value than the blob its caller
+  expects: each value is read with ``EXISTS`` and ``GETRANGE 0 <max_bytes + 40>``
+  (the fleet MAC's envelope is 40 bytes) in the same pipeline, so a planted
+  oversized value costs at most that many bytes and is refused as damage
+  (``SIZE_MISMATCH``). ``max_bytes`` is the caller's (``get``, ``get_parsed``,
+  ``get_parsed_many``), else :data:`MAX_VALUE_BYTES`.
+* **Names, listed.** ``iter_keys``/``keys`` list the keys this store can read
+  (stored under the hash tag its own ``group_of`` gives them); ``iter_names`` lists
+  every value under the prefix with the name it is stored under, whatever wrote
+  it, and ``get_named`` reads one by that name (``kvcodec verify redis://`` does).
 * **Verified reads.** A value is checked (the fleet MAC first when a fleet key
   is set; then the sizes its header declares against its length,
   ``TRUNCATED_PAYLOAD`` / ``SIZE_MISMATCH``; then :func:`kvcodec.format.parse`
   with its CRC) and a value that fails is deleted before its
-  :class:`CorruptEncodedKVError` is raised with that check's reason.
+  :class:`CorruptEncodedKVError` is raised with that check's reason. A key of
+  another Redis type (a list, a hash) under a blob's name is damage too
+  (``WRONG_TYPE``: deleted), and an empty value (``TRUNCATED_HEADER``).
 * **Timeouts and outages.** Every call waits at most ``StoreOptions.timeout_s``
-  (default 50 ms) per socket operation (connect, send, each read), with no
-  retries: a call on a dead server or node raises
+  (default 50 ms, at most :data:`MAX_TIMEOUT_S`) per socket operation (connect,
+  send, each read), with no retries, and a call stops at the first node that
+  fails: a call on a dead server or node raises
   :class:`~kvcodec.errors.StoreUnavailableError` (``STORE_UNAVAILABLE``, or
   ``STORE_TIMEOUT`` when it ran past its timeout). While the server (or node) is
   down after a timeout, its calls fail at once without I/O, but for one probe per
@@ -29,7 +42,8 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
   re-made on the next call, so a restarted server serves the same store object.
   Refused credentials or ACL permissions are no outage: they raise
   :class:`~kvcodec.errors.UnsupportedConfigError` (``STORE_AUTH``), logged at ERROR
-  at most once a minute.
+  at most once a minute; so does a write to a read-only replica (``STORE_READONLY``).
+  A reply of a type its command never gives is ``STORE_PROTOCOL``.
 * **Eviction** is Redis's own (``maxmemory-policy``): one blob of a chunk can go
   alone, so ``partial_groups`` is True. ``max_bytes`` and ``fsync`` are ignored;
   a server that refuses writes for memory (``noeviction``) raises
@@ -45,63 +59,92 @@ redis-py is imported only when this module is (``import kvcodec`` never is).
 
 from __future__ import annotations
 
-import logging
+import math
 import re
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from types import TracebackType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import redis
 import redis.cluster
-from redis.crc import key_slot
 
-from ..errors import CorruptEncodedKVError, Reason, StoreUnavailableError, UnsupportedConfigError
+from ..errors import CodecError, CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import ParsedBlob, as_bytes_view, parse
-from . import redis_outage
-from .auth import open_envelope, seal, strip_envelope
-from .base import StoreFullError, StoreOptions
-from .counters import Counters
-from .keys import validate_key
+from .auth import ENVELOPE_LEN, open_envelope, seal, strip_envelope
+from .base import StoreOptions
+from .keys import InvalidKeyError, validate_key
 from .reading import check_size
-from .redis_outage import Outages
-from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL, auth_refusal, connect
+from .redis_calls import AUTH_LOG_INTERVAL_S, BadReply, RedisCalls, is_wrong_type
+from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL
 
 __all__ = [
     "AUTH_LOG_INTERVAL_S",
     "CA_CERTS_ENV",
     "DEFAULT_KEY_PREFIX",
+    "MAX_TIMEOUT_S",
+    "MAX_VALUE_BYTES",
     "PASSWORD_ENV",
     "USERNAME_ENV",
     "RedisStore",
     "RedisURL",
 ]
 
-log = logging.getLogger(__name__)
-
 DEFAULT_KEY_PREFIX = "kvcodec"
 """The namespace of a store opened without ``key_prefix`` (the connector's keys carry the model identity)."""
-AUTH_LOG_INTERVAL_S = 60.0
-"""At most one ERROR line per this many seconds for refused credentials or permissions."""
+MAX_TIMEOUT_S = 3600.0
+"""The longest ``timeout_s`` accepted (a socket takes no infinite or astronomic timeout)."""
+MAX_VALUE_BYTES = 512 << 20
+"""The most a read holds of one value when its caller names no ``max_bytes``: Redis's own largest string."""
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _GROUP_SAFE = re.compile(r"[^{}]+")
 _SCAN_COUNT = 1000
-_NODE_IN_ERROR = re.compile(r"(?:connecting to|reading from|writing to) \[?([\w.:-]+?)\]?:(\d+)")
-"""A node in redis-py's error text ("Error 111 connecting to 10.0.0.5:7001."), when it names one."""
-_T = TypeVar("_T")
+_READ_SHAPE = (int, bytes)
+"""The replies of one value's read: ``EXISTS`` (int), ``GETRANGE`` (bytes)."""
+_Fetched = tuple[str, str, "bytes | None"]
 
 
-def _nodes(client: Any) -> list[Any]:
-    """One plain client per server to SCAN: the client itself, or each primary of a cluster."""
+def _check_timeout(timeout: Any) -> float:
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not ok or not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise UnsupportedConfigError(
+            f"timeout_s must be a number in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout!r}",
+            reason=Reason.BAD_VALUE,
+        )
+    return float(timeout)
+
+
+def _check_max_bytes(max_bytes: Any) -> int:
+    if max_bytes is None:
+        return MAX_VALUE_BYTES
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_VALUE_BYTES:
+        raise UnsupportedConfigError(
+            f"max_bytes must be an int in 1..{MAX_VALUE_BYTES}, got {max_bytes!r}", reason=Reason.BAD_VALUE
+        )
+    return max_bytes
+
+
+def _nodes(client: Any) -> list[tuple[str | None, Any]]:
+    """``(node name, plain client)`` per server to SCAN: the client itself, or each primary of a cluster."""
     if isinstance(client, redis.cluster.RedisCluster):
-        return [client.get_redis_connection(n) for n in client.get_primaries()]
-    return [client]
+        return [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
+    return [(None, client)]
 
 
-class RedisStore:
+def _scan_page(node: Any, cursor: int, match: str) -> tuple[int, list[Any]]:
+    """One ``SCAN`` page of ``node``, its reply's types checked."""
+    reply = node.scan(cursor, match=match, count=_SCAN_COUNT)
+    if not isinstance(reply, (tuple, list)) or len(reply) != 2:
+        raise BadReply(f"SCAN answered {type(reply).__name__}")
+    at, names = reply
+    if isinstance(at, bool) or not isinstance(at, int) or at < 0 or not isinstance(names, list):
+        raise BadReply(f"SCAN answered a cursor {type(at).__name__} and {type(names).__name__}")
+    if not all(isinstance(n, (bytes, str)) for n in names):
+        raise BadReply("SCAN listed a name that is not a string")
+    return at, names
+
+
+class RedisStore(RedisCalls):
     """Key -> LMCKV blob store on a Redis server or Redis Cluster (see the module docstring).
 
     Safe to share between threads (redis-py pools its connections); starts no
@@ -112,28 +155,15 @@ class RedisStore:
 
     def __init__(self, url: RedisURL, options: StoreOptions | None = None) -> None:
         opts = options if options is not None else StoreOptions()
-        if not isinstance(opts.timeout_s, (int, float)) or not opts.timeout_s > 0:
-            raise UnsupportedConfigError(
-                f"timeout_s must be a positive number, got {opts.timeout_s!r}", reason=Reason.BAD_VALUE
-            )
+        _check_timeout(opts.timeout_s)
         prefix = opts.key_prefix if opts.key_prefix is not None else DEFAULT_KEY_PREFIX
         if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
             raise UnsupportedConfigError(
                 f"key_prefix {prefix!r} must be 1..100 characters of [A-Za-z0-9_.:-]", reason=Reason.BAD_VALUE
             )
-        self._url = url
-        self._opts = opts
+        super().__init__(url, opts)
         self._prefix = prefix
         self._group_of: Callable[[str], tuple[str, int, str | None]] | None = opts.group_of
-        self._lock = threading.Lock()
-        self._client: Any = None
-        self._cluster = bool(url.cluster)
-        self._down = Outages()
-        """What is out: the server (its location), or on a cluster each node (``host:port``) that failed."""
-        self._auth_logged = -AUTH_LOG_INTERVAL_S - 1.0
-        self._closed = False
-        self._counts = Counters()
-        self.location = url.location
 
     @classmethod
     def from_url(cls, url: str, options: StoreOptions | None = None) -> RedisStore:
@@ -190,25 +220,21 @@ class RedisStore:
         self.put_many([(key, blob)])
 
     def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
-        """``put`` each item in order, in one pipeline (per slot on a cluster); each ``SET`` atomic."""
+        """``put`` each item in order, in one pipeline (per node on a cluster); each ``SET`` atomic."""
         staged = [(self.name_of(k), b) for k, b in items]
         if not staged:
             return
-        values = [(n, self._value(n, b)) for n, b in staged]
-
-        def run(client: Any) -> None:
-            pipe = client.pipeline(transaction=False)
-            for name, value in values:
-                pipe.set(name, value)
-            pipe.execute()
-
-        self._call(run, [n for n, _ in values])
-        self._count(bytes_written=sum(len(v) for _, v in values))
+        names = [n for n, _ in staged]
+        values = [self._value(n, b) for n, b in staged]
+        self._pipeline(names, lambda p, i: p.set(names[i], values[i]), (object,))
+        self._count(bytes_written=sum(len(v) for v in values))
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if a value was removed."""
-        name = self.name_of(key)
-        return bool(self._call(lambda c: c.delete(name), [name]))
+        return bool(self._delete([self.name_of(key)])[0])
+
+    def _delete(self, names: Sequence[str]) -> list[int]:
+        return [r[0] for r in self._pipeline(names, lambda p, i: p.delete(names[i]), (int,))]
 
     # ------------------------------------------------------------ reads
 
@@ -217,35 +243,65 @@ class RedisStore:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """``contains`` of each key, in one pipeline of ``EXISTS`` (per slot on a cluster)."""
+        """``contains`` of each key, in one pipeline of ``EXISTS`` (per node on a cluster)."""
         names = [self.name_of(k) for k in keys]
-        if not names:
-            return []
+        return [bool(r[0]) for r in self._pipeline(names, lambda p, i: p.exists(names[i]), (int,))]
 
-        def run(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.exists(name)
-            return pipe.execute()
+    def _fetch(self, keys: Sequence[str], names: Sequence[str], max_bytes: Any) -> list[_Fetched]:
+        """``(key, name, value or None)`` of each name, in one pipeline of ``EXISTS`` + ``GETRANGE``
+        holding at most ``max_bytes`` + the envelope + 1 bytes of each value. A value of another type,
+        an empty one or a longer one is damage: all of them are deleted, then the first refused."""
+        limit = _check_max_bytes(max_bytes) + ENVELOPE_LEN
 
-        return [bool(x) for x in self._call(run, names)]
+        def queue(pipe: Any, i: int) -> None:
+            pipe.exists(names[i])
+            pipe.getrange(names[i], 0, limit)  # the end is inclusive: limit + 1 bytes tell a longer value
 
-    def _fetch(self, keys: Sequence[str]) -> list[tuple[str, str, bytes | None]]:
-        """``(key, name, value or None)`` of each key, in one pipeline of ``GET``."""
-        names = [self.name_of(k) for k in keys]
+        replies = self._pipeline(names, queue, _READ_SHAPE)
+        out: list[_Fetched] = []
+        damage: list[tuple[str, str, CorruptEncodedKVError]] = []
+        for key, name, (exists, got) in zip(keys, names, replies):
+            error = self._damage(name, exists, got, limit)
+            if error is not None:
+                damage.append((key, name, error))
+            out.append((key, name, got if exists and error is None else None))
+        self._count(hits=sum(1 for r in replies if r[0]), misses=sum(1 for r in replies if not r[0]))
+        self._count(bytes_read=sum(len(r[1]) for r in replies if isinstance(r[1], bytes)))
+        if damage:
+            self._refuse(damage)
+        return out
 
-        def run(client: Any) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.get(name)
-            return pipe.execute()
+    @staticmethod
+    def _damage(name: str, exists: int, got: Any, limit: int) -> CorruptEncodedKVError | None:
+        """Why a read value is damage before any check of its bytes, or None."""
+        if is_wrong_type(got):
+            return CorruptEncodedKVError(f"{name!r} holds another type than a blob", reason=Reason.WRONG_TYPE)
+        if exists and got == b"":
+            return CorruptEncodedKVError(f"{name!r} is empty", reason=Reason.TRUNCATED_HEADER)
+        if len(got) > limit:
+            return CorruptEncodedKVError(
+                f"{name!r} is longer than the {limit - ENVELOPE_LEN} bytes its reader expects "
+                f"(+{ENVELOPE_LEN} for a MAC): not read",
+                reason=Reason.SIZE_MISMATCH,
+            )
+        return None
 
-        values = self._call(run, names) if names else []
-        got = [v for v in values if v is not None]
-        self._count(hits=len(got), misses=len(values) - len(got), bytes_read=sum(len(v) for v in got))
-        return list(zip(keys, names, values))
+    def _refuse(self, damage: Sequence[tuple[str, str, CorruptEncodedKVError]]) -> NoReturn:
+        """Delete every damaged value (one pipeline), count each, raise the first one's error."""
+        self._count(errors=len(damage))
+        try:
+            self._delete([n for _, n, _ in damage])
+            where = "deleted"
+        except CodecError:  # the store failing now: the refusal still stands
+            where = "could not be deleted"
+        key, _, e = damage[0]
+        raise CorruptEncodedKVError(
+            f"stored blob {key!r} in {self.location} is refused: {e}; {where}", reason=e.reason
+        ) from None
 
-    def _verified(self, key: str, name: str, value: bytes, verify_crc: bool = True) -> ParsedBlob:
+    def _verified(
+        self, key: str, name: str, value: bytes, verify_crc: bool = True, max_bytes: int | None = None
+    ) -> ParsedBlob:
         """The parsed blob of one value; a value that fails a check is deleted, then refused."""
         try:
             blob = (
@@ -253,58 +309,85 @@ class RedisStore:
                 if self._opts.fleet_key
                 else strip_envelope(value)
             )
+            if max_bytes is not None and len(blob) > max_bytes:
+                raise CorruptEncodedKVError(
+                    f"{len(blob)} bytes, more than the {max_bytes} its reader expects",
+                    reason=Reason.SIZE_MISMATCH,
+                )
             check_size(blob, len(blob))  # the header's sizes against the value's, before the CRC
             return parse(blob, verify_crc=verify_crc)
         except CorruptEncodedKVError as e:
-            self._count(errors=1)
-            try:
-                self._call(lambda c: c.delete(name), [name])
-                where = "deleted"
-            except StoreUnavailableError:
-                where = "could not be deleted (store unavailable)"
-            raise CorruptEncodedKVError(
-                f"stored blob {key!r} in {self.location} is refused: {e}; {where}", reason=e.reason
-            ) from None
+            self._refuse([(key, name, e)])
 
-    def get(self, key: str) -> memoryview:
-        """The verified blob under ``key`` (CRC checked unless ``verify_blobs=False``); KeyError on a miss."""
-        ((_, name, value),) = self._fetch([key])
+    def get(self, key: str, *, max_bytes: int | None = None) -> memoryview:
+        """The verified blob under ``key`` (CRC checked unless ``verify_blobs=False``); KeyError on a miss.
+        ``max_bytes``: the largest blob the caller accepts (a longer value is refused unread)."""
+        ((_, name, value),) = self._fetch([key], [self.name_of(key)], max_bytes)
         if value is None:
             raise KeyError(key)
-        return self._verified(key, name, value, self._opts.verify_blobs).blob
+        return self._verified(key, name, value, self._opts.verify_blobs, max_bytes).blob
 
-    def get_parsed(self, key: str, into: bytearray | None = None, *, verify_crc: bool = True) -> ParsedBlob:
-        """The blob under ``key``, read in one ``GET`` and parsed once with its CRC (``into`` unused:
+    def get_parsed(
+        self,
+        key: str,
+        into: bytearray | None = None,
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+    ) -> ParsedBlob:
+        """The blob under ``key``, read in one pipeline and parsed once with its CRC (``into`` unused:
         the client hands over the value as bytes already; ``verify_crc`` ignored: always checked)."""
-        return self.get_parsed_many([key])[0]
+        return self.get_parsed_many([key], max_bytes=max_bytes)[0]
 
-    def get_parsed_many(self, keys: Sequence[str], *, verify_crc: bool = True) -> list[ParsedBlob]:
+    def get_parsed_many(
+        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+    ) -> list[ParsedBlob]:
         """Each key's parsed blob from one pipeline, all or nothing: ``KeyError`` names the first
         missing key; a damaged value is deleted and raises with its check's reason (``verify_crc``
-        ignored: the CRC is always checked)."""
-        fetched = self._fetch(keys)
+        ignored: the CRC is always checked). ``max_bytes``: the largest blob the caller accepts
+        (header + payload); no more of a value is ever read (+ the 40-byte MAC envelope)."""
+        fetched = self._fetch(keys, [self.name_of(k) for k in keys], max_bytes)
         for key, _, value in fetched:
             if value is None:
                 raise KeyError(key)
-        return [self._verified(k, n, v) for k, n, v in fetched]  # type: ignore[arg-type]
+        return [self._verified(k, n, v, max_bytes=max_bytes) for k, n, v in fetched]  # type: ignore[arg-type]
 
-    def iter_keys(self) -> Iterator[str]:
-        """Every key of this store's prefix, by ``SCAN`` (node after node on a cluster): bounded memory;
-        a key written or removed during the scan may or may not be listed."""
+    def get_named(self, name: str, *, max_bytes: int | None = None) -> memoryview:
+        """The verified blob stored under the full Redis ``name`` (as :meth:`iter_names` lists it,
+        whatever hash tag its writer gave it); KeyError on a miss."""
+        key = self._key_of(name) if isinstance(name, str) else None
+        if key is None:
+            raise InvalidKeyError(f"{name!r} is not a name under the prefix {self._prefix!r}")
+        ((_, _, value),) = self._fetch([key], [name], max_bytes)
+        if value is None:
+            raise KeyError(name)
+        return self._verified(key, name, value, self._opts.verify_blobs, max_bytes).blob
+
+    def iter_names(self) -> Iterator[tuple[str, str]]:
+        """``(key, name)`` of every value under this store's prefix, by ``SCAN`` (node after node on a
+        cluster), the name as stored: bounded memory; a value written or removed during the scan may
+        or may not be listed."""
         match = f"{self._prefix}:{{*"  # the prefix has no glob characters
-        for node in self._call(_nodes, trips=0):
+        for node_name, node in self._call(_nodes, trips=0):
             cursor = None
             while cursor != 0:
                 cursor, names = self._call(
-                    lambda c, node=node, at=cursor or 0: node.scan(at, match=match, count=_SCAN_COUNT)
+                    lambda c, node=node, at=cursor or 0: _scan_page(node, at, match), node=node_name
                 )
                 for name in names:
                     key = self._key_of(name)
                     if key is not None:
-                        yield key
+                        yield key, name.decode() if isinstance(name, bytes) else name
+
+    def iter_keys(self) -> Iterator[str]:
+        """Every key this store can read (its name carries the tag this store's ``group_of`` gives),
+        by ``SCAN``: bounded memory; a key written or removed during the scan may or may not be listed."""
+        for key, name in self.iter_names():
+            if self.name_of(key) == name:
+                yield key
 
     def keys(self) -> list[str]:
-        """Every key of this store's prefix, sorted (one SCAN pass)."""
+        """Every key this store can read, sorted (one SCAN pass)."""
         return sorted(self.iter_keys())
 
     def __contains__(self, key: object) -> bool:
@@ -313,156 +396,16 @@ class RedisStore:
     def used_memory(self) -> int:
         """The servers' ``used_memory`` summed (bytes; every primary of a cluster): what the store costs."""
 
-        def run(client: Any) -> list[dict[str, Any]]:
+        def run(client: Any) -> int:
             if isinstance(client, redis.cluster.RedisCluster):
-                return list(client.info("memory", target_nodes=client.PRIMARIES).values())
-            return [client.info("memory")]
+                infos = list(client.info("memory", target_nodes=client.PRIMARIES).values())
+            else:
+                infos = [client.info("memory")]
+            return sum(int(node["used_memory"]) for node in infos)
 
-        return sum(int(node["used_memory"]) for node in self._call(run))
+        return self._call(run)
 
     # ------------------------------------------------------------ plumbing
-
-    def stats(self) -> dict[str, float]:
-        """Cumulative counters (:data:`~kvcodec.store.STORE_COUNTERS`): ``round_trips`` counts pipelines
-        (one per slot on a cluster), ``hits``/``misses`` keys found or not by the reads that return
-        blobs (``get``, ``get_parsed``, ``get_parsed_many``; not ``contains``), ``errors`` failed calls
-        that did not time out (also those refused at once during an outage) plus refused values."""
-        return self._counts.snapshot()
-
-    def _count(self, **deltas: float) -> None:
-        self._counts.add(**deltas)
-
-    def _connected(self) -> Any:
-        if self._closed:
-            raise UnsupportedConfigError(f"store at {self.location} is closed", reason=Reason.BAD_VALUE)
-        client = self._client
-        if client is None:
-            client, cluster = connect(self._url, float(self._opts.timeout_s))
-            with self._lock:
-                if self._client is None:
-                    self._client, self._cluster = client, cluster
-                    old, self.location = self.location, replace(self._url, cluster=cluster or None).location
-                    self._down.rename(old, self.location)  # an outage under its former name
-                else:  # another thread connected first
-                    client.close()
-                client = self._client
-        return client
-
-    def _call(self, fn: Callable[[Any], _T], names: Sequence[str] = (), trips: int | None = None) -> _T:
-        """``fn(client)`` on the values ``names`` (one round trip, or one per slot on a cluster, unless
-        ``trips`` says), with redis-py's failures turned into StoreUnavailableError / StoreFullError and
-        each outage logged once."""
-        trips = self._trips(names) if trips is None else trips
-        if self._down and (trips or self._client is None):  # listing known nodes is no probe
-            self._fail_fast(names)
-        try:
-            client = self._connected()
-            out = fn(client)
-        except redis.exceptions.TimeoutError as e:
-            self._failed(Reason.STORE_TIMEOUT, e, names)
-        except redis.exceptions.OutOfMemoryError as e:
-            self._count(errors=1)
-            raise StoreFullError(f"{self.location} refused a write: {e}") from None
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
-            self._refused(e)
-            self._failed(Reason.STORE_UNAVAILABLE, e, names)
-        self._count(round_trips=trips)
-        if self._down and trips:  # only an answer from a server ends an outage
-            self._mend(client, names)
-        return out
-
-    def _trips(self, names: Sequence[str]) -> int:
-        """Round trips of one pipeline over ``names``: one, or one per slot on a cluster."""
-        if not self._cluster or len(names) < 2:
-            return 1
-        return len({key_slot(n.encode()) for n in names})
-
-    def _target(self, e: BaseException, names: Sequence[str]) -> str:
-        """What failed: on a cluster the node (``host:port``) redis-py names, or the one node that
-        serves ``names``, or the node the error's text names; else the store as a whole."""
-        if not self._cluster:
-            return self.location
-        conn = getattr(e, "connection", None)
-        host, port = getattr(conn, "host", None), getattr(conn, "port", None)
-        if host and port:
-            return f"{host}:{port}"
-        nodes = self._nodes_of(names)
-        if len(nodes) == 1:
-            return nodes.pop()
-        m = _NODE_IN_ERROR.search(str(e))
-        return f"{m.group(1)}:{m.group(2)}" if m else self.location
-
-    def _nodes_of(self, names: Sequence[str]) -> set[str]:
-        """The nodes (``host:port``) that serve ``names`` by the cluster client's slot map."""
-        client, nodes = self._client, set()
-        if isinstance(client, redis.cluster.RedisCluster):
-            for name in names:
-                try:
-                    node = client.get_node_from_key(name)
-                except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
-                    continue
-                nodes.add(f"{node.host}:{node.port}")
-        return nodes
-
-    def _fail_fast(self, names: Sequence[str]) -> None:
-        """Raise at once, without I/O, when a target of this call is down and not due for a probe."""
-        targets = {self.location} | (self._nodes_of(names) if self._cluster else set())
-        target = self._down.blocked(targets)
-        if target is not None:
-            self._count(errors=1)
-            where = "" if target == self.location else f" (node {target})"
-            raise StoreUnavailableError(
-                f"store {self.location}{where} is down; it is probed again within {redis_outage.PROBE_INTERVAL_S} s",
-                reason=Reason.STORE_UNAVAILABLE,
-            )
-
-    def _refused(self, e: BaseException) -> None:
-        """Raise the configuration error a refused login or command is (ERROR logged, rate-limited)."""
-        refusal = auth_refusal(e, self.location)
-        if refusal is None:
-            return
-        self._count(errors=1)
-        now = time.monotonic()
-        if now - self._auth_logged >= AUTH_LOG_INTERVAL_S:
-            self._auth_logged = now
-            log.error("kvcodec %s (%s): calls fail until the store's user or password is fixed", refusal, e)
-        raise refusal from None
-
-    def _failed(self, reason: Reason, e: BaseException, names: Sequence[str]) -> NoReturn:
-        self._count(**{"timeouts" if reason is Reason.STORE_TIMEOUT else "errors": 1})
-        target = self._target(e, names)
-        first = self._down.failed(target, costly=reason is Reason.STORE_TIMEOUT)
-        what = f"{type(e).__name__}: {e}"
-        if first:
-            where = "" if target == self.location else f" (node {target})"
-            log.warning(
-                "kvcodec store %s%s is unavailable (%s): lookups miss and saves are dropped until it is back",
-                self.location,
-                where,
-                what,
-            )
-        raise StoreUnavailableError(f"store {self.location}: {what}", reason=reason) from None
-
-    def _mend(self, client: Any, names: Sequence[str]) -> None:
-        """End the outages an answer disproves: the store's; on a cluster also those of the nodes
-        that served ``names``."""
-        back: set[str] | None = None  # one server: any answer is all of it
-        if isinstance(client, redis.cluster.RedisCluster):
-            back = {self.location} | self._nodes_of(names)
-        for target in self._down.mend(back):
-            where = "" if target == self.location else f" (node {target})"
-            log.info("kvcodec store %s%s is reachable again", self.location, where)
-
-    def close(self) -> None:
-        """Drop the connections (no network wait); later calls raise."""
-        self._closed = True
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except (redis.exceptions.RedisError, OSError):  # pragma: no cover - a socket already gone
-                pass
 
     def __enter__(self) -> RedisStore:
         return self

@@ -126,9 +126,8 @@ def auth_refusal(e: BaseException, location: str) -> UnsupportedConfigError | No
     if isinstance(e, redis.exceptions.AuthenticationError):
         why = "refused the credentials (an unknown user or a bad password)"
     elif isinstance(e, redis.exceptions.NoPermissionError):
-        why = (
-            "refused a command: the ACL user lacks a permission the store needs (GET, SET, EXISTS, DEL, SCAN)"
-        )
+        why = "refused a command: the ACL user lacks a permission the store needs"
+        why += " (GETRANGE, SET, EXISTS, DEL, SCAN)"
     elif isinstance(e, redis.exceptions.ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS")):
         why = "refused the credentials (the server needs a password)"
     else:

@@ -15,6 +15,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -113,9 +114,16 @@ def _version() -> str:
 # ----------------------------------------------------------------------------- entry point
 
 
+_CREDENTIALS = re.compile(r"\b([A-Za-z][\w+.-]*:/+)\S*@")
+"""A URL's scheme and its text up to the last ``@`` of the word (credentials), as any message may hold
+them (a path made of a URL keeps one slash of two)."""
+
+
 def _error(message: str) -> None:
-    """One line on stderr: whitespace collapsed, control characters escaped."""
-    print(f"{PROG}: error: {escape_text(' '.join(str(message).split()))}", file=sys.stderr)
+    """One line on stderr: whitespace collapsed, control characters escaped, a URL's credentials
+    replaced by ``***`` (whatever command or scheme printed them)."""
+    text = _CREDENTIALS.sub(r"\1***@", " ".join(str(message).split()))
+    print(f"{PROG}: error: {escape_text(text)}", file=sys.stderr)
 
 
 def _os_message(e: OSError) -> str:

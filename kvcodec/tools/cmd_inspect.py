@@ -159,8 +159,9 @@ def _inspect_store(url: str, args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Show each blob's header; exit 1 if any file is unreadable, malformed or fails its CRC."""
-    from .stores import is_store_url
+    from .stores import check_urls, is_store_url
 
+    check_urls(args.files)
     paths = [Path(p) for p in args.files if not is_store_url(p)]
     require_files(paths)
     infos = [inspect_one(p) for p in paths]

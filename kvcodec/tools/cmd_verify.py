@@ -214,8 +214,9 @@ def _verify_store(url: str, args: argparse.Namespace, tally: _Tally) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check every blob; print bad ones and a summary; exit 1 if any is bad."""
-    from .stores import is_store_url, location_of
+    from .stores import check_urls, is_store_url, location_of
 
+    check_urls(args.paths)
     urls = [p for p in args.paths if is_store_url(p)]
     paths = [Path(p) for p in args.paths if not is_store_url(p)]
     require_files(paths, allow_dirs=True)

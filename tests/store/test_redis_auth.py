@@ -36,10 +36,11 @@ def _acl_user(srv, name: str, *rules: str) -> None:
 
 def test_an_acl_user_without_info_reads_and_writes_a_single_server(tmp_path: Path) -> None:
     with redis_single(tmp_path) as srv:
-        _acl_user(srv, "kv", "+get", "+set", "+exists", "+del", "+scan", "+ping")
+        _acl_user(srv, "kv", "+getrange", "+set", "+exists", "+del", "+scan", "+ping")  # no GET
         with open_store(f"redis://kv:kvpass1234@127.0.0.1:{srv.port}/0", OPTS) as st:
             st.put("k", make_blob(64, 0))
             assert st.contains("k") and st.keys() == ["k"] and not st.cluster
+            assert bytes(st.get("k")) == make_blob(64, 0)
 
 
 def test_a_refused_command_or_password_is_a_config_error_not_an_outage(tmp_path: Path, caplog) -> None:

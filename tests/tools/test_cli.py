@@ -873,3 +873,53 @@ def test_quality_huge_page_size_is_bounded(capsys: pytest.CaptureFixture[str]) -
     )
     rows = json.loads(capsys.readouterr().out)
     assert {r["scope"] for r in rows} == {"per_tensor", "per_layer_head", "per_page_head"}
+
+
+SECRET = "Tr0ub4dor-and-3-horses"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["decode", f"redis://u:{SECRET}@h:1/x.lmckv", "--out", "y.safetensors"],
+        ["encode", "--k", f"redis://u:{SECRET}@h/k.npy", "--v", "v.npy", "--out", "x.lmckv"],
+        ["inspect", f"redis-cluster://default:{SECRET}@127.0.0.1:1"],
+        ["verify", f"http://u:pa/{SECRET}@h/x"],
+        ["verify", f"redis://default:{SECRET}"],
+        ["inspect", f"rediss+cluster://default:{SECRET},h:1"],
+    ],
+)
+def test_no_error_line_shows_a_urls_password(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Any command, any scheme: a URL's credentials never reach stderr (issue 34)."""
+    assert main(argv) in (1, 2)
+    cap = capsys.readouterr()
+    assert SECRET not in cap.out + cap.err and "Tr0ub" not in cap.err
+    assert cap.err.count("\n") == 1 and "unexpected" not in cap.err
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://default:pw", "redis://***"),
+        ("redis://default:pw/0", "redis://***"),
+        ("redis://u:p@h:6379/0", "redis://h:6379"),
+        ("redis://u:p/q@h:6379/0?ca_certs=x", "redis://h:6379"),
+        ("redis+cluster://a:1,b:2", "redis+cluster://a:1,b:2"),
+        ("redis+cluster://u:pw,b:2", "redis+cluster://***"),
+        ("redis://[::1]:6379/0", "redis://[::1]:6379"),
+        ("redis://u:p@", "redis://***"),
+    ],
+)
+def test_location_of_shows_hosts_only(url: str, shown: str) -> None:
+    from kvcodec.tools.stores import location_of
+
+    assert location_of(url) == shown
+
+
+def test_the_store_timeout_limits_agree() -> None:
+    from kvcodec.tools.stores import MAX_STORE_TIMEOUT_MS
+
+    pytest.importorskip("redis")
+    from kvcodec.store.redis import MAX_TIMEOUT_S
+
+    assert MAX_STORE_TIMEOUT_MS == MAX_TIMEOUT_S * 1000

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from kvcodec.format import Header, ScaleScope, assemble, parse
+from kvcodec.integrations.vllm.chunk_keys import group_of
 from kvcodec.tools.cli import main
-from tests.redis_servers import RedisServer, free_port, redis_missing, redis_single
+from tests.redis_servers import RedisServer, chunk_keys, free_port, redis_missing, redis_single
 
 pytestmark = pytest.mark.skipif(redis_missing() is not None, reason=f"{redis_missing()}")
 
@@ -56,9 +57,10 @@ def _blob(tokens: int = 32, seed: int = 0) -> bytearray:
 
 
 def _put(server: RedisServer, prefix: str, blobs: dict[str, bytes]) -> None:
+    """Write ``blobs`` as the connector does: its ``group_of`` names every key's hash tag."""
     from kvcodec.store import StoreOptions, open_store
 
-    store = open_store(server.url, StoreOptions(key_prefix=prefix))
+    store = open_store(server.url, StoreOptions(key_prefix=prefix, group_of=group_of))
     try:
         store.put_many(list(blobs.items()))
     finally:
@@ -92,7 +94,7 @@ def test_a_blob_the_store_refuses_is_reported(server: RedisServer, prefix: str, 
     from kvcodec.store import StoreOptions, open_store
 
     _put(server, prefix, {"good": _blob(), "damaged": _blob(seed=2)})
-    store = open_store(server.url, StoreOptions(key_prefix=prefix))
+    store = open_store(server.url, StoreOptions(key_prefix=prefix, group_of=group_of))
     name = store.name_of("damaged")
     store.close()
     with server.client() as c:
@@ -161,3 +163,91 @@ def test_paths_and_store_urls_together(server: RedisServer, prefix: str, tmp_pat
     (tmp_path / "two.lmckv").write_bytes(_blob(seed=3))
     assert main(["verify", "--key-prefix", prefix, str(tmp_path / "two.lmckv"), server.url]) == 0
     assert "2 ok, 0 bad" in capsys.readouterr().out
+
+
+def _flip_payload_byte(server: RedisServer, name: str) -> None:
+    with server.client() as c:
+        value = bytearray(c.get(name))
+        value[-3] ^= 0x10
+        c.set(name, bytes(value))
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_the_connectors_blobs_are_seen_and_a_damaged_one_named(
+    server: RedisServer, prefix: str, command: str, capsys
+) -> None:
+    """Two layers' blobs of one chunk under ``<prefix>:{C0-Hh0}:<key>`` (the connector's hash tag)."""
+    from kvcodec.store import StoreOptions, open_store
+
+    good, bad = chunk_keys(layers=2, chunk=0)[:2]
+    _put(server, prefix, {good: _blob(seed=1), bad: _blob(seed=2)})
+    with open_store(server.url, StoreOptions(key_prefix=prefix, group_of=group_of)) as store:
+        name = store.name_of(bad)
+    assert "{C0-Hh0}" in name
+    _flip_payload_byte(server, name)
+    assert main([command, "--key-prefix", prefix, server.url]) == 1
+    out = capsys.readouterr().out
+    if command == "verify":
+        assert "verified 2 blobs: 1 ok, 1 bad" in out
+        (line,) = [ln for ln in out.splitlines() if bad in ln]
+        assert "CRC" in line
+    else:
+        assert out.count("== ") == 2 and good in out and bad in out
+
+
+def test_a_value_under_another_tag_is_still_verified(server: RedisServer, prefix: str, capsys) -> None:
+    """A value whose hash tag is not what the store would write (another writer's ``group_of``) is
+    read under the name it is stored under, not skipped as removed."""
+    blob = _blob(seed=4)
+    with server.client() as c:
+        c.set(f"{prefix}:{{some-group}}:odd-key", bytes(blob))
+    assert main(["verify", "--key-prefix", prefix, "-v", server.url]) == 0
+    out = capsys.readouterr().out
+    assert "verified 1 blobs: 1 ok, 0 bad" in out and "odd-key: ok" in out
+
+
+def test_a_key_of_another_type_is_reported_and_the_walk_goes_on(
+    server: RedisServer, prefix: str, capsys
+) -> None:
+    from kvcodec.store import StoreOptions, open_store
+
+    _put(server, prefix, {"a-good": _blob(), "b-list": _blob(seed=1), "c-good": _blob(seed=2)})
+    with open_store(server.url, StoreOptions(key_prefix=prefix)) as store:
+        name = store.name_of("b-list")
+    with server.client() as c:
+        c.delete(name)
+        c.rpush(name, b"x")
+    assert main(["verify", "--key-prefix", prefix, server.url]) == 1
+    out = capsys.readouterr().out
+    assert "verified 3 blobs: 2 ok, 1 bad" in out and "b-list" in out
+
+
+PASSWORD = "Tr0ub4dor-and-3-horses"
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://default:{PASSWORD}",
+        f"redis+cluster://default:{PASSWORD}",
+        f"rediss://default:{PASSWORD}",
+        f"redis://default:{PASSWORD}/0",
+        f"redis://default:{PASSWORD}@",
+        f"redis-cluster://default:{PASSWORD}@127.0.0.1:1",
+        f"redis://default:{PASSWORD}@127.0.0.1:{{port}}/0?bogus=1",
+    ],
+)
+def test_no_command_prints_the_password(command: str, url: str, capsys) -> None:
+    url = url.replace("{port}", str(free_port()))
+    assert main([command, "--store-timeout-ms", "200", url]) in (1, 2)
+    cap = capsys.readouterr()
+    assert PASSWORD not in cap.out + cap.err and "Tr0ub" not in cap.out + cap.err
+    assert "unexpected" not in cap.err and cap.err.count("\n") <= 1
+
+
+@pytest.mark.parametrize("ms", ["100000000000000000000", "1e20", "0", "-5", "inf"])
+def test_a_store_timeout_no_socket_can_take_is_a_usage_error(ms: str, capsys) -> None:
+    assert main(["verify", "--store-timeout-ms", ms, "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "store-timeout-ms" in err and "unexpected" not in err

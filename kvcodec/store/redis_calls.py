@@ -1,0 +1,323 @@
+"""How RedisStore talks to Redis: one pipeline per call (per node on a cluster), each bounded by the
+store's timeout, with redis-py's failures and replies turned into kvcodec's errors.
+
+* **Per node, ourselves.** On a cluster the names of one call are grouped by the node that serves
+  them (the client's slot map) and each node gets one plain pipeline; the call stops at the first
+  node that fails. redis-py's cluster pipeline would resend each command of a silent node on a fresh
+  connection, one timeout each (a lookup of 128 chunks stalled ~40 timeouts). Only a redirection
+  (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``: a resharding or a failover) sends that node's
+  names through redis-py's cluster pipeline, which follows it and refreshes the slot map.
+* **Replies checked.** Every reply must be of the type its command gives (a ``GET``-like read
+  bytes, ``EXISTS`` an integer, ``SCAN`` a cursor and a list): anything else is
+  :class:`~kvcodec.errors.StoreUnavailableError` with ``STORE_PROTOCOL`` (not a Redis, or a broken
+  proxy), as is a reply redis-py itself cannot parse. ``WRONGTYPE`` (a list or hash under a blob's
+  name) is handed back to the caller, which treats it as damage.
+* **Failures.** A timeout is ``STORE_TIMEOUT``; a refused connection or a node down
+  ``STORE_UNAVAILABLE`` (the target marked down: :mod:`.redis_outage`); a refused login or command
+  ``STORE_AUTH`` and a read-only replica ``STORE_READONLY`` (configuration errors, one ERROR line a
+  minute, no outage); ``OOM`` :class:`~kvcodec.store.StoreFullError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, NoReturn, TypeVar
+
+import redis
+import redis.cluster
+from redis.crc import key_slot
+
+from ..errors import Reason, StoreUnavailableError, UnsupportedConfigError
+from . import redis_outage
+from .base import StoreFullError, StoreOptions
+from .counters import Counters
+from .redis_outage import Outages
+from .redis_url import RedisURL, auth_refusal, connect
+
+__all__ = ["AUTH_LOG_INTERVAL_S", "BadReply", "Queue", "RedisCalls", "is_wrong_type"]
+
+log = logging.getLogger("kvcodec.store.redis")
+
+AUTH_LOG_INTERVAL_S = 60.0
+"""At most one ERROR line per this many seconds for refused credentials, permissions or writes."""
+
+Queue = Callable[[Any, int], None]
+"""``queue(pipe, i)`` adds the commands of the call's ``i``-th name to ``pipe``."""
+
+_NODE_IN_ERROR = re.compile(r"(?:connecting to|reading from|writing to) \[?([\w.:-]+?)\]?:(\d+)")
+"""A node in redis-py's error text ("Error 111 connecting to 10.0.0.5:7001."), when it names one."""
+_REDIRECTS = (
+    redis.exceptions.AskError,  # MovedError is one too
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
+_UNPARSABLE = (TypeError, ValueError, IndexError, KeyError, AttributeError, UnicodeError)
+"""What redis-py's reply parsers raise on a reply its command never gives (an int for SCAN's list)."""
+_T = TypeVar("_T")
+
+
+class BadReply(ValueError):
+    """A reply of a type its command never gives."""
+
+
+def is_wrong_type(reply: Any) -> bool:
+    """Whether ``reply`` is Redis's ``WRONGTYPE`` error (a key holding another kind of value)."""
+    return isinstance(reply, redis.exceptions.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _run(
+    client: Any, names: Sequence[str], idx: Sequence[int], queue: Queue, shape: tuple[type, ...]
+) -> list:
+    """One pipeline of ``queue``'s commands for each index; per index the list of its replies."""
+    pipe = client.pipeline(transaction=False)
+    for i in idx:
+        queue(pipe, i)
+    flat = pipe.execute(raise_on_error=False)
+    per = len(shape)
+    if not isinstance(flat, list) or len(flat) != per * len(idx):
+        raise BadReply(f"a pipeline of {per * len(idx)} commands was answered by {type(flat).__name__}")
+    for j, reply in enumerate(flat):
+        if isinstance(reply, Exception):
+            if not is_wrong_type(reply):
+                raise reply
+        elif not isinstance(reply, shape[j % per]):
+            raise BadReply(f"a {shape[j % per].__name__} reply was expected, got {type(reply).__name__}")
+    return [flat[k * per : (k + 1) * per] for k in range(len(idx))]
+
+
+def _node_groups(client: Any, names: Sequence[str]) -> list[tuple[str, Any, list[int]]] | None:
+    """``(node name, its client, indices)`` per cluster node serving ``names``; None for one server."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return None
+    groups: dict[str, tuple[str, Any, list[int]]] = {}
+    for i, name in enumerate(names):
+        node = client.get_node_from_key(name)
+        groups.setdefault(node.name, (node.name, client.get_redis_connection(node), []))[2].append(i)
+    return list(groups.values())
+
+
+class RedisCalls:
+    """The plumbing of :class:`kvcodec.store.redis.RedisStore`: connection, calls, outages, counters."""
+
+    def __init__(self, url: RedisURL, opts: StoreOptions) -> None:
+        self._url = url
+        self._opts = opts
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._cluster = bool(url.cluster)
+        self._down = Outages()
+        """What is out: the server (its location), or on a cluster each node (``host:port``) that failed."""
+        self._config_logged: dict[Reason, float] = {}
+        self._closed = False
+        self._counts = Counters()
+        self.location = url.location
+
+    # ------------------------------------------------------------ pipelines
+
+    def _pipeline(self, names: Sequence[str], queue: Queue, shape: tuple[type, ...]) -> list[list[Any]]:
+        """Per name, the replies of the commands ``queue`` adds for it (``shape``: each one's type), in
+        one pipeline, or one per node on a cluster; the call fails at the first node that fails."""
+        if not names:
+            return []
+        if self._down:
+            self._fail_fast(names)
+        groups = self._call(lambda c: _node_groups(c, names), trips=0, checked=True)
+        every = list(range(len(names)))
+        if groups is None:
+            return self._call(lambda c: _run(c, names, every, queue, shape), names, checked=True)
+        out: list[list[Any]] = [[] for _ in names]
+        for node, node_client, idx in groups:
+            sub = [names[i] for i in idx]
+            got = self._call(
+                lambda c, n=node_client, i=idx: self._run_node(c, n, names, i, queue, shape),
+                sub,
+                node=node,
+                checked=True,
+            )
+            for i, replies in zip(idx, got):
+                out[i] = replies
+        return out
+
+    @staticmethod
+    def _run_node(
+        client: Any, node: Any, names: Sequence[str], idx: list[int], queue: Queue, shape: tuple[type, ...]
+    ) -> list:
+        """One node's pipeline; a redirection sends its names through the cluster client instead."""
+        try:
+            return _run(node, names, idx, queue, shape)
+        except _REDIRECTS:
+            return _run(client, names, idx, queue, shape)
+
+    # ------------------------------------------------------------ one call
+
+    def _call(
+        self,
+        fn: Callable[[Any], _T],
+        names: Sequence[str] = (),
+        trips: int | None = None,
+        node: str | None = None,
+        checked: bool = False,
+    ) -> _T:
+        """``fn(client)`` on the values ``names`` (one round trip, or one per slot on a cluster, unless
+        ``trips`` says) of ``node`` (None: the store, or the nodes serving ``names``), redis-py's
+        failures turned into kvcodec's errors and each outage logged once. ``checked``: the caller
+        has already refused a call to a target that is down."""
+        trips = self._trips(names) if trips is None else trips
+        if not checked and self._down and (trips or self._client is None):  # listing nodes is no probe
+            self._fail_fast(names, node)
+        try:
+            client = self._connected()
+            out = fn(client)
+        except redis.exceptions.TimeoutError as e:
+            self._failed(Reason.STORE_TIMEOUT, e, names, node)
+        except redis.exceptions.OutOfMemoryError as e:
+            self._count(errors=1)
+            raise StoreFullError(f"{self.location} refused a write: {e}") from None
+        except redis.exceptions.ReadOnlyError as e:
+            self._config_error(
+                UnsupportedConfigError(
+                    f"Redis store {self.location} is a read-only replica: name its primary in the URL",
+                    reason=Reason.STORE_READONLY,
+                ),
+                e,
+            )
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+            refusal = auth_refusal(e, self.location)
+            if refusal is not None:
+                self._config_error(refusal, e)
+            self._failed(Reason.STORE_UNAVAILABLE, e, names, node)
+        except _UNPARSABLE as e:  # BadReply, or redis-py failing on a reply no Redis gives
+            self._failed(Reason.STORE_PROTOCOL, e, names, node)
+        self._count(round_trips=trips)
+        if self._down and trips:  # only an answer from a server ends an outage
+            self._mend(client, names, node)
+        return out
+
+    def _trips(self, names: Sequence[str]) -> int:
+        """Round trips of one pipeline over ``names``: one, or one per slot on a cluster."""
+        if not self._cluster or len(names) < 2:
+            return 1
+        return len({key_slot(n.encode()) for n in names})
+
+    def _connected(self) -> Any:
+        if self._closed:
+            raise UnsupportedConfigError(f"store at {self.location} is closed", reason=Reason.BAD_VALUE)
+        client = self._client
+        if client is None:
+            client, cluster = connect(self._url, float(self._opts.timeout_s))
+            with self._lock:
+                if self._client is None:
+                    self._client, self._cluster = client, cluster
+                    old, self.location = self.location, replace(self._url, cluster=cluster or None).location
+                    self._down.rename(old, self.location)  # an outage under its former name
+                else:  # another thread connected first
+                    client.close()
+                client = self._client
+        return client
+
+    # ------------------------------------------------------------ outages
+
+    def _target(self, e: BaseException, names: Sequence[str], node: str | None) -> str:
+        """What failed: on a cluster the node the call was for, or the one redis-py names, or the one
+        node that serves ``names``, or the node the error's text names; else the store as a whole."""
+        if not self._cluster:
+            return self.location
+        if node is not None:
+            return node
+        conn = getattr(e, "connection", None)
+        host, port = getattr(conn, "host", None), getattr(conn, "port", None)
+        if host and port:
+            return f"{host}:{port}"
+        nodes = self._nodes_of(names)
+        if len(nodes) == 1:
+            return nodes.pop()
+        m = _NODE_IN_ERROR.search(str(e))
+        return f"{m.group(1)}:{m.group(2)}" if m else self.location
+
+    def _nodes_of(self, names: Sequence[str]) -> set[str]:
+        """The nodes (``host:port``) that serve ``names`` by the cluster client's slot map."""
+        client, nodes = self._client, set()
+        if isinstance(client, redis.cluster.RedisCluster):
+            for name in names:
+                try:
+                    node = client.get_node_from_key(name)
+                except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+                    continue
+                nodes.add(f"{node.host}:{node.port}")
+        return nodes
+
+    def _fail_fast(self, names: Sequence[str], node: str | None = None) -> None:
+        """Raise at once, without I/O, when a target of this call is down and not due for a probe."""
+        targets = {self.location} | (self._nodes_of(names) if self._cluster else set())
+        target = self._down.blocked(targets | ({node} if node else set()))
+        if target is not None:
+            self._count(errors=1)
+            where = "" if target == self.location else f" (node {target})"
+            raise StoreUnavailableError(
+                f"store {self.location}{where} is down; it is probed again within {redis_outage.PROBE_INTERVAL_S} s",
+                reason=Reason.STORE_UNAVAILABLE,
+            )
+
+    def _config_error(self, error: UnsupportedConfigError, e: BaseException) -> NoReturn:
+        """Raise ``error``, a configuration error (no outage), with one ERROR line a minute per kind."""
+        self._count(errors=1)
+        now = time.monotonic()
+        if now - self._config_logged.get(error.reason, -AUTH_LOG_INTERVAL_S - 1.0) >= AUTH_LOG_INTERVAL_S:
+            self._config_logged[error.reason] = now
+            log.error("kvcodec %s (%s): calls fail until the store's configuration is fixed", error, e)
+        raise error from None
+
+    def _failed(self, reason: Reason, e: BaseException, names: Sequence[str], node: str | None) -> NoReturn:
+        self._count(**{"timeouts" if reason is Reason.STORE_TIMEOUT else "errors": 1})
+        target = self._target(e, names, node)
+        first = self._down.failed(target, costly=reason is Reason.STORE_TIMEOUT)
+        what = f"{type(e).__name__}: {e}"
+        if reason is Reason.STORE_PROTOCOL:
+            what = f"a reply no Redis gives ({what})"
+        if first:
+            where = "" if target == self.location else f" (node {target})"
+            log.warning(
+                "kvcodec store %s%s is unavailable (%s): lookups miss and saves are dropped until it is back",
+                self.location,
+                where,
+                what,
+            )
+        raise StoreUnavailableError(f"store {self.location}: {what}", reason=reason) from None
+
+    def _mend(self, client: Any, names: Sequence[str], node: str | None) -> None:
+        """End the outages an answer disproves: the store's; on a cluster also those of the node the
+        call was for, or of the nodes that served ``names``."""
+        back: set[str] | None = None  # one server: any answer is all of it
+        if isinstance(client, redis.cluster.RedisCluster):
+            back = {self.location} | ({node} if node else self._nodes_of(names))
+        for target in self._down.mend(back):
+            where = "" if target == self.location else f" (node {target})"
+            log.info("kvcodec store %s%s is reachable again", self.location, where)
+
+    # ------------------------------------------------------------ the rest
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters (:data:`~kvcodec.store.STORE_COUNTERS`): ``round_trips`` counts pipelines
+        (one per slot on a cluster), ``hits``/``misses`` keys found or not by the reads that return
+        blobs (``get``, ``get_parsed``, ``get_parsed_many``; not ``contains``), ``errors`` failed calls
+        that did not time out (also those refused at once during an outage) plus refused values."""
+        return self._counts.snapshot()
+
+    def _count(self, **deltas: float) -> None:
+        self._counts.add(**deltas)
+
+    def close(self) -> None:
+        """Drop the connections (no network wait); later calls raise."""
+        self._closed = True
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except (redis.exceptions.RedisError, OSError):  # pragma: no cover - a socket already gone
+                pass
