@@ -35,13 +35,14 @@ def open_store(spec: str | os.PathLike[str], options: StoreOptions | None = None
         parts = urlsplit(spec)
         if parts.netloc not in ("", "localhost"):
             raise UnsupportedConfigError(
-                f"file:// store on host {parts.netloc!r}: only local paths", reason=Reason.BAD_VALUE
+                f"file:// store on host {parts.hostname or '***'!r}: only local paths",
+                reason=Reason.BAD_VALUE,
             )
         return _directory(parts.path, opts)
     if scheme:
         raise UnsupportedConfigError(
-            f"unknown store scheme {scheme!r} in {spec!r}; expected a path, file://, "
-            + ", ".join(f"{s}://" for s in REDIS_SCHEMES),
+            f"unknown store scheme {scheme!r} (the URL is not shown: it may hold a password); "
+            "expected a path, file://, " + ", ".join(f"{s}://" for s in REDIS_SCHEMES),
             reason=Reason.BAD_VALUE,
         )
     return _directory(spec, opts)

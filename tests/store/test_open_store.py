@@ -121,3 +121,12 @@ def test_evict_first_removes_a_groups_manifest_before_its_blobs(tmp_path: Path) 
         st.put("other", blob)  # makes room by evicting chunk 0, renamed aside member by member
     assert [r for r in renames if r in keys] == [manifest, *sorted(keys[:-1])]
     assert st.keys() == ["other"]
+
+
+@pytest.mark.parametrize(
+    "spec", ["redis-cluster://u:Tr0ub4dor@h:1", "http://Tr0ub4dor@h/x", "file://u:Tr0ub4dor@remote/x"]
+)
+def test_a_refused_url_never_shows_its_password(spec: str) -> None:
+    with pytest.raises(UnsupportedConfigError) as info:
+        open_store(spec)
+    assert "Tr0ub4dor" not in str(info.value)
