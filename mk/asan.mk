@@ -38,6 +38,9 @@ test-portable:
 	  -Wno-missing-field-initializers -Werror -shared -fPIC -DKV_PORTABLE_ONLY \
 	  $$($(BIN)/python -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])') kvcodec/csrc/cpu_kernels.c \
 	  -o $(PORTABLE_DIR)/kvcodec/_cpu$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	@so=$$(ls $(PORTABLE_DIR)/kvcodec/_cpu*.so); n=$$(objdump -d "$$so" | grep -cE '%[yz]mm|\.arch_' || true); \
+	  if [ "$$n" != 0 ]; then echo "the portable build has $$n ymm/zmm or .arch_ lines: ISA-specific code in it"; exit 1; fi; \
+	  echo "portable build: no ymm/zmm instruction, no .arch_ clone ($$so)"
 	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -c \
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(PORTABLE_DIR)" in m.__file__ and m.simd(-1) == 0 and m.crc_fast(-1) == 0 else "not the portable build")'
 	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider \

@@ -43,7 +43,10 @@
 #define EVEX_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq")))
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KV_NO_CLONES)
+/* The portable build (KV_PORTABLE_ONLY) has no ISA-specific code at all: no clones either, so the loops
+ * it runs are the baseline ones on any CPU (make test-portable checks its object for ymm/zmm and .arch_). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KV_NO_CLONES) && \
+    !defined(KV_PORTABLE_ONLY)
 #define KV_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define KV_CLONES
