@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "RedisCluster",
     "RedisServer",
     "chunk_keys",
+    "connector_keys",
     "free_port",
     "make_blob",
     "redis_cluster",
@@ -302,9 +304,19 @@ def make_blob(nbytes: int, seed: int, model: str = "m") -> bytes:
     return bytes(assemble(h, rng.bytes(half), rng.bytes(half)))
 
 
+def connector_keys(model16: str) -> object:
+    """The connector's ``ChunkKeys`` of one model identity, rank 0 of one (whether it takes the
+    ``model16`` itself or a rank -> ``model16`` map)."""
+    from kvcodec.integrations.vllm.chunk_keys import ChunkKeys
+
+    per_rank = "dict" in str(ChunkKeys.__dataclass_fields__["model16"].type)
+    return ChunkKeys({0: model16}) if per_rank else ChunkKeys(model16)  # type: ignore[arg-type]
+
+
 def chunk_keys(layers: int, chunk: int, model16: str = "m") -> list[str]:
     """Chunk ``chunk``'s keys as the connector writes them: each layer's blob, then the manifest."""
-    from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef
+    from kvcodec.integrations.vllm.chunk_keys import ChunkRef
 
-    keys, ref = ChunkKeys({0: model16}), ChunkRef(chunk, f"h{chunk}", f"h{chunk - 1}" if chunk else None)
+    keys: Any = connector_keys(model16)
+    ref = ChunkRef(chunk, f"h{chunk}", f"h{chunk - 1}" if chunk else None)
     return [keys.blob(0, layer, ref) for layer in range(layers)] + [keys.manifest(ref)]

@@ -15,6 +15,10 @@ never encodes: it keeps the bytes it is given and hands back verified blobs.
   with the specific reason of the check that failed (``CRC_MISMATCH``,
   ``TRUNCATED_PAYLOAD``, ``SIZE_MISMATCH``, ``BAD_MAC``, ...), after the backend
   has removed or quarantined it: the next read of that key is a miss.
+* **Bounded reads.** ``get``, ``get_parsed`` and ``get_parsed_many`` take
+  ``max_bytes``, the largest blob (header + payload) the caller expects: a
+  stored value longer than that is damage, refused before more than that is
+  read or held (a store's own envelope, the fleet MAC's 40 bytes, comes on top).
 * **An outage** raises :class:`~kvcodec.errors.StoreUnavailableError` (reasons
   ``STORE_UNAVAILABLE`` / ``STORE_TIMEOUT``) from any call; the backend logs
   one WARNING per outage, one INFO when it is back, and recovers by itself.
@@ -97,18 +101,28 @@ class BlobStore(Protocol):
         """``put`` each ``(key, blob)`` in order; each item atomic on its own."""
         ...
 
-    def get(self, key: str) -> memoryview:
-        """The verified blob under ``key``; KeyError on a miss."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> memoryview:
+        """The verified blob under ``key``; KeyError on a miss; a value over ``max_bytes`` is damage."""
         ...
 
-    def get_parsed(self, key: str, into: bytearray | None = None, *, verify_crc: bool = True) -> ParsedBlob:
+    def get_parsed(
+        self,
+        key: str,
+        into: bytearray | None = None,
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+    ) -> ParsedBlob:
         """The blob under ``key`` read once and parsed once, CRC checked; ``into`` may hold its bytes.
 
         ``verify_crc=False`` (optional: a backend may ignore it and check anyway) leaves the CRC to
-        the caller, who checks it in its own pass and must then treat a mismatch as damage."""
+        the caller, who checks it in its own pass and must then treat a mismatch as damage.
+        ``max_bytes``: the largest blob the caller expects (None: the backend's own limit)."""
         ...
 
-    def get_parsed_many(self, keys: Sequence[str], *, verify_crc: bool = True) -> list[ParsedBlob]:
+    def get_parsed_many(
+        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+    ) -> list[ParsedBlob]:
         """``get_parsed`` of each key, all or nothing: KeyError(key) if any one is missing."""
         ...
 

@@ -17,7 +17,6 @@ policy (``eviction.py``), quarantine (``quarantine.py``) and crash recovery
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import threading
@@ -36,7 +35,7 @@ from .files import create_temp, fsync_dir, lstat, open_regular, set_mtime, write
 from .index import RECENCY_PERSIST_S, SizeIndex
 from .keys import MAX_KEY_LEN, InvalidKeyError, model_key, validate_key
 from .quarantine import QUARANTINE_DIRNAME, Quarantine
-from .reading import check_size, read_checked
+from .reading import load_blob
 from .recovery import iter_blob_names, scan
 
 __all__ = ["MAX_KEY_LEN", "QUARANTINE_DIRNAME", "DirectoryStore", "InvalidKeyError", "validate_key"]
@@ -257,20 +256,28 @@ class DirectoryStore:
 
     # ------------------------------------------------------------ reads
 
-    def get(self, key: str) -> memoryview:
+    def get(self, key: str, *, max_bytes: int | None = None) -> memoryview:
         """The blob under ``key``: a writable, copy-on-write memoryview over an mmap of its file.
 
         Raises :class:`KeyError` if no regular file holds ``key`` (a symlink or
         other special file under its name is never followed) and
         :class:`CorruptEncodedKVError` (after quarantining the file) if it is
         damaged. With ``verify=False`` only the CRC is skipped; the header and
-        the file's size are still checked.
+        the file's size are still checked. ``max_bytes``: the largest blob the caller accepts (a
+        longer file is damage, refused before it is read).
         """
         validate_key(key)
         self._check_open()
-        return self._get(key, False).blob
+        return self._get(key, False, max_bytes=max_bytes).blob
 
-    def get_parsed(self, key: str, into: bytearray | None = None, *, verify_crc: bool = True) -> ParsedBlob:
+    def get_parsed(
+        self,
+        key: str,
+        into: bytearray | None = None,
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+    ) -> ParsedBlob:
         """The blob under ``key`` read into memory and parsed once, its CRC verified (whatever ``verify``).
 
         For a reader that decodes the blob at once (the vLLM connector's loads):
@@ -289,19 +296,21 @@ class DirectoryStore:
         """
         validate_key(key)
         self._check_open()
-        return self._get(key, True, into, verify_crc)
+        return self._get(key, True, into, verify_crc, max_bytes)
 
-    def get_parsed_many(self, keys: Sequence[str], *, verify_crc: bool = True) -> list[ParsedBlob]:
+    def get_parsed_many(
+        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+    ) -> list[ParsedBlob]:
         """``get_parsed`` of each key, all or nothing: ``KeyError(key)`` if any one is missing (checked
         before any is read), a damaged one's :class:`CorruptEncodedKVError` after quarantining it
-        (``verify_crc`` as for :meth:`get_parsed`)."""
+        (``verify_crc`` and ``max_bytes`` as for :meth:`get_parsed`)."""
         keys = [validate_key(k) for k in keys]
         self._check_open()
         for k in keys:
             if not self._is_blob(k):
                 self._counters.add(round_trips=1, misses=1)
                 raise KeyError(k)
-        return [self._get(k, True, None, verify_crc) for k in keys]
+        return [self._get(k, True, None, verify_crc, max_bytes) for k in keys]
 
     def contains(self, key: str) -> bool:
         """Whether a regular file exists for ``key`` (not verified: ``get`` may still find it corrupt).
@@ -402,16 +411,21 @@ class DirectoryStore:
         return st is not None and stat.S_ISREG(st.st_mode)
 
     def _get(
-        self, key: str, whole: bool, into: bytearray | None = None, verify_crc: bool = True
+        self,
+        key: str,
+        whole: bool,
+        into: bytearray | None = None,
+        verify_crc: bool = True,
+        max_bytes: Any = None,
     ) -> ParsedBlob:
         for retry in (True, True, False):  # a damaged file replaced by a writer meanwhile: read it again
-            parsed = self._read(key, retry, whole, into, verify_crc)
+            parsed = self._read(key, retry, whole, into, verify_crc, max_bytes)
             if parsed is not None:
                 return parsed
         raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
     def _read(
-        self, key: str, retry: bool, whole: bool, into: bytearray | None, verify_crc: bool
+        self, key: str, retry: bool, whole: bool, into: bytearray | None, verify_crc: bool, max_bytes: Any
     ) -> ParsedBlob | None:
         """One read attempt; None when a damaged file was replaced meanwhile (and ``retry``)."""
         path = self._prefix + key
@@ -424,7 +438,7 @@ class DirectoryStore:
         fd, st = opened
         try:
             try:
-                parsed = self._load(fd, st.st_size, whole, into, verify_crc)
+                parsed = load_blob(fd, st.st_size, whole, into, verify_crc, self._verify, max_bytes)
             except CorruptEncodedKVError as e:
                 return self._damaged(key, path, st, e, retry=retry)
             self._used(key, fd, st)
@@ -442,30 +456,6 @@ class DirectoryStore:
             if stamp - disk >= self._persist_ns and set_mtime(fd, stamp):
                 disk = stamp  # else: not the owner / read-only mount: recency stays in memory
             self._index.record(key, stamp, st.st_size, disk)
-
-    def _load(self, fd: int, size: int, whole: bool, into: bytearray | None, verify_crc: bool) -> ParsedBlob:
-        """Check the size, then read (``whole``) or map the file and parse it.
-
-        Raises a fresh :class:`CorruptEncodedKVError` (the parser's reason kept) whose traceback holds
-        no view of the map, so the map is closed before the error leaves."""
-        if size == 0:
-            raise CorruptEncodedKVError("file is empty", reason=Reason.TRUNCATED_HEADER)
-        if whole:
-            blob = read_checked(fd, size, into)
-            return parse(blob, verify_crc=verify_crc, remember=verify_crc)  # deferred: not memoised
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        failure: tuple[type[CorruptEncodedKVError], str, Reason] | None = None
-        try:
-            check_size(mm, size)
-            return parse(mm, verify_crc=self._verify)
-        except CorruptEncodedKVError as e:
-            failure = (type(e), str(e), e.reason)
-        try:  # outside the handler, so parse's views are released
-            mm.close()
-        except BufferError:  # pragma: no cover - a view still alive; GC frees it
-            pass
-        cls, message, reason = failure
-        raise cls(message, reason=reason)
 
     def _damaged(
         self, key: str, path: str, st: os.stat_result, err: CorruptEncodedKVError, *, retry: bool

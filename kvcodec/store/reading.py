@@ -10,11 +10,13 @@ refused; only then is the file read (:func:`read_blob`) or mapped, and parsed
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from typing import Any
 
-from ..errors import CorruptEncodedKVError, Reason
+from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
+from ..format import ParsedBlob, parse
 from ..format.header import (
     CRC_FIELD,
     FIXED_HEADER,
@@ -31,7 +33,16 @@ from ..format.header import (
 )
 from .files import read_into
 
-__all__ = ["PREFIX_LEN", "check_size", "declared_size", "read_blob", "read_checked", "read_prefix"]
+__all__ = [
+    "PREFIX_LEN",
+    "check_max_blob",
+    "check_size",
+    "declared_size",
+    "load_blob",
+    "read_blob",
+    "read_checked",
+    "read_prefix",
+]
 
 PREFIX_LEN = 4096
 """Bytes read before anything else: a real header (a few hundred bytes) fits in them."""
@@ -191,3 +202,49 @@ def read_checked(fd: int, size: int, into: bytearray | None = None) -> bytearray
     head = read_prefix(fd, size)
     check_size(head, size, fd)
     return read_blob(fd, size, into, head)
+
+
+def check_max_blob(max_bytes: Any, size: int, limit: int) -> None:
+    """Refuse a ``size``-byte stored object larger than ``max_bytes``, the largest blob its reader
+    expects (``SIZE_MISMATCH``, before it is read); ``max_bytes`` must be None or an int in
+    1..``limit``."""
+    if max_bytes is None:
+        return
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 0 < max_bytes <= limit:
+        raise UnsupportedConfigError(
+            f"max_bytes must be an int in 1..{limit}, got {max_bytes!r}", reason=Reason.BAD_VALUE
+        )
+    if size > max_bytes:
+        raise CorruptEncodedKVError(
+            f"{size} bytes, more than the {max_bytes} its reader expects: not read",
+            reason=Reason.SIZE_MISMATCH,
+        )
+
+
+def load_blob(
+    fd: int, size: int, whole: bool, into: bytearray | None, verify_crc: bool, verify: bool, max_bytes: Any
+) -> ParsedBlob:
+    """A blob file checked (``max_bytes``, then its size against its header), then read (``whole``:
+    into private memory, parsed with ``verify_crc``) or mapped copy-on-write (parsed with ``verify``).
+
+    Raises a fresh :class:`CorruptEncodedKVError` (the parser's reason kept) whose traceback holds
+    no view of the map, so the map is closed before the error leaves."""
+    check_max_blob(max_bytes, size, MAX_PAYLOAD_LEN)
+    if size == 0:
+        raise CorruptEncodedKVError("file is empty", reason=Reason.TRUNCATED_HEADER)
+    if whole:
+        blob = read_checked(fd, size, into)
+        return parse(blob, verify_crc=verify_crc, remember=verify_crc)  # deferred: not memoised
+    mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    failure: tuple[type[CorruptEncodedKVError], str, Reason] | None = None
+    try:
+        check_size(mm, size)
+        return parse(mm, verify_crc=verify)
+    except CorruptEncodedKVError as e:
+        failure = (type(e), str(e), e.reason)
+    try:  # outside the handler, so parse's views are released
+        mm.close()
+    except BufferError:  # pragma: no cover - a view still alive; GC frees it
+        pass
+    cls, message, reason = failure
+    raise cls(message, reason=reason)

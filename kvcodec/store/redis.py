@@ -73,7 +73,7 @@ from ..format import ParsedBlob, as_bytes_view, parse
 from .auth import ENVELOPE_LEN, open_envelope, seal, strip_envelope
 from .base import StoreOptions
 from .keys import InvalidKeyError, validate_key
-from .reading import check_size
+from .reading import check_max_blob, check_size
 from .redis_calls import AUTH_LOG_INTERVAL_S, BadReply, RedisCalls, is_wrong_type
 from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL
 
@@ -115,13 +115,8 @@ def _check_timeout(timeout: Any) -> float:
 
 
 def _check_max_bytes(max_bytes: Any) -> int:
-    if max_bytes is None:
-        return MAX_VALUE_BYTES
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_VALUE_BYTES:
-        raise UnsupportedConfigError(
-            f"max_bytes must be an int in 1..{MAX_VALUE_BYTES}, got {max_bytes!r}", reason=Reason.BAD_VALUE
-        )
-    return max_bytes
+    check_max_blob(max_bytes, 0, MAX_VALUE_BYTES)
+    return MAX_VALUE_BYTES if max_bytes is None else max_bytes
 
 
 def _nodes(client: Any) -> list[tuple[str | None, Any]]:

@@ -19,9 +19,10 @@ import pytest
 
 from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from kvcodec.format import ParsedBlob, parse
-from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef
+from kvcodec.integrations.vllm.chunk_keys import ChunkRef
 from kvcodec.store import STORE_COUNTERS, BlobStore, InvalidKeyError
 from tests.raises import raises_reason
+from tests.redis_servers import connector_keys
 from tests.store.test_store import make_blob
 
 __all__ = ["BlobStoreContract", "chunk_blob_keys", "crc_damaged"]
@@ -31,7 +32,7 @@ BAD_KEYS = ("", ".hidden", "a/b", "../up", "x" * 201, "sp ace")
 
 def chunk_blob_keys(layers: int, chunk: int = 0) -> list[str]:
     """One chunk's layer blobs and its manifest (last), as the connector names them."""
-    keys = ChunkKeys({0: "0123456789abcdef"})
+    keys: Any = connector_keys("0123456789abcdef")
     ref = ChunkRef(chunk, f"h{chunk:04d}", f"h{chunk - 1:04d}" if chunk else None)
     return [keys.blob(0, layer, ref) for layer in range(layers)] + [keys.manifest(ref)]
 
@@ -101,6 +102,21 @@ class BlobStoreContract:
             done.set()
             reader.join()
         assert seen and set(seen) <= {a, b}
+
+    def test_reads_take_the_largest_blob_the_caller_expects(self, store: BlobStore) -> None:
+        """``max_bytes`` (issue 34): a blob up to it is read; a longer one is damage, refused before
+        it is read and removed; the bound must be a positive int."""
+        b = blob(11)
+        store.put_many([("k1", b), ("k2", b)])
+        assert bytes(store.get_parsed_many(["k1", "k2"], max_bytes=len(b))[1].blob) == b
+        assert bytes(store.get("k1", max_bytes=len(b))) == b
+        with raises_reason(CorruptEncodedKVError, Reason.SIZE_MISMATCH):
+            store.get_parsed("k1", max_bytes=len(b) - 1)
+        with pytest.raises(KeyError):
+            store.get_parsed("k1")
+        for bad in (0, -1, 2.0, True):
+            with raises_reason(UnsupportedConfigError, Reason.BAD_VALUE):
+                store.get_parsed("k2", max_bytes=bad)  # type: ignore[arg-type]
 
     def test_a_miss_is_key_error_and_false(self, store: BlobStore) -> None:
         for read in (store.get, store.get_parsed):

@@ -9,14 +9,23 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvcodec.errors import CorruptEncodedKVError, Reason, StoreUnavailableError, UnsupportedConfigError
-from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef, group_of
+from kvcodec.integrations.vllm.chunk_keys import ChunkRef, group_of
 from kvcodec.store import InvalidKeyError, StoreFullError, StoreOptions, open_store
 from tests.raises import raises_reason
-from tests.redis_servers import chunk_keys, free_port, make_blob, redis_cluster, redis_missing, redis_single
+from tests.redis_servers import (
+    chunk_keys,
+    connector_keys,
+    free_port,
+    make_blob,
+    redis_cluster,
+    redis_missing,
+    redis_single,
+)
 
 pytestmark = pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
 
@@ -271,9 +280,9 @@ def test_importing_kvcodec_store_does_not_import_redis() -> None:
 
 
 def test_the_connector_key_grammar_groups_a_chunk(store) -> None:
-    keys = ChunkKeys({0: "m0", 1: "m1"})
+    keys: Any = connector_keys("m0")
     ref = ChunkRef(2, "abc", "def")
-    names = [store.name_of(k) for k in (keys.blob(0, 5, ref), keys.rank_marker(1, ref), keys.manifest(ref))]
+    names = [store.name_of(k) for k in (keys.blob(0, 5, ref), keys.rank_marker(0, ref), keys.manifest(ref))]
     assert {n.split("}")[0] for n in names} == {"kvcodec:{C2-Habc"}
     assert isinstance(store, RedisStore) and store.partial_groups
 

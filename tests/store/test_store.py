@@ -623,7 +623,7 @@ def test_corrupt_file_replaced_during_read_returns_new_blob(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A writer's rename landing while a reader handles a damaged file: the new blob wins."""
-    import kvcodec.store.directory as store_mod
+    import kvcodec.store.reading as store_mod  # where the directory store's reads parse
 
     st = DirectoryStore(tmp_path)
     st.put("k", make_blob(4000, 1))
