@@ -28,6 +28,7 @@ from typing import Any
 
 from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
 from kvcodec.errors import CodecError, CodecMismatchError, CorruptEncodedKVError, StoreUnavailableError
+from kvcodec.format.header import MAX_SCALE_DIMS, SCALE_DIM
 from kvcodec.store import BlobStore
 
 from .background import BackgroundPool
@@ -217,7 +218,7 @@ class LoadHandler:
         buffers: list[bytearray] = []
         try:
             with self._deleting_bad([*keys.values(), self.keys.manifest(ref)]):
-                parsed = self._read(keys, buffers, defer)
+                parsed = self._read(keys, buffers, defer, self._max_blob_bytes(c, ref.chunk_hash))
                 fused = caches.fused
                 if fused is not None and fused.serves(c * cs, skip):
                     fc = fused.prepare(parsed, c, cs, skip, ref.chunk_hash)
@@ -243,11 +244,19 @@ class LoadHandler:
         caches, ref = self.caches, spec.ref(c)
         return {n: self.keys.blob(caches.rank, caches.layers[n], ref) for n in caches.caches}
 
-    def _read(self, keys: dict[str, str], buffers: list[bytearray], defer: bool = False) -> dict[str, Any]:
+    def _read(
+        self,
+        keys: dict[str, str],
+        buffers: list[bytearray],
+        defer: bool = False,
+        max_bytes: int | None = None,
+    ) -> dict[str, Any]:
         """Each blob read and parsed once, CRC checked (``defer``: left to the write): one
         ``get_parsed_many`` where one blob of a chunk may vanish alone (all or nothing), else
-        ``get_parsed`` into reused buffers."""
-        kw = {"verify_crc": False} if defer else {}
+        ``get_parsed`` into reused buffers; no more than ``max_bytes`` of a value is read."""
+        kw: dict[str, Any] = {"verify_crc": False} if defer else {}
+        if max_bytes is not None:
+            kw["max_bytes"] = max_bytes
         if self.store.partial_groups:
             got = self.store.get_parsed_many(list(keys.values()), **kw)
             parsed = dict(zip(keys, got))
@@ -256,7 +265,20 @@ class LoadHandler:
         self.counters.add(bytes_read=sum(len(p.blob) for p in parsed.values()))
         return parsed
 
-    def _read_into(self, key: str, buffers: list[bytearray], kw: dict[str, bool]) -> Any:
+    def _max_blob_bytes(self, c: int, chunk_hash: str) -> int | None:
+        """The most one layer's blob of chunk ``c`` may hold, for a store whose reads take it: no more
+        of a value is read, so a planted oversized value costs no more than a blob (issue 34). The
+        chunk manifest's header with the most scale dims (+1 KiB), K and V of every KV head of the
+        model at 2 bytes an element (or the cache's), a float32 scale a token and head."""
+        caches = self.caches
+        if not _takes_max_bytes(self.store) or not caches.caches:
+            return None
+        cache = next(iter(caches.caches.values()))  # every layer's view has the geometry's shape
+        header = len(caches.manifest_blob(c, chunk_hash)) + MAX_SCALE_DIMS * SCALE_DIM.size + 1024
+        heads = cache.shape[1] * max(1, caches.world)  # a rank may read blobs of every head
+        return header + self.cfg.chunk_size * heads * (cache.shape[3] * max(cache.element_size(), 2) + 4)
+
+    def _read_into(self, key: str, buffers: list[bytearray], kw: dict[str, Any]) -> Any:
         spare = self.buffers.take()
         try:
             parsed = self.store.get_parsed(key, into=spare, **kw)
@@ -343,6 +365,18 @@ class LoadHandler:
     def shutdown(self) -> None:
         """Drop pending loads."""
         self.loader.shutdown(0)
+
+
+def _takes_max_bytes(store: BlobStore) -> bool:
+    """Whether ``store``'s reads take ``max_bytes`` (the largest blob expected; optional in a
+    :class:`~kvcodec.store.BlobStore` not of this package)."""
+    try:
+        return all(
+            "max_bytes" in inspect.signature(getattr(store, m)).parameters
+            for m in ("get_parsed", "get_parsed_many")
+        )
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _takes_verify_crc(store: BlobStore) -> bool:
