@@ -139,6 +139,16 @@ def _scan_page(node: Any, cursor: int, match: str) -> tuple[int, list[Any]]:
     return at, names
 
 
+def _text(name: bytes | str) -> str | None:
+    """A listed name as text; None for one that is not UTF-8 (no key of this store is named so)."""
+    if isinstance(name, str):
+        return name
+    try:
+        return name.decode()
+    except UnicodeDecodeError:
+        return None
+
+
 class RedisStore(RedisCalls):
     """Key -> LMCKV blob store on a Redis server or Redis Cluster (see the module docstring).
 
@@ -371,8 +381,9 @@ class RedisStore(RedisCalls):
                 )
                 for name in names:
                     key = self._key_of(name)
-                    if key is not None:
-                        yield key, name.decode() if isinstance(name, bytes) else name
+                    text = _text(name)
+                    if key is not None and text is not None:
+                        yield key, text
 
     def iter_keys(self) -> Iterator[str]:
         """Every key this store can read (its name carries the tag this store's ``group_of`` gives),

@@ -206,6 +206,17 @@ def test_a_value_under_another_tag_is_still_verified(server: RedisServer, prefix
     assert "verified 1 blobs: 1 ok, 0 bad" in out and "odd-key: ok" in out
 
 
+def test_names_no_writer_of_this_store_makes_are_skipped(server: RedisServer, prefix: str, capsys) -> None:
+    """A name under the prefix that is not UTF-8, or whose key is no key, is no blob of this store."""
+    with server.client() as c:
+        c.set(f"{prefix}:{{g}}:".encode() + b"\xff\xfe", bytes(_blob()))
+        c.set(f"{prefix}:{{\xff}}:k".encode("latin-1"), bytes(_blob()))
+        c.set(f"{prefix}:{{g}}:../up", bytes(_blob()))
+    _put(server, prefix, {"fine": _blob(seed=5)})
+    assert main(["verify", "--key-prefix", prefix, server.url]) == 0
+    assert "verified 1 blobs: 1 ok, 0 bad" in capsys.readouterr().out
+
+
 def test_a_key_of_another_type_is_reported_and_the_walk_goes_on(
     server: RedisServer, prefix: str, capsys
 ) -> None:
