@@ -247,7 +247,8 @@ def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_about_one_ti
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """128 chunks' keys in one lookup, a third of their slots on a SIGSTOPped node: about one timeout
-    (redis-py alone resends each of that node's commands on a fresh connection, each a timeout)."""
+    (redis-py's cluster pipeline resends each of that node's commands on a fresh connection, each a
+    timeout). A real-server fault test, so it may bound time (generously)."""
     monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 60.0)
     timeout = 0.5
     opts = StoreOptions(group_of=group_of, timeout_s=timeout)
@@ -268,7 +269,8 @@ def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_about_one_ti
             second = time.monotonic() - start
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
-        assert first < 4 * timeout, f"one lookup stalled {first:.2f} s (timeout {timeout} s)"
+        # Generous for a busy machine (the old path took ~80 timeouts here: 41.8 s); the real cost is one.
+        assert first < 6 * timeout, f"one lookup stalled {first:.2f} s (timeout {timeout} s)"
         assert second < timeout, f"the next lookup took {second:.2f} s"
         assert st.stats()["timeouts"] == 1
         monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 0.0)
