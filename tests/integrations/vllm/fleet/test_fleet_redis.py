@@ -4,16 +4,21 @@ sharing nothing but one real redis-server on 127.0.0.1, with a fleet key.
 Host A saves; a fresh host B loads every full chunk through Redis and generates A's greedy tokens;
 host C (another model id) gets no hits; a blob planted without the fleet key is refused (BAD_MAC),
 deleted and recomputed by host D; a ``maxmemory`` that evicts single blobs of A's chunks leaves host
-E with whole chunks or misses, no error, and A's tokens.
+E with whole chunks or misses, no error, and A's tokens; ``kvcodec verify redis://...`` passes the
+engines' blobs, then names one whose byte was flipped and exits 1 (issue 34).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import random
 
 import pytest
 
 from kvcodec.store.auth import ENVELOPE_LEN, ENVELOPE_MAGIC
+from kvcodec.tools.cli import main as kvcodec_cli
 from tests.integrations.vllm.engines import tiny_model
 from tests.integrations.vllm.fleet.greedy import MIN_COMPARED, same_greedy
 from tests.integrations.vllm.fleet.hosts import connector_keys, run_host
@@ -53,6 +58,34 @@ def _names(server) -> set[bytes]:
         return set(c.scan_iter(match="kvcodec:*", count=1000))
 
 
+def _verify(url: str) -> tuple[int, str]:
+    """``kvcodec verify URL`` with the hosts' fleet key, as an operator runs it: (exit status, stdout)."""
+    out, env = io.StringIO(), "KVCODEC_FLEET_TEST_KEY"
+    os.environ[env] = FLEET_ENV["KVCODEC_FLEET_KEY"]
+    try:
+        with contextlib.redirect_stdout(out):
+            code = kvcodec_cli(["verify", "--fleet-key-env", env, url])
+    finally:
+        del os.environ[env]
+    return code, out.getvalue()
+
+
+def _verify_engines_blobs(srv) -> dict:
+    """Verify the store host A wrote, then again with one payload byte of a blob flipped; the blob
+    is put back after (the later hosts find A's store as it was)."""
+    res: dict = {"verify_ok": _verify(srv.url)}
+    with srv.client() as c:
+        victim = sorted(n for n in _names(srv) if b"-L0-C" in n)[0]
+        value = c.get(victim)
+        flipped = bytearray(value)
+        flipped[-5] ^= 0x01
+        c.set(victim, bytes(flipped))
+        res["verify_bad"] = (*_verify(srv.url), victim.decode().rpartition("}:")[2])
+        res["victim_after"] = _names(srv) & {victim}
+        c.set(victim, value)
+    return res
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Run every host once against one redis-server; the tests read what they did."""
@@ -72,6 +105,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict:
         res["a_names"] = _names(srv)
         res["a_bytes"] = srv.used_memory() - used_before
         res["b"] = host("b")
+        res.update(_verify_engines_blobs(srv))
         res["c"] = host("c", model_id="another-model")
         res["c_names"] = _names(srv) - res["a_names"]
         # A writer without the fleet key: a well-formed blob (valid CRC) under one of A's keys.
@@ -136,3 +170,13 @@ def test_eviction_of_single_blobs_never_loads_part_of_a_chunk(fleet):
         assert cached % CHUNK == 0 and cached <= expect
     assert e["stats"]["chunks_loaded"] < CHUNKS
     same_greedy(fleet["a"]["outputs"], e["outputs"])
+
+
+def test_kvcodec_verify_passes_the_engines_blobs_and_names_a_damaged_one(fleet):
+    code, out = fleet["verify_ok"]
+    assert code == 0 and ", 0 bad" in out and "verified 0 blobs" not in out
+    code, out, victim = fleet["verify_bad"]
+    assert code == 1 and ", 1 bad" in out
+    (line,) = [ln for ln in out.splitlines() if victim in ln]
+    assert "fleet MAC" in line
+    assert not fleet["victim_after"]  # the store removed it, as a load would
