@@ -34,6 +34,7 @@ __all__ = [
     "HASH_PAIR_COUNT",
     "IDS",
     "IDS_OFFSET",
+    "LATENT_DTYPES",
     "MAGIC",
     "MAX_DIM",
     "MAX_ELEMENTS",
@@ -52,6 +53,7 @@ __all__ = [
     "ScaleScope",
     "assemble",
     "check_crc",
+    "check_latent",
     "header_size",
     "pack_header_into",
     "payload_crc",
@@ -161,6 +163,10 @@ class ScaleScheme(IntEnum):
     """Scales computed from V and stored in the payload (per the scope)."""
     UNIT = 1
     """Raw FP8 at unit scale: no scale payload."""
+    LATENT = 2
+    """An MLA latent cache (version 2, scope NONE): V holds each token's whole latent entry
+    (``kv_lora_rank`` latent then ``qk_rope_head_dim`` rope part, one "head") at its 16- or 32-bit
+    dtype, bit for bit; no K, no scales. LMCache (version 1, schemes 0 and 1) reads none of it."""
     COMPUTED_PER_TENSOR = 0
     """LMCache's name for COMPUTED (an alias)."""
     RAW_UNIT = 1
@@ -319,6 +325,24 @@ def _as_int(name: str, value: Any) -> int:
         ) from None
 
 
+LATENT_DTYPES = ("float16", "bfloat16", "float32")
+"""What a :attr:`ScaleScheme.LATENT` blob's V may be: a latent cache's own dtype, copied exactly."""
+
+
+def check_latent(h: Header, error: type[Exception], reason: Reason) -> None:
+    """The rules of a :attr:`ScaleScheme.LATENT` blob (version 2, scope NONE, a 16/32-bit V, no K,
+    no scales), each broken one raised as ``error(reason=reason)``."""
+    problems = []
+    if h.version < 2 or h.scale_scope != ScaleScope.NONE:
+        problems.append(f"version {h.version} scope {ScaleScope(h.scale_scope).name} (needs 2, NONE)")
+    if h.v_dtype.name not in LATENT_DTYPES:
+        problems.append(f"V of {h.v_dtype.name} (needs one of {LATENT_DTYPES})")
+    if h.k_payload_len or h.scale_payload_len:
+        problems.append(f"{h.k_payload_len} K and {h.scale_payload_len} scale bytes (needs none)")
+    if problems:
+        raise error(f"scale scheme LATENT (an MLA latent entry): {'; '.join(problems)}", reason=reason)
+
+
 def _check_writable_header(h: Header) -> None:
     """Refuse (UnsupportedConfigError) any field the parser would refuse or struct cannot pack."""
     if _as_int("version", h.version) not in SUPPORTED_VERSIONS:
@@ -345,6 +369,8 @@ def _check_writable_header(h: Header) -> None:
             f"scope {scope.name} and scheme {scheme.name}",
             reason=Reason.BAD_VALUE,
         )
+    if scheme == ScaleScheme.LATENT:
+        check_latent(h, UnsupportedConfigError, Reason.BAD_VALUE)
     if not isinstance(h.hashes, Hashes):
         raise UnsupportedConfigError(
             f"hashes is a {type(h.hashes).__name__}; expected Hashes (see Hashes.coerce)",

@@ -52,6 +52,7 @@ from .header import (
     ScaleScheme,
     ScaleScope,
     check_crc,
+    check_latent,
     payload_crc,
 )
 
@@ -209,9 +210,9 @@ def _check_versioned_ids(magic: bytes, version: int, scope_id: int, scheme_id: i
         raise CorruptEncodedKVError(
             f"reserved field is {scheme_id}; expected 0 in version 1", reason=Reason.RESERVED_NONZERO
         )
-    if scheme_id not in (0, 1):
+    if scheme_id not in (0, 1, 2):
         raise CorruptEncodedKVError(
-            f"unknown scale scheme {scheme_id}; expected 0 or 1", reason=Reason.UNKNOWN_SCHEME
+            f"unknown scale scheme {scheme_id}; expected 0, 1 or 2", reason=Reason.UNKNOWN_SCHEME
         )
 
 
@@ -700,6 +701,9 @@ def check_consistency(h: Header) -> None:
                 f"no scales (0) or all of scale_shape {h.scale_shape} of {h.scale_dtype} ({expect_s})",
                 reason=Reason.BAD_SCALE_SHAPE,
             )
+        return
+    if h.scale_scheme == ScaleScheme.LATENT:
+        check_latent(h, CorruptEncodedKVError, Reason.INCONSISTENT_PAYLOAD)
         return
     no_scales = h.scale_scope == ScaleScope.NONE or h.scale_scheme == ScaleScheme.UNIT
     if no_scales:

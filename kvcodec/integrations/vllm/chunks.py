@@ -60,6 +60,7 @@ from .chunk_codec import (
     layer_scales,
     pad_to,
 )
+from .latent import decode_latent, encode_latent
 from .layout import gather_kv
 
 __all__ = [
@@ -102,6 +103,8 @@ def encode_kv(
 
     :func:`encode_chunk` is this after the gather; the connector's writer threads call it on the
     copies ``wait_for_save`` made, so both write the same bytes."""
+    if v.shape[-1] == 0:  # an MLA latent cache: the whole entry, bit for bit
+        return encode_latent(k, cc, layer_id=layer_id, chunk_id=chunk_id, chunk_hash=chunk_hash)
     dim = max(k.shape[-1], v.shape[-1])
     common: dict[str, Any] = {
         "hashes": blob_identity(cc, k.shape[-1], v.shape[-1], chunk_hash),
@@ -164,6 +167,8 @@ def decode_chunk(
     """
     heads, dk = cache.shape[1], cc.head_size
     dv = cache.shape[3] - dk
+    if dv == 0:  # an MLA latent cache
+        return decode_latent(blob, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
     dim = max(dk, dv)
     fp8 = cc.fp8
     want_v = None if fp8 is not None else cache.dtype

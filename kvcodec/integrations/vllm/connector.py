@@ -92,7 +92,7 @@ from .config import KvcodecConfig
 from .counters import Counters
 from .events import KvcodecKVEvents, block_stored
 from .generation import Generations
-from .identity import cache_geometry, identity, layer_ids, model16
+from .identity import cache_geometry, head_layout, layer_ids, model16
 from .loads import IDLE_LOAD_WAIT_S
 from .metadata import LoadSpec, SaveSpec, StepPlan
 from .scheduler import KvcodecScheduler, LookupShape
@@ -244,11 +244,10 @@ class KvcodecConnector(KVConnectorBase_V1):
         # Every extra-config key is checked here, so a bad config stops the engine at start.
         cfg = self.cfg = KvcodecConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         geo = cache_geometry(kv_cache_config, vllm_config)
-        world = vllm_config.parallel_config.tensor_parallel_size
         names = kv_cache_config.kv_cache_groups[0].layer_names  # type: ignore[union-attr]
         layers = layer_ids(names)
-        hashes = {r: identity(vllm_config, cfg, geo, r, world) for r in range(world)}
-        self.keys = ChunkKeys({r: model16(h) for r, h in hashes.items()})
+        heads = head_layout(vllm_config, cfg, geo)
+        self.keys = ChunkKeys(model16(heads.base), heads.split, heads.world)
         self._owns_store = parts.store is None
         self.store = parts.store if parts.store is not None else open_connector_store(cfg)
         self._cache_hit_source = hit_source(self.store, getattr(type(self), "_cache_hit_source", None))
@@ -260,8 +259,13 @@ class KvcodecConnector(KVConnectorBase_V1):
         """KV events the workers reported, until vLLM takes them (scheduler side)."""
         self.worker: KvcodecWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            shape = LookupShape(tuple(sorted(layers.values())), world, bool(self.store.partial_groups))
-            gens = Generations(self.store, self.keys.model16[0], hashes[0])
+            shape = LookupShape(
+                tuple(sorted(layers.values())),
+                heads.split.heads,
+                heads.splits,
+                bool(self.store.partial_groups),
+            )
+            gens = Generations(self.store, self.keys.model16, heads.base)
             self.scheduler = KvcodecScheduler(cfg, self.keys, self.store, shape, geo.block_size, gens)
             ev = getattr(vllm_config, "kv_events_config", None)
             self.scheduler.events = bool(getattr(ev, "enable_kv_cache_events", False))
@@ -270,7 +274,7 @@ class KvcodecConnector(KVConnectorBase_V1):
                 cfg,
                 geo,
                 layers,
-                hashes,
+                heads,
                 vllm_config.model_config.dtype,
                 getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None),
                 str(vllm_config.cache_config.cache_dtype),
@@ -376,7 +380,7 @@ class KvcodecConnector(KVConnectorBase_V1):
     @property
     def caches_world(self) -> int:
         """Tensor-parallel ranks the blobs are written for."""
-        return len(self.keys.model16)
+        return self.keys.world
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._work().start_load_kv(_metadata(self._get_connector_metadata(), "start_load_kv"))

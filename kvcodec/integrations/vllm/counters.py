@@ -22,6 +22,7 @@ COUNTERS = (
     "requests_loaded_async",
     "chunks_loaded",
     "chunks_loaded_fused",
+    "chunks_loaded_other_split",
     "chunks_failed",
     "chunks_saved",
     "chunks_saved_fused",
@@ -38,6 +39,7 @@ COUNTERS = (
     "requests_held",
     "requests_preempted",
     "bytes_read",
+    "bytes_read_other_heads",
     "bytes_written",
     "load_seconds",
     "save_seconds",
@@ -58,7 +60,10 @@ worker saw), blob bytes, background seconds
 (``idle_load_wait_seconds``: of ``get_finished``'s, waiting for the loader in steps that computed nothing).
 ``*_unavailable``: lookups (answered as misses), saves (dropped) and loads (recomputed) that found the
 store unreachable (lookups: or failing in any other way, e.g. an I/O error); ``loads_deferred``: lookups answered "later" at ``max_concurrent_loads``;
-``lookup_calls``: the scheduler side's ``contains_many`` calls (one round trip each on a remote store)."""
+``lookup_calls``: the scheduler side's ``contains_many`` calls (one round trip each on a remote store);
+``chunks_loaded_other_split``: chunks a rank read from blobs of another head split (written at another
+tensor-parallel size), of whose ``bytes_read`` ``bytes_read_other_heads`` held heads the rank does not
+hold (read, checked, not used)."""
 GAUGES = ("writer_queue_depth", "pending_save_bytes")
 """The largest seen in the interval: chunks waiting for a copy or a write; host bytes they hold."""
 STORE_STATS = tuple(f"store_{name}" for name in STORE_COUNTERS)

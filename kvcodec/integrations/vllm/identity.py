@@ -14,17 +14,21 @@ from typing import Any
 
 from kvcodec.errors import Reason, UnsupportedConfigError
 
+from .chunk_keys import HeadSplit, splits_for
 from .config import KvcodecConfig
 
 __all__ = [
     "CacheGeometry",
+    "HeadLayout",
     "ModelSource",
     "cache_geometry",
+    "head_layout",
     "identity",
     "layer_ids",
     "model16",
     "model_source",
     "short_hash",
+    "total_kv_heads",
 ]
 
 
@@ -39,6 +43,24 @@ class CacheGeometry:
     dtype: Any
     """The cache's ``torch.dtype`` (read from vLLM's spec; this module does not import torch)."""
     fp8: bool
+    latent: str = ""
+    """An MLA latent cache: ``"<kv_lora_rank>+<qk_rope_head_dim>"`` (one 'head' of their sum, no V);
+    empty for K/V attention."""
+
+
+def _latent(spec: Any, vllm_config: Any) -> str:
+    """An MLA spec's latent split, from the model's config (``""``: not an MLA cache)."""
+    if "MLA" not in type(spec).__name__:
+        return ""
+    hf = getattr(vllm_config.model_config, "hf_text_config", None) or vllm_config.model_config.hf_config
+    lora, rope = getattr(hf, "kv_lora_rank", None), getattr(hf, "qk_rope_head_dim", None)
+    if type(spec).__name__ != "MLAAttentionSpec" or not lora or not rope or lora + rope != spec.head_size:
+        raise UnsupportedConfigError(
+            f"KvcodecConnector serves MLA latent caches of kv_lora_rank + qk_rope_head_dim; got "
+            f"{type(spec).__name__} of head size {spec.head_size} (kv_lora_rank {lora}, rope {rope})",
+            reason=Reason.UNSUPPORTED,
+        )
+    return f"{lora}+{rope}"
 
 
 def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
@@ -52,12 +74,18 @@ def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
     spec = groups[0].kv_cache_spec
     need = ("num_kv_heads", "head_size", "head_size_v", "dtype")
     dense = all(hasattr(spec, a) for a in need) and getattr(spec, "state_content_bytes", None) is None
-    if not dense or "MLA" in type(spec).__name__ or getattr(spec, "num_head_slots", None) is not None:
+    if not dense or getattr(spec, "num_head_slots", None) is not None:
         raise UnsupportedConfigError(
-            f"KvcodecConnector needs dense K/V attention caches; got {type(spec).__name__}",
+            f"KvcodecConnector needs dense K/V attention or MLA latent caches; got {type(spec).__name__}",
             reason=Reason.UNSUPPORTED,
         )
+    latent = _latent(spec, vllm_config)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if latent and cache_dtype not in ("auto", "bfloat16", "float16", "half", "float"):
+        raise UnsupportedConfigError(
+            f"kv_cache_dtype={cache_dtype!r}: KvcodecConnector stores MLA latent caches at 16/32 bits only",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
     if cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "half", "float"):
         raise UnsupportedConfigError(
             f"kv_cache_dtype={cache_dtype!r} is not served by KvcodecConnector",
@@ -70,6 +98,7 @@ def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
         spec.block_size,
         spec.dtype,
         cache_dtype.startswith("fp8"),
+        latent,
     )
 
 
@@ -123,16 +152,28 @@ def _quantization(mc: Any) -> str:
     return f"{getattr(mc, 'quantization', None) or 'none'}:{short_hash(qcfg) if qcfg else '-'}"
 
 
+def total_kv_heads(vllm_config: Any, geo: CacheGeometry) -> int:
+    """The model's KV heads, all tensor-parallel ranks together (an MLA latent: 1, on every rank)."""
+    if geo.latent:
+        return 1
+    get = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    if callable(get):
+        return int(get())
+    return geo.num_kv_heads * vllm_config.parallel_config.tensor_parallel_size
+
+
 def identity(
-    vllm_config: Any, cfg: KvcodecConfig, geo: CacheGeometry, rank: int, world: int
+    vllm_config: Any, cfg: KvcodecConfig, geo: CacheGeometry, heads: tuple[int, int], total: int
 ) -> dict[str, str]:
-    """Blob identity hashes: what must match for a blob to be valid in this engine.
+    """Blob identity hashes of a blob holding KV heads ``heads[0] .. heads[1]-1`` of ``total``: what
+    must match for a blob to be valid in this engine, whatever its tensor-parallel size.
 
     * ``model_id``: ``cfg.model_id``, else the model's resolved local path or hub id;
     * ``model_revision_hash``: the weights digest of :func:`model_source`;
     * ``rope_config_hash``: the checkpoint's RoPE settings;
     * ``kv_layout``: blob layout, cache dtype and its storage dtype, model dtype,
-      quantization method and config digest, KV heads, K/V head sizes, TP rank/world.
+      quantization method and config digest, the model's KV heads and the blob's head range,
+      K/V head sizes.
     """
     mc = vllm_config.model_config
     src = model_source(str(mc.model), getattr(mc, "revision", None))
@@ -141,8 +182,9 @@ def identity(
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     layout = (
         f"vllm-token-major;kv_dtype={cache_dtype}:{str(geo.dtype).removeprefix('torch.')};"
-        f"model_dtype={str(mc.dtype).removeprefix('torch.')};quant={_quantization(mc)};heads={geo.num_kv_heads};"
-        f"dk={geo.head_size};dv={geo.head_size_v};tp={rank}/{world}"
+        f"model_dtype={str(mc.dtype).removeprefix('torch.')};quant={_quantization(mc)};heads={total};"
+        f"kvh={heads[0]}-{heads[1]};dk={geo.head_size};dv={geo.head_size_v}"
+        + (f";mla={geo.latent}" if geo.latent else "")
     )
     return {
         "model_id": cfg.model_id or src.name,
@@ -168,3 +210,43 @@ def model16(hashes: dict[str, str]) -> str:
     from kvcodec.store import DirectoryStore
 
     return DirectoryStore.make_key(hashes, 0, 0).split("-")[0]
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How this engine's tensor-parallel ranks split a chunk's KV heads, and which splits it reads."""
+
+    split: HeadSplit
+    """This engine's: one part per rank (or per KV head, when ranks replicate heads)."""
+    world: int
+    splits: tuple[int, ...]
+    """The splits a lookup tries, this engine's first (FP8 caches: only this engine's)."""
+    hashes: dict[tuple[int, int], dict[str, str]]
+    """The identity of a blob of each head range of every split in ``splits``."""
+    base: dict[str, str]
+    """The identity of a blob of every head: its digest starts every key (:func:`model16`)."""
+
+    def own(self, rank: int) -> tuple[int, int]:
+        """The head range rank ``rank`` holds."""
+        return self.split.range(self.split.part_of_rank(rank, self.world))
+
+
+def head_layout(vllm_config: Any, cfg: KvcodecConfig, geo: CacheGeometry) -> HeadLayout:
+    """This engine's :class:`HeadLayout`; a cache whose heads are not its rank's share is refused."""
+    world = vllm_config.parallel_config.tensor_parallel_size
+    total = total_kv_heads(vllm_config, geo)
+    split = HeadSplit.of_world(total, world)
+    if total % split.parts or geo.num_kv_heads != total // split.parts:
+        raise UnsupportedConfigError(
+            f"KV cache of {geo.num_kv_heads} heads per rank; the model has {total} KV heads at "
+            f"tensor-parallel size {world}",
+            reason=Reason.BAD_SHAPE,
+        )
+    splits = (split.parts,) if geo.fp8 else splits_for(total, split.parts)
+    hashes = {}
+    for parts in splits:
+        for p in range(parts):
+            rng = HeadSplit(total, parts).range(p)
+            hashes[rng] = identity(vllm_config, cfg, geo, rng, total)
+    base = identity(vllm_config, cfg, geo, (0, total), total)
+    return HeadLayout(split, world, splits, hashes, base)

@@ -48,9 +48,9 @@ def _check_view(cache: torch.Tensor, head_size: int) -> None:
             f"a vLLM layer cache is a 4-D [num_blocks, H, block_size, C] view; got {shape}",
             reason=Reason.BAD_SHAPE,
         )
-    if not 0 < head_size < cache.shape[3]:
+    if not 0 < head_size <= cache.shape[3]:
         raise UnsupportedConfigError(
-            f"head_size={head_size} must leave room for V in C={cache.shape[3]} (C = head_size + head_size_v)",
+            f"head_size={head_size} must fit in C={cache.shape[3]} (C = head_size + head_size_v; MLA: no V)",
             reason=Reason.BAD_VALUE,
         )
 

@@ -34,12 +34,14 @@ from kvcodec.store import BlobStore
 from .background import BackgroundPool
 from .buffers import ReadBuffers
 from .caches import LayerCaches
-from .chunk_keys import ChunkKeys
+from .chunk_keys import ChunkKeys, HeadSplit
 from .chunk_writes import write_chunk
 from .chunks import PreparedChunk, read_chunk
 from .config import KvcodecConfig
 from .counters import Counters
 from .fused import FusedChunk
+from .head_ranges import HeadRead, read_head_ranges
+from .identity import HeadLayout
 from .metadata import LoadSpec
 
 __all__ = ["DEFER_CRC", "IDLE_LOAD_WAIT_S", "LoadHandler", "LoadResult", "PreparedLoad"]
@@ -72,6 +74,8 @@ class PreparedLoad:
     """Checked for the per-layer path (:func:`~.chunks.read_chunk`) or the fused one."""
     buffers: list[bytearray] = field(default_factory=list)
     """What the blobs view: back to the read buffers once written."""
+    keys: list[str] = field(default_factory=list)
+    """The chunk's keys when read from another head split (removed if a write finds one damaged)."""
 
 
 @dataclass
@@ -110,6 +114,8 @@ class LoadHandler:
         self._errors: set[int] = set()
         self.prepare: Callable[[LoadSpec], LoadResult] = self.read_and_check
         """What reads and checks a load (replaceable: tests gate or break it)."""
+        self.heads: HeadLayout | None = None
+        """How chunks are split into head ranges (None: one rank, whole-head blobs only)."""
         self.defer_crc = DEFER_CRC and self.can_defer_crc
         """Whether CPU loads read blobs unchecked and check their CRC while writing them (settable,
         where :attr:`can_defer_crc`)."""
@@ -212,6 +218,9 @@ class LoadHandler:
 
     def _prepare_chunk(self, spec: LoadSpec, c: int, skip: int) -> PreparedLoad:
         """Every layer's blob of chunk ``c``, read once and checked against its key."""
+        parts = spec.split(c, self.keys.split.parts)
+        if parts != self.keys.split.parts:
+            return self._prepare_other_split(spec, c, skip, HeadSplit(self.keys.split.heads, parts))
         ref, caches, cs = spec.ref(c), self.caches, self.cfg.chunk_size
         keys = self._blob_keys(spec, c)
         defer = self.defer_crc and caches.on_cpu and caches.fused is None
@@ -239,6 +248,35 @@ class LoadHandler:
             self.buffers.give(buffers)
             raise
         return PreparedLoad(c, skip, cs - skip, chunk, buffers)
+
+    def _prepare_other_split(self, spec: LoadSpec, c: int, skip: int, split: HeadSplit) -> PreparedLoad:
+        """Chunk ``c`` written at another TP size: the blobs overlapping this rank's heads, each
+        checked, decoded and cut to them (:mod:`.head_ranges`)."""
+        ref, caches, cs, heads = spec.ref(c), self.caches, self.cfg.chunk_size, self.heads
+        if heads is None:
+            raise KeyError(f"chunk {c} is split in {split.parts} head ranges; this engine reads none")
+        own = heads.own(caches.rank)
+        want = {
+            (n, split.range(p)): self.keys.part_blob(caches.layers[n], ref, split, p)
+            for n in caches.caches
+            for p in split.overlapping(*own)
+        }
+        keys = [*want.values(), self.keys.manifest(ref, split.parts)]
+        buffers: list[bytearray] = []
+        try:
+            with self._deleting_bad(keys):
+                parsed = self._read(want, buffers)  # type: ignore[arg-type]  # keyed by (layer, range)
+                blobs: dict[str, dict[tuple[int, int], Any]] = {}
+                for (name, rng), p in parsed.items():
+                    blobs.setdefault(name, {})[rng] = p
+                read = HeadRead(own, heads.hashes.__getitem__, c, cs, ref.chunk_hash)
+                codecs = {n: caches.codec(n) for n in blobs}
+                chunk, unused = read_head_ranges(blobs, caches.caches, codecs, caches.layers, read)
+        except BaseException:
+            self.buffers.give(buffers)
+            raise
+        self.counters.add(chunks_loaded_other_split=1, bytes_read_other_heads=unused)
+        return PreparedLoad(c, skip, cs - skip, chunk, buffers, keys)
 
     def _blob_keys(self, spec: LoadSpec, c: int) -> dict[str, str]:
         caches, ref = self.caches, spec.ref(c)
@@ -296,7 +334,7 @@ class LoadHandler:
         recomputes, and a chunk still marked present would be loaded (and fail) again, forever. The
         recomputed chunk is saved again (its blobs that are still there are not rewritten)."""
         try:
-            self.store.delete(self.keys.manifest(spec.ref(c)))
+            self.store.delete(self.keys.manifest(spec.ref(c), spec.split(c, self.keys.split.parts)))
         except Exception as e:  # nothing more to do: the failure is already reported
             logger.warning("kvcodec: request %s chunk %d: manifest not removed (%s)", spec.req_id, c, e)
 
@@ -356,7 +394,7 @@ class LoadHandler:
             self.caches.fused.load(p.kv, spec.block_ids)  # type: ignore[union-attr]  # set when prepared
             self.counters.add(chunks_loaded_fused=1)
             return
-        keys = [*self._blob_keys(spec, p.chunk).values(), self.keys.manifest(spec.ref(p.chunk))]
+        keys = p.keys or [*self._blob_keys(spec, p.chunk).values(), self.keys.manifest(spec.ref(p.chunk))]
         with self._deleting_bad(keys):  # a CRC checked while writing: a damaged blob goes too
             self.write(
                 p.kv, self.caches.caches, spec.block_ids, start=p.chunk * self.cfg.chunk_size, skip=p.skip

@@ -54,6 +54,13 @@ class LoadSpec:
     block_ids: list[int]
     background: bool = False
     """Read on the loader thread, written and reported through ``get_finished``."""
+    splits: list[int] = field(default_factory=list)
+    """Per chunk from the request's first: the head split (parts) its blobs were found in (none
+    given: this engine's own)."""
+
+    def split(self, chunk: int, own: int) -> int:
+        """The head split to read chunk ``chunk`` from."""
+        return self.splits[chunk] if chunk < len(self.splits) else own
 
     def ref(self, chunk: int) -> ChunkRef:
         """Chunk ``chunk`` of the request, as its keys name it."""

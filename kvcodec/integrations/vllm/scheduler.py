@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from kvcodec.errors import CodecError, StoreUnavailableError
 
-from .chunk_keys import ChunkKeys, ChunkRef
+from .chunk_keys import ChunkKeys, ChunkRef, HeadSplit
 from .config import KvcodecConfig
 from .generation import Generations
 from .keys import prefix_hashes, request_seed
@@ -47,18 +47,25 @@ class ChunkLookup(Protocol):
 
 @dataclass(frozen=True)
 class LookupShape:
-    """Which keys make a chunk present: its manifest, and with ``partial_groups`` every blob of every
-    rank (``layers``: the layer ids, ``world``: the tensor-parallel ranks)."""
+    """Which keys make a chunk present: for one of ``splits`` (how many head ranges its blobs hold,
+    whatever TP size wrote them; this engine's own first), the manifest, and with ``partial_groups``
+    every blob of every head range of every layer (``layers``: the layer ids; ``heads``: the model's
+    KV heads). A chunk is present when every key of one split is."""
 
     layers: tuple[int, ...]
-    world: int = 1
+    heads: int = 1
+    splits: tuple[int, ...] = (1,)
     partial_groups: bool = False
 
-    def keys(self, keys: ChunkKeys, ref: ChunkRef) -> list[str]:
-        """The keys whose presence marks ``ref`` loadable, the manifest first."""
-        out = [keys.manifest(ref)]
-        if self.partial_groups:
-            out += [keys.blob(r, lid, ref) for r in range(self.world) for lid in self.layers]
+    def keys(self, keys: ChunkKeys, ref: ChunkRef) -> list[list[str]]:
+        """Per split, the keys whose presence marks ``ref`` loadable from it, the manifest first."""
+        out = []
+        for parts in self.splits:
+            split = HeadSplit(self.heads, parts)
+            ks = [keys.manifest(ref, parts)]
+            if self.partial_groups:
+                ks += [keys.part_blob(lid, ref, split, p) for p in range(parts) for lid in self.layers]
+            out.append(ks)
         return out
 
 
@@ -108,7 +115,8 @@ class KvcodecScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._seeds: dict[str, str | None] = {}
         """Per request: what besides token ids identifies its KV; None = never save (prompt embeddings)."""
-        self._hits: dict[str, tuple[int, int, list[str]]] = {}
+        self._hits: dict[str, tuple[int, int, list[str], list[int]]] = {}
+        """Per request looked up: tokens computed, tokens hit, chunk hashes, each hit chunk's split."""
         self._to_load: dict[str, LoadSpec] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._delta = dict.fromkeys(
@@ -122,11 +130,13 @@ class KvcodecScheduler:
 
     # ------------------------------------------------------------ lookup
 
-    def present(self, refs: Sequence[ChunkRef]) -> list[bool]:
-        """Whether each chunk is loadable, in one ``contains_many``; an unreachable store: none is."""
+    def present(self, refs: Sequence[ChunkRef]) -> list[int | None]:
+        """For each chunk, the head split (parts) it is loadable from, or None; one ``contains_many``
+        (an unreachable store: none is)."""
         if not refs:
             return []
-        per = [self.shape.keys(self.keys, r) for r in refs]
+        shapes = [self.shape.keys(self.keys, r) for r in refs]
+        per = [ks for chunk in shapes for ks in chunk]
         gens = self.generations
         if gens is not None:  # one more key in the same call: the generation still stands
             per.insert(0, [gens.check_key])
@@ -135,18 +145,23 @@ class KvcodecScheduler:
             found = self.lookup.contains_many([k for ks in per for k in ks])
         except (CodecError, OSError) as e:  # never into vLLM's schedule(): the engine would die
             self._lookup_failed(e)
-            return [False] * len(refs)
+            return [None] * len(refs)
         if self._failing:
             self._failing = False
             logger.info("kvcodec: store lookups answer again")
         if gens is not None:
             per.pop(0)
             if not gens.confirmed(found.pop(0)):
-                return [False] * len(refs)  # another generation now: these keys are not its
-        out, at = [], 0
-        for ks in per:
-            out.append(all(found[at : at + len(ks)]))
-            at += len(ks)
+                return [None] * len(refs)  # another generation now: these keys are not its
+        out: list[int | None] = []
+        at = 0
+        for chunk in shapes:
+            got = None
+            for parts, ks in zip(self.shape.splits, chunk):
+                if got is None and all(found[at : at + len(ks)]):
+                    got = parts
+                at += len(ks)
+            out.append(got)
         return out
 
     def _lookup_failed(self, e: Exception) -> None:
@@ -172,14 +187,15 @@ class KvcodecScheduler:
         seed = self._seeds[rid] = None if embeds else self._seed(request)
         if self.events:
             self._requests[rid] = request
-        hit, hashes = 0, []
+        hit, hashes, splits = 0, [], []
         if seed is not None and tokens:
             cs = self.cfg.chunk_size
             hashes = prefix_hashes(tokens[: (len(tokens) - 1) // cs * cs], cs, seed)
-            for c, ok in enumerate(self.present([ChunkRef.of(hashes, c) for c in range(len(hashes))])):
-                if not ok:
+            for c, parts in enumerate(self.present([ChunkRef.of(hashes, c) for c in range(len(hashes))])):
+                if parts is None:
                     break
                 hit = (c + 1) * cs
+                splits.append(parts)
         if hit <= num_computed_tokens:
             self._count_lookup(rid, len(tokens), hit, num_computed_tokens)
             self._hits.pop(rid, None)
@@ -192,7 +208,7 @@ class KvcodecScheduler:
             self._delta["loads_deferred"] += 1
             return None, False
         self._count_lookup(rid, len(tokens), hit, num_computed_tokens)
-        self._hits[rid] = (num_computed_tokens, hit, hashes)
+        self._hits[rid] = (num_computed_tokens, hit, hashes, splits)
         return hit - num_computed_tokens, self.cfg.async_load
 
     def _seed(self, request: Any) -> str:
@@ -218,7 +234,7 @@ class KvcodecScheduler:
         """Plan the load of a request vLLM allocated blocks for."""
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens > 0 and hit is not None:
-            start, _, hashes = hit
+            start, _, hashes, splits = hit
             rid = request.request_id
             self._to_load[rid] = LoadSpec(
                 rid,
@@ -227,6 +243,7 @@ class KvcodecScheduler:
                 hashes,
                 list(blocks.get_block_ids()[0]),
                 background=self.cfg.async_load,
+                splits=splits,
             )
             if self.cfg.async_load:
                 self.loading.add(rid)
@@ -278,7 +295,7 @@ class KvcodecScheduler:
         done = min(computed_after // cs, len(state.hashes))
         todo = range(state.next_chunk, done)
         for c, present in zip(todo, self.present([ChunkRef.of(state.hashes, c) for c in todo])):
-            if present:
+            if present is not None:  # stored, by this TP size or another
                 state.saved_upto = c + 1
                 continue
             if c > state.saved_upto:

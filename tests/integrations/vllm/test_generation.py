@@ -16,7 +16,7 @@ from kvcodec.store import DirectoryStore, StoreOptions
 CHUNK, BLOCK = 32, 16
 TOKENS = list(range(5, 5 + 2 * CHUNK + 1))
 M16 = "0123456789abcdef"
-KEYS = ChunkKeys({0: M16})
+KEYS = ChunkKeys(M16)
 HASHES = {"model_id": "m", "model_revision_hash": "weights:1", "kv_layout": "vllm-token-major"}
 
 

@@ -171,20 +171,24 @@ def test_identity_separates_models_geometry_and_ranks():
     cfg = KvcodecConfig.from_extra({"root": "/x"})
     geo = cache_geometry(_kv_config(_spec()), _vllm_config())
     assert geo == CacheGeometry(2, 64, 64, 32, torch.bfloat16, False)
-    base = identity(_vllm_config(), cfg, geo, 0, 1)
+    base = identity(_vllm_config(), cfg, geo, (0, geo.num_kv_heads), geo.num_kv_heads)
     assert base["model_id"] == "m"
     others = [
-        identity(_vllm_config(model="n"), cfg, geo, 0, 1),
-        identity(_vllm_config(revision="r2"), cfg, geo, 0, 1),
-        identity(_vllm_config(rope_theta=5e5), cfg, geo, 0, 1),
-        identity(_vllm_config(), cfg, CacheGeometry(2, 64, 32, 32, torch.bfloat16, False), 0, 1),
-        identity(_vllm_config(), cfg, geo, 1, 2),
-        identity(_vllm_config(), KvcodecConfig.from_extra({"root": "/x", "model_id": "named"}), geo, 0, 1),
+        identity(_vllm_config(model="n"), cfg, geo, (0, geo.num_kv_heads), geo.num_kv_heads),
+        identity(_vllm_config(revision="r2"), cfg, geo, (0, geo.num_kv_heads), geo.num_kv_heads),
+        identity(_vllm_config(rope_theta=5e5), cfg, geo, (0, geo.num_kv_heads), geo.num_kv_heads),
+        identity(_vllm_config(), cfg, CacheGeometry(2, 64, 32, 32, torch.bfloat16, False), (0, 2), 2),
+        identity(_vllm_config(), cfg, geo, (1, 2), 2),  # another head range
+        identity(
+            _vllm_config(), KvcodecConfig.from_extra({"root": "/x", "model_id": "named"}), geo, (0, 2), 2
+        ),
     ]
     assert all(o != base for o in others) and len({str(sorted(o.items())) for o in others}) == len(others)
     # The block size is not part of it: token-major blobs serve any block size.
     assert (
-        identity(_vllm_config(), cfg, cache_geometry(_kv_config(_spec(block_size=64)), _vllm_config()), 0, 1)
+        identity(
+            _vllm_config(), cfg, cache_geometry(_kv_config(_spec(block_size=64)), _vllm_config()), (0, 2), 2
+        )
         == base
     )
 

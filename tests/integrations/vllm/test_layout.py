@@ -156,7 +156,7 @@ def test_split_kv_views_share_storage():
         ),
         (lambda view: gather_kv(view, [0, -1], head_size=8, block_size=4, num_tokens=8), "span"),
         (lambda view: gather_kv(view, [2, 2], head_size=8, block_size=4, num_tokens=8), "repeat"),
-        (lambda view: gather_kv(view, [0], head_size=16, block_size=4, num_tokens=1), "room for V"),
+        (lambda view: gather_kv(view, [0], head_size=17, block_size=4, num_tokens=1), "must fit"),
         (lambda view: gather_kv(view[0], [0], head_size=8, block_size=4, num_tokens=1), "4-D"),
         (lambda view: gather_kv(view, [0], head_size=8, block_size=3, num_tokens=1), "does not divide"),
         (lambda view: gather_kv(view, [0.5], head_size=8, block_size=4, num_tokens=1), "ints"),

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef, group_of
+from kvcodec.integrations.vllm.chunk_keys import ChunkKeys, ChunkRef, HeadSplit, group_of
 from kvcodec.integrations.vllm.config import KvcodecConfig
 from kvcodec.integrations.vllm.keys import prefix_hashes
 from kvcodec.integrations.vllm.metadata import StepPlan
@@ -21,7 +21,7 @@ from kvcodec.store import DirectoryStore, StoreOptions
 CHUNK, BLOCK = 32, 16
 TOKENS = list(range(5, 5 + 3 * CHUNK + 1))
 HASHES = prefix_hashes(TOKENS[: 3 * CHUNK], CHUNK)
-KEYS = ChunkKeys({0: "0123456789abcdef"})
+KEYS = ChunkKeys("0123456789abcdef")
 
 
 def _scheduler(root: Path, **extra: object) -> tuple[KvcodecScheduler, DirectoryStore]:
@@ -92,10 +92,43 @@ def test_only_a_manifest_key_is_a_manifest() -> None:
     """What the store evicts first from a chunk's group (so no lookup finds a manifest whose blobs go)."""
     from kvcodec.integrations.vllm.chunk_keys import is_manifest
 
-    keys = ChunkKeys({0: "0123456789abcdef", 1: "fedcba9876543210"})
+    keys = ChunkKeys("0123456789abcdef", HeadSplit(4, 2), world=2)
     ref = ChunkRef.of(HASHES, 2)
-    assert is_manifest(keys.manifest(ref))
-    assert not any(is_manifest(k) for k in (keys.blob(0, 1, ref), keys.rank_marker(1, ref), "m-M-x", "plain"))
+    assert is_manifest(keys.manifest(ref)) and is_manifest(keys.manifest(ref, 1))
+    others = (keys.blob(0, 1, ref), keys.blob(1, 1, ref), keys.rank_marker(1, ref), "m-M-x", "plain")
+    assert not any(is_manifest(k) for k in others)
+
+
+def test_keys_name_head_ranges_not_tensor_parallel_ranks() -> None:
+    """A blob's key names its layer and KV-head range: a chunk written at TP=2 is two blobs per layer
+    (heads 0-1 and 2-3 of 4) whichever rank wrote them; at TP=1 one blob of every head."""
+    ref = ChunkRef.of(HASHES, 1)
+    tp2 = ChunkKeys("0123456789abcdef", HeadSplit(4, 2), world=2)
+    tp1 = ChunkKeys("0123456789abcdef", HeadSplit(4, 1))
+    assert tp2.blob(1, 3, ref) == f"0123456789abcdef-L3.2.4{ref.suffix}"
+    assert tp2.blob(1, 3, ref) == tp1.part_blob(3, ref, HeadSplit(4, 2), 1)
+    assert (
+        tp1.blob(0, 3, ref) == f"0123456789abcdef-L3{ref.suffix}" == tp2.part_blob(3, ref, HeadSplit(4, 1), 0)
+    )
+    assert tp2.manifest(ref) == tp1.manifest(ref, 2) != tp1.manifest(ref)
+    # More ranks than KV heads: vLLM replicates each head on world // heads ranks.
+    assert HeadSplit.of_world(1, 2) == HeadSplit(1, 1) and HeadSplit(1, 1).part_of_rank(1, 2) == 0
+    assert HeadSplit(8, 4).overlapping(2, 6) == [1, 2]
+
+
+def test_a_chunk_stored_at_another_split_is_hit_and_says_which(tmp_path: Path) -> None:
+    store = DirectoryStore.from_options(tmp_path, StoreOptions(group_of=group_of, verify_blobs=False))
+    cfg = KvcodecConfig.from_extra({"root": str(tmp_path), "chunk_size": CHUNK})
+    keys = ChunkKeys("0123456789abcdef", HeadSplit(4, 2), world=2)
+    sched = KvcodecScheduler(cfg, keys, store, LookupShape((0, 1), 4, (2, 1, 4)), BLOCK)
+    store.put(keys.manifest(ChunkRef.of(HASHES, 0), 1), b"x")  # chunk 0 by a TP=1 engine
+    store.put(keys.manifest(ChunkRef.of(HASHES, 1), 4), b"x")  # chunk 1 by a TP=4 engine
+    assert sched.get_num_new_matched_tokens(_request(), 0) == (2 * CHUNK, True)
+    sched.update_state_after_alloc(
+        _request(), SimpleNamespace(get_block_ids=lambda: (list(range(8)),)), 2 * CHUNK
+    )
+    (load,) = sched.build_connector_meta(_output(None, 0), StepPlan()).loads
+    assert load.splits == [1, 4] and load.split(0, 2) == 1 and load.split(2, 2) == 2
 
 
 def test_an_io_error_of_the_store_is_a_counted_miss_logged_once(

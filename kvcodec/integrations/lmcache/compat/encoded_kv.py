@@ -133,6 +133,14 @@ class EncodedKV:
         already a :class:`CodecHashes` (the caller's object, as LMCache keeps it),
         else the record gets the header's.
         """
+        if int(h.scale_scheme) not in {int(s) for s in ScaleScheme}:  # kvcodec's LATENT (MLA): never misread
+            raise with_lmcache_phrase(
+                CorruptEncodedKVError(
+                    f"scale scheme {int(h.scale_scheme)} ({h.scale_scheme.name}: an MLA latent blob of "
+                    "kvcodec's vLLM connector) has no LMCache record",
+                    reason=Reason.UNKNOWN_SCHEME,
+                )
+            )
         mv = blob if isinstance(blob, memoryview) else memoryview(blob)
         payload = mv[header_len : header_len + h.payload_len]
         return cls(

@@ -19,7 +19,10 @@ as ``vllm:prompt_tokens_cached_by_source{SOURCE}``, are returned), ``update_at``
 prompts before which the weights are changed in place, through ``collective_rpc``, and
 ``reset_prefix_cache(reset_connector=True)`` is called, as after an RL weight update: each reset's
 result in ``resets``), ``kv_events`` (vLLM's KV events on, "null" publisher; the events published
-with ``medium`` STORAGE, the connector's, are returned as ``events``).
+with ``medium`` STORAGE, the connector's, are returned as ``events``), ``tp`` (tensor-parallel size;
+above 1 the workers run in their own processes (``mp``) and ``stats`` sums their counters, each in
+``rank_stats``; the caller runs it with ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` and
+``VLLM_CPU_OMP_THREADS_BIND``).
 After the prompts the connector is shut down (pending writes drained or abandoned) before its
 counters are read. Output (last stdout line):
 ``{"outputs": [{"cached": n, "tokens": [...], "top2": [[lp1, lp2], ...]}, ...], "stats": {...},
@@ -161,6 +164,8 @@ def main(path: str) -> None:
         enable_prefix_caching=spec.get("prefix_caching", True),
         num_gpu_blocks_override=spec.get("num_blocks"),
         kv_events_config=_events_config(spec),
+        tensor_parallel_size=spec.get("tp", 1),
+        distributed_executor_backend="mp" if spec.get("tp", 1) > 1 else None,
     )
     events = _capture_events(llm) if spec.get("kv_events") else []
     params = SamplingParams(
@@ -173,16 +178,18 @@ def main(path: str) -> None:
     resets = []
     for o in _generate(llm, batches, params, spec.get("update_at", []), resets):
         if spec.get("drain"):
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            assert get_kv_transfer_group().drain(120), "the connector's writes did not finish in 120 s"
+            assert all(llm.collective_rpc(_drain)), "the connector's writes did not finish in 120 s"
         c = o.outputs[0]
         top2 = [sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in c.logprobs]
         outs.append({"cached": o.num_cached_tokens, "tokens": list(c.token_ids), "top2": top2})
     stats, metrics = {}, {}
     if spec.get("log_stats"):
         metrics = _metrics(llm)
-    if spec.get("store"):
+    ranks = []
+    if spec.get("store") and spec.get("tp", 1) > 1:  # workers in their own processes: ask each
+        ranks = llm.collective_rpc(_worker_stats)
+        stats = {k: sum(r.get(k, 0) for r in ranks) for k in ranks[0]}
+    elif spec.get("store"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         conn = get_kv_transfer_group()
@@ -190,10 +197,24 @@ def main(path: str) -> None:
             conn.shutdown_timeout_s = spec["shutdown_timeout_s"]
         conn.shutdown()
         stats = dict(conn.stats)
-    print(
-        json.dumps({"outputs": outs, "stats": stats, "metrics": metrics, "resets": resets, "events": events}),
-        flush=True,
-    )
+    out = {"outputs": outs, "stats": stats, "metrics": metrics, "resets": resets, "events": events}
+    print(json.dumps({**out, "rank_stats": ranks}), flush=True)
+
+
+def _worker_stats(worker) -> dict:
+    """In a worker: drain the connector's writes, shut it down, return its counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    conn = get_kv_transfer_group()
+    conn.drain(120)
+    conn.shutdown()
+    return dict(conn.stats)
+
+
+def _drain(worker) -> bool:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().drain(120)
 
 
 def _generate(llm, batches: list, params, update_at: list[int], resets: list):
