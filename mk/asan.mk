@@ -1,14 +1,21 @@
 # `make test-asan`: the C loops' tests (tests/backends/test_cpu_backend.py with its buffer fuzz, and
 # test_cpu_scatter.py: the writes into paged cache views; test_cpu_crc.py: the CRC folded into the
-# encode and decode passes) against kvcodec._cpu built with
+# encode and decode passes; test_cpu_levels.py: every level, folds emulated) against kvcodec._cpu built with
 # AddressSanitizer + UBSan. Not in CI
 # (a minute or two; needs gcc's libasan). The sanitized module is built into a
 # copy of the package under build-asan/, so the installed one is left alone;
 # python is not sanitized itself, hence libasan preloaded and leaks off.
 ASAN_DIR := build-asan
 ASAN_CC ?= gcc
-ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
-  -std=gnu11 -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -shared -fPIC
+# The C sources and flags are pyproject.toml's ext-module (the one list); read when a target runs.
+CPU_EXT = $(shell $(BIN)/python -c 'import sys, tomllib; \
+  m = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["ext-modules"][0]; print(" ".join(m[sys.argv[1]]))' $(1))
+CPU_SOURCES = $(call CPU_EXT,sources)
+CPU_CFLAGS = $(call CPU_EXT,extra-compile-args)
+CPU_INCLUDE = $$($(BIN)/python -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])')
+CPU_SUFFIX = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+ASAN_FLAGS = $(CPU_CFLAGS) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -Wall -shared -fPIC
 ASAN_ENV = LD_PRELOAD=$$($(ASAN_CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=.
 
@@ -17,16 +24,16 @@ test-asan:
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
 	cp -r kvcodec tests $(ASAN_DIR)/
 	rm -f $(ASAN_DIR)/kvcodec/_cpu*.so
-	$(ASAN_CC) $(ASAN_FLAGS) $$($(BIN)/python -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])') \
-	  kvcodec/csrc/cpu_kernels.c \
-	  -o $(ASAN_DIR)/kvcodec/_cpu$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	$(ASAN_CC) $(ASAN_FLAGS) $(CPU_INCLUDE) $(CPU_SOURCES) -o $(ASAN_DIR)/kvcodec/_cpu$(CPU_SUFFIX)
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -c \
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(ASAN_DIR)" in m.__file__ else "not the sanitized build: " + m.__file__)'
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/backends/test_cpu_backend.py \
-	  tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py
+	  tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py tests/backends/test_cpu_levels.py
 
-# `make test-portable`: the same C tests against kvcodec._cpu built with -DKV_PORTABLE_ONLY (the
-# portable loops alone, as on a CPU without x86 vector extensions), in build-portable/.
+# `make test-portable`: the same C tests against kvcodec._cpu built with -DKV_PORTABLE_ONLY (the scalar
+# tier alone, as on a CPU without x86 vector extensions or another architecture: the x86 tiers' files
+# compile to nothing), in build-portable/; its object is checked for ymm/zmm instructions and .arch_
+# clones first.
 PORTABLE_DIR := build-portable
 
 .PHONY: test-portable
@@ -34,14 +41,12 @@ test-portable:
 	rm -rf $(PORTABLE_DIR) && mkdir -p $(PORTABLE_DIR)
 	cp -r kvcodec tests $(PORTABLE_DIR)/
 	rm -f $(PORTABLE_DIR)/kvcodec/_cpu*.so
-	$(ASAN_CC) -O2 -std=gnu11 -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -Wextra \
-	  -Wno-missing-field-initializers -Werror -shared -fPIC -DKV_PORTABLE_ONLY \
-	  $$($(BIN)/python -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])') kvcodec/csrc/cpu_kernels.c \
-	  -o $(PORTABLE_DIR)/kvcodec/_cpu$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	$(ASAN_CC) $(CPU_CFLAGS) -Wall -Wextra -Wno-missing-field-initializers -Werror -shared -fPIC -DKV_PORTABLE_ONLY \
+	  $(CPU_INCLUDE) $(CPU_SOURCES) -o $(PORTABLE_DIR)/kvcodec/_cpu$(CPU_SUFFIX)
 	@so=$$(ls $(PORTABLE_DIR)/kvcodec/_cpu*.so); n=$$(objdump -d "$$so" | grep -cE '%[yz]mm|\.arch_' || true); \
 	  if [ "$$n" != 0 ]; then echo "the portable build has $$n ymm/zmm or .arch_ lines: ISA-specific code in it"; exit 1; fi; \
 	  echo "portable build: no ymm/zmm instruction, no .arch_ clone ($$so)"
 	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -c \
-	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(PORTABLE_DIR)" in m.__file__ and m.simd(-1) == 0 and m.crc_fast(-1) == 0 else "not the portable build")'
+	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(PORTABLE_DIR)" in m.__file__ and m.BEST_SIMD == 0 and m.BEST_CRC == 0 else "not the portable build")'
 	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider \
-	  tests/backends/test_cpu_backend.py tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py
+	  tests/backends/test_cpu_backend.py tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py tests/backends/test_cpu_levels.py

@@ -2,7 +2,8 @@
 
 ``kvcodec._cpu.crc32`` runs the same loops (carry-less multiply folding, byte
 tail) that ``encode_v`` and ``dequantize`` carry over the payload; the folding
-constants in kvcodec/csrc/cpu_kernels.c are derived here from the polynomial.
+constants in kvcodec/csrc/ (crc_fold.h, crc_clmul.c, crc_vclmul.c, avx512_fold.c) are derived here from the
+polynomial.
 Blobs written with the CRC folded in equal blobs whose CRC kvcodec.format
 computes afterwards, and a decode with the folded check refuses a damaged blob.
 """
@@ -25,7 +26,7 @@ from kvcodec.format import parse, payload_crc
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="kvcodec._cpu is not built")
 
-SOURCE = Path(__file__).resolve().parents[2] / "kvcodec" / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).resolve().parents[2] / "kvcodec" / "csrc"
 POLY = 0x104C11DB7
 """CRC-32's generator polynomial (IEEE 802.3), x^32 included."""
 
@@ -69,7 +70,7 @@ def _floor_div(n: int) -> int:
 
 
 def test_folding_constants_are_derived_from_the_polynomial() -> None:
-    text = SOURCE.read_text()
+    text = "".join(p.read_text() for p in sorted(CSRC.glob("*.[ch]")))
     folds = (2048, 1024, 512, 128)  # the 512-bit loop's distance and merge, the 128-bit loop's, the lanes'
     wanted = [_fold_constant(n + d) for n in folds for d in (-32, 32)] + [_fold_constant(64)]
     wanted += [_reflect(_floor_div(64), 33), _reflect(POLY, 33)]  # Barrett: mu and P, reflected
