@@ -22,6 +22,7 @@ __all__ = [
     "assert_same_greedy",
     "bench_model",
     "long_prompts",
+    "mla_model",
     "run_engine",
     "store_files",
     "tiny_model",
@@ -112,6 +113,14 @@ def tiny_model(tmp: Path) -> str:
     from make_model import make_model
 
     return make_model(str(tmp / "tiny-llama"))
+
+
+def mla_model(tmp: Path) -> str:
+    """The tests' tiny random DeepSeek-V2-shaped (MLA) model, written under ``tmp``; its path."""
+    sys.path.insert(0, str(ENGINE))
+    from make_model import make_mla_model
+
+    return make_mla_model(str(tmp / "tiny-mla"))
 
 
 def bench_model(tmp: Path) -> str:

@@ -11,7 +11,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["make_model"]
+__all__ = ["make_mla_model", "make_model"]
 
 
 def make_model(out_dir: str, *, seed: int = 0) -> str:
@@ -35,6 +35,42 @@ def make_model(out_dir: str, *, seed: int = 0) -> str:
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         # Peaked logits keep greedy choices far from ties, so an FP8 V cannot flip them.
+        model.lm_head.weight.mul_(8.0)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_mla_model(out_dir: str, *, seed: int = 0) -> str:
+    """A tiny random DeepSeek-V2-shaped model (MLA: kv_lora_rank 512 + rope 64, vLLM's CPU_MLA
+    backend; 2 layers, MoE off), saved under ``out_dir``."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = DeepseekV2ForCausalLM(cfg)
+    with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
