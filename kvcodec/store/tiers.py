@@ -1,0 +1,297 @@
+"""``TieredStore``: several blob stores, fastest first, behind the one :class:`BlobStore` interface.
+
+A host keeps a RAM tier (:class:`~kvcodec.store.memory.MemoryStore`) and its local directory in front
+of a remote store shared by the fleet (Redis), as vLLM's offloading keeps a CPU tier before its
+secondary tiers and LMCache an L1 before its L2 adapters:
+
+* **writes go through** to every tier, fastest first; a tier that is full or down is skipped and
+  counted (``write_failures``); the write fails only when no tier took it;
+* **a read** takes the fastest tier holding every key asked for, and **promotes** what it read to the
+  tiers above (with the chunk's manifest when a lookup found it below: a chunk stays whole in every
+  tier); below the top tier blobs are read with their CRC checked, so nothing damaged is promoted;
+* **damage** in one tier is removed there (each store's own rule) and the next tier is tried; the
+  read fails with the damage only when no tier has a good copy;
+* **an outage** of one tier is a miss there: the tiers above keep serving hits; a call fails with
+  :class:`~kvcodec.errors.StoreUnavailableError` only when every tier it needed was down.
+
+``tier_stats()`` has each tier's own counters and what the tiered store did with it (hits it served,
+promotions into it, damage found, outages met, writes it refused).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..errors import CorruptEncodedKVError, Reason, StoreUnavailableError, UnsupportedConfigError
+from ..format import ParsedBlob
+from .base import STORE_COUNTERS, BlobStore, StoreFullError, StoreOptions
+from .eviction import own_group
+from .keys import validate_key
+
+__all__ = ["TIER_COUNTERS", "Tier", "TieredStore"]
+
+TIER_COUNTERS: tuple[str, ...] = (
+    "served",
+    "served_bytes",
+    "promoted",
+    "damaged",
+    "unavailable",
+    "write_failures",
+)
+"""What :meth:`TieredStore.tier_stats` counts per tier, beside the tier's own ``stats()``."""
+
+MANIFESTS_REMEMBERED = 4096
+"""Manifests found below the top tier by a lookup, remembered (by chunk group) until the chunk's read
+promotes them with its blobs; the oldest are forgotten first."""
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One tier: its name (``ram``, ``disk``, ``remote``: the hit source reported) and its store."""
+
+    name: str
+    store: BlobStore
+
+
+class TieredStore:
+    """Tiers of blob stores, fastest first (see the module docstring)."""
+
+    def __init__(self, tiers: Sequence[Tier], options: StoreOptions | None = None) -> None:
+        names = [t.name for t in tiers]
+        if not tiers or len(set(names)) != len(names):
+            raise UnsupportedConfigError(f"tiers need distinct names, got {names}", reason=Reason.BAD_VALUE)
+        opts = options if options is not None else StoreOptions()
+        self.tiers = tuple(tiers)
+        self.partial_groups = any(t.store.partial_groups for t in tiers)
+        self.location = " > ".join(f"{t.name} {t.store.location}" for t in tiers)
+        self._group_of = opts.group_of if opts.group_of is not None else own_group
+        self._is_manifest: Callable[[str], bool] = opts.evict_first or (lambda _key: False)
+        self._manifests: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._counts = {t.name: dict.fromkeys(TIER_COUNTERS, 0) for t in tiers}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ writes
+
+    def put(self, key: str, blob: Any) -> None:
+        """Store ``blob`` in every tier that takes it (see the module docstring)."""
+        self.put_many([(key, blob)])
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
+        """``put_many`` on every tier, fastest first; fails only when no tier took the items."""
+        for key, _ in items:
+            validate_key(key)
+        failures: list[Exception] = []
+        for tier in self.tiers:
+            try:
+                tier.store.put_many(items)
+            except (StoreFullError, StoreUnavailableError) as e:
+                self._count(tier, write_failures=1)
+                failures.append(e)
+        if len(failures) == len(self.tiers):
+            raise failures[-1]
+
+    # ------------------------------------------------------------ reads
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> memoryview:
+        validate_key(key)
+        [view] = self._serve([key], lambda st, _crc: [st.get(key, max_bytes=max_bytes)], True, bytes)
+        return view
+
+    def get_parsed(
+        self,
+        key: str,
+        into: bytearray | None = None,
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+    ) -> ParsedBlob:
+        validate_key(key)
+
+        def read(st: BlobStore, crc: bool) -> list[ParsedBlob]:
+            return [st.get_parsed(key, into, verify_crc=crc, max_bytes=max_bytes)]
+
+        return self._serve([key], read, verify_crc, _blob_bytes)[0]
+
+    def get_parsed_many(
+        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+    ) -> list[ParsedBlob]:
+        keys = [validate_key(k) for k in keys]
+        if not keys:
+            return []
+
+        def read(st: BlobStore, crc: bool) -> list[ParsedBlob]:
+            return st.get_parsed_many(keys, verify_crc=crc, max_bytes=max_bytes)
+
+        return self._serve(keys, read, verify_crc, _blob_bytes)
+
+    def _serve(
+        self,
+        keys: list[str],
+        read: Callable[[BlobStore, bool], list[_T]],
+        verify_crc: bool,
+        blob_of: Callable[[_T], Any],
+    ) -> list[_T]:
+        """``read`` from the fastest tier that has every key, promoting the result to the tiers above.
+
+        Below the top tier the CRC is always checked (what is promoted must be whole); the caller's
+        ``verify_crc`` holds for the top tier, whose blobs were checked when they were put."""
+        missed: KeyError | None = None
+        damaged: CorruptEncodedKVError | None = None
+        down: StoreUnavailableError | None = None
+        for i, tier in enumerate(self.tiers):
+            try:
+                got = read(tier.store, verify_crc or i > 0)
+            except KeyError as e:
+                missed = e
+                continue
+            except CorruptEncodedKVError as e:
+                self._count(tier, damaged=1)
+                damaged = e
+                continue
+            except StoreUnavailableError as e:
+                self._count(tier, unavailable=1)
+                down = e
+                continue
+            items = [(k, blob_of(g)) for k, g in zip(keys, got)]
+            self._count(tier, served=1, served_bytes=sum(len(b) for _, b in items))
+            if i > 0:
+                self._promote(i, items)
+            return got
+        raise damaged or down or missed or KeyError(keys[0])
+
+    def _promote(self, source: int, items: list[tuple[str, Any]]) -> None:
+        """Put ``items`` (read from tier ``source``) into every tier above it, with the manifests a
+        lookup found below for their chunks, read from ``source`` too (last: a manifest follows its blobs)."""
+        items = items + self._manifests_of([k for k, _ in items], source)
+        for tier in self.tiers[:source]:
+            try:
+                tier.store.put_many(items)
+            except (StoreFullError, StoreUnavailableError):
+                self._count(tier, write_failures=1)
+            else:
+                self._count(tier, promoted=len(items))
+
+    def _manifests_of(self, keys: list[str], source: int) -> list[tuple[str, Any]]:
+        groups = {self._group_of(k)[0] for k in keys}
+        with self._lock:
+            found = [self._manifests.pop(g) for g in groups if g in self._manifests]
+        out = []
+        for manifest, tier in found:
+            if tier < source or manifest in keys:
+                continue  # already above the tier read (or read itself)
+            try:
+                out.append((manifest, bytes(self.tiers[source].store.get(manifest))))
+            except (KeyError, CorruptEncodedKVError, StoreUnavailableError):
+                continue  # the chunk is whole above without it only once a lookup sees it there again
+        return out
+
+    # ------------------------------------------------------------ lookups and the rest
+
+    def contains(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier holds each key, asking each tier only for what the faster ones lack; a
+        tier that is down answers False. Manifests found below the top tier are remembered for promotion."""
+        keys = [validate_key(k) for k in keys]
+        found = [False] * len(keys)
+        todo = list(range(len(keys)))
+        answered = False
+        for j, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            try:
+                ans = tier.store.contains_many([keys[i] for i in todo])
+            except StoreUnavailableError:
+                self._count(tier, unavailable=1)
+                continue
+            answered = True
+            for i, ok in zip(todo, ans):
+                if ok:
+                    found[i] = True
+                    if j > 0 and self._is_manifest(keys[i]):
+                        self._remember_manifest(keys[i], j)
+            todo = [i for i in todo if not found[i]]
+        if keys and not answered:
+            raise StoreUnavailableError(
+                "every tier of the store is unavailable", reason=Reason.STORE_UNAVAILABLE
+            )
+        return found
+
+    def _remember_manifest(self, key: str, tier: int) -> None:
+        with self._lock:
+            self._manifests[self._group_of(key)[0]] = (key, tier)
+            while len(self._manifests) > MANIFESTS_REMEMBERED:
+                self._manifests.popitem(last=False)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key`` from every tier (a tier that is down keeps its copy); True if any removed it."""
+        validate_key(key)
+        return any(self._each(lambda st: st.delete(key), default=False))
+
+    def keys(self) -> list[str]:
+        """Every key some reachable tier holds, sorted."""
+        found: set[str] = set()
+        for ks in self._each(lambda st: st.keys(), default=None, need_one=True):
+            found.update(ks or ())
+        return sorted(found)
+
+    def iter_keys(self) -> Iterator[str]:
+        yield from self.keys()
+
+    def _each(self, call: Callable[[BlobStore], _T], default: _T, need_one: bool = False) -> list[_T]:
+        """``call`` on every tier; a tier that is down gives ``default`` (all down and ``need_one``: raise)."""
+        out, down = [], 0
+        for tier in self.tiers:
+            try:
+                out.append(call(tier.store))
+            except StoreUnavailableError:
+                self._count(tier, unavailable=1)
+                out.append(default)
+                down += 1
+        if need_one and down == len(self.tiers):
+            raise StoreUnavailableError(
+                "every tier of the store is unavailable", reason=Reason.STORE_UNAVAILABLE
+            )
+        return out
+
+    def stats(self) -> dict[str, float]:
+        """The tiers' :data:`~kvcodec.store.STORE_COUNTERS`, added up."""
+        total = dict.fromkeys(STORE_COUNTERS, 0.0)
+        for tier in self.tiers:
+            for name, value in tier.store.stats().items():
+                total[name] += value
+        return total
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Per tier (by name): its own ``stats()`` and the :data:`TIER_COUNTERS`."""
+        with self._lock:
+            counts = {name: dict(c) for name, c in self._counts.items()}
+        return {t.name: {**t.store.stats(), **counts[t.name]} for t in self.tiers}
+
+    def close(self) -> None:
+        """Close every tier (each once, whatever another's close raised)."""
+        errors = []
+        for tier in self.tiers:
+            try:
+                tier.store.close()
+            except Exception as e:  # every tier is closed; the first failure is raised after
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _count(self, tier: Tier, **amounts: int) -> None:
+        with self._lock:
+            counts = self._counts[tier.name]
+            for name, n in amounts.items():
+                counts[name] += n
+
+
+def _blob_bytes(parsed: ParsedBlob) -> memoryview:
+    return parsed.blob
