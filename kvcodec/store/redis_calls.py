@@ -4,7 +4,7 @@ store's timeout, with redis-py's failures and replies turned into kvcodec's erro
 * **Per node, ourselves.** On a cluster the names of one call are grouped by the node that serves
   them (the client's slot map) and each node gets one plain pipeline; the call stops at the first
   node that fails. redis-py's cluster pipeline would resend each command of a silent node on a fresh
-  connection, one timeout each (a lookup of 128 chunks stalled ~40 timeouts). Only a redirection
+  connection, one timeout each (a lookup of 128 chunks stalled ~80 timeouts). Only a redirection
   (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``: a resharding or a failover) sends that node's
   names through redis-py's cluster pipeline, which follows it and refreshes the slot map.
 * **Replies checked.** Every reply must be of the type its command gives (a ``GET``-like read

@@ -275,3 +275,36 @@ def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_about_one_ti
         assert st.stats()["timeouts"] == 1
         monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 0.0)
         assert st.contains_many(keys) == [False] * len(keys)  # the probe answered
+
+
+def _move_slot(cl, name: str, to) -> None:
+    """Move the slot of the Redis name ``name``, with its keys, to the node ``to`` (a resharding)."""
+    src = cl.node_of(name)
+    with src.client() as s, to.client() as d:
+        slot = int(s.execute_command("CLUSTER", "KEYSLOT", name))
+        src_id, dst_id = s.execute_command("CLUSTER", "MYID"), d.execute_command("CLUSTER", "MYID")
+        d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        keys = s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        s.execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *keys)
+    for node in cl.nodes:
+        with node.client() as c:
+            c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def test_a_chunk_moved_to_another_node_is_still_read(tmp_path: Path) -> None:
+    """A resharding after the store learnt the slot map: the old node answers MOVED, and the call
+    goes through redis-py's cluster pipeline, which follows it."""
+    with redis_cluster(tmp_path) as cl, open_store(cl.url, OPTS) as st:
+        keys = chunk_keys(layers=3, chunk=5)
+        blobs = [make_blob(256, i) for i in range(len(keys))]
+        st.put_many(list(zip(keys, blobs)))
+        assert st.contains_many(keys) == [True] * len(keys)
+        name = st.name_of(keys[0])
+        to = next(n for n in cl.nodes if n is not cl.node_of(name))
+        _move_slot(cl, name, to)
+        assert cl.node_of(name) is to
+        assert [bytes(p.blob) for p in st.get_parsed_many(keys)] == blobs
+        assert st.contains_many(keys) == [True] * len(keys)
+        st.put_many(list(zip(keys, blobs)))
+        assert st.keys() == sorted(keys)
