@@ -41,6 +41,10 @@ class KvcodecConfig:
     page_size: int = 16
     model_id: str | None = None
     max_bytes: int | None = None
+    host_cache_bytes: int | None = None
+    """A RAM tier of encoded blobs of at most this many bytes in front of the store (None: none):
+    hits on recently written or loaded chunks skip the disk and network reads, and keep coming while
+    a remote store is down (:mod:`~kvcodec.integrations.vllm.store_tiers`)."""
     fsync: bool = False
     """KV blobs can always be recomputed, so a machine crash may lose recent ones."""
     fused: str = "auto"
@@ -74,10 +78,12 @@ class KvcodecConfig:
                 raise UnsupportedConfigError(
                     f"{name} must be an int in 1..{top}; got {val!r}", reason=Reason.BAD_VALUE
                 )
-        if self.max_bytes is not None and (not _is_int(self.max_bytes) or self.max_bytes < 1):
-            raise UnsupportedConfigError(
-                f"max_bytes must be an int >= 1 or null; got {self.max_bytes!r}", reason=Reason.BAD_VALUE
-            )
+        for name in ("max_bytes", "host_cache_bytes"):
+            val = getattr(self, name)
+            if val is not None and (not _is_int(val) or val < 1):
+                raise UnsupportedConfigError(
+                    f"{name} must be an int >= 1 or null; got {val!r}", reason=Reason.BAD_VALUE
+                )
         for name in ("fsync", "async_save", "async_load"):
             if type(getattr(self, name)) is not bool:
                 raise UnsupportedConfigError(

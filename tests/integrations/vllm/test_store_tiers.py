@@ -1,0 +1,65 @@
+"""The connector's store tiers (kvcodec/integrations/vllm/store_tiers.py): what each config opens, the
+RAM tier shared by one process's connectors, and a RAM tier that keeps hitting while Redis is down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcodec.errors import Reason, UnsupportedConfigError
+from kvcodec.integrations.vllm.chunk_keys import group_of, is_manifest
+from kvcodec.integrations.vllm.config import KvcodecConfig
+from kvcodec.integrations.vllm.store_tiers import open_tiers, stores_of
+from kvcodec.store import DirectoryStore, StoreOptions
+from kvcodec.store.tiers import TieredStore
+from tests.raises import raises_reason
+from tests.redis_servers import redis_missing, redis_single
+from tests.store.test_contract_memory import prompt_chunk
+
+OPTS = StoreOptions(group_of=group_of, evict_first=is_manifest, timeout_s=0.5)
+
+
+def test_a_root_alone_is_the_directory_store(tmp_path: Path) -> None:
+    st = open_tiers(KvcodecConfig(root=str(tmp_path)), OPTS)
+    assert isinstance(st, DirectoryStore)
+    st.close()
+
+
+def test_host_cache_bytes_puts_one_shared_ram_tier_in_front(tmp_path: Path) -> None:
+    cfg = KvcodecConfig(root=str(tmp_path), host_cache_bytes=1 << 20)
+    sched, work = open_tiers(cfg, OPTS), open_tiers(cfg, OPTS)  # the scheduler's and the worker's
+    assert isinstance(sched, TieredStore) and [t.name for t in sched.tiers] == ["ram", "disk"]
+    chunk = prompt_chunk(0, 0)
+    work.put_many(chunk)
+    ram = stores_of(sched)[0]
+    assert ram.contains_many([k for k, _ in chunk]) == [True] * len(chunk)  # the lookup's RAM sees it
+    work.close()
+    assert sched.get(chunk[0][0]) is not None  # the other connector's tier is still open
+    sched.close()
+    fresh = open_tiers(cfg, OPTS)  # the last close freed the tier: a new one starts empty
+    assert stores_of(fresh)[0].keys() == [] and fresh.contains(chunk[0][0])  # the disk kept it
+    fresh.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1GB"])
+def test_host_cache_bytes_is_a_positive_int(tmp_path: Path, bad: object) -> None:
+    with raises_reason(UnsupportedConfigError, Reason.BAD_VALUE):
+        KvcodecConfig.from_extra({"root": str(tmp_path), "host_cache_bytes": bad})
+
+
+@pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
+def test_root_and_redis_make_ram_disk_remote_and_survive_an_outage(tmp_path: Path) -> None:
+    with redis_single(tmp_path) as server:
+        cfg = KvcodecConfig(root=str(tmp_path / "local"), store=server.url, host_cache_bytes=1 << 20)
+        st = open_tiers(cfg, OPTS)
+        assert isinstance(st, TieredStore) and [t.name for t in st.tiers] == ["ram", "disk", "remote"]
+        chunk = prompt_chunk(0, 0)
+        st.put_many(chunk)
+        assert [t.store.contains(chunk[-1][0]) for t in st.tiers] == [True, True, True]
+        server.kill()
+        keys = [k for k, _ in chunk]
+        assert st.contains_many(keys) == [True] * len(keys)
+        assert [bytes(p.blob) for p in st.get_parsed_many(keys[:-1])] == [b for _, b in chunk[:-1]]
+        assert st.tier_stats()["ram"]["served"] == 1
+        st.close()
