@@ -91,11 +91,9 @@ def _vllm_job(blob: bytearray, fused: bool = False):
             buf, np.float32, h.scale_payload_len // 4, at + k_len + v_len
         ).copy()  # as chunks.py
         rows = BlobRows(k, codes, scales.reshape(h.scale_shape), groups)
-        got = scatter_blob_rows(
+        got = scatter_blob_rows(  # raises Declined if C declines
             rows, cache, DIM, runs, crc=payload_crc(h, p.crc_prefix, ()) if fused else None
-        )
-        if isinstance(got, str):
-            raise RuntimeError(f"the C scatter declined: {got}")
+        ).crc
         if fused:
             end = at + k_len + v_len
             crc = crc32(buf[end : end + h.scale_payload_len], got) if got is not None else p.crc

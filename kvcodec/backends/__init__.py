@@ -6,8 +6,13 @@
 
 ``auto`` takes Triton on CUDA when installed, the C loops on CPU when built,
 the reference otherwise. A backend that cannot serve one call raises
-:class:`~.base.Declined`; :func:`call` then runs the reference and counts the
-reason, which :func:`backend_info` reports.
+:class:`~.base.Declined`; :func:`call` then runs the reference (or, for an optional
+lane, the caller's ``fallback``) and counts the reason, which :func:`backend_info`
+reports. Nothing outside this package catches :class:`~.base.Declined`.
+
+The cache lanes (:func:`scatter_rows`, :func:`scatter_blob_rows_many`) and
+:func:`cache_lanes_available` are how the integrations reach the C loops: no module
+outside this package imports :mod:`.cpu` (an import contract in ``pyproject.toml``).
 """
 
 from __future__ import annotations
@@ -15,23 +20,31 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..env import triton_interpret
 from ..errors import Reason, UnsupportedConfigError
 from . import reference
-from .base import Backend, Declined, Groups
+from .base import LANES, Backend, BlobRows, Declined, Groups, Served
 
 __all__ = [
     "BACKEND_NAMES",
+    "LANES",
     "Backend",
+    "BlobRows",
     "Declined",
     "Groups",
+    "Served",
     "backend_info",
+    "cache_lanes_available",
     "call",
     "reference_backend",
+    "scatter_blob_rows_many",
+    "scatter_rows",
     "select",
 ]
 
@@ -153,14 +166,55 @@ def _select(backend: str | None, dev: torch.device) -> Backend:
     return reference.BACKEND
 
 
-def call(backend: Backend, op: str, *args: Any, **kwargs: Any) -> Any:
-    """``backend.op(*args, **kwargs)``, or the reference's when the backend declines (counted)."""
+def _count(backend: Backend, op: str, why: Declined) -> None:
+    with _lock:
+        _fallbacks[(backend.name, op, str(why))] += 1
+
+
+def call(
+    backend: Backend, op: str, *args: Any, fallback: Callable[[], Any] | None = None, **kwargs: Any
+) -> Any:
+    """``backend.op(*args, **kwargs)``; when the backend declines (counted), ``fallback()`` when given (an
+    optional lane's caller's own path), else the reference's ``op`` on the same arguments."""
     try:
         return getattr(backend, op)(*args, **kwargs)
     except Declined as e:
-        with _lock:
-            _fallbacks[(backend.name, op, str(e))] += 1
+        _count(backend, op, e)
+        if fallback is not None:
+            return fallback()
         return getattr(reference.BACKEND, op)(*args, **kwargs)
+
+
+def cache_lanes_available() -> bool:
+    """Whether the cache lanes (the C loops) are built: what :func:`scatter_blob_rows_many` needs to
+    serve, so a caller can keep a blob's rows for it rather than decode them first."""
+    return bool(_cpu().AVAILABLE)
+
+
+def scatter_rows(
+    src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray, *, fallback: Callable[[], None]
+) -> None:
+    """``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view by
+    ``runs`` (the cpu backend's lane), or ``fallback()`` when it declines (a layout C does not take;
+    nothing written then). A run outside the view or ``src`` raises."""
+    call(_cpu().BACKEND, "scatter_rows", src, cache, col, runs, fallback=fallback)
+
+
+def scatter_blob_rows_many(
+    writes: Sequence[tuple[BlobRows, torch.Tensor, int | None]], v_col: int, runs: np.ndarray
+) -> list[Served | None]:
+    """Each ``(rows, cache, crc)`` of a chunk's layers (one ``v_col``, the same ``runs``) written by the
+    cpu backend's lane in one call: per layer its :class:`Served` (``crc``: the seed continued over the
+    blob's K and codes, None when not folded in), or None where it declined (counted; nothing written
+    there: the caller writes that layer its own way)."""
+    be = _cpu().BACKEND
+    out: list[Served | None] = []
+    for got in be.scatter_blob_rows_many(writes, v_col, runs):
+        if isinstance(got, Declined):
+            _count(be, "scatter_blob_rows_many", got)
+            got = None
+        out.append(got)
+    return out
 
 
 def backend_info(device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -10,28 +10,55 @@ have written part of ``out`` before declining (the C loops stop at a row
 holding NaN, the C encode of per_page_head V at the page holding it); the
 reference then writes all of it, or raises.
 
-Beyond the interface, a backend may offer one optional lane the codec uses
-when present: ``encode_fused`` (Triton: K, codes and scales of a blob in one
-launch) or ``encode_host`` (cpu: the same into a host blob in one C call, with
-numpy views only, so an encode releases the GIL once). A lane declines like
-any call, and the codec then takes the interface's path.
+Beyond the four operations, the interface declares optional lanes (:class:`Lanes`), each
+offered by one backend and named in its :attr:`Backend.lanes` (asked, never probed):
+``encode_fused`` / ``encode_fused_layers`` / ``empty_payloads`` (Triton: K, codes and
+scales of a blob in one launch), ``encode_host`` / ``decode_host`` (cpu: a host blob's
+payload in one C call, numpy views only, the CRC folded in) and ``scatter_rows`` /
+``scatter_blob_rows_many`` (cpu: rows straight into a paged cache view). A lane returns
+one typed result (:class:`Served` for the cpu lanes) or raises :class:`Declined`;
+:func:`kvcodec.backends.call` runs it and, when it declines, the caller's own path (its
+``fallback``), counted as every fallback is. Only :mod:`kvcodec.backends` catches
+:class:`Declined`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from ..hostmem import copy_tensor
 from ..numerics import NonFinitePolicy, ScaleScope, narrow_scales
 
-__all__ = ["Backend", "Declined", "Groups", "NonFinitePolicy", "TwoPass"]
+__all__ = [
+    "LANES",
+    "Backend",
+    "BlobRows",
+    "Declined",
+    "Groups",
+    "Lanes",
+    "NonFinitePolicy",
+    "Served",
+    "TwoPass",
+]
 
 
 class Declined(Exception):
-    """Raised by a backend that cannot serve a call; the dispatcher runs the reference instead."""
+    """Raised by a backend that cannot serve a call, with the reason; :func:`kvcodec.backends.call` then
+    runs the reference (or, for a lane, the caller's fallback) and counts the reason."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a cpu lane returns when it wrote its outputs."""
+
+    crc: int | None = None
+    """The CRC continued from the caller's seed over the bytes the lane went through (None: no seed
+    was given, or the lane did not fold it in: the caller computes it)."""
 
 
 @dataclass(frozen=True)
@@ -45,11 +72,26 @@ class Groups:
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
 
 
+@dataclass(frozen=True)
+class BlobRows:
+    """One blob's K and V codes as the cache lanes read them: numpy views, no torch."""
+
+    k: np.ndarray
+    """uint8 ``[T, H, Dk * itemsize]``: K's bytes, row by row (any alignment)."""
+    codes: np.ndarray
+    """uint8 ``[T, H, D]``: V's e4m3 codes."""
+    scales: np.ndarray
+    """float32, C-contiguous: V's scales (``groups``' shape)."""
+    groups: Groups
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Scales, FP8 codes and dequantized V, bit-exact with the reference (``backend="torch"``)."""
 
     name: str
+    lanes: frozenset[str]
+    """The optional lanes of :data:`LANES` this backend offers (its other :class:`Lanes` methods decline)."""
 
     def encode_v(
         self,
@@ -94,7 +136,89 @@ class Backend(Protocol):
         ...
 
 
-class TwoPass:
+LANES = (
+    "encode_fused",
+    "encode_fused_layers",
+    "empty_payloads",
+    "encode_host",
+    "decode_host",
+    "scatter_rows",
+    "scatter_blob_rows_many",
+)
+"""Every optional lane a backend may offer (:attr:`Backend.lanes`)."""
+
+
+class Lanes:
+    """The optional lanes, declared once: a backend offers those named in its ``lanes`` and inherits
+    these, which decline, for the rest. Arguments and results per lane are documented here."""
+
+    name = "backend"
+    lanes: frozenset[str] = frozenset()
+
+    def _none(self, lane: str) -> Declined:
+        return Declined(f"the {self.name} backend has no {lane} lane")
+
+    def encode_fused(
+        self, k: torch.Tensor, v: torch.Tensor, groups: Groups, payload: torch.Tensor
+    ) -> torch.Tensor:
+        """K, FP8 V and fp32 scales of one layer into ``payload`` in one launch; returns the group absmax."""
+        raise self._none("encode_fused")
+
+    def encode_fused_layers(
+        self, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], groups: Groups, payloads: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`encode_fused` for every layer of a chunk in one launch; returns ``[L, *scale_shape]`` absmax."""
+        raise self._none("encode_fused_layers")
+
+    def empty_payloads(self, layers: int, nbytes: int, device: torch.device | str) -> torch.Tensor:
+        """Stacked ``[layers, nbytes]`` payloads for :meth:`encode_fused_layers`."""
+        raise self._none("empty_payloads")
+
+    def encode_host(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        groups: Groups,
+        payload: memoryview,
+        *,
+        scale_dtype: torch.dtype,
+        nonfinite: NonFinitePolicy,
+        crc: int | None = None,
+    ) -> Served:
+        """``K ‖ e4m3(V) ‖ scales`` into a host blob payload in one call; with ``crc`` (the CRC so far) the
+        result's ``crc`` is it continued over the whole payload, or None when not folded in."""
+        raise self._none("encode_host")
+
+    def decode_host(
+        self,
+        payload: memoryview,
+        k_len: int,
+        scales: torch.Tensor,
+        groups: Groups,
+        out_k: torch.Tensor,
+        out_v: torch.Tensor,
+        *,
+        crc: int | None = None,
+    ) -> Served:
+        """A host payload's K bytes into ``out_k`` and its codes dequantized into ``out_v`` in one call; with
+        ``crc`` the result's ``crc`` is it continued over K and the codes, or None when not folded in."""
+        raise self._none("decode_host")
+
+    def scatter_rows(self, src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> Served:
+        """``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view, by
+        ``runs`` (int64 ``(block, first slot, first token, tokens)`` rows)."""
+        raise self._none("scatter_rows")
+
+    def scatter_blob_rows_many(
+        self, writes: Sequence[tuple[BlobRows, torch.Tensor, int | None]], v_col: int, runs: np.ndarray
+    ) -> list[Served | Declined]:
+        """Each ``(rows, cache, crc)``: the blob's K rows to columns ``0 ..`` and V dequantized to ``v_col ..``
+        of the cache view, one pass over ``runs``; per layer a :class:`Served` (its ``crc`` continued over
+        K and the codes from the given seed) or the :class:`Declined` it met (nothing written there)."""
+        return [self._none("scatter_blob_rows_many") for _ in writes]
+
+
+class TwoPass(Lanes):
     """``encode_v`` and ``encode_kv`` from a backend's scales and quantize steps (two passes over V),
     for backends whose kernels are separate: the torch reference and the unfused Triton path."""
 

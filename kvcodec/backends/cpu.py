@@ -23,7 +23,6 @@ one holding NaN. The extension is optional (built at install when a C compiler i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ from ..errors import Reason, UnsupportedConfigError
 from ..format.crc import crc32
 from ..hostmem import copy_tensor
 from ..numerics import NonFinitePolicy, ScaleScope, scale_shape
-from .base import Declined, Groups
+from .base import BlobRows, Declined, Groups, Lanes, Served
 
 __all__ = [
     "AVAILABLE",
@@ -199,17 +198,20 @@ def _declined(why: str | None) -> None:
         raise Declined(why)
 
 
-def _served(got: str | int | None) -> int | None:
-    """A C call with a CRC seed: its CRC (None: C left it to the caller), or raise its reason to decline."""
+def _served(got: str | int | None) -> Served:
+    """What a C call returned as one typed result: its CRC when it carried one (None: C left it to the
+    caller, or no seed was given), or raise its reason to decline."""
     if isinstance(got, str):
         raise Declined(got)
-    return got
+    return Served(got)
 
 
-class CpuBackend:
-    """The :class:`~.base.Backend` of the C loops (CPU tensors, e4m3fn; see :func:`_refusal`)."""
+class CpuBackend(Lanes):
+    """The :class:`~.base.Backend` of the C loops (CPU tensors, e4m3fn; see :func:`_refusal`), with the
+    host lanes (a blob payload in one C call) and the cache lanes (rows into a paged cache view)."""
 
     name = "cpu"
+    lanes = frozenset({"encode_host", "decode_host", "scatter_rows", "scatter_blob_rows_many"})
 
     def encode_v(
         self,
@@ -277,17 +279,17 @@ class CpuBackend:
         scale_dtype: torch.dtype,
         nonfinite: NonFinitePolicy,
         crc: int | None = None,
-    ) -> int | None:
+    ) -> Served:
         """``K ‖ e4m3(V) ‖ scales`` straight into a host blob payload, in one C call.
 
         The optional host lane of the codec (see :mod:`.base`): no tensor is
         made over the payload (numpy views only), so an encode takes the GIL
         off once, for the C call. ``k`` must be C-contiguous with V's shape;
         anything else declines and the codec takes the generic path. With
-        ``crc`` (the CRC so far: the header's, or 0) returns that CRC continued
-        over the whole payload, folded into the pass that writes it (each slice
-        checksummed while in cache), or None when C could not fold it (the
-        caller then computes it); without ``crc``, None.
+        ``crc`` (the CRC so far: the header's, or 0) the result's ``crc`` is that
+        CRC continued over the whole payload, folded into the pass that writes it
+        (each slice checksummed while in cache), or None when C could not fold it
+        (the caller then computes it); without ``crc``, None.
         """
         if nonfinite != "error" or scale_dtype not in _HOST_SCALES:
             raise Declined(f"nonfinite={nonfinite!r} / scale_dtype {scale_dtype} take the generic path")
@@ -317,7 +319,7 @@ class CpuBackend:
         )
         stored = s32 if scale_dtype == torch.float32 else s32.astype(np.float16)
         payload[k_len + v_len :] = stored.reshape(-1).view(np.uint8)
-        return None if got is None else crc32(payload[k_len + v_len :], got)
+        return got if got.crc is None else Served(crc32(payload[k_len + v_len :], got.crc))
 
     def quantize(
         self, v: torch.Tensor, scales: torch.Tensor, groups: Groups, *, out: torch.Tensor
@@ -351,14 +353,14 @@ class CpuBackend:
         out_v: torch.Tensor,
         *,
         crc: int | None = None,
-    ) -> int | None:
+    ) -> Served:
         """A host blob payload's K bytes into ``out_k`` and its codes dequantized into ``out_v``, in one C call.
 
         ``payload`` is ``K (k_len bytes) ‖ codes (out_v's elements) ‖ ...``; ``out_k`` is C-contiguous
-        and holds exactly ``k_len`` bytes. With ``crc`` (the CRC so far: the header's, or 0) returns it
-        continued over K and the codes, folded into the same pass, or None when C could not fold it
-        (the caller computes it); without ``crc``, None. Raises :class:`~.base.Declined` for what C does
-        not take (then nothing was written), and at NaN codes (then part of the outputs may be).
+        and holds exactly ``k_len`` bytes. With ``crc`` (the CRC so far: the header's, or 0) the result's
+        ``crc`` is it continued over K and the codes, folded into the same pass, or None when C could not
+        fold it (the caller computes it); without ``crc``, None. Raises :class:`~.base.Declined` for what
+        C does not take (then nothing was written), and at NaN codes (then part of the outputs may be).
         """
         page = _page(groups)
         if isinstance(page, str):
@@ -383,6 +385,26 @@ class CpuBackend:
                 crc,
             )
         )
+
+    # The cache lanes: the module's functions below (the vLLM connector's loads).
+
+    def scatter_rows(self, src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> Served:
+        """Copy ``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view.
+
+        ``runs`` rows are ``(block, first slot, first src token, tokens)``: token ``t + j`` goes to
+        ``cache[block, :, slot + j, col : col + D]``. Raises :class:`~.base.Declined` with why C declined
+        (nothing written; the caller copies another way). A run outside the view or ``src`` raises.
+        """
+        return _served(_scatter_rows(src, cache, col, runs))
+
+    def scatter_blob_rows_many(
+        self, writes: Sequence[tuple[BlobRows, torch.Tensor, int | None]], v_col: int, runs: np.ndarray
+    ) -> list[Served | Declined]:
+        """:func:`scatter_blob_rows` of each ``(rows, cache, crc)`` (a chunk's layers: one ``v_col``, the
+        same ``runs``): the runs checked once and no Python frame per layer. Each result is that layer's
+        :class:`~.base.Served`, or the :class:`~.base.Declined` it met (a value: the other layers go on)."""
+        got = _scatter_blob_rows_many(writes, v_col, runs)
+        return [Declined(g) if isinstance(g, str) else Served(g) for g in got]
 
 
 BACKEND = CpuBackend()
@@ -412,22 +434,21 @@ def _runs(runs: np.ndarray) -> np.ndarray:
 
 
 _ROW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int16, torch.int32, torch.uint8)
-"""Row dtypes :func:`scatter_rows` copies (bytes as they are)."""
+"""Row dtypes :meth:`CpuBackend.scatter_rows` copies (bytes as they are)."""
 
 
-def scatter_rows(src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> str | None:
-    """Copy ``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view.
-
-    ``runs`` rows are ``(block, first slot, first src token, tokens)``: token ``t + j`` goes to
-    ``cache[block, :, slot + j, col : col + D]``. Returns None when done, or why C declined
-    (nothing written; the caller copies another way). A run outside the view or ``src`` raises.
-    """
+def _scatter_rows(src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> str | None:
+    """:meth:`CpuBackend.scatter_rows` as C answers: None when done, else why it declined."""
     if _cpu is None:
         return REASON
     why = _rows_refusal(src, _ROW_DTYPES, "src") or _cache_refusal(cache, (src.dtype,))
     if why is not None:
         return why
     return _cpu.scatter_rows(_buf(src), _buf(cache), col, _runs(runs))
+
+
+scatter_rows = _scatter_rows
+"""The vLLM integration's import until it calls :func:`kvcodec.backends.scatter_rows` (issue 37)."""
 
 
 def scatter_dequantize(
@@ -437,24 +458,23 @@ def scatter_dequantize(
     cache: torch.Tensor,
     col: int,
     runs: np.ndarray,
-) -> str | None:
+) -> Served:
     """:meth:`CpuBackend.dequantize` of the ``runs``' rows of ``codes`` straight into a cache view.
 
-    As :func:`scatter_rows`, with ``float(code) * scale`` (the scale of the row's group, by its token
-    in ``codes``) written in the cache's dtype, bit-exact with the reference. Returns None when done,
-    or why C declined: then nothing is written (NaN codes, non-finite scales, a layout C does not take).
+    As :meth:`CpuBackend.scatter_rows`, with ``float(code) * scale`` (the scale of the row's group, by
+    its token in ``codes``) written in the cache's dtype, bit-exact with the reference. Raises
+    :class:`~.base.Declined` with why C declined: then nothing is written (NaN codes, non-finite
+    scales, a layout C does not take).
     """
     page = _page(groups)
     if isinstance(page, str):
-        return page
-    why = (
+        raise Declined(page)
+    _declined(
         _rows_refusal(codes, _DECODE[0], "codes")
         or _scales_refusal(scales, groups, codes.shape, page)
         or _cache_refusal(cache, _DECODE[1])
     )
-    if why is not None:
-        return why
-    return _cpu.scatter_dequant(
+    got = _cpu.scatter_dequant(
         _buf(codes),
         _scales32(scales),
         _SCOPE[groups.scope],
@@ -464,46 +484,34 @@ def scatter_dequantize(
         _DTYPE[cache.dtype],
         _runs(runs),
     )
-
-
-@dataclass(frozen=True)
-class BlobRows:
-    """One blob's K and V codes as :func:`scatter_blob_rows` reads them: numpy views, no torch."""
-
-    k: np.ndarray
-    """uint8 ``[T, H, Dk * itemsize]``: K's bytes, row by row (any alignment)."""
-    codes: np.ndarray
-    """uint8 ``[T, H, D]``: V's e4m3 codes."""
-    scales: np.ndarray
-    """float32, C-contiguous: V's scales (``groups``' shape)."""
-    groups: Groups
+    return _served(got)
 
 
 def scatter_blob_rows(
     rows: BlobRows, cache: torch.Tensor, v_col: int, runs: np.ndarray, *, crc: int | None = None
-) -> str | int | None:
+) -> Served:
     """A blob's K rows (to columns ``0 ..``) and V dequantized (to columns ``v_col ..``) into a
-    ``[N, H, S, C]`` cache view of K's dtype, in one C pass over ``runs`` (see :func:`scatter_rows`).
+    ``[N, H, S, C]`` cache view of K's dtype, in one C pass over ``runs`` (see :meth:`CpuBackend.scatter_rows`).
 
-    Bit-exact with :meth:`CpuBackend.dequantize` and a copy of K. Returns None when done, or why C
-    declined, with nothing written (NaN codes, a layout C does not take). A run outside the view,
-    or rows that do not fit it, raise.
+    Bit-exact with :meth:`CpuBackend.dequantize` and a copy of K. Raises :class:`~.base.Declined`
+    with why C declined, with nothing written (NaN codes, a layout C does not take). A run outside
+    the view, or rows that do not fit it, raise.
 
     With ``crc`` (the CRC of the blob's header prefix: ``payload_crc(header, parsed.crc_prefix, ())``,
-    0 for version 1) and ``rows`` the blob's own K and codes views, returns, when done, that CRC
+    0 for version 1) and ``rows`` the blob's own K and codes views, the result's ``crc`` is that CRC
     continued over all of K and the codes, folded into the same pass (a blob read without its CRC
     check is then checked here: continue it over the scale bytes and compare with the stored CRC;
     the cache has been written by then, so a mismatch must fail the load); None when C could not
     fold it (the caller checks the blob's CRC itself).
     """
-    return scatter_blob_rows_many([(rows, cache, crc)], v_col, runs)[0]
+    return _served(_scatter_blob_rows_many([(rows, cache, crc)], v_col, runs)[0])
 
 
-def scatter_blob_rows_many(
+def _scatter_blob_rows_many(
     writes: Sequence[tuple[BlobRows, torch.Tensor, int | None]], v_col: int, runs: np.ndarray
 ) -> list[str | int | None]:
-    """:func:`scatter_blob_rows` of each ``(rows, cache, crc)`` (a chunk's layers: one ``v_col``, the
-    same ``runs``): the runs checked once and no Python frame per layer. Each result is that call's."""
+    """:meth:`CpuBackend.scatter_blob_rows_many` as C answers: per layer its CRC or None when done,
+    else why it declined."""
     runs = _runs(runs)
     out: list[str | int | None] = []
     for rows, cache, crc in writes:
@@ -520,3 +528,7 @@ def scatter_blob_rows_many(
             )
         )
     return out
+
+
+scatter_blob_rows_many = _scatter_blob_rows_many
+"""The vLLM integration's import until it calls :func:`kvcodec.backends.scatter_blob_rows_many` (issue 37)."""

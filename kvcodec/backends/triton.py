@@ -52,6 +52,7 @@ class TritonBackend(TwoPass):
     """Scales, FP8 codes and dequantization as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
+    lanes = frozenset({"encode_fused", "encode_fused_layers", "empty_payloads"})
 
     def scales(self, v: torch.Tensor, groups: Groups, nonfinite: NonFinitePolicy) -> torch.Tensor:
         """fp32 scales of ``v``."""

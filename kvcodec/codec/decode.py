@@ -338,20 +338,23 @@ def _decode_checked_in_pass(
         return None
     be, s_t, groups, target = lane
     payload = parsed.payload
-    try:
-        crc = be.decode_host(
-            payload,
-            h.k_payload_len,
-            s_t,
-            groups,
-            req.out_k,
-            target,
-            crc=payload_crc(h, parsed.crc_prefix, ()),
-        )
-    except backends.Declined:
+    served = backends.call(
+        be,
+        "decode_host",
+        payload,
+        h.k_payload_len,
+        s_t,
+        groups,
+        req.out_k,
+        target,
+        crc=payload_crc(h, parsed.crc_prefix, ()),
+        fallback=lambda: None,
+    )
+    if served is None:  # declined: C wrote nothing, or stopped at NaN codes: rewritten here
         check_crc(h, parsed.crc, payload_crc(h, parsed.crc_prefix, (payload,)))
-        return decode_parsed(h, payload, req)  # C wrote nothing, or stopped at NaN codes: rewritten here
+        return decode_parsed(h, payload, req)
     kv_end = h.k_payload_len + h.v_payload_len
+    crc = served.crc
     if crc is None:
         crc = payload_crc(h, parsed.crc_prefix, (payload,))
     else:
@@ -370,7 +373,7 @@ def _host_lane_inputs(
     if h.scale_scope not in COMPUTED_SCOPES or h.scale_scheme == ScaleScheme.UNIT:
         return None
     be = backends.select(req.backend, req.device)
-    if getattr(be, "decode_host", None) is None:
+    if "decode_host" not in be.lanes:
         return None
     n = h.v_payload_len // h.v_dtype.itemsize
     shape = _shape(h, n, req.shape)

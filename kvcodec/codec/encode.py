@@ -73,7 +73,7 @@ class EncodePlan:
         """Whether one fused Triton launch can write K, FP8 V and the scales."""
         h = self.header
         return (
-            self.backend.name == "triton"
+            "encode_fused" in self.backend.lanes
             and self.scales is None
             and self.k is not None
             and str(h.k_dtype) in ("float16", "bfloat16")
@@ -386,29 +386,32 @@ def _host_sections(
     return k_dst, q_dst, torch.from_numpy(np.frombuffer(mv, np.uint8, s_len, k_len + v_len))
 
 
-_NOT_SERVED = -1
-"""What :func:`_host_lane` returns when the backend's lane did not write the payload."""
-
-
-def _host_lane(p: EncodePlan, payload: Any, crc_seed: int | None) -> int | None:
+def _host_lane(p: EncodePlan, payload: Any, crc_seed: int | None) -> backends.Served | None:
     """The backend's optional host lane: the whole payload (K, codes, scales) written into host memory
-    in one call. Returns the payload's CRC continued from ``crc_seed`` when the lane folded it in, None
-    when it wrote the payload without it, :data:`_NOT_SERVED` when it did not write it (the generic
-    path then does; nothing it needs was lost)."""
-    lane = getattr(p.backend, "encode_host", None)
+    in one call. Returns what it served (its ``crc``: the payload's CRC continued from ``crc_seed`` when
+    the lane folded it in), or None when it did not write the payload (the generic path then does;
+    nothing it needs was lost)."""
     if (
-        lane is None
+        "encode_host" not in p.backend.lanes
         or not isinstance(payload, memoryview)
         or p.k is None
         or p.scales is not None
         or p.fp8_given
     ):
-        return _NOT_SERVED
+        return None
     sdt = to_torch(p.header.scale_dtype)
-    try:
-        return lane(p.k, p.v, p.groups, payload, scale_dtype=sdt, nonfinite=p.nonfinite, crc=crc_seed)
-    except backends.Declined:
-        return _NOT_SERVED
+    return backends.call(
+        p.backend,
+        "encode_host",
+        p.k,
+        p.v,
+        p.groups,
+        payload,
+        scale_dtype=sdt,
+        nonfinite=p.nonfinite,
+        crc=crc_seed,
+        fallback=lambda: None,
+    )
 
 
 def write_payload(p: EncodePlan, payload: Any, crc_seed: int | None = None) -> int | None:
@@ -421,12 +424,12 @@ def write_payload(p: EncodePlan, payload: Any, crc_seed: int | None = None) -> i
     if p.fusable:
         if isinstance(payload, memoryview):
             payload = torch.frombuffer(payload, dtype=torch.uint8)
-        amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)  # type: ignore[attr-defined]
+        amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)
         check_amax(amax, p.groups.scope, p.groups.fp8_dtype)
         return None
-    crc = _host_lane(p, payload, crc_seed)
-    if crc != _NOT_SERVED:
-        return crc if crc_seed is not None else None
+    served = _host_lane(p, payload, crc_seed)
+    if served is not None:
+        return served.crc if crc_seed is not None else None
     k_dst, q_dst, s_dst = _sections(p, payload)
     scales = p.scales
     encode_kw = {"scale_dtype": to_torch(p.header.scale_dtype), "nonfinite": p.nonfinite, "out": q_dst}
@@ -639,8 +642,8 @@ def _encode_layers_fused(
     k3s = [normalize_layout(x, **ax)[0] for x in ks]
     v3s = [normalize_layout(x, **ax)[0] for x in vs]
     h0 = plan.header
-    payloads = plan.backend.empty_payloads(len(v3s), h0.payload_len, plan.v.device)  # type: ignore[attr-defined]
-    amax = plan.backend.encode_fused_layers(k3s, v3s, plan.groups, payloads)  # type: ignore[attr-defined]
+    payloads = plan.backend.empty_payloads(len(v3s), h0.payload_len, plan.v.device)
+    amax = plan.backend.encode_fused_layers(k3s, v3s, plan.groups, payloads)
     check_layers_amax(amax, plan.groups.scope, plan.groups.fp8_dtype, ids)
     host = payloads.cpu()
     packer = HeaderPacker(h0)

@@ -304,8 +304,8 @@ def test_scatter_blob_rows_carries_the_blobs_crc(fast: Any, order: str, heads: i
     )
     cache = torch.zeros(6, heads, 16, 2 * dim, dtype=torch.float16)
     plain = cache.clone()
-    assert scatter_blob_rows(rows, plain, dim, runs) is None
-    got = scatter_blob_rows(rows, cache, dim, runs, crc=payload_crc(p.header, p.crc_prefix, ()))
+    assert scatter_blob_rows(rows, plain, dim, runs).crc is None
+    got = scatter_blob_rows(rows, cache, dim, runs, crc=payload_crc(p.header, p.crc_prefix, ())).crc
     assert torch.equal(cache.view(torch.int16), plain.view(torch.int16))
     if not fast.crc_fast(-1):
         assert got is None

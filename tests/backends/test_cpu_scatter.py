@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from kvcodec import UnsupportedConfigError
-from kvcodec.backends import Groups, reference
-from kvcodec.backends.cpu import AVAILABLE, BlobRows, scatter_blob_rows, scatter_dequantize, scatter_rows
+from kvcodec.backends import Declined, Groups, Served, reference
+from kvcodec.backends.cpu import AVAILABLE, BACKEND, BlobRows, scatter_blob_rows, scatter_dequantize
 from kvcodec.numerics import ScaleScope
+
+scatter_rows = BACKEND.scatter_rows
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="kvcodec._cpu is not built")
 
@@ -50,7 +52,7 @@ def test_scatter_rows_is_an_indexed_copy(dtype):
     cache = _cache(dtype)
     rows = torch.randn(T, H, D).to(dtype)
     want = _expect(cache, rows, D)
-    assert scatter_rows(rows, cache, D, RUNS) is None
+    assert scatter_rows(rows, cache, D, RUNS) == Served()
     assert torch.equal(cache, want)
 
 
@@ -61,7 +63,7 @@ def test_scatter_dequantize_is_the_reference_then_a_copy(dtype):
     reference.BACKEND.dequantize(codes, scales, groups, out=v)
     cache = _cache(dtype)
     want = _expect(cache, v, D)
-    assert scatter_dequantize(codes, scales, groups, cache, D, RUNS) is None
+    assert scatter_dequantize(codes, scales, groups, cache, D, RUNS) == Served()
     assert torch.equal(cache, want)
 
 
@@ -76,7 +78,7 @@ def test_blob_rows_write_k_and_v_in_one_pass_from_unaligned_bytes():
     cache = _cache()
     want = _expect(_expect(cache, k, 0), v, D)
     rows = BlobRows(kb, codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups)
-    assert scatter_blob_rows(rows, cache, D, RUNS) is None
+    assert scatter_blob_rows(rows, cache, D, RUNS) == Served()
     assert torch.equal(cache, want)
 
 
@@ -85,10 +87,12 @@ def test_nan_codes_decline_with_nothing_written():
     codes.view(torch.uint8)[20, 1, 3] = 0x7F
     cache = _cache()
     before = cache.clone()
-    assert "NaN" in scatter_dequantize(codes, scales, groups, cache, D, RUNS)
+    with pytest.raises(Declined, match="NaN"):
+        scatter_dequantize(codes, scales, groups, cache, D, RUNS)
     k = np.zeros((T, H, 2 * D), np.uint8)
     rows = BlobRows(k, codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups)
-    assert "NaN" in scatter_blob_rows(rows, cache, D, RUNS)
+    with pytest.raises(Declined, match="NaN"):
+        scatter_blob_rows(rows, cache, D, RUNS)
     assert torch.equal(cache, before)
 
 
@@ -100,14 +104,17 @@ def test_layouts_c_does_not_take_decline():
     rows = BlobRows(
         np.zeros((T, H, 2 * D), np.uint8), codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups
     )
-    assert "overlap" in scatter_blob_rows(rows, cache, D // 2, RUNS)
+    with pytest.raises(Declined, match="overlap"):
+        scatter_blob_rows(rows, cache, D // 2, RUNS)
     # A cache whose width is not contiguous.
     rows16 = torch.randn(T, H, D).to(torch.bfloat16)
-    assert "contiguous" in scatter_rows(rows16, cache[..., ::2], 0, RUNS)
+    with pytest.raises(Declined, match="contiguous"):
+        scatter_rows(rows16, cache[..., ::2], 0, RUNS)
     # Rows that live inside the cache they are written to.
     base = cache.permute(2, 0, 1, 3)  # the [S, N, H, C] memory
     inside = base.reshape(-1)[: T * H * D].view(T, H, D)
-    assert "overlaps" in scatter_rows(inside, cache, D, RUNS)
+    with pytest.raises(Declined, match="overlaps"):
+        scatter_rows(inside, cache, D, RUNS)
     assert torch.equal(cache, before)
 
 
@@ -142,7 +149,8 @@ def test_bad_arguments_raise():
         scatter_rows(rows, cache, D + 1, RUNS)
     with pytest.raises(UnsupportedConfigError, match="heads"):
         scatter_rows(torch.randn(T, H + 1, D).to(torch.bfloat16), cache, 0, RUNS)
-    assert scatter_rows(rows.float(), cache, 0, RUNS) is not None  # another dtype: declined
+    with pytest.raises(Declined):  # another dtype
+        scatter_rows(rows.float(), cache, 0, RUNS)
 
 
 @pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512"])
@@ -174,14 +182,14 @@ def test_blob_rows_at_every_head_dim_and_level(level, d, dtype, contiguous):
     want = _expect(_expect(cache, k, 0), v, d)
     kb = k.view(torch.uint8).numpy().reshape(T, H, 2 * d)
     rows = BlobRows(kb, codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups)
-    assert scatter_blob_rows(rows, cache, d, RUNS) is None
+    assert scatter_blob_rows(rows, cache, d, RUNS) == Served()
     assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
 
 
 def test_many_writes_each_layer_as_its_own_call_would():
     """A chunk's layers in one scatter_blob_rows_many: each result and cache is what its own
     scatter_blob_rows gives, a declined layer (NaN codes) included, with nothing written there."""
-    from kvcodec.backends.cpu import scatter_blob_rows_many
+    scatter_blob_rows_many = BACKEND.scatter_blob_rows_many
 
     layers = []
     for seed in range(3):
@@ -193,8 +201,14 @@ def test_many_writes_each_layer_as_its_own_call_would():
         layers.append(BlobRows(kb, codes.view(torch.uint8).numpy(), scales.numpy().copy(), groups))
     one = [_cache(seed=s) for s in range(3)]
     many = [c.clone() for c in one]
-    want = [scatter_blob_rows(r, c, D, RUNS) for r, c in zip(layers, one)]
+    want = []
+    for r, c in zip(layers, one):
+        try:
+            want.append(scatter_blob_rows(r, c, D, RUNS))
+        except Declined as e:
+            want.append(str(e))
     got = scatter_blob_rows_many([(r, c, None) for r, c in zip(layers, many)], D, RUNS)
-    assert got == want and isinstance(got[1], str) and got[0] is None and got[2] is None
+    assert [str(g) if isinstance(g, Declined) else g for g in got] == want
+    assert isinstance(got[1], Declined) and got[0] == Served() and got[2] == Served()
     assert all(torch.equal(a, b) for a, b in zip(one, many))
     assert torch.equal(many[1], _cache(seed=1))  # the declined layer: untouched
