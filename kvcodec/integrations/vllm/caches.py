@@ -38,6 +38,18 @@ class LayerCaches:
     """CUDA: the stream the fused save's gather+encode runs on, ordered against the forward."""
     fp8_scales: Callable[[str], FP8Scales] | None = None
     """FP8 caches: a layer's K/V scales, read when used (vLLM may set them after registration)."""
+    groups: dict[str, int] = field(default_factory=dict)
+    """Layer name -> its KV cache group (vLLM's hybrid allocator); empty: one group."""
+    windowed: bool = False
+    """Some group is sliding-window: vLLM frees its blocks outside the window at the next schedule,
+    so chunks are copied out of the cache inside the step that completes them."""
+
+    def by_group(self) -> list[tuple[int, list[str]]]:
+        """Each KV cache group and its registered layers (one group: every layer)."""
+        out: dict[int, list[str]] = {}
+        for name in self.caches:
+            out.setdefault(self.groups.get(name, 0), []).append(name)
+        return sorted(out.items())
 
     def register(self, kv_caches: dict[str, torch.Tensor], codec: ChunkCodec) -> None:
         """Keep the views of this model's layers, each checked against the geometry."""

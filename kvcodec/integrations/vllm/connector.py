@@ -81,10 +81,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
-from kvcodec.store import BlobStore, DirectoryStore, StoreOptions, open_store
+from kvcodec.store import BlobStore, DirectoryStore, StoreOptions
 from kvcodec.store.auth import load_fleet_key
 
 from .chunk_keys import ChunkKeys, group_of, is_manifest
@@ -92,11 +93,12 @@ from .config import KvcodecConfig
 from .counters import Counters
 from .events import KvcodecKVEvents, block_stored
 from .generation import Generations
-from .identity import cache_geometry, head_layout, layer_ids, model16
+from .identity import CacheGeometry, cache_geometry, head_layout, layer_groups, layer_ids, model16
 from .loads import IDLE_LOAD_WAIT_S
 from .metadata import LoadSpec, SaveSpec, StepPlan
 from .scheduler import KvcodecScheduler, LookupShape
 from .stats import KvcodecPromMetrics, KvcodecStats
+from .store_tiers import open_tiers, stores_of
 from .worker import ConnectorParts, KvcodecWorker, WorkerSetup
 
 if TYPE_CHECKING:
@@ -143,7 +145,7 @@ def open_connector_store(cfg: KvcodecConfig) -> BlobStore:
         verify_blobs=False,  # loads CRC-check every blob in get_parsed; nothing else reads
     )
     try:
-        store = open_store(cfg.location, options)
+        store = open_tiers(cfg, options)
     except OSError as e:
         raise UnsupportedConfigError(
             f"store {cfg.location!r}: cannot open the store: {e}", reason=Reason.UNSUPPORTED
@@ -158,8 +160,9 @@ def open_connector_store(cfg: KvcodecConfig) -> BlobStore:
 
 
 def _authenticates(store: BlobStore) -> bool:
-    """Whether the store seals values with the fleet key (only RedisStore does; a directory is local)."""
-    return type(store).__name__ == "RedisStore"
+    """Whether the store (one of its tiers) seals values with the fleet key (only RedisStore does; a
+    directory or a RAM tier is local)."""
+    return any(type(s).__name__ == "RedisStore" for s in stores_of(store))
 
 
 def _check_fleet_key(store: BlobStore, cfg: KvcodecConfig, keyed: bool) -> None:
@@ -210,12 +213,24 @@ def _check_failure_policy(ktc: Any) -> None:
 def hit_source(store: BlobStore, default: Any) -> Any:
     """The ``CacheHitSource`` vLLM counts this connector's hits under: ``DISK`` for a directory store;
     ``default`` (``EXTERNAL_UNSPECIFIED``, vLLM's label for a remote store) for any other, Redis
-    included (a network store is none of DEVICE, HOST, P2P or DISK)."""
+    included (a network store is none of DEVICE, HOST, P2P or DISK). Tiers: their outermost store's
+    (vLLM's rule for a mix of sources), since hits are not yet split by the tier that served them."""
     try:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
     except ImportError:  # a vLLM without per-source hit metrics
         return default
-    return CacheHitSource.DISK if isinstance(store, DirectoryStore) else default
+    return CacheHitSource.DISK if isinstance(stores_of(store)[-1], DirectoryStore) else default
+
+
+def _check_windows(geo: CacheGeometry, cfg: KvcodecConfig) -> None:
+    """A sliding window must cover a whole chunk: vLLM frees blocks outside it, and a chunk's first
+    blocks must still be there in the step that completes the chunk."""
+    small = [w for w in geo.windows if w is not None and w <= cfg.chunk_size]
+    if small:
+        raise UnsupportedConfigError(
+            f"sliding window {min(small)} <= chunk_size {cfg.chunk_size}: set chunk_size below the window",
+            reason=Reason.BAD_VALUE,
+        )
 
 
 def _metadata(meta: Any, hook: str) -> KvcodecMetadata:
@@ -224,7 +239,7 @@ def _metadata(meta: Any, hook: str) -> KvcodecMetadata:
     return meta
 
 
-class KvcodecConnector(KVConnectorBase_V1):
+class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
     """Saves prompt chunks as kvcodec blobs and loads them back into vLLM's paged cache.
 
     A facade: the scheduler role's hooks go to :attr:`scheduler`, the worker role's to
@@ -244,8 +259,9 @@ class KvcodecConnector(KVConnectorBase_V1):
         # Every extra-config key is checked here, so a bad config stops the engine at start.
         cfg = self.cfg = KvcodecConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         geo = cache_geometry(kv_cache_config, vllm_config)
-        names = kv_cache_config.kv_cache_groups[0].layer_names  # type: ignore[union-attr]
-        layers = layer_ids(names)
+        groups = layer_groups(kv_cache_config)
+        layers = layer_ids(groups)
+        _check_windows(geo, cfg)
         heads = head_layout(vllm_config, cfg, geo)
         self.keys = ChunkKeys(model16(heads.base), heads.split, heads.world)
         self._owns_store = parts.store is None
@@ -269,6 +285,7 @@ class KvcodecConnector(KVConnectorBase_V1):
             self.scheduler = KvcodecScheduler(cfg, self.keys, self.store, shape, geo.block_size, gens)
             ev = getattr(vllm_config, "kv_events_config", None)
             self.scheduler.events = bool(getattr(ev, "enable_kv_cache_events", False))
+            self.scheduler.windowed = bool(geo.windows)
         else:
             setup = WorkerSetup(
                 cfg,
@@ -280,6 +297,9 @@ class KvcodecConnector(KVConnectorBase_V1):
                 str(vllm_config.cache_config.cache_dtype),
             )
             self.worker = KvcodecWorker(setup, self.store, self.keys, self.counters, parts)
+            if geo.windows:  # vLLM's hybrid allocator: each layer's group, copies inside the step
+                self.worker.caches.groups = groups
+                self.worker.caches.windowed = True
         logger.info(
             "KvcodecConnector(%s): store %s, chunk_size %d, scope %s, async save %s / load %s",
             role.name,
@@ -360,6 +380,17 @@ class KvcodecConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator: once per request, every group's blocks (held alike)."""
+        return self._sched().request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every group: a chunk's blob holds every layer of every group (sliding-window layers'
+        tokens outside the window are in the blobs and not written back)."""
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     def reset_cache(self) -> bool | None:
         """A new cache generation (:mod:`.generation`): no blob written before loads again, here or in

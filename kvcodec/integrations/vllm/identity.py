@@ -4,6 +4,7 @@ torch import), so this runs anywhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ __all__ = [
     "cache_geometry",
     "head_layout",
     "identity",
+    "layer_groups",
     "layer_ids",
     "model16",
     "model_source",
@@ -46,6 +48,10 @@ class CacheGeometry:
     latent: str = ""
     """An MLA latent cache: ``"<kv_lora_rank>+<qk_rope_head_dim>"`` (one 'head' of their sum, no V);
     empty for K/V attention."""
+    window: int | None = None
+    """One group's sliding window (tokens), None for full attention."""
+    windows: tuple[int | None, ...] = ()
+    """With several KV cache groups (vLLM's hybrid allocator): each group's window."""
 
 
 def _latent(spec: Any, vllm_config: Any) -> str:
@@ -64,19 +70,34 @@ def _latent(spec: Any, vllm_config: Any) -> str:
 
 
 def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
-    """One dense attention group's geometry; anything else is refused clearly."""
+    """The attention caches' geometry: one group, or several of one geometry (vLLM's hybrid
+    allocator: full and sliding-window attention); anything else is refused clearly."""
     groups = [] if kv_cache_config is None else kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+    if not groups:
         raise UnsupportedConfigError(
-            f"KvcodecConnector serves models with one KV cache group; this one has {len(groups)}",
-            reason=Reason.UNSUPPORTED,
+            "KvcodecConnector needs the model's KV cache groups", reason=Reason.UNSUPPORTED
         )
-    spec = groups[0].kv_cache_spec
+    geos = [_group_geometry(g.kv_cache_spec, vllm_config) for g in groups]
+    first = geos[0]
+    for geo in geos[1:]:
+        if dataclasses.replace(geo, window=None) != dataclasses.replace(first, window=None):
+            raise UnsupportedConfigError(
+                f"KvcodecConnector serves KV cache groups of one geometry; got {first} and {geo}",
+                reason=Reason.UNSUPPORTED,
+            )
+    windows = tuple(g.window for g in geos)
+    keep = len(geos) > 1 or windows[0] is not None
+    return dataclasses.replace(first, window=None, windows=windows if keep else ())
+
+
+def _group_geometry(spec: Any, vllm_config: Any) -> CacheGeometry:
+    """One group's geometry: dense K/V attention (full or sliding window) or an MLA latent cache."""
     need = ("num_kv_heads", "head_size", "head_size_v", "dtype")
     dense = all(hasattr(spec, a) for a in need) and getattr(spec, "state_content_bytes", None) is None
-    if not dense or getattr(spec, "num_head_slots", None) is not None:
+    name = type(spec).__name__
+    if not dense or getattr(spec, "num_head_slots", None) is not None or "ChunkedLocal" in name:
         raise UnsupportedConfigError(
-            f"KvcodecConnector needs dense K/V attention or MLA latent caches; got {type(spec).__name__}",
+            f"KvcodecConnector needs full or sliding-window K/V attention or MLA latent caches; got {name}",
             reason=Reason.UNSUPPORTED,
         )
     latent = _latent(spec, vllm_config)
@@ -91,6 +112,7 @@ def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
             f"kv_cache_dtype={cache_dtype!r} is not served by KvcodecConnector",
             reason=Reason.UNSUPPORTED_DTYPE,
         )
+    window = getattr(spec, "sliding_window", None) if "SlidingWindow" in name else None
     return CacheGeometry(
         spec.num_kv_heads,
         spec.head_size,
@@ -99,7 +121,13 @@ def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
         spec.dtype,
         cache_dtype.startswith("fp8"),
         latent,
+        window,
     )
+
+
+def layer_groups(kv_cache_config: Any) -> dict[str, int]:
+    """Layer name -> its KV cache group, over every group."""
+    return {n: gi for gi, g in enumerate(kv_cache_config.kv_cache_groups) for n in g.layer_names}
 
 
 def short_hash(obj: Any) -> str:

@@ -363,9 +363,12 @@ class LoadHandler:
 
     def _fail_blocks(self, spec: LoadSpec, failed_at: int) -> None:
         """Report the load's blocks from token ``failed_at`` on (vLLM recomputes them)."""
-        bs = self.caches.geo.block_size
+        bs, groups = self.caches.geo.block_size, spec.group_blocks or [spec.block_ids]
+        failed = {g[b] for g in groups for b in range(failed_at // bs, min(len(g), -(-spec.end // bs)))}
+        if spec.group_blocks:
+            failed.discard(NULL_BLOCK)  # a sliding window's blocks outside it: nothing was loaded there
         with self._lock:  # the loader may add while the step takes them
-            self._errors |= {spec.block_ids[b] for b in range(failed_at // bs, -(-spec.end // bs))}
+            self._errors |= failed
         self.counters.add(chunks_failed=1)
 
     def _write_all(self, result: LoadResult, failed_at: int | None) -> int | None:
@@ -395,10 +398,18 @@ class LoadHandler:
             self.counters.add(chunks_loaded_fused=1)
             return
         keys = p.keys or [*self._blob_keys(spec, p.chunk).values(), self.keys.manifest(spec.ref(p.chunk))]
+        cs, kv = self.cfg.chunk_size, p.kv
         with self._deleting_bad(keys):  # a CRC checked while writing: a damaged blob goes too
-            self.write(
-                p.kv, self.caches.caches, spec.block_ids, start=p.chunk * self.cfg.chunk_size, skip=p.skip
-            )
+            if not spec.group_blocks:
+                self.write(kv, self.caches.caches, spec.block_ids, start=p.chunk * cs, skip=p.skip)
+                return
+            for group, names in self.caches.by_group():
+                blocks = spec.blocks(group)
+                skip = _live_from(blocks, p.chunk, cs, self.caches.geo.block_size, p.skip)
+                if skip is None:
+                    continue  # the whole chunk is outside this sliding window: vLLM reads none of it
+                sub = PreparedChunk(kv.chunk_id, kv.num_tokens, {n: kv.layers[n] for n in names})
+                self.write(sub, self.caches.caches, blocks, start=p.chunk * cs, skip=skip)
 
     def shutdown(self) -> None:
         """Drop pending loads."""
@@ -415,6 +426,20 @@ def _takes_max_bytes(store: BlobStore) -> bool:
         )
     except (AttributeError, TypeError, ValueError):
         return False
+
+
+NULL_BLOCK = 0
+"""vLLM's null block: what a sliding-window group's block table holds outside the window."""
+
+
+def _live_from(blocks: Sequence[int], chunk: int, cs: int, bs: int, skip: int) -> int | None:
+    """The first token of chunk ``chunk`` (at least ``skip``) in a block that is not the null block;
+    None when every block of the chunk is (outside a sliding window)."""
+    first = chunk * cs
+    for b in range((first + skip) // bs, min(len(blocks), -(-(first + cs) // bs))):
+        if blocks[b] != NULL_BLOCK:
+            return max(skip, b * bs - first)
+    return None
 
 
 def _takes_verify_crc(store: BlobStore) -> bool:

@@ -35,6 +35,13 @@ class SaveSpec:
     block_ids: list[int]
     event: ChunkEvent | None = None
     """The KV event to report once the chunk is loadable (None: KV events off, or no block hashes)."""
+    group_blocks: list[list[int]] = field(default_factory=list)
+    """With several KV cache groups (vLLM's hybrid allocator): each group's blocks up to the chunk's
+    end (``block_ids`` is group 0's)."""
+
+    def blocks(self, group: int) -> list[int]:
+        """The block table of KV cache group ``group``."""
+        return self.group_blocks[group] if self.group_blocks else self.block_ids
 
     @property
     def ref(self) -> ChunkRef:
@@ -54,9 +61,16 @@ class LoadSpec:
     block_ids: list[int]
     background: bool = False
     """Read on the loader thread, written and reported through ``get_finished``."""
+    group_blocks: list[list[int]] = field(default_factory=list)
+    """With several KV cache groups: each group's block table (``block_ids`` is group 0's); a
+    sliding-window group's blocks outside the window are vLLM's null block (id 0), not written."""
     splits: list[int] = field(default_factory=list)
     """Per chunk from the request's first: the head split (parts) its blobs were found in (none
     given: this engine's own)."""
+
+    def blocks(self, group: int) -> list[int]:
+        """The block table of KV cache group ``group``."""
+        return self.group_blocks[group] if self.group_blocks else self.block_ids
 
     def split(self, chunk: int, own: int) -> int:
         """The head split to read chunk ``chunk`` from."""

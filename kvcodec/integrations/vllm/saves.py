@@ -93,7 +93,7 @@ class SaveHandler:
     @property
     def deferred(self) -> bool:
         """Asynchronous saves from CPU caches: the copy out of the cache leaves the step too."""
-        return self.cfg.async_save and self.caches.on_cpu
+        return self.cfg.async_save and self.caches.on_cpu and not self.caches.windowed
 
     def copying(self, req_id: str) -> bool:
         """Whether any chunk of ``req_id`` still waits to be copied out of its blocks."""
@@ -255,7 +255,7 @@ class SaveHandler:
             cc = caches.codec(name)
             k, v = self.gather(
                 cache,
-                spec.block_ids,
+                spec.blocks(caches.groups.get(name, 0)),
                 head_size=cc.head_size,
                 block_size=cc.block_size,
                 start=spec.chunk * cs,

@@ -73,7 +73,8 @@ class LookupShape:
 class _ReqState:
     hashes: list[str]
     """Prefix hash of each full prompt chunk."""
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """Per KV cache group (one group without vLLM's hybrid allocator)."""
     request: Any = None
     """vLLM's request (its block hashes, prompt and LoRA name the KV events), when events are on."""
     next_chunk: int = 0
@@ -93,6 +94,13 @@ class _Lookup:
     saves: int = 0
 
 
+def _per_group(block_ids: Any, always: bool) -> list[list[int]]:
+    """vLLM's per-group block ids as lists; none with a single full-attention group (``always``
+    False: ``block_ids`` says it all)."""
+    groups = [list(g) for g in block_ids]
+    return groups if always or len(groups) > 1 else []
+
+
 class KvcodecScheduler:
     """The scheduler-side hooks of ``KvcodecConnector``, over a :class:`ChunkLookup`."""
 
@@ -110,6 +118,8 @@ class KvcodecScheduler:
         """The cache generation (:mod:`.generation`): seeds prefix hashes, checked by every lookup."""
         self.events = False
         """Attach a KV event to every save (vLLM's ``enable_kv_cache_events``)."""
+        self.windowed = False
+        """A KV cache group is sliding-window: loads and saves carry every group's block table."""
         self._requests: dict[str, Any] = {}
         self._block_size = block_size
         self._reqs: dict[str, _ReqState] = {}
@@ -243,6 +253,7 @@ class KvcodecScheduler:
                 hashes,
                 list(blocks.get_block_ids()[0]),
                 background=self.cfg.async_load,
+                group_blocks=_per_group(blocks.get_block_ids(), self.windowed),
                 splits=splits,
             )
             if self.cfg.async_load:
@@ -273,7 +284,7 @@ class KvcodecScheduler:
             tokens = list(new.prompt_token_ids or []) if seed is not None else []
             hashes = prefix_hashes(tokens, self.cfg.chunk_size, seed or "")
             request = self._requests.pop(new.req_id, None)
-            self._reqs[new.req_id] = _ReqState(hashes, list(new.block_ids[0]), request)
+            self._reqs[new.req_id] = _ReqState(hashes, [list(g) for g in new.block_ids], request)
             self._plan(meta, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -282,9 +293,10 @@ class KvcodecScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_ids is not None:
-                state.block_ids = list(new_ids[0])  # a resumed request gets its whole table anew
+                state.block_ids = [list(g) for g in new_ids]  # a resumed request gets its whole table anew
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for have, more in zip(state.block_ids, new_ids):
+                    have.extend(more)
             self._plan(meta, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0))
         return meta
 
@@ -301,9 +313,12 @@ class KvcodecScheduler:
             if c > state.saved_upto:
                 break  # its predecessor is neither stored nor being saved: it could never be hit
             ref = ChunkRef.of(state.hashes, c)
-            blocks = state.block_ids[: -(-(c + 1) * cs // bs)]
+            upto = -(-(c + 1) * cs // bs)
+            groups = [g[:upto] for g in state.block_ids]
             event = self._event(state.request, c)
-            meta.saves.append(SaveSpec(req_id, c, ref.chunk_hash, ref.parent_hash, blocks, event))
+            spec = SaveSpec(req_id, c, ref.chunk_hash, ref.parent_hash, groups[0], event)
+            spec.group_blocks = groups if self.windowed or len(groups) > 1 else []
+            meta.saves.append(spec)
             state.saved_upto = c + 1
             state.planned += 1
             if req_id in self._lookups:

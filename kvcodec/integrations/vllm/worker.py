@@ -100,7 +100,8 @@ class KvcodecWorker:
         self.caches.register(kv_caches, codec)
         if geo.fp8:
             self.caches.fp8_scales = self._fp8_scales
-        fused, why = FusedLayers.build(self.caches.caches, setup.layers, codec, self.cfg.fused)
+        mode = "off" if self.caches.windowed else self.cfg.fused  # fused: one block table for all layers
+        fused, why = FusedLayers.build(self.caches.caches, setup.layers, codec, mode)
         self.caches.fused = fused
         if fused is not None and fused.device.type == "cuda":
             self.caches.side_stream = torch.cuda.Stream(fused.device)

@@ -21,6 +21,7 @@ __all__ = [
     "TP2_ENV",
     "assert_same_greedy",
     "bench_model",
+    "gemma2_model",
     "long_prompts",
     "mla_model",
     "run_engine",
@@ -113,6 +114,14 @@ def tiny_model(tmp: Path) -> str:
     from make_model import make_model
 
     return make_model(str(tmp / "tiny-llama"))
+
+
+def gemma2_model(tmp: Path) -> str:
+    """The tests' tiny random Gemma-2-shaped model (sliding window 512 on alternate layers)."""
+    sys.path.insert(0, str(ENGINE))
+    from make_model import make_gemma2_model
+
+    return make_gemma2_model(str(tmp / "tiny-gemma2"))
 
 
 def mla_model(tmp: Path) -> str:

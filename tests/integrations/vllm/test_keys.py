@@ -196,10 +196,10 @@ def test_identity_separates_models_geometry_and_ranks():
 @pytest.mark.parametrize(
     ("kv_config", "cache_dtype", "match"),
     [
-        (SimpleNamespace(kv_cache_groups=[]), "auto", "one KV cache group"),
-        (None, "auto", "one KV cache group"),
-        (_kv_config(_spec(state_content_bytes=12)), "auto", "dense"),
-        (_kv_config(SimpleNamespace(block_size=16)), "auto", "dense"),
+        (SimpleNamespace(kv_cache_groups=[]), "auto", "KV cache groups"),
+        (None, "auto", "KV cache groups"),
+        (_kv_config(_spec(state_content_bytes=12)), "auto", "sliding-window K/V attention"),
+        (_kv_config(SimpleNamespace(block_size=16)), "auto", "sliding-window K/V attention"),
         (_kv_config(_spec()), "int8_per_token_head", "not served"),
     ],
 )

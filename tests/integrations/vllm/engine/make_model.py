@@ -11,7 +11,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["make_mla_model", "make_model"]
+__all__ = ["make_gemma2_model", "make_mla_model", "make_model"]
 
 
 def make_model(out_dir: str, *, seed: int = 0) -> str:
@@ -72,6 +72,34 @@ def make_mla_model(out_dir: str, *, seed: int = 0) -> str:
     model = DeepseekV2ForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_gemma2_model(out_dir: str, *, seed: int = 0) -> str:
+    """A tiny random Gemma-2-shaped model (sliding window 512 on alternate layers: two KV cache
+    groups under vLLM's hybrid allocator), saved under ``out_dir``."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=512,
+        max_position_embeddings=4096,
+        query_pre_attn_scalar=64,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Gemma2ForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
