@@ -24,16 +24,14 @@ from ..format import (
     COMPUTED_SCOPES,
     MAX_DIM,
     MAX_ELEMENTS,
+    BlobCrc,
     Header,
     ParsedBlob,
     ScaleScheme,
     ScaleScope,
     check_consistency,
-    check_crc,
     parse,
-    payload_crc,
 )
-from ..format.crc import crc32
 from ..hostmem import buffer_address, byte_span, copy_tensor, overlaps_buffer, owned_copy
 from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
@@ -338,6 +336,7 @@ def _decode_checked_in_pass(
         return None
     be, s_t, groups, target = lane
     payload = parsed.payload
+    blob_crc = BlobCrc(parsed)
     served = backends.call(
         be,
         "decode_host",
@@ -347,19 +346,13 @@ def _decode_checked_in_pass(
         groups,
         req.out_k,
         target,
-        crc=payload_crc(h, parsed.crc_prefix, ()),
+        crc=blob_crc.seed,
         fallback=lambda: None,
     )
     if served is None:  # declined: C wrote nothing, or stopped at NaN codes: rewritten here
-        check_crc(h, parsed.crc, payload_crc(h, parsed.crc_prefix, (payload,)))
+        blob_crc.finish(None)
         return decode_parsed(h, payload, req)
-    kv_end = h.k_payload_len + h.v_payload_len
-    crc = served.crc
-    if crc is None:
-        crc = payload_crc(h, parsed.crc_prefix, (payload,))
-    else:
-        crc = crc32(payload[kv_end : kv_end + h.scale_payload_len], crc)
-    check_crc(h, parsed.crc, crc)
+    blob_crc.finish(served.crc, blob_crc.codes_end)
     return DecodedKV(req.out_k, req.out_v, s_t, h)
 
 

@@ -21,6 +21,7 @@ from .dtypes import (
     dtype_to_id,
     id_to_dtype,
 )
+from .geometry import BlobCrc, Geometry, geometry, is_plain
 from .header import (
     COMPUTED_SCOPES,
     FIXED_HEADER_LEN,
@@ -71,7 +72,9 @@ __all__ = [
     "MAX_SCALE_DIMS",
     "SCOPE_NAMES",
     "SUPPORTED_VERSIONS",
+    "BlobCrc",
     "DType",
+    "Geometry",
     "Hashes",
     "Header",
     "HeaderPacker",
@@ -87,9 +90,11 @@ __all__ = [
     "crc32",
     "dtype_to_id",
     "expected_scale_shape",
+    "geometry",
     "header_fields",
     "header_size",
     "id_to_dtype",
+    "is_plain",
     "pack_header_into",
     "parse",
     "payload_crc",
