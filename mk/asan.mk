@@ -50,3 +50,28 @@ test-portable:
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(PORTABLE_DIR)" in m.__file__ and m.BEST_SIMD == 0 and m.BEST_CRC == 0 else "not the portable build")'
 	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider \
 	  tests/backends/test_cpu_backend.py tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py tests/backends/test_cpu_levels.py
+
+# `make test-cross`: the C library without Python (tests/backends/c_selftest.c: fixed inputs through every
+# driver, outputs hashed) built natively and run at every row and CRC level (each capped at what the CPU
+# has) and with -DKV_PORTABLE_ONLY, and, where Debian's gcc-aarch64-linux-gnu and qemu-user are
+# installed, built for aarch64 and run under qemu-aarch64: every run must print the same lines.
+CROSS_DIR := build/cross
+CROSS_CC ?= aarch64-linux-gnu-gcc
+CROSS_RUN ?= qemu-aarch64
+CPU_C_SOURCES = $(filter-out %/module.c %/buffers.c %/py_codec.c %/py_scatter.c,$(CPU_SOURCES))
+CROSS_FLAGS = $(CPU_CFLAGS) -Wall -Wextra -Wno-missing-field-initializers -Werror -Ikvcodec/csrc
+
+.PHONY: test-cross
+test-cross:
+	rm -rf $(CROSS_DIR) && mkdir -p $(CROSS_DIR)
+	$(ASAN_CC) $(CROSS_FLAGS) tests/backends/c_selftest.c $(CPU_C_SOURCES) -o $(CROSS_DIR)/native
+	$(ASAN_CC) $(CROSS_FLAGS) -DKV_PORTABLE_ONLY tests/backends/c_selftest.c $(CPU_C_SOURCES) -o $(CROSS_DIR)/portable
+	$(CROSS_DIR)/portable 0 0 > $(CROSS_DIR)/portable.txt
+	for s in 0 1 2; do for c in 0 1 2; do $(CROSS_DIR)/native $$s $$c > $(CROSS_DIR)/native-$$s-$$c.txt && \
+	  cmp $(CROSS_DIR)/portable.txt $(CROSS_DIR)/native-$$s-$$c.txt || exit 1; done; done
+	@if command -v $(CROSS_CC) >/dev/null && command -v $(CROSS_RUN) >/dev/null; then \
+	  $(CROSS_CC) $(CROSS_FLAGS) -static tests/backends/c_selftest.c $(CPU_C_SOURCES) -o $(CROSS_DIR)/aarch64 && \
+	  $(CROSS_RUN) $(CROSS_DIR)/aarch64 0 0 > $(CROSS_DIR)/aarch64.txt && \
+	  cmp $(CROSS_DIR)/portable.txt $(CROSS_DIR)/aarch64.txt && echo "aarch64 (qemu): the same bytes"; \
+	else echo "no $(CROSS_CC) / $(CROSS_RUN): aarch64 not run (apt-get install gcc-aarch64-linux-gnu qemu-user)"; fi
+	@echo "test-cross: every level and build wrote the same bytes ($$(wc -l < $(CROSS_DIR)/portable.txt) lines)"
