@@ -16,6 +16,14 @@ Enable it with::
       "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"root": "/path/to/store", "chunk_size": 256}}'
 
+Model families (docs/vllm.md): dense K/V attention at any TP size (a blob per layer, chunk and
+KV-head range, so every TP size reads every other's: :mod:`.head_ranges`); MLA latent caches
+(LATENT blobs, bit for bit: :mod:`.latent`); several KV cache groups of one geometry, full and
+sliding-window, under vLLM's hybrid allocator (``SupportsHMA``). vLLM 0.32's hooks:
+``requires_kv_delivery`` False, hits counted as ``DISK`` for a directory store, ``reset_cache`` starts
+a new cache generation (:mod:`.generation`), stored chunks published as ``BlockStored`` KV events
+(:mod:`.events`).
+
 The connector is split as vLLM's OffloadingConnector is: this module is the facade whose hooks
 delegate; :mod:`.scheduler` is the scheduler side (no torch, the store only through
 ``contains_many``); :mod:`.worker` the worker side with one load handler (:mod:`.loads`) and one
