@@ -11,6 +11,7 @@
 
 #include "avx512_deq.h"
 #include "avx512_quant.h"
+#define KV_CRC_FOLD_512 1
 #include "crc_fold.h"
 
 /* The codes' CRC carried by the quantize (encode_v, V finite, rows of whole 64-byte lines, codes

@@ -1,5 +1,5 @@
 /* CRC-32 folding pieces the folds share (static inline, compiled for the including file's target, which
- * has PCLMULQDQ; the 512-bit ones where it has VPCLMULQDQ and AVX-512). The constants are x^n mod P
+ * has PCLMULQDQ; the 512-bit ones where it defines KV_CRC_FOLD_512: VPCLMULQDQ and AVX-512). The constants are x^n mod P
  * bit-reflected; tests/backends/test_cpu_crc.py derives them from the polynomial. */
 #ifndef KV_CRC_FOLD_H
 #define KV_CRC_FOLD_H
@@ -27,7 +27,7 @@ static __attribute__((unused)) uint32_t crc_reduce(__m128i a) {
     return (uint32_t)_mm_extract_epi32(_mm_xor_si128(a, t), 1);
 }
 
-#if defined(__AVX512F__) && defined(__VPCLMULQDQ__)
+#ifdef KV_CRC_FOLD_512 /* defined by the files compiled for VPCLMULQDQ and AVX-512 */
 static inline __m512i crc_fold512(__m512i x, __m512i k, __m512i data) {
     return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
                                      data, 0x96);

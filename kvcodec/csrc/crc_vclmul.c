@@ -11,6 +11,7 @@
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,vpclmulqdq,pclmul,sse4.1")
 #endif
 
+#define KV_CRC_FOLD_512 1
 #include "crc_fold.h"
 
 __attribute__((always_inline)) static inline uint32_t crc_vclmul_body(uint32_t state, uint8_t *dst, const uint8_t *p,

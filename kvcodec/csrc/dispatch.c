@@ -15,15 +15,40 @@ static KvRowOps rows_emulated[3]; /* each tier with fold_emul.c's tables */
 static KvFoldOps fold_emulated;
 static int best_simd, best_crc;
 
+#if KV_X86
+#include <cpuid.h>
+
+/* The CPU's features from CPUID (leaves 1 and 7), and whether the OS saves the registers they use
+ * (XCR0: ymm state for AVX, the opmask and zmm state for AVX-512), as zlib-ng's x86_features.c reads
+ * them: one way for GCC and clang alike. */
+typedef struct {
+    int avx2, avx512, pclmul, vpclmul;
+} X86Features;
+
+static X86Features x86_features(void) {
+    X86Features f = {0, 0, 0, 0};
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+    int sse41 = c >> 19 & 1, fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
+    f.pclmul = (c >> 1 & 1) && sse41;
+    uint32_t lo = 0, hi = 0;
+    if (osxsave) __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    (void)hi;
+    int ymm = (lo & 0x6u) == 0x6u, zmm = (lo & 0xE6u) == 0xE6u;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+    f.avx2 = avx && ymm && fma && f16c && (b >> 5 & 1);
+    int f512 = b >> 16 & 1, dq = b >> 17 & 1, bw = b >> 30 & 1, vl = b >> 31 & 1;
+    f.avx512 = f.avx2 && zmm && f512 && dq && bw && vl;
+    f.vpclmul = f.pclmul && f.avx512 && (c >> 10 & 1);
+    return f;
+}
+#endif
+
 /* The best row level the CPU runs: 0 portable, 1 AVX2 + F16C + FMA, 2 AVX-512 (F, VL, BW, DQ). */
 static int cpu_simd_level(void) {
 #if KV_X86
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))) return 0;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
-               ? 2
-               : 1;
+    X86Features f = x86_features();
+    return f.avx512 ? 2 : f.avx2 ? 1 : 0;
 #else
     return 0;
 #endif
@@ -33,13 +58,8 @@ static int cpu_simd_level(void) {
  * registers (with AVX-512F/BW/VL/DQ). */
 static int cpu_crc_level(void) {
 #if KV_X86
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1"))) return 0;
-    return __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512dq")
-               ? 2
-               : 1;
+    X86Features f = x86_features();
+    return f.vpclmul ? 2 : f.pclmul ? 1 : 0;
 #else
     return 0;
 #endif
