@@ -108,12 +108,14 @@ def store_files(store: Path) -> dict[str, bytes]:
     return {k: (store / k).read_bytes() for k in sorted(os.listdir(store)) if not k.startswith(".")}
 
 
-def tiny_model(tmp: Path) -> str:
-    """The tests' tiny random Llama, written under ``tmp``; its path."""
+def tiny_model(tmp: Path, *, kv_heads: int = 2, head_dim: int = 64) -> str:
+    """The tests' tiny random Llama (2 layers, 4 query heads; ``kv_heads`` KV heads of ``head_dim``),
+    written under ``tmp``; its path."""
     sys.path.insert(0, str(ENGINE))
     from make_model import make_model
 
-    return make_model(str(tmp / "tiny-llama"))
+    name = "tiny-llama" if (kv_heads, head_dim) == (2, 64) else f"tiny-llama-kv{kv_heads}-d{head_dim}"
+    return make_model(str(tmp / name), kv_heads=kv_heads, head_dim=head_dim)
 
 
 def gemma2_model(tmp: Path) -> str:

@@ -14,8 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 __all__ = ["make_gemma2_model", "make_mla_model", "make_model"]
 
 
-def make_model(out_dir: str, *, seed: int = 0) -> str:
-    """Save the model under ``out_dir`` and return it."""
+def make_model(out_dir: str, *, seed: int = 0, kv_heads: int = 2, head_dim: int = 64) -> str:
+    """Save the model (``kv_heads`` KV heads of ``head_dim``; 4 query heads) under ``out_dir``."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=512,
@@ -23,8 +23,8 @@ def make_model(out_dir: str, *, seed: int = 0) -> str:
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
