@@ -101,7 +101,15 @@ from .config import KvcodecConfig
 from .counters import Counters
 from .events import KvcodecKVEvents, block_stored
 from .generation import Generations
-from .identity import CacheGeometry, cache_geometry, head_layout, layer_groups, layer_ids, model16
+from .identity import (
+    CacheGeometry,
+    cache_geometry,
+    check_windows,
+    head_layout,
+    layer_groups,
+    layer_ids,
+    model16,
+)
 from .loads import IDLE_LOAD_WAIT_S
 from .metadata import LoadSpec, SaveSpec, StepPlan
 from .scheduler import KvcodecScheduler, LookupShape
@@ -230,15 +238,15 @@ def hit_source(store: BlobStore, default: Any) -> Any:
     return CacheHitSource.DISK if isinstance(stores_of(store)[-1], DirectoryStore) else default
 
 
-def _check_windows(geo: CacheGeometry, cfg: KvcodecConfig) -> None:
-    """A sliding window must cover a whole chunk: vLLM frees blocks outside it, and a chunk's first
-    blocks must still be there in the step that completes the chunk."""
-    small = [w for w in geo.windows if w is not None and w <= cfg.chunk_size]
-    if small:
-        raise UnsupportedConfigError(
-            f"sliding window {min(small)} <= chunk_size {cfg.chunk_size}: set chunk_size below the window",
-            reason=Reason.BAD_VALUE,
+def _passive(geo: CacheGeometry) -> bool:
+    """A model with state groups: logged once; the connector then stores and loads nothing."""
+    if geo.state:
+        logger.warning(
+            "kvcodec: the model has state groups (%s): KvcodecConnector stores and loads nothing for it "
+            "(every prompt is computed; its attention layers' chunks alone cannot replace the state)",
+            ", ".join(sorted(set(geo.state))),
         )
+    return bool(geo.state)
 
 
 def _metadata(meta: Any, hook: str) -> KvcodecMetadata:
@@ -269,7 +277,7 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
         geo = cache_geometry(kv_cache_config, vllm_config)
         groups = layer_groups(kv_cache_config)
         layers = layer_ids(groups)
-        _check_windows(geo, cfg)
+        check_windows(geo, cfg)
         heads = head_layout(vllm_config, cfg, geo)
         self.keys = ChunkKeys(model16(heads.base), heads.split, heads.world)
         self._owns_store = parts.store is None
@@ -294,6 +302,7 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
             ev = getattr(vllm_config, "kv_events_config", None)
             self.scheduler.events = bool(getattr(ev, "enable_kv_cache_events", False))
             self.scheduler.windowed = bool(geo.windows)
+            self.scheduler.passive = _passive(geo)
         else:
             setup = WorkerSetup(
                 cfg,

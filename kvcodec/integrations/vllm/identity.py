@@ -23,6 +23,7 @@ __all__ = [
     "HeadLayout",
     "ModelSource",
     "cache_geometry",
+    "check_windows",
     "head_layout",
     "identity",
     "layer_groups",
@@ -51,7 +52,10 @@ class CacheGeometry:
     window: int | None = None
     """One group's sliding window (tokens), None for full attention."""
     windows: tuple[int | None, ...] = ()
-    """With several KV cache groups (vLLM's hybrid allocator): each group's window."""
+    """With several KV cache groups (vLLM's hybrid allocator): each attention group's window."""
+    state: tuple[str, ...] = ()
+    """The model's state groups (Mamba, linear attention: their spec names). With any, the connector
+    stores and loads nothing: a prompt's state at a chunk boundary is not what vLLM hands a connector."""
 
 
 def _latent(spec: Any, vllm_config: Any) -> str:
@@ -77,7 +81,14 @@ def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
         raise UnsupportedConfigError(
             "KvcodecConnector needs the model's KV cache groups", reason=Reason.UNSUPPORTED
         )
-    geos = [_group_geometry(g.kv_cache_spec, vllm_config) for g in groups]
+    state = tuple(type(g.kv_cache_spec).__name__ for g in groups if _is_state(g.kv_cache_spec))
+    attention = [g for g in groups if not _is_state(g.kv_cache_spec)]
+    if not attention:
+        raise UnsupportedConfigError(
+            f"KvcodecConnector needs attention caches; this model has only {sorted(set(state))}",
+            reason=Reason.UNSUPPORTED,
+        )
+    geos = [_group_geometry(g.kv_cache_spec, vllm_config) for g in attention]
     first = geos[0]
     for geo in geos[1:]:
         if dataclasses.replace(geo, window=None) != dataclasses.replace(first, window=None):
@@ -87,7 +98,12 @@ def cache_geometry(kv_cache_config: Any, vllm_config: Any) -> CacheGeometry:
             )
     windows = tuple(g.window for g in geos)
     keep = len(geos) > 1 or windows[0] is not None
-    return dataclasses.replace(first, window=None, windows=windows if keep else ())
+    return dataclasses.replace(first, window=None, windows=windows if keep else (), state=state)
+
+
+def _is_state(spec: Any) -> bool:
+    """A Mamba / linear-attention state group (vLLM's ``MambaSpec`` and kin), not K/V attention."""
+    return "Mamba" in type(spec).__name__ or (hasattr(spec, "shapes") and not hasattr(spec, "num_kv_heads"))
 
 
 def _group_geometry(spec: Any, vllm_config: Any) -> CacheGeometry:
@@ -126,8 +142,9 @@ def _group_geometry(spec: Any, vllm_config: Any) -> CacheGeometry:
 
 
 def layer_groups(kv_cache_config: Any) -> dict[str, int]:
-    """Layer name -> its KV cache group, over every group."""
-    return {n: gi for gi, g in enumerate(kv_cache_config.kv_cache_groups) for n in g.layer_names}
+    """Attention layer name -> its KV cache group (vLLM's index), over every attention group."""
+    groups = enumerate(kv_cache_config.kv_cache_groups)
+    return {n: gi for gi, g in groups if not _is_state(g.kv_cache_spec) for n in g.layer_names}
 
 
 def short_hash(obj: Any) -> str:
@@ -278,3 +295,14 @@ def head_layout(vllm_config: Any, cfg: KvcodecConfig, geo: CacheGeometry) -> Hea
             hashes[rng] = identity(vllm_config, cfg, geo, rng, total)
     base = identity(vllm_config, cfg, geo, (0, total), total)
     return HeadLayout(split, world, splits, hashes, base)
+
+
+def check_windows(geo: CacheGeometry, cfg: KvcodecConfig) -> None:
+    """A sliding window must cover a whole chunk: vLLM frees blocks outside it, and a chunk's first
+    blocks must still be there in the step that completes the chunk."""
+    small = [w for w in geo.windows if w is not None and w <= cfg.chunk_size]
+    if small:
+        raise UnsupportedConfigError(
+            f"sliding window {min(small)} <= chunk_size {cfg.chunk_size}: set chunk_size below the window",
+            reason=Reason.BAD_VALUE,
+        )

@@ -120,6 +120,8 @@ class KvcodecScheduler:
         """Attach a KV event to every save (vLLM's ``enable_kv_cache_events``)."""
         self.windowed = False
         """A KV cache group is sliding-window: loads and saves carry every group's block table."""
+        self.passive = False
+        """The model has state groups (Mamba, linear attention): no lookup, no save, every prompt computed."""
         self._requests: dict[str, Any] = {}
         self._block_size = block_size
         self._reqs: dict[str, _ReqState] = {}
@@ -192,6 +194,8 @@ class KvcodecScheduler:
         """Tokens beyond ``num_computed_tokens`` covered by the prompt's leading present chunks; ``(None,
         False)`` (ask again later) while ``max_concurrent_loads`` asynchronous loads are in flight."""
         rid = request.request_id
+        if self.passive:  # no seed recorded: nothing of it is saved either
+            return 0, False
         tokens = list(request.prompt_token_ids or [])
         embeds = getattr(request, "prompt_embeds", None) is not None
         seed = self._seeds[rid] = None if embeds else self._seed(request)

@@ -24,6 +24,7 @@ __all__ = [
     "gemma2_model",
     "long_prompts",
     "mla_model",
+    "qwen3_next_model",
     "run_engine",
     "store_files",
     "tiny_model",
@@ -124,6 +125,14 @@ def gemma2_model(tmp: Path) -> str:
     from make_model import make_gemma2_model
 
     return make_gemma2_model(str(tmp / "tiny-gemma2"))
+
+
+def qwen3_next_model(tmp: Path) -> str:
+    """The tests' tiny random Qwen3-Next-shaped hybrid (linear attention + full attention)."""
+    sys.path.insert(0, str(ENGINE))
+    from make_model import make_qwen3_next_model
+
+    return make_qwen3_next_model(str(tmp / "tiny-qwen3-next"))
 
 
 def mla_model(tmp: Path) -> str:

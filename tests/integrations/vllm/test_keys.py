@@ -226,21 +226,23 @@ def _groups(*specs):
 
 
 def test_hybrid_groups_refused():
-    """vLLM's own specs: full + sliding window is served (each group's window kept); chunked local
-    attention and Mamba state groups are refused at start, by reason."""
+    """vLLM's own specs: full + sliding window is served (each group's window kept); a Mamba state
+    group beside attention makes the connector passive (its names in ``state``); chunked local
+    attention, groups of two geometries and a model of state groups alone are refused, by reason."""
     kvi = pytest.importorskip("vllm.v1.kv_cache_interface", reason="needs vLLM")
     from kvcodec.errors import Reason
 
     common = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
     full, window = kvi.FullAttentionSpec(**common), kvi.SlidingWindowSpec(**common, sliding_window=512)
     geo = cache_geometry(_groups(full, window), _vllm_config())
-    assert geo.windows == (None, 512) and geo.num_kv_heads == 2
-    chunked = kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=256)
+    assert geo.windows == (None, 512) and geo.num_kv_heads == 2 and geo.state == ()
     mamba = kvi.MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))
-    for other in (chunked, mamba):
+    assert cache_geometry(_groups(full, mamba), _vllm_config()).state == ("MambaSpec",)
+    chunked = kvi.ChunkedLocalAttentionSpec(**common, attention_chunk_size=256)
+    for groups in (_groups(full, chunked), _groups(mamba)):
         with pytest.raises(UnsupportedConfigError) as e:
-            cache_geometry(_groups(full, other), _vllm_config())
-        assert e.value.reason == Reason.UNSUPPORTED and type(other).__name__ in str(e.value)
+            cache_geometry(groups, _vllm_config())
+        assert e.value.reason == Reason.UNSUPPORTED
     wider = kvi.SlidingWindowSpec(**{**common, "head_size": 128}, sliding_window=512)
     with pytest.raises(UnsupportedConfigError, match="one geometry"):
         cache_geometry(_groups(full, wider), _vllm_config())

