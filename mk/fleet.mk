@@ -17,6 +17,9 @@
 # LMCache's fp8 serde, in one run (bench/results/fleet.json). `make bench-fleet-engines`: a 2049-token
 # hit's TTFT in a fresh engine from Redis / a cluster / a local directory vs recompute, bytes in Redis
 # vs raw KV, round trips per prompt (bench/fleet/engines.py -> bench/results/fleet-engines.json).
+# `make bench-fleet-sizes`: Redis's used_memory over the raw KV of real chunks (bench model and
+# Llama-3-8B geometries), values whole vs sized to the allocator's classes (issue 36), and the
+# classes themselves (bench/fleet/sizes.py -> bench/results/fleet-sizes.json); no engines, no LMCache.
 
 # Serialize installs with other jobs on the same machine when flock is there (a no-op otherwise).
 FLEET_PIP_LOCK := $(shell command -v flock >/dev/null 2>&1 && echo flock /tmp/kvcodec-pip.lock)
@@ -32,7 +35,7 @@ FLEET_REDIS = if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis
 	  echo "SKIP $@: no redis-server here (apt-get install redis-server failed); the fleet checks did not run"; exit 0; \
 	fi
 
-.PHONY: fleet-deps test-fleet test-fleet-store test-fleet-engines bench-fleet bench-fleet-engines
+.PHONY: fleet-deps test-fleet test-fleet-store test-fleet-engines bench-fleet bench-fleet-engines bench-fleet-sizes
 
 # The Python side: LMCache with its server deps, the valkey adapter's client (glide; in 0.5.6 its import
 # chain also pulls in transformers), all from requirements/lmcache.txt.
@@ -76,3 +79,7 @@ bench-fleet-engines:
 	[ $$rc -eq 0 ] || exit $$rc; \
 	mkdir -p bench/results && VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 3000 \
 	  $(VLLM_VENV)/bin/python bench/fleet/engines.py --json bench/results/fleet-engines.json
+
+bench-fleet-sizes:
+	@$(FLEET_REDIS); \
+	mkdir -p bench/results && timeout 900 $(BIN)/python bench/fleet/sizes.py --json bench/results/fleet-sizes.json

@@ -12,12 +12,17 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
 * **Round trips.** ``get_parsed_many``, ``contains_many`` and ``put_many`` are
   one pipeline each (on a cluster, one per node, each counted per slot it
   touches in ``stats``; see :mod:`.redis_calls`). ``get_parsed``'s ``into`` is not used.
+* **Values sized to the allocator** (:mod:`.redis_values`): a value more than a small key's cost
+  over its jemalloc size class is stored as a head of exactly one class and a tail (``<name>~t``,
+  the same slot), both in one ``MSET`` (atomic; every write is an ``MSET``), read in the same
+  pipeline as the head: Redis then keeps about 0.75x of the raw KV, not 0.875x.
 * **Bounded reads.** A read never holds more of a value than the blob its caller
-  expects: each value is read with ``EXISTS`` and ``GETRANGE 0 <max_bytes + 40>``
-  (the fleet MAC's envelope is 40 bytes) in the same pipeline, so a planted
-  oversized value costs at most that many bytes and is refused as damage
-  (``SIZE_MISMATCH``). ``max_bytes`` is the caller's (``get``, ``get_parsed``,
-  ``get_parsed_many``), else :data:`MAX_VALUE_BYTES`.
+  expects: each value is read with ``EXISTS``, ``GETRANGE 0 <max_bytes + 40 + 20>``
+  (the fleet MAC's envelope is 40 bytes, a head's frame 20) and ``GETRANGE`` of its tail up to a
+  quarter of that in the same pipeline, so a planted oversized value costs at most that many bytes
+  and is refused as damage (``SIZE_MISMATCH``). ``max_bytes`` is the caller's (``get``,
+  ``get_parsed``, ``get_parsed_many``), else :data:`MAX_VALUE_BYTES`. A head whose tail was
+  evicted alone is a miss (and deleted); a head and tail of two writes are read again.
 * **Names, listed.** ``iter_keys``/``keys`` list the keys this store can read
   (stored under the hash tag its own ``group_of`` gives them); ``iter_names`` lists
   every value under the prefix with the name it is stored under, whatever wrote
@@ -28,7 +33,8 @@ plain ``redis://`` URL that reaches a cluster node is detected by ``INFO cluster
   with its CRC) and a value that fails is deleted before its
   :class:`CorruptEncodedKVError` is raised with that check's reason. A key of
   another Redis type (a list, a hash) under a blob's name is damage too
-  (``WRONG_TYPE``: deleted), and an empty value (``TRUNCATED_HEADER``).
+  (``WRONG_TYPE``: deleted), and an empty value (``TRUNCATED_HEADER``); so is damage in either
+  part of a split value (both parts deleted).
 * **Timeouts and outages.** Every call waits at most ``StoreOptions.timeout_s``
   (default 50 ms, at most :data:`MAX_TIMEOUT_S`) per socket operation (connect,
   send, each read), with no retries, and a call stops at the first node that
@@ -76,6 +82,7 @@ from .keys import InvalidKeyError, validate_key
 from .reading import check_max_blob, check_size
 from .redis_calls import AUTH_LOG_INTERVAL_S, BadReply, RedisCalls, is_wrong_type
 from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL
+from .redis_values import PEEK_LEN, TORN, Limits, PartDamage, is_split, read_value, split, tail_name
 
 __all__ = [
     "AUTH_LOG_INTERVAL_S",
@@ -99,8 +106,10 @@ MAX_VALUE_BYTES = 512 << 20
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _GROUP_SAFE = re.compile(r"[^{}]+")
 _SCAN_COUNT = 1000
-_READ_SHAPE = (int, bytes)
-"""The replies of one value's read: ``EXISTS`` (int), ``GETRANGE`` (bytes)."""
+_READ_SHAPE = (int, bytes, bytes)
+"""The replies of one value's read: ``EXISTS`` (int), ``GETRANGE`` of its head and of its tail (bytes)."""
+_TORN_READS = 2
+"""Reads again of a value whose head and tail were read between two writes, before it is damage."""
 _Fetched = tuple[str, str, "bytes | None"]
 
 
@@ -225,21 +234,29 @@ class RedisStore(RedisCalls):
         self.put_many([(key, blob)])
 
     def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
-        """``put`` each item in order, in one pipeline (per node on a cluster); each ``SET`` atomic."""
+        """``put`` each item in order, in one pipeline (per node on a cluster); each ``MSET`` atomic
+        (a value over its allocator class by more than a key costs: its head and tail, one slot)."""
         staged = [(self.name_of(k), b) for k, b in items]
         if not staged:
             return
         names = [n for n, _ in staged]
-        values = [self._value(n, b) for n, b in staged]
-        self._pipeline(names, lambda p, i: p.set(names[i], values[i]), (object,))
-        self._count(bytes_written=sum(len(v) for v in values))
+        parts = [split(self._value(n, b)) for n, b in staged]
+
+        def queue(pipe: Any, i: int) -> None:
+            head, tail = parts[i]
+            pipe.mset({names[i]: head} if tail is None else {tail_name(names[i]): tail, names[i]: head})
+
+        self._pipeline(names, queue, (object,))
+        self._count(bytes_written=sum(len(h) + (len(t) if t else 0) for h, t in parts))
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if a value was removed."""
         return bool(self._delete([self.name_of(key)])[0])
 
-    def _delete(self, names: Sequence[str]) -> list[int]:
-        return [r[0] for r in self._pipeline(names, lambda p, i: p.delete(names[i]), (int,))]
+    def _delete(self, names: Sequence[str], tails: bool = True) -> list[int]:
+        """``DEL`` each name (and, with ``tails``, its tail); per name, whether it was there."""
+        every = [*names, *(tail_name(n) for n in names)] if tails else list(names)
+        return [r[0] for r in self._pipeline(every, lambda p, i: p.delete(every[i]), (int,))[: len(names)]]
 
     # ------------------------------------------------------------ reads
 
@@ -248,54 +265,83 @@ class RedisStore(RedisCalls):
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """``contains`` of each key, in one pipeline of ``EXISTS`` (per node on a cluster)."""
+        """``contains`` of each key, in one pipeline (per node on a cluster) of ``EXISTS``, the value's
+        first bytes (``GETRANGE 0 59``: a MAC envelope and a split value's frame) and the tail's
+        ``EXISTS``: a split value whose tail was evicted is not there."""
         names = [self.name_of(k) for k in keys]
-        return [bool(r[0]) for r in self._pipeline(names, lambda p, i: p.exists(names[i]), (int,))]
-
-    def _fetch(self, keys: Sequence[str], names: Sequence[str], max_bytes: Any) -> list[_Fetched]:
-        """``(key, name, value or None)`` of each name, in one pipeline of ``EXISTS`` + ``GETRANGE``
-        holding at most ``max_bytes`` + the envelope + 1 bytes of each value. A value of another type,
-        an empty one or a longer one is damage: all of them are deleted, then the first refused."""
-        limit = _check_max_bytes(max_bytes) + ENVELOPE_LEN
 
         def queue(pipe: Any, i: int) -> None:
             pipe.exists(names[i])
-            pipe.getrange(names[i], 0, limit)  # the end is inclusive: limit + 1 bytes tell a longer value
+            pipe.getrange(names[i], 0, PEEK_LEN - 1)
+            pipe.exists(tail_name(names[i]))
 
-        replies = self._pipeline(names, queue, _READ_SHAPE)
-        out: list[_Fetched] = []
-        damage: list[tuple[str, str, CorruptEncodedKVError]] = []
-        for key, name, (exists, got) in zip(keys, names, replies):
-            error = self._damage(name, exists, got, limit)
-            if error is not None:
-                damage.append((key, name, error))
-            out.append((key, name, got if exists and error is None else None))
-        self._count(hits=sum(1 for r in replies if r[0]), misses=sum(1 for r in replies if not r[0]))
-        self._count(bytes_read=sum(len(r[1]) for r in replies if isinstance(r[1], bytes)))
+        replies = self._pipeline(names, queue, (int, bytes, int))
+        return [bool(n) and (not is_split(head) or bool(tail)) for n, head, tail in replies]
+
+    def _fetch(self, keys: Sequence[str], names: Sequence[str], max_bytes: Any) -> list[_Fetched]:
+        """``(key, name, value or None)`` of each name, in one pipeline of ``EXISTS`` + ``GETRANGE`` of
+        the head and of the tail, each bounded (:class:`~.redis_values.Limits`): a value read between
+        two writes of it is read again (up to twice more). A value of another type, an empty one, a
+        longer one or a split one that does not add up is damage: all of them are deleted, then the
+        first refused; a head whose tail was evicted is a miss, and deleted."""
+        lim = Limits(_check_max_bytes(max_bytes) + ENVELOPE_LEN)
+        out = self._fetch_once(keys, names, lim, count=True)
+        for _ in range(_TORN_READS):
+            torn = [i for i, (_, _, v) in enumerate(out) if v is TORN]
+            if not torn:
+                break
+            again = self._fetch_once([keys[i] for i in torn], [names[i] for i in torn], lim, count=False)
+            for i, got in zip(torn, again):
+                out[i] = got
+        torn = PartDamage("its head and tail are of two writes", reason=Reason.CORRUPT)
+        damage = [(k, n, torn) for k, n, v in out if v is TORN]
         if damage:
             self._refuse(damage)
         return out
 
-    @staticmethod
-    def _damage(name: str, exists: int, got: Any, limit: int) -> CorruptEncodedKVError | None:
-        """Why a read value is damage before any check of its bytes, or None."""
-        if is_wrong_type(got):
-            return CorruptEncodedKVError(f"{name!r} holds another type than a blob", reason=Reason.WRONG_TYPE)
-        if exists and got == b"":
-            return CorruptEncodedKVError(f"{name!r} is empty", reason=Reason.TRUNCATED_HEADER)
-        if len(got) > limit:
-            return CorruptEncodedKVError(
-                f"{name!r} is longer than the {limit - ENVELOPE_LEN} bytes its reader expects "
-                f"(+{ENVELOPE_LEN} for a MAC): not read",
-                reason=Reason.SIZE_MISMATCH,
-            )
-        return None
+    def _fetch_once(self, keys: Sequence[str], names: Sequence[str], lim: Limits, count: bool) -> list[Any]:
+        """One read of ``names`` (one pipeline); ``count``: hits and misses (not on a read again)."""
+
+        def queue(pipe: Any, i: int) -> None:
+            pipe.exists(names[i])
+            pipe.getrange(names[i], 0, lim.head)  # the end is inclusive: a longer value is told, not read
+            pipe.getrange(tail_name(names[i]), 0, lim.tail)
+
+        replies = self._pipeline(names, queue, _READ_SHAPE)
+        self._count(bytes_read=sum(len(x) for r in replies for x in r[1:] if isinstance(x, bytes)))
+        out: list[Any] = []
+        damage: list[tuple[str, str, CorruptEncodedKVError]] = []
+        orphans: list[str] = []
+        for key, name, (exists, got, tail) in zip(keys, names, replies):
+            try:
+                value = read_value(name, exists, got, tail, lim, (is_wrong_type(got), is_wrong_type(tail)))
+            except CorruptEncodedKVError as e:
+                damage.append((key, name, e))
+                value = None
+            else:
+                if exists and value is None:  # a head whose tail was evicted alone
+                    orphans.append(name)
+            out.append((key, name, value))
+        if count:
+            found = sum(1 for r in replies if r[0]) - len(orphans)
+            self._count(hits=found, misses=len(names) - found)
+        if damage:
+            self._refuse(damage)
+        if orphans:
+            try:
+                self._delete(orphans)
+            except CodecError:  # the store failing now: still a miss
+                pass
+        return out
 
     def _refuse(self, damage: Sequence[tuple[str, str, CorruptEncodedKVError]]) -> NoReturn:
-        """Delete every damaged value (one pipeline), count each, raise the first one's error."""
+        """Delete every damaged value (one pipeline: its name, and a split value's tail when the tail
+        is what is wrong; a tail left behind is never read alone and goes with the next write or
+        eviction), count each, raise the first one's error."""
         self._count(errors=len(damage))
+        names = [n for _, n, _ in damage] + [tail_name(n) for _, n, e in damage if isinstance(e, PartDamage)]
         try:
-            self._delete([n for _, n, _ in damage])
+            self._delete(names, tails=False)
             where = "deleted"
         except CodecError:  # the store failing now: the refusal still stands
             where = "could not be deleted"

@@ -127,7 +127,7 @@ def auth_refusal(e: BaseException, location: str) -> UnsupportedConfigError | No
         why = "refused the credentials (an unknown user or a bad password)"
     elif isinstance(e, redis.exceptions.NoPermissionError):
         why = "refused a command: the ACL user lacks a permission the store needs"
-        why += " (GETRANGE, SET, EXISTS, DEL, SCAN)"
+        why += " (GETRANGE, MSET, EXISTS, DEL, SCAN)"
     elif isinstance(e, redis.exceptions.ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS")):
         why = "refused the credentials (the server needs a password)"
     else:

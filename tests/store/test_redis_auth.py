@@ -36,16 +36,19 @@ def _acl_user(srv, name: str, *rules: str) -> None:
 
 def test_an_acl_user_without_info_reads_and_writes_a_single_server(tmp_path: Path) -> None:
     with redis_single(tmp_path) as srv:
-        _acl_user(srv, "kv", "+getrange", "+set", "+exists", "+del", "+scan", "+ping")  # no GET
+        _acl_user(srv, "kv", "+getrange", "+mset", "+exists", "+del", "+scan", "+ping")  # no GET, no SET
         with open_store(f"redis://kv:kvpass1234@127.0.0.1:{srv.port}/0", OPTS) as st:
             st.put("k", make_blob(64, 0))
             assert st.contains("k") and st.keys() == ["k"] and not st.cluster
             assert bytes(st.get("k")) == make_blob(64, 0)
+            big = make_blob(197_000, 1)  # stored as a head and a tail (one MSET), read in one pipeline
+            st.put("big", big)
+            assert bytes(st.get("big")) == big and st.delete("big") and not st.contains("big")
 
 
 def test_a_refused_command_or_password_is_a_config_error_not_an_outage(tmp_path: Path, caplog) -> None:
     with redis_single(tmp_path) as srv, caplog.at_level(logging.INFO):
-        _acl_user(srv, "ro", "+get", "+exists", "+scan")
+        _acl_user(srv, "ro", "+getrange", "+exists", "+scan")  # reads only
         with open_store(f"redis://ro:kvpass1234@127.0.0.1:{srv.port}/0", OPTS) as st:
             for _ in range(3):
                 with raises_reason(UnsupportedConfigError, Reason.STORE_AUTH):
@@ -63,7 +66,7 @@ def test_a_refused_command_or_password_is_a_config_error_not_an_outage(tmp_path:
 def test_a_cluster_refusing_a_password_or_a_command_is_a_config_error(tmp_path: Path, caplog) -> None:
     with redis_cluster(tmp_path) as cl, caplog.at_level(logging.WARNING):
         for node in cl.nodes:
-            _acl_user(node, "ro", "+get", "+exists", "+cluster", "+info", "+command", "+ping")
+            _acl_user(node, "ro", "+getrange", "+exists", "+cluster", "+info", "+command", "+ping")
         for url in (
             cl.url.replace("://", "://ro:kvpass1234@"),
             f"redis://ro:kvpass1234@127.0.0.1:{cl.nodes[0].port}",
