@@ -5,7 +5,12 @@ cache off so every hit is the store's) runs the prompts four times over: all hit
 holding the most of A's keys is killed (SIGKILL) and B answers every prompt anyway (what lived on
 that node is recomputed, its saves dropped and counted); then the node is restarted on its port
 (empty: no persistence), B recomputes and saves what it lost; and the last round hits in full again.
-Every round generates A's greedy tokens.
+Every round generates A's greedy tokens. B keeps no tier of its own (``root`` null): the cluster is its
+only store.
+
+Host C (issue 36) has its own directory and a RAM tier in front of the cluster (``host_cache_bytes``):
+it loads a round from the cluster, then the node holding the most keys is killed, and its next
+round hits every chunk from its own tiers, with A's greedy tokens.
 """
 
 from __future__ import annotations
@@ -66,10 +71,24 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 cl.restart(victim)
                 res["victim_keys_after_restart"] = _keys_on(victim)
 
-        spec = {**base, "connector": connector_keys(cl.url), "prefix_caching": False, "repeat": ROUNDS}
+        remote_only = connector_keys(cl.url, root=None)
+        spec = {**base, "connector": remote_only, "prefix_caching": False, "repeat": ROUNDS}
         spec["pause_after"] = [len(PROMPTS), 2 * len(PROMPTS)]
         res["b"] = run_host(tmp, "b", spec, on_pause=on_pause)[0]
+        res["c"] = _tiered_host(tmp, cl, base)
     return res
+
+
+def _tiered_host(tmp, cl, base: dict) -> dict:
+    """Host C: its directory and a RAM tier in front of the cluster; the busiest node killed after its
+    first round (and restarted when it is done)."""
+    victim = max(cl.nodes, key=_keys_on)
+    tiers = connector_keys(cl.url, host_cache_bytes=64 << 20)
+    spec = {**base, "connector": tiers, "prefix_caching": False, "repeat": 2, "pause_after": [len(PROMPTS)]}
+    try:
+        return run_host(tmp, "c", spec, on_pause=lambda _n: victim.kill())[0]
+    finally:
+        cl.restart(victim)
 
 
 def _rounds(run: dict) -> list[list[dict]]:
@@ -99,3 +118,15 @@ def test_every_round_generates_host_as_tokens(fleet):
     for outs in _rounds(fleet["b"]):
         compared = same_greedy(fleet["a"]["outputs"], outs)
         assert compared >= MIN_COMPARED * MAX_TOKENS * len(PROMPTS)
+
+
+def test_a_host_with_its_own_tiers_keeps_hitting_through_a_killed_node(fleet):
+    c = fleet["c"]
+    outs = c["outputs"]
+    assert len(outs) == 2 * len(PROMPTS)
+    first, down = [o["cached"] for o in outs[: len(PROMPTS)]], [o["cached"] for o in outs[len(PROMPTS) :]]
+    assert first == EXPECT  # loaded from the cluster (and copied into the host's tiers)
+    assert down == EXPECT  # every chunk from the RAM tier or the directory while a node is dead
+    assert c["stats"]["chunks_failed"] == 0
+    for half in (outs[: len(PROMPTS)], outs[len(PROMPTS) :]):
+        assert same_greedy(fleet["a"]["outputs"], half) >= MIN_COMPARED * MAX_TOKENS * len(PROMPTS)
