@@ -32,7 +32,7 @@ from .base import STORE_COUNTERS, BlobStore, StoreFullError, StoreOptions
 from .eviction import own_group
 from .keys import validate_key
 
-__all__ = ["TIER_COUNTERS", "Tier", "TieredStore"]
+__all__ = ["TIER_COUNTERS", "ManifestMemo", "Tier", "TieredStore"]
 
 TIER_COUNTERS: tuple[str, ...] = (
     "served",
@@ -51,6 +51,29 @@ promotes them with its blobs; the oldest are forgotten first."""
 _T = TypeVar("_T")
 
 
+class ManifestMemo:
+    """Manifests a lookup found below the top tier, by chunk group, until a read of the chunk promotes
+    them; bounded (:data:`MANIFESTS_REMEMBERED`, oldest forgotten first). One memo may serve several
+    tiered stores over the same tiers (vLLM's scheduler-side connector looks up, its worker-side one
+    reads)."""
+
+    def __init__(self) -> None:
+        self._found: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, group: str, manifest: str, tier: int) -> None:
+        with self._lock:
+            self._found[group] = (manifest, tier)
+            self._found.move_to_end(group)
+            while len(self._found) > MANIFESTS_REMEMBERED:
+                self._found.popitem(last=False)
+
+    def take(self, groups: set[str]) -> list[tuple[str, int]]:
+        """The remembered ``(manifest, tier)`` of ``groups``, forgotten here."""
+        with self._lock:
+            return [self._found.pop(g) for g in groups if g in self._found]
+
+
 @dataclass(frozen=True)
 class Tier:
     """One tier: its name (``ram``, ``disk``, ``remote``: the hit source reported) and its store."""
@@ -62,7 +85,9 @@ class Tier:
 class TieredStore:
     """Tiers of blob stores, fastest first (see the module docstring)."""
 
-    def __init__(self, tiers: Sequence[Tier], options: StoreOptions | None = None) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], options: StoreOptions | None = None, memo: ManifestMemo | None = None
+    ) -> None:
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names):
             raise UnsupportedConfigError(f"tiers need distinct names, got {names}", reason=Reason.BAD_VALUE)
@@ -72,7 +97,7 @@ class TieredStore:
         self.location = " > ".join(f"{t.name} {t.store.location}" for t in tiers)
         self._group_of = opts.group_of if opts.group_of is not None else own_group
         self._is_manifest: Callable[[str], bool] = opts.evict_first or (lambda _key: False)
-        self._manifests: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._memo = memo if memo is not None else ManifestMemo()
         self._counts = {t.name: dict.fromkeys(TIER_COUNTERS, 0) for t in tiers}
         self._lock = threading.Lock()
 
@@ -178,11 +203,8 @@ class TieredStore:
                 self._count(tier, promoted=len(items))
 
     def _manifests_of(self, keys: list[str], source: int) -> list[tuple[str, Any]]:
-        groups = {self._group_of(k)[0] for k in keys}
-        with self._lock:
-            found = [self._manifests.pop(g) for g in groups if g in self._manifests]
         out = []
-        for manifest, tier in found:
+        for manifest, tier in self._memo.take({self._group_of(k)[0] for k in keys}):
             if tier < source or manifest in keys:
                 continue  # already above the tier read (or read itself)
             try:
@@ -216,19 +238,13 @@ class TieredStore:
                 if ok:
                     found[i] = True
                     if j > 0 and self._is_manifest(keys[i]):
-                        self._remember_manifest(keys[i], j)
+                        self._memo.remember(self._group_of(keys[i])[0], keys[i], j)
             todo = [i for i in todo if not found[i]]
         if keys and not answered:
             raise StoreUnavailableError(
                 "every tier of the store is unavailable", reason=Reason.STORE_UNAVAILABLE
             )
         return found
-
-    def _remember_manifest(self, key: str, tier: int) -> None:
-        with self._lock:
-            self._manifests[self._group_of(key)[0]] = (key, tier)
-            while len(self._manifests) > MANIFESTS_REMEMBERED:
-                self._manifests.popitem(last=False)
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` from every tier (a tier that is down keeps its copy); True if any removed it."""

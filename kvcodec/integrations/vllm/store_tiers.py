@@ -6,18 +6,20 @@
 * ``root`` and a remote ``store`` both set: the local directory in front of the remote store;
 * the configured store last.
 
-Writes go through to every tier; reads take the fastest and promote (:mod:`kvcodec.store.tiers`).
+Writes go through to every tier; reads take the fastest and promote (:mod:`kvcodec.store.tiers`),
+with the chunk's manifest that the scheduler-side lookup found below (a memo shared in the process).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from kvcodec.store import BlobStore, StoreOptions, open_store
 from kvcodec.store.factory import REDIS_SCHEMES
 from kvcodec.store.memory import MemoryStore
-from kvcodec.store.tiers import Tier, TieredStore
+from kvcodec.store.tiers import ManifestMemo, Tier, TieredStore
 
 from .config import KvcodecConfig
 
@@ -35,7 +37,8 @@ def open_tiers(cfg: KvcodecConfig, options: StoreOptions) -> BlobStore:
     bottom = open_store(cfg.location, options)
     if not tiers:
         return bottom
-    return TieredStore([*tiers, Tier("remote" if remote else "disk", bottom)], options)
+    tiers.append(Tier("remote" if remote else "disk", bottom))
+    return TieredStore(tiers, options, _memo_of(cfg))
 
 
 def stores_of(store: BlobStore) -> list[BlobStore]:
@@ -49,6 +52,24 @@ def _is_remote(url: str | None) -> bool:
     return url is not None and "://" in url and url.split("://", 1)[0].lower() in REDIS_SCHEMES
 
 
+_MEMOS: weakref.WeakValueDictionary[tuple[Any, ...], ManifestMemo] = weakref.WeakValueDictionary()
+_MEMOS_LOCK = threading.Lock()
+
+
+def _memo_of(cfg: KvcodecConfig) -> ManifestMemo:
+    """The manifests found below the top tier, shared by the connectors of one process over the same
+    tiers: the scheduler-side one looks a chunk up, the worker-side one reads (and promotes) it."""
+    with _MEMOS_LOCK:
+        memo = _MEMOS.get(_tiers_key(cfg))
+        if memo is None:
+            memo = _MEMOS[_tiers_key(cfg)] = ManifestMemo()
+        return memo
+
+
+def _tiers_key(cfg: KvcodecConfig) -> tuple[Any, ...]:
+    return (cfg.location, cfg.root, cfg.key_prefix, cfg.host_cache_bytes)
+
+
 class _SharedRam:
     """One RAM tier per configured store in this process, closed when its last connector closes."""
 
@@ -57,7 +78,7 @@ class _SharedRam:
         self._tiers: dict[tuple[Any, ...], list[Any]] = {}
 
     def acquire(self, cfg: KvcodecConfig, options: StoreOptions) -> BlobStore:
-        key = (cfg.location, cfg.root, cfg.key_prefix, cfg.host_cache_bytes)
+        key = _tiers_key(cfg)
         with self._lock:
             entry = self._tiers.get(key)
             if entry is None:

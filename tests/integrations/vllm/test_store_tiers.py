@@ -63,3 +63,18 @@ def test_root_and_redis_make_ram_disk_remote_and_survive_an_outage(tmp_path: Pat
         assert [bytes(p.blob) for p in st.get_parsed_many(keys[:-1])] == [b for _, b in chunk[:-1]]
         assert st.tier_stats()["ram"]["served"] == 1
         st.close()
+
+
+def test_the_worker_promotes_the_manifest_the_scheduler_found(tmp_path: Path) -> None:
+    """Two connectors of one process: the scheduler-side one finds a chunk's manifest on disk, the
+    worker-side one reads its blobs; the RAM tier then holds the whole chunk, so the next lookup hits there."""
+    cfg = KvcodecConfig(root=str(tmp_path), host_cache_bytes=1 << 20)
+    sched, work = open_tiers(cfg, OPTS), open_tiers(cfg, OPTS)
+    chunk = prompt_chunk(0, 0)
+    keys = [k for k, _ in chunk]
+    stores_of(work)[1].put_many(chunk)  # on disk only (written before this process started)
+    assert sched.contains_many(keys[-1:]) == [True]
+    work.get_parsed_many(keys[:-1], verify_crc=False)
+    assert stores_of(sched)[0].contains_many(keys) == [True] * len(keys)
+    work.close()
+    sched.close()
