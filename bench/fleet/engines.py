@@ -41,11 +41,12 @@ CHUNK_RAW_BYTES = 2 * LAYERS * CHUNK * KV_HEADS * HEAD_DIM * 2
 
 
 def _extra(work: Path, name: str, store_url: str | None) -> dict[str, Any]:
-    """The connector keys of one host: its own empty local directory and the shared store (without a
-    store URL, the local directory is the store: host B's is then a copy of A's, shared here)."""
-    root = work / (f"{name}-local" if store_url is not None else "directory-shared")
+    """The connector keys of one host: the shared store alone (``root`` null: no local tier in front,
+    so a hit is the store's), or without a store URL the local directory (host B's is then a copy of
+    A's, shared here)."""
+    root = None if store_url is not None else str(work / "directory-shared")
     extra: dict[str, Any] = {
-        "root": str(root),
+        "root": root,
         "chunk_size": CHUNK,
         "scope": "per_page_head",
         "async_save": False,
