@@ -219,10 +219,15 @@ class TieredStore:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether some tier holds each key, asking each tier only for what the faster ones lack; a
-        tier that is down answers False. Manifests found below the top tier are remembered for promotion."""
+        """Whether some tier holds each key (see :meth:`locate_many`)."""
+        return [tier is not None for tier in self.locate_many(keys)]
+
+    def locate_many(self, keys: Sequence[str]) -> list[int | None]:
+        """The fastest tier (its index in :attr:`tiers`) holding each key, or None, asking each tier only
+        for what the faster ones lack; a tier that is down holds nothing. Manifests found below the top
+        tier are remembered for promotion."""
         keys = [validate_key(k) for k in keys]
-        found = [False] * len(keys)
+        found: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         answered = False
         for j, tier in enumerate(self.tiers):
@@ -236,10 +241,10 @@ class TieredStore:
             answered = True
             for i, ok in zip(todo, ans):
                 if ok:
-                    found[i] = True
+                    found[i] = j
                     if j > 0 and self._is_manifest(keys[i]):
                         self._memo.remember(self._group_of(keys[i])[0], keys[i], j)
-            todo = [i for i in todo if not found[i]]
+            todo = [i for i in todo if found[i] is None]
         if keys and not answered:
             raise StoreUnavailableError(
                 "every tier of the store is unavailable", reason=Reason.STORE_UNAVAILABLE

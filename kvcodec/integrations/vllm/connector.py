@@ -92,11 +92,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
-from kvcodec.store import BlobStore, DirectoryStore, StoreOptions
-from kvcodec.store.auth import load_fleet_key
+from kvcodec.store import DirectoryStore
 
-from .chunk_keys import ChunkKeys, group_of, is_manifest
+from .chunk_keys import ChunkKeys
 from .config import KvcodecConfig
 from .counters import Counters
 from .events import KvcodecKVEvents, block_stored
@@ -114,7 +112,7 @@ from .loads import IDLE_LOAD_WAIT_S
 from .metadata import LoadSpec, SaveSpec, StepPlan
 from .scheduler import KvcodecScheduler, LookupShape
 from .stats import KvcodecPromMetrics, KvcodecStats
-from .store_tiers import open_tiers, stores_of
+from .store_tiers import by_source, hit_source, open_connector_store, tier_sources
 from .worker import ConnectorParts, KvcodecWorker, WorkerSetup
 
 if TYPE_CHECKING:
@@ -146,73 +144,6 @@ class KvcodecMetadata(StepPlan, KVConnectorMetadata):
     """What the worker does this step (:class:`~.metadata.StepPlan`, as vLLM's metadata type)."""
 
 
-def open_connector_store(cfg: KvcodecConfig) -> BlobStore:
-    """The configured store (``store`` URL, else the ``root`` directory), told the chunk grammar
-    (:func:`~.chunk_keys.group_of`; manifests evicted first, :func:`~.chunk_keys.is_manifest`) and the
-    fleet key, if any."""
-    options = StoreOptions(
-        max_bytes=cfg.max_bytes,
-        fsync=cfg.fsync,
-        group_of=group_of,
-        evict_first=is_manifest,
-        key_prefix=cfg.key_prefix,
-        fleet_key=load_fleet_key(cfg.fleet_key_env, cfg.fleet_key_file),
-        timeout_s=cfg.store_timeout_ms / 1000,
-        verify_blobs=False,  # loads CRC-check every blob in get_parsed; nothing else reads
-    )
-    try:
-        store = open_tiers(cfg, options)
-    except OSError as e:
-        raise UnsupportedConfigError(
-            f"store {cfg.location!r}: cannot open the store: {e}", reason=Reason.UNSUPPORTED
-        ) from None
-    try:
-        _check_fleet_key(store, cfg, options.fleet_key is not None)
-        _probe(store)
-    except BaseException:
-        store.close()
-        raise
-    return store
-
-
-def _authenticates(store: BlobStore) -> bool:
-    """Whether the store (one of its tiers) seals values with the fleet key (only RedisStore does; a
-    directory or a RAM tier is local)."""
-    return any(type(s).__name__ == "RedisStore" for s in stores_of(store))
-
-
-def _check_fleet_key(store: BlobStore, cfg: KvcodecConfig, keyed: bool) -> None:
-    """A fleet key the store would ignore: refused when given as ``fleet_key_file``, else a WARNING."""
-    if not keyed or _authenticates(store):
-        return
-    what = f"store {getattr(store, 'location', cfg.location)!r} ({type(store).__name__}) does not use a fleet key"
-    if cfg.fleet_key_file is not None:
-        raise UnsupportedConfigError(
-            f"fleet_key_file is set but the {what}: remove it or use a Redis store", reason=Reason.UNSUPPORTED
-        )
-    logger.warning(
-        "kvcodec: a fleet key is set (%s) but the %s: values are neither sealed nor checked",
-        cfg.fleet_key_env,
-        what,
-    )
-
-
-def _probe(store: BlobStore) -> None:
-    """One ``contains`` now, so that a config error a store finds only when it connects (a Redis Cluster
-    URL naming a database other than 0) stops the engine at start; an unreachable store is an outage,
-    not a config error (the store logs it; lookups miss until it is back)."""
-    try:
-        store.contains_many([_PROBE_KEY])
-    except UnsupportedConfigError:
-        raise
-    except (CodecError, OSError):
-        pass
-
-
-_PROBE_KEY = "kvcodec-start-probe"
-"""A key no chunk has (chunk keys start with the 16-hex model prefix)."""
-
-
 def _check_failure_policy(ktc: Any) -> None:
     """WARNING unless ``kv_load_failure_policy`` is "recompute": vLLM's default ("fail") fails the
     request on every load error, and on a shared store some are routine (a chunk evicted between the
@@ -224,18 +155,6 @@ def _check_failure_policy(ktc: Any) -> None:
             'lookup, refused, store unreachable) fails its request; set "recompute" to compute it instead',
             policy,
         )
-
-
-def hit_source(store: BlobStore, default: Any) -> Any:
-    """The ``CacheHitSource`` vLLM counts this connector's hits under: ``DISK`` for a directory store;
-    ``default`` (``EXTERNAL_UNSPECIFIED``, vLLM's label for a remote store) for any other, Redis
-    included (a network store is none of DEVICE, HOST, P2P or DISK). Tiers: their outermost store's
-    (vLLM's rule for a mix of sources), since hits are not yet split by the tier that served them."""
-    try:
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-    except ImportError:  # a vLLM without per-source hit metrics
-        return default
-    return CacheHitSource.DISK if isinstance(stores_of(store)[-1], DirectoryStore) else default
 
 
 def _passive(geo: CacheGeometry) -> bool:
@@ -283,6 +202,7 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
         self._owns_store = parts.store is None
         self.store = parts.store if parts.store is not None else open_connector_store(cfg)
         self._cache_hit_source = hit_source(self.store, getattr(type(self), "_cache_hit_source", None))
+        self._tier_sources = tier_sources(self.store)
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per worker
             _check_failure_policy(self._kv_transfer_config)
         self.counters = Counters()
@@ -301,6 +221,8 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = KvcodecScheduler(cfg, self.keys, self.store, shape, geo.block_size, gens)
             ev = getattr(vllm_config, "kv_events_config", None)
             self.scheduler.events = bool(getattr(ev, "enable_kv_cache_events", False))
+            if self._tier_sources is not None:
+                self.scheduler.locate = self.store.locate_many  # type: ignore[attr-defined]
             self.scheduler.windowed = bool(geo.windows)
             self.scheduler.passive = _passive(geo)
         else:
@@ -370,6 +292,16 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     # ------------------------------------------------------------ scheduler side
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        split = (
+            None
+            if self._tier_sources is None
+            else self._sched().hit_tiers(request.request_id, num_external_tokens)
+        )
+        if not split:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return by_source(split, self._tier_sources)  # type: ignore[arg-type]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -20,7 +20,7 @@ scheduler outputs duck-typed, and reaches the store only through a :class:`Chunk
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,6 +118,10 @@ class KvcodecScheduler:
         """The cache generation (:mod:`.generation`): seeds prefix hashes, checked by every lookup."""
         self.events = False
         """Attach a KV event to every save (vLLM's ``enable_kv_cache_events``)."""
+        self.locate: Callable[[list[str]], list[int | None]] | None = None
+        """A tiered store's ``locate_many`` (the tier holding each key): hits are then counted per tier."""
+        self._tiers: dict[str, tuple[int, list[int]]] = {}
+        """Per request looked up with ``locate``: tokens computed, the tier each hit chunk loads from."""
         self.windowed = False
         """A KV cache group is sliding-window: loads and saves carry every group's block table."""
         self.passive = False
@@ -145,6 +149,11 @@ class KvcodecScheduler:
     def present(self, refs: Sequence[ChunkRef]) -> list[int | None]:
         """For each chunk, the head split (parts) it is loadable from, or None; one ``contains_many``
         (an unreachable store: none is)."""
+        return [parts for parts, _ in self.present_where(refs)]
+
+    def present_where(self, refs: Sequence[ChunkRef]) -> list[tuple[int | None, int]]:
+        """:meth:`present`, each with the tier its load reads (the slowest tier among the keys that made
+        it present; 0 without ``locate``)."""
         if not refs:
             return []
         shapes = [self.shape.keys(self.keys, r) for r in refs]
@@ -154,27 +163,34 @@ class KvcodecScheduler:
             per.insert(0, [gens.check_key])
         self._delta["lookup_calls"] += 1
         try:
-            found = self.lookup.contains_many([k for ks in per for k in ks])
+            where = self._where([k for ks in per for k in ks])
         except (CodecError, OSError) as e:  # never into vLLM's schedule(): the engine would die
             self._lookup_failed(e)
-            return [None] * len(refs)
+            return [(None, 0)] * len(refs)
         if self._failing:
             self._failing = False
             logger.info("kvcodec: store lookups answer again")
         if gens is not None:
             per.pop(0)
-            if not gens.confirmed(found.pop(0)):
-                return [None] * len(refs)  # another generation now: these keys are not its
-        out: list[int | None] = []
+            if not gens.confirmed(where.pop(0) is not None):
+                return [(None, 0)] * len(refs)  # another generation now: these keys are not its
+        out: list[tuple[int | None, int]] = []
         at = 0
         for chunk in shapes:
-            got = None
+            got: tuple[int | None, int] = (None, 0)
             for parts, ks in zip(self.shape.splits, chunk):
-                if got is None and all(found[at : at + len(ks)]):
-                    got = parts
+                tiers = where[at : at + len(ks)]
+                if got[0] is None and None not in tiers:
+                    got = (parts, max(t or 0 for t in tiers))
                 at += len(ks)
             out.append(got)
         return out
+
+    def _where(self, keys: list[str]) -> list[int | None]:
+        """The tier holding each key (``locate``), or 0 / None from ``contains_many``."""
+        if self.locate is not None:
+            return self.locate(keys)
+        return [0 if ok else None for ok in self.lookup.contains_many(keys)]
 
     def _lookup_failed(self, e: Exception) -> None:
         """Count a failed lookup; log the first of an outage (an unreachable store logs it itself)."""
@@ -201,15 +217,17 @@ class KvcodecScheduler:
         seed = self._seeds[rid] = None if embeds else self._seed(request)
         if self.events:
             self._requests[rid] = request
-        hit, hashes, splits = 0, [], []
+        hit, hashes, splits, tiers = 0, [], [], []
         if seed is not None and tokens:
             cs = self.cfg.chunk_size
             hashes = prefix_hashes(tokens[: (len(tokens) - 1) // cs * cs], cs, seed)
-            for c, parts in enumerate(self.present([ChunkRef.of(hashes, c) for c in range(len(hashes))])):
+            refs = [ChunkRef.of(hashes, c) for c in range(len(hashes))]
+            for c, (parts, tier) in enumerate(self.present_where(refs)):
                 if parts is None:
                     break
                 hit = (c + 1) * cs
                 splits.append(parts)
+                tiers.append(tier)
         if hit <= num_computed_tokens:
             self._count_lookup(rid, len(tokens), hit, num_computed_tokens)
             self._hits.pop(rid, None)
@@ -223,7 +241,24 @@ class KvcodecScheduler:
             return None, False
         self._count_lookup(rid, len(tokens), hit, num_computed_tokens)
         self._hits[rid] = (num_computed_tokens, hit, hashes, splits)
+        if self.locate is not None:
+            self._tiers[rid] = (num_computed_tokens, tiers)
         return hit - num_computed_tokens, self.cfg.async_load
+
+    def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[int, int] | None:
+        """Tokens of the request's planned load per tier index (None: not known, or not adding up to
+        ``num_external_tokens``); forgotten once asked."""
+        known = self._tiers.pop(request_id, None)
+        if known is None:
+            return None
+        start, tiers = known
+        cs = self.cfg.chunk_size
+        out: dict[int, int] = {}
+        for c, tier in enumerate(tiers):
+            n = max(0, (c + 1) * cs - max(c * cs, start))
+            if n:
+                out[tier] = out.get(tier, 0) + n
+        return out if sum(out.values()) == num_external_tokens else None
 
     def _seed(self, request: Any) -> str:
         """The request's prefix-hash seed: what changes its KV besides token ids, and the generation."""
@@ -359,6 +394,7 @@ class KvcodecScheduler:
         self._seeds.pop(rid, None)
         self._requests.pop(rid, None)
         self._hits.pop(rid, None)
+        self._tiers.pop(rid, None)
         self.loading.discard(rid)
         look = self._lookups.pop(rid, None)
         if look is not None:

@@ -8,22 +8,31 @@
 
 Writes go through to every tier; reads take the fastest and promote (:mod:`kvcodec.store.tiers`),
 with the chunk's manifest that the scheduler-side lookup found below (a memo shared in the process).
+vLLM's per-source hit metrics get each chunk under its tier's source (RAM: ``HOST``, directory:
+``DISK``, remote: ``EXTERNAL_UNSPECIFIED``). Also here: opening the connector's store (the fleet key
+checked against it, one probe at start).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Any
 
-from kvcodec.store import BlobStore, StoreOptions, open_store
+from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
+from kvcodec.store import BlobStore, DirectoryStore, StoreOptions, open_store
+from kvcodec.store.auth import load_fleet_key
 from kvcodec.store.factory import REDIS_SCHEMES
 from kvcodec.store.memory import MemoryStore
 from kvcodec.store.tiers import ManifestMemo, Tier, TieredStore
 
+from .chunk_keys import group_of, is_manifest
 from .config import KvcodecConfig
 
-__all__ = ["open_tiers", "stores_of"]
+logger = logging.getLogger("vllm.kvcodec")
+
+__all__ = ["by_source", "hit_source", "open_connector_store", "open_tiers", "stores_of", "tier_sources"]
 
 
 def open_tiers(cfg: KvcodecConfig, options: StoreOptions) -> BlobStore:
@@ -39,6 +48,30 @@ def open_tiers(cfg: KvcodecConfig, options: StoreOptions) -> BlobStore:
         return bottom
     tiers.append(Tier("remote" if remote else "disk", bottom))
     return TieredStore(tiers, options, _memo_of(cfg))
+
+
+_SOURCE_OF_TIER = {"ram": "HOST", "disk": "DISK", "remote": "EXTERNAL_UNSPECIFIED"}
+"""vLLM's ``CacheHitSource`` member each tier's hits count under (a remote store is none of the others)."""
+
+
+def tier_sources(store: BlobStore) -> list[Any] | None:
+    """The ``CacheHitSource`` of each tier of a tiered store (None: not tiered, or a vLLM without
+    per-source hit metrics)."""
+    if not isinstance(store, TieredStore):
+        return None
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return [CacheHitSource[_SOURCE_OF_TIER[t.name]] for t in store.tiers]
+
+
+def by_source(tokens_per_tier: dict[int, int], sources: list[Any]) -> dict[Any, int]:
+    """Tokens per tier index -> tokens per hit source (two tiers may share a source)."""
+    out: dict[Any, int] = {}
+    for tier, n in tokens_per_tier.items():
+        out[sources[tier]] = out.get(sources[tier], 0) + n
+    return out
 
 
 def stores_of(store: BlobStore) -> list[BlobStore]:
@@ -113,3 +146,85 @@ class _RamHandle:
         if not self._closed:
             self._closed = True
             self._release()
+
+
+# ------------------------------------------------------------ the connector's store
+
+
+def open_connector_store(cfg: KvcodecConfig) -> BlobStore:
+    """The configured store (``store`` URL, else the ``root`` directory), told the chunk grammar
+    (:func:`~.chunk_keys.group_of`; manifests evicted first, :func:`~.chunk_keys.is_manifest`) and the
+    fleet key, if any."""
+    options = StoreOptions(
+        max_bytes=cfg.max_bytes,
+        fsync=cfg.fsync,
+        group_of=group_of,
+        evict_first=is_manifest,
+        key_prefix=cfg.key_prefix,
+        fleet_key=load_fleet_key(cfg.fleet_key_env, cfg.fleet_key_file),
+        timeout_s=cfg.store_timeout_ms / 1000,
+        verify_blobs=False,  # loads CRC-check every blob in get_parsed; nothing else reads
+    )
+    try:
+        store = open_tiers(cfg, options)
+    except OSError as e:
+        raise UnsupportedConfigError(
+            f"store {cfg.location!r}: cannot open the store: {e}", reason=Reason.UNSUPPORTED
+        ) from None
+    try:
+        _check_fleet_key(store, cfg, options.fleet_key is not None)
+        _probe(store)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _authenticates(store: BlobStore) -> bool:
+    """Whether the store (one of its tiers) seals values with the fleet key (only RedisStore does; a
+    directory or a RAM tier is local)."""
+    return any(type(s).__name__ == "RedisStore" for s in stores_of(store))
+
+
+def _check_fleet_key(store: BlobStore, cfg: KvcodecConfig, keyed: bool) -> None:
+    """A fleet key the store would ignore: refused when given as ``fleet_key_file``, else a WARNING."""
+    if not keyed or _authenticates(store):
+        return
+    what = f"store {getattr(store, 'location', cfg.location)!r} ({type(store).__name__}) does not use a fleet key"
+    if cfg.fleet_key_file is not None:
+        raise UnsupportedConfigError(
+            f"fleet_key_file is set but the {what}: remove it or use a Redis store", reason=Reason.UNSUPPORTED
+        )
+    logger.warning(
+        "kvcodec: a fleet key is set (%s) but the %s: values are neither sealed nor checked",
+        cfg.fleet_key_env,
+        what,
+    )
+
+
+def _probe(store: BlobStore) -> None:
+    """One ``contains`` now, so that a config error a store finds only when it connects (a Redis Cluster
+    URL naming a database other than 0) stops the engine at start; an unreachable store is an outage,
+    not a config error (the store logs it; lookups miss until it is back)."""
+    try:
+        store.contains_many([_PROBE_KEY])
+    except UnsupportedConfigError:
+        raise
+    except (CodecError, OSError):
+        pass
+
+
+_PROBE_KEY = "kvcodec-start-probe"
+"""A key no chunk has (chunk keys start with the 16-hex model prefix)."""
+
+
+def hit_source(store: BlobStore, default: Any) -> Any:
+    """The ``CacheHitSource`` vLLM counts this connector's hits under: ``DISK`` for a directory store;
+    ``default`` (``EXTERNAL_UNSPECIFIED``, vLLM's label for a remote store) for any other, Redis
+    included (a network store is none of DEVICE, HOST, P2P or DISK). Tiers: their outermost store's, for
+    a hit whose tiers are not known (``get_external_cache_hit_sources`` splits the others by tier)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:  # a vLLM without per-source hit metrics
+        return default
+    return CacheHitSource.DISK if isinstance(stores_of(store)[-1], DirectoryStore) else default

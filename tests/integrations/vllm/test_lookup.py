@@ -181,3 +181,29 @@ def test_hooks_of_vllm_0_32_cache_hit_source_delivery_and_reset(tmp_path: Path) 
     assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (2 * CHUNK, True)
     assert conn.reset_cache() is True
     assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (0, False)
+
+
+def test_hits_are_counted_under_the_tier_each_chunk_loads_from(tmp_path: Path) -> None:
+    """With store tiers (a RAM tier in front of the directory), vLLM's per-source hit metrics get each
+    chunk's tokens under its tier's source (RAM: HOST, directory: DISK), adding up to the hit."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from kvcodec.integrations.vllm.store_tiers import stores_of
+    from tests.store.test_store import make_blob
+
+    conn = _connector(tmp_path / "d", 2, host_cache_bytes=1 << 20)
+    ram, disk = stores_of(conn.store)
+    tokens = list(range(5, 5 + 3 * CHUNK + 3))
+    refs = [ChunkRef.of(prefix_hashes(tokens[: 3 * CHUNK], CHUNK), c) for c in range(3)]
+    ram.put(conn.keys.manifest(refs[0]), make_blob(64, 0, version=2))
+    for ref in refs[1:]:
+        disk.put(conn.keys.manifest(ref), make_blob(64, 1, version=2))
+    req = _request(tokens)
+    assert conn.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
+    assert conn.get_external_cache_hit_sources(req, 3 * CHUNK) == {
+        CacheHitSource.HOST: CHUNK,
+        CacheHitSource.DISK: 2 * CHUNK,
+    }
+    # Asked once per lookup: a second ask (or a count that does not add up) takes the store's one source.
+    assert conn.get_external_cache_hit_sources(req, 3 * CHUNK) == {CacheHitSource.DISK: 3 * CHUNK}
+    conn.store.close()
