@@ -112,7 +112,7 @@ from .loads import IDLE_LOAD_WAIT_S
 from .metadata import LoadSpec, SaveSpec, StepPlan
 from .scheduler import KvcodecScheduler, LookupShape
 from .stats import KvcodecPromMetrics, KvcodecStats
-from .store_tiers import by_source, hit_source, open_connector_store, tier_sources
+from .store_tiers import by_source, flat_stats, hit_source, open_connector_store, tier_sources
 from .worker import ConnectorParts, KvcodecWorker, WorkerSetup
 
 if TYPE_CHECKING:
@@ -269,7 +269,7 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.counters.gauge("writer_queue_depth", self.worker.saves.depth)
             self.counters.gauge("pending_save_bytes", self.worker.saves.pending.held)
-        self.counters.merge_store(self.store.stats())
+        self.counters.merge_store(flat_stats(self.store))
 
     @property
     def shutdown_timeout_s(self) -> float:

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping
 
 from kvcodec.store import STORE_COUNTERS
+from kvcodec.store.tiers import TIER_COUNTERS
 
 __all__ = ["COUNTERS", "GAUGES", "STORE_STATS", "Counters"]
 
@@ -68,6 +69,12 @@ GAUGES = ("writer_queue_depth", "pending_save_bytes")
 """The largest seen in the interval: chunks waiting for a copy or a write; host bytes they hold."""
 STORE_STATS = tuple(f"store_{name}" for name in STORE_COUNTERS)
 """The store's own counters (:meth:`~kvcodec.store.BlobStore.stats`), summed per interval like ours."""
+TIER_NAMES = ("ram", "disk", "remote")
+TIER_STATS = tuple(
+    f"store_{tier}_{name}" for tier in TIER_NAMES for name in (*STORE_COUNTERS, *TIER_COUNTERS)
+)
+"""With store tiers, each tier's own counters and what the tiers did with it (``served``: chunk reads it
+answered, ``promoted``: blobs copied into it, ``damaged``, ``unavailable``, ``write_failures``)."""
 
 
 class Counters:

@@ -1,5 +1,6 @@
 """The connector's counters (:mod:`.counters`) in vLLM's metrics hooks: ``KVConnectorStats`` per
-interval, summed across workers, and Prometheus (``store_*``: the store's own counters)."""
+interval, summed across workers, and Prometheus (``store_*``: the store's own counters, and with store
+tiers each tier's as ``store_<tier>_*``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from .counters import COUNTERS, GAUGES, STORE_STATS
+from .counters import COUNTERS, GAUGES, STORE_STATS, TIER_STATS
 
 __all__ = ["KvcodecPromMetrics", "KvcodecStats"]
 
@@ -44,7 +45,9 @@ class KvcodecPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {name: self._make(self._counter_cls, name) for name in COUNTERS + STORE_STATS}
+        self._counters = {
+            name: self._make(self._counter_cls, name) for name in COUNTERS + STORE_STATS + TIER_STATS
+        }
         self._gauges = {
             name: self._make(self._gauge_cls, name, multiprocess_mode="mostrecent") for name in GAUGES
         }

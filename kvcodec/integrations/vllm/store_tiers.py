@@ -32,7 +32,15 @@ from .config import KvcodecConfig
 
 logger = logging.getLogger("vllm.kvcodec")
 
-__all__ = ["by_source", "hit_source", "open_connector_store", "open_tiers", "stores_of", "tier_sources"]
+__all__ = [
+    "by_source",
+    "flat_stats",
+    "hit_source",
+    "open_connector_store",
+    "open_tiers",
+    "stores_of",
+    "tier_sources",
+]
 
 
 def open_tiers(cfg: KvcodecConfig, options: StoreOptions) -> BlobStore:
@@ -71,6 +79,16 @@ def by_source(tokens_per_tier: dict[int, int], sources: list[Any]) -> dict[Any, 
     out: dict[Any, int] = {}
     for tier, n in tokens_per_tier.items():
         out[sources[tier]] = out.get(sources[tier], 0) + n
+    return out
+
+
+def flat_stats(store: BlobStore) -> dict[str, float]:
+    """The store's counters, and with tiers each tier's (``<tier>_<name>``: its own counters and the
+    :data:`~kvcodec.store.tiers.TIER_COUNTERS`)."""
+    out = dict(store.stats())
+    if isinstance(store, TieredStore):
+        for tier, counts in store.tier_stats().items():
+            out.update({f"{tier}_{name}": value for name, value in counts.items()})
     return out
 
 

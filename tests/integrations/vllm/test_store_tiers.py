@@ -78,3 +78,20 @@ def test_the_worker_promotes_the_manifest_the_scheduler_found(tmp_path: Path) ->
     assert stores_of(sched)[0].contains_many(keys) == [True] * len(keys)
     work.close()
     sched.close()
+
+
+def test_each_tier_has_its_counters_in_the_connector_stats(tmp_path: Path) -> None:
+    """``flat_stats``: the store's counters and each tier's as ``<tier>_<name>``, every one a counter
+    the connector exports (``store_<name>``; Prometheus ``vllm:kvcodec_store_<tier>_<name>_total``)."""
+    from kvcodec.integrations.vllm.counters import STORE_STATS, TIER_STATS
+    from kvcodec.integrations.vllm.store_tiers import flat_stats
+
+    st = open_tiers(KvcodecConfig(root=str(tmp_path), host_cache_bytes=1 << 20), OPTS)
+    chunk = prompt_chunk(0, 0)
+    st.put_many(chunk)
+    st.get_parsed_many([k for k, _ in chunk])
+    stats = flat_stats(st)
+    assert {f"store_{k}" for k in stats} <= set(STORE_STATS) | set(TIER_STATS)
+    assert stats["ram_served"] == 1 and stats["disk_served"] == 0 and stats["ram_hits"] == len(chunk)
+    assert stats["hits"] == stats["ram_hits"] + stats["disk_hits"]
+    st.close()
