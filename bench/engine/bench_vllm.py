@@ -108,6 +108,8 @@ class Engine:
     store: str | None
     phases: list[dict]
     env: dict[str, str] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Engine arguments over :data:`ENGINE_ARGS`."""
 
 
 def kvcodec_extra(store: str, *, fsync: bool, mode: str | None, features: set[str]) -> dict:
@@ -181,7 +183,7 @@ def run_engine(e: Engine, work: Path, timeout: float, pythonpath: str) -> dict:
         "model": e.model,
         "connector": e.connector,
         "store": e.store,
-        "engine": ENGINE_ARGS,
+        "engine": {**ENGINE_ARGS, **e.engine},
         "phases": e.phases,
     }
     spec_path, out_path, log_path = (work / f"{e.name}.{ext}" for ext in ("spec.json", "out.json", "log"))

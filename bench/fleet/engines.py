@@ -7,6 +7,8 @@ local directory; one redis-server; a 3-node Redis Cluster, all on 127.0.0.1) hos
 prompts, then a fresh host B (own process, own empty local directory) runs them again. Measured:
 
 * TTFT of B's hits, and of a recompute (an engine without a connector), medians over the prompts;
+  ``redis+ram``: a host B with a RAM tier (``host_cache_bytes``) in front of Redis, its second pass
+  over the prompts (hits from RAM; the first pass filled it from Redis);
 * bytes in Redis: ``used_memory`` after A over before (all nodes), vs the raw bf16 KV of the chunks;
 * round trips per prompt, from the store counters of B's scheduler (lookups) and worker (loads).
 
@@ -57,9 +59,24 @@ def _extra(work: Path, name: str, store_url: str | None) -> dict[str, Any]:
     return extra
 
 
-def _engine(work: Path, model: str, name: str, store_url: str | None, phases: list[dict]) -> Engine:
-    conn = {"class": CONNECTOR, "extra": _extra(work, name, store_url)}
+def _engine(
+    work: Path, model: str, name: str, store_url: str | None, phases: list[dict], **more: Any
+) -> Engine:
+    conn = {"class": CONNECTOR, "extra": _extra(work, name, store_url) | more}
     return Engine(name, model, conn, conn["extra"]["root"] if store_url is None else None, phases)
+
+
+RAM_TIER_BYTES = 2 << 30
+"""Host B's RAM tier in the ``redis+ram`` row: room for every timed chunk."""
+
+
+def _ram_tier_row(work: Path, model: str, url: str, p: Prompts, timeout: float, pythonpath: str) -> dict:
+    """Host B with a RAM tier in front of Redis: the prompts once (hits from Redis, copied into RAM),
+    then again (hits from RAM)."""
+    phases = [ttft("warmup", [p.fresh_warmup]), ttft("fill", p.timed), ttft("hit", p.timed)]
+    b = _engine(work, model, "ram-b", url, phases, host_cache_bytes=RAM_TIER_BYTES)
+    b.engine = {"enable_prefix_caching": False}  # the second pass is the RAM tier's, not vLLM's own cache
+    return _hits(run_engine(b, work, timeout, pythonpath))
 
 
 def _settle(deployment: RedisServer | RedisCluster) -> None:
@@ -137,6 +154,8 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
                 run_engine(_engine(work, model, f"{name}-b", url, hit_phases), work, timeout, pythonpath)
             )
             out[name] = row
+            if name == "redis":
+                out["redis+ram"] = _ram_tier_row(work, model, url, p, timeout, pythonpath)
     return out
 
 
@@ -149,7 +168,7 @@ def table(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     base = res["directory"]["hit_ttft_s"]
-    for name in ("directory", "redis", "cluster"):
+    for name in ("directory", "redis", "redis+ram", "cluster"):
         r = res[name]
         vs_raw = f"{r['bytes_vs_raw']:.3f}" if "bytes_vs_raw" in r else "-"
         values = f"{r['value_bytes_vs_raw']:.3f}" if "value_bytes_vs_raw" in r else "-"
