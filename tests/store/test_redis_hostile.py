@@ -243,6 +243,7 @@ def test_reply_types_no_redis_gives_are_a_typed_error() -> None:
 # --------------------------------------------------------------------------- a silent cluster node
 
 
+@pytest.mark.timing
 def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_about_one_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
