@@ -41,9 +41,7 @@ __all__ = [
     "BlobRows",
     "CpuBackend",
     "scatter_blob_rows",
-    "scatter_blob_rows_many",
     "scatter_dequantize",
-    "scatter_rows",
 ]
 
 
@@ -447,10 +445,6 @@ def _scatter_rows(src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.nda
     return _cpu.scatter_rows(_buf(src), _buf(cache), col, _runs(runs))
 
 
-scatter_rows = _scatter_rows
-"""The vLLM integration's import until it calls :func:`kvcodec.backends.scatter_rows` (issue 37)."""
-
-
 def scatter_dequantize(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -528,7 +522,3 @@ def _scatter_blob_rows_many(
             )
         )
     return out
-
-
-scatter_blob_rows_many = _scatter_blob_rows_many
-"""The vLLM integration's import until it calls :func:`kvcodec.backends.scatter_blob_rows_many` (issue 37)."""

@@ -1,7 +1,7 @@
 """Writing a chunk read by :func:`~.chunks.read_chunk` into every layer's paged cache (vLLM's step).
 
 On CPU caches the C loops copy K and dequantize V straight into each layer's view, the chunk's
-layers in one :func:`~kvcodec.backends.cpu.scatter_blob_rows_many` call; a blob read with its CRC
+layers in one :func:`~kvcodec.backends.scatter_blob_rows_many` call; a blob read with its CRC
 unchecked has it checked in that pass. Anything C declines is decoded and scattered as
 :func:`~.chunks.decode_chunk` + :func:`~.layout.scatter_kv` would.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvcodec import ParsedBlob, Reason, UnsupportedConfigError
-from kvcodec.backends.cpu import scatter_blob_rows_many
+from kvcodec.backends import scatter_blob_rows_many
 from kvcodec.format import check_crc, payload_crc
 from kvcodec.format.crc import crc32
 from kvcodec.format.parser import remember_header
@@ -92,9 +92,9 @@ def _write_c(plan: list[tuple[torch.Tensor, LayerChunk, ChunkSlots, Any]]) -> se
     got = scatter_blob_rows_many(writes, plan[0][1].codec.head_size, plan[0][3])
     written = set()
     for (_, layer, _, _), res in zip(plan, got):
-        if not isinstance(res, str):
+        if res is not None:
             if layer.unverified is not None:
-                _finish_crc(layer.unverified, res)
+                _finish_crc(layer.unverified, res.crc)
             written.add(id(layer))
     return written
 

@@ -33,9 +33,7 @@ from kvcodec import (
     encode,
     parse,
 )
-from kvcodec.backends import Groups, call, select
-from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
-from kvcodec.backends.cpu import BlobRows
+from kvcodec.backends import BlobRows, Groups, cache_lanes_available, call, select
 from kvcodec.format import (
     Hashes,
     Header,
@@ -360,7 +358,7 @@ class _Plan:
         dv = cache.shape[3] - dk if cache.dim() == 4 else -1
         identity = Hashes.coerce(blob_identity(cc, dk, dv, chunk_hash))
         plain = (
-            C_AVAILABLE
+            cache_lanes_available()
             and cc.fp8 is None
             and cache.device.type == "cpu"
             and cache.dim() == 4

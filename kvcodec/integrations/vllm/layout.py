@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvcodec import Reason, UnsupportedConfigError
-from kvcodec.backends.cpu import scatter_rows
+from kvcodec.backends import scatter_rows
 
 __all__ = ["ChunkSlots", "chunk_slots", "gather_kv", "scatter_kv", "split_kv"]
 
@@ -259,8 +259,14 @@ def scatter_kv(
     if cache.device.type == "cpu":
         runs = s.runs_array()
         for (x, c), col in zip(srcs, (0, head_size)):
-            if scatter_rows(x, _bytes(cache), col, runs) is not None:  # a layout C declines: numpy
-                _scatter_host(_host_array(c), _host_array(x), s)
+            # a layout C declines: numpy
+            scatter_rows(
+                x,
+                _bytes(cache),
+                col,
+                runs,
+                fallback=lambda c=c, x=x: _scatter_host(_host_array(c), _host_array(x), s),
+            )
         return
     block, slot = s.index(cache.device)
     for x, c in srcs:

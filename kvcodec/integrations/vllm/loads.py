@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcodec.backends.cpu import AVAILABLE as C_AVAILABLE
+from kvcodec.backends import cache_lanes_available
 from kvcodec.errors import CodecError, CodecMismatchError, CorruptEncodedKVError, StoreUnavailableError
 from kvcodec.format.header import MAX_SCALE_DIMS, SCALE_DIM
 from kvcodec.store import BlobStore
@@ -123,7 +123,7 @@ class LoadHandler:
     @property
     def can_defer_crc(self) -> bool:
         """Whether the CRC can be left to the write: C built, the store takes ``verify_crc``."""
-        return C_AVAILABLE and _takes_verify_crc(self.store)
+        return cache_lanes_available() and _takes_verify_crc(self.store)
 
     # ------------------------------------------------------------ the step's hooks
 
