@@ -237,7 +237,10 @@ def test_cuda_planning_replayed(scope: ScaleScope, ps: int | None) -> None:
         assert len(launches) == 2 and kw["TT"] == 16 < t
     for i in range(layers):
         assert payload_bytes(pays[i]) == ref_payload(*gather_ref(views[i], ids, t, d), scope, ps)
-    dst = [torch.zeros_like(x) for x in views]
+    # Unevenly spaced in one buffer, as the sources: separate allocations may land evenly spaced (a
+    # stride, no table) or not, as the allocator has it.
+    out = torch.zeros_like(buf)
+    dst = [out[i * (n + 8 * (i + 1)) :][:n].view(8, bs, h, 2 * d).permute(0, 2, 1, 3) for i in range(layers)]
     dec = _as_planned_for_cuda(
         lambda: vllm_triton.decode_scatter_layers(
             pays, dst, ids, num_tokens=t, head_size=d, scope=scope, page_size=ps
