@@ -32,12 +32,7 @@ def make_model(out_dir: str, *, seed: int = 0, kv_heads: int = 2, head_dim: int 
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        # Peaked logits keep greedy choices far from ties, so an FP8 V cannot flip them.
-        model.lm_head.weight.mul_(8.0)
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save(LlamaForCausalLM(cfg), out_dir, peaked=True)
 
 
 def make_mla_model(out_dir: str, *, seed: int = 0) -> str:
@@ -69,11 +64,7 @@ def make_mla_model(out_dir: str, *, seed: int = 0) -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = DeepseekV2ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save(DeepseekV2ForCausalLM(cfg), out_dir, peaked=True)
 
 
 def make_gemma2_model(out_dir: str, *, seed: int = 0) -> str:
@@ -99,9 +90,7 @@ def make_gemma2_model(out_dir: str, *, seed: int = 0) -> str:
         eos_token_id=2,
         pad_token_id=0,
     )
-    model = Gemma2ForCausalLM(cfg)
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save(Gemma2ForCausalLM(cfg), out_dir)
 
 
 def make_qwen3_next_model(out_dir: str, *, seed: int = 0) -> str:
@@ -139,10 +128,18 @@ def make_qwen3_next_model(out_dir: str, *, seed: int = 0) -> str:
         eos_token_id=2,
         pad_token_id=0,
     )
-    model = Qwen3NextForCausalLM(cfg)
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return _save(Qwen3NextForCausalLM(cfg), out_dir)
 
 
 if __name__ == "__main__":
     make_model(sys.argv[1])
+
+
+def _save(model: torch.nn.Module, out_dir: str, *, peaked: bool = False) -> str:
+    """Save ``model`` in bf16 under ``out_dir``; ``peaked``: its logits scaled 8x first, which keeps
+    greedy choices far from ties, so an FP8 V cannot flip them."""
+    if peaked:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
