@@ -7,6 +7,11 @@ Triton compiles for a GPU (or the reverse). :func:`triton_interpret` is that
 parser, written down: the value lower-cased, with no whitespace stripped,
 is true for ``1``, ``true``, ``on``, ``yes`` and ``y``; anything else
 (unset, empty, ``0``, ``false``, ``2``, `` 1``) is false.
+
+``KVCODEC_REDIS_READS`` says how the Redis store receives a read's values:
+``wire`` (the default: its own sockets, one buffer, :mod:`kvcodec.store.redis_wire`)
+or ``client`` (redis-py's pipeline, hiredis when installed): the benchmark's
+side-by-side rows, and a way back should a proxy speak RESP oddly.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["TRITON_INTERPRET_TRUE", "triton_interpret"]
+__all__ = ["REDIS_READS", "TRITON_INTERPRET_TRUE", "redis_reads", "triton_interpret"]
 
 TRITON_INTERPRET_TRUE = frozenset({"1", "true", "on", "yes", "y"})
 """Lower-cased values Triton (3.6 to 3.9) reads as "on" for a boolean variable."""
@@ -24,3 +29,14 @@ def triton_interpret(environ: Mapping[str, str] | None = None) -> bool:
     """True when ``TRITON_INTERPRET`` (in ``environ``, default ``os.environ``) turns Triton's interpreter on."""
     env = os.environ if environ is None else environ
     return env.get("TRITON_INTERPRET", "").lower() in TRITON_INTERPRET_TRUE
+
+
+REDIS_READS = ("wire", "client")
+"""The values of ``KVCODEC_REDIS_READS``, the default first."""
+
+
+def redis_reads(environ: Mapping[str, str] | None = None) -> str:
+    """How the Redis store receives reads: ``KVCODEC_REDIS_READS`` if it names a way, else ``wire``."""
+    env = os.environ if environ is None else environ
+    value = env.get("KVCODEC_REDIS_READS", "").strip().lower()
+    return value if value in REDIS_READS else REDIS_READS[0]

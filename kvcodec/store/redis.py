@@ -82,7 +82,19 @@ from .keys import InvalidKeyError, validate_key
 from .reading import check_max_blob, check_size
 from .redis_calls import AUTH_LOG_INTERVAL_S, BadReply, RedisCalls, is_wrong_type
 from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL
-from .redis_values import PEEK_LEN, TORN, Limits, PartDamage, is_split, read_value, split, tail_name
+from .redis_values import (
+    PEEK_LEN,
+    TORN,
+    Limits,
+    PartDamage,
+    concat,
+    in_place,
+    is_split,
+    read_value,
+    split,
+    tail_name,
+)
+from .redis_wire import Command, Part
 
 __all__ = [
     "AUTH_LOG_INTERVAL_S",
@@ -110,7 +122,7 @@ _READ_SHAPE = (int, bytes, bytes)
 """The replies of one value's read: ``EXISTS`` (int), ``GETRANGE`` of its head and of its tail (bytes)."""
 _TORN_READS = 2
 """Reads again of a value whose head and tail were read between two writes, before it is damage."""
-_Fetched = tuple[str, str, "bytes | None"]
+_Fetched = tuple[str, str, Any]
 
 
 def _check_timeout(timeout: Any) -> float:
@@ -302,19 +314,24 @@ class RedisStore(RedisCalls):
     def _fetch_once(self, keys: Sequence[str], names: Sequence[str], lim: Limits, count: bool) -> list[Any]:
         """One read of ``names`` (one pipeline); ``count``: hits and misses (not on a read again)."""
 
-        def queue(pipe: Any, i: int) -> None:
-            pipe.exists(names[i])
-            pipe.getrange(names[i], 0, lim.head)  # the end is inclusive: a longer value is told, not read
-            pipe.getrange(tail_name(names[i]), 0, lim.tail)
+        def commands(i: int) -> tuple[Command, ...]:
+            return (  # GETRANGE's end is inclusive: a longer value is told (one byte more), not read
+                Command(("EXISTS", names[i])),
+                Command(("GETRANGE", names[i], 0, lim.head), lim.head + 1),
+                Command(("GETRANGE", tail_name(names[i]), 0, lim.tail), lim.tail + 1),
+            )
 
-        replies = self._pipeline(names, queue, _READ_SHAPE)
-        self._count(bytes_read=sum(len(x) for r in replies for x in r[1:] if isinstance(x, bytes)))
+        replies = self.read(names, commands, _READ_SHAPE)
+        self._count(bytes_read=sum(len(x) for r in replies for x in r[1:] if isinstance(x, (bytes, Part))))
         out: list[Any] = []
         damage: list[tuple[str, str, CorruptEncodedKVError]] = []
         orphans: list[str] = []
         for key, name, (exists, got, tail) in zip(keys, names, replies):
+            wrong = (is_wrong_type(got), is_wrong_type(tail))
+            assemble = in_place(got, tail) if isinstance(got, Part) and isinstance(tail, Part) else concat
+            got, tail = (x.view() if isinstance(x, Part) else x for x in (got, tail))
             try:
-                value = read_value(name, exists, got, tail, lim, (is_wrong_type(got), is_wrong_type(tail)))
+                value = read_value(name, exists, got, tail, lim, wrong, assemble)
             except CorruptEncodedKVError as e:
                 damage.append((key, name, e))
                 value = None

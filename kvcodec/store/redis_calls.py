@@ -32,12 +32,14 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
+from ..env import redis_reads
 from ..errors import Reason, StoreUnavailableError, UnsupportedConfigError
 from . import redis_outage
 from .base import StoreFullError, StoreOptions
 from .counters import Counters
 from .redis_outage import Outages
 from .redis_url import RedisURL, auth_refusal, connect
+from .redis_wire import BadReply, Command, Part, Wire
 
 __all__ = ["AUTH_LOG_INTERVAL_S", "BadReply", "Queue", "RedisCalls", "is_wrong_type"]
 
@@ -48,6 +50,8 @@ AUTH_LOG_INTERVAL_S = 60.0
 
 Queue = Callable[[Any, int], None]
 """``queue(pipe, i)`` adds the commands of the call's ``i``-th name to ``pipe``."""
+CommandsOf = Callable[[int], Sequence[Command]]
+"""``commands_of(i)``: the commands of the call's ``i``-th name (a read sent on the wire)."""
 
 _NODE_IN_ERROR = re.compile(r"(?:connecting to|reading from|writing to) \[?([\w.:-]+?)\]?:(\d+)")
 """A node in redis-py's error text ("Error 111 connecting to 10.0.0.5:7001."), when it names one."""
@@ -59,10 +63,6 @@ _REDIRECTS = (
 _UNPARSABLE = (TypeError, ValueError, IndexError, KeyError, AttributeError, UnicodeError)
 """What redis-py's reply parsers raise on a reply its command never gives (an int for SCAN's list)."""
 _T = TypeVar("_T")
-
-
-class BadReply(ValueError):
-    """A reply of a type its command never gives."""
 
 
 def is_wrong_type(reply: Any) -> bool:
@@ -77,17 +77,28 @@ def _run(
     pipe = client.pipeline(transaction=False)
     for i in idx:
         queue(pipe, i)
-    flat = pipe.execute(raise_on_error=False)
+    return _checked(pipe.execute(raise_on_error=False), len(idx), shape)
+
+
+def _run_wire(wire: Wire, idx: Sequence[int], commands_of: CommandsOf, shape: tuple[type, ...]) -> list:
+    """:func:`_run` on our own socket: bulk replies are :class:`~.redis_wire.Part` of one buffer."""
+    return _checked(wire.read([c for i in idx for c in commands_of(i)]), len(idx), shape)
+
+
+def _checked(flat: Any, n: int, shape: tuple[type, ...]) -> list:
+    """Per index the list of its replies, each of its command's type (a bulk: bytes or a Part);
+    an error reply other than ``WRONGTYPE`` is raised."""
     per = len(shape)
-    if not isinstance(flat, list) or len(flat) != per * len(idx):
-        raise BadReply(f"a pipeline of {per * len(idx)} commands was answered by {type(flat).__name__}")
+    if not isinstance(flat, list) or len(flat) != per * n:
+        raise BadReply(f"a pipeline of {per * n} commands was answered by {type(flat).__name__}")
     for j, reply in enumerate(flat):
+        want = (bytes, Part) if shape[j % per] is bytes else shape[j % per]
         if isinstance(reply, Exception):
             if not is_wrong_type(reply):
                 raise reply
-        elif not isinstance(reply, shape[j % per]):
+        elif not isinstance(reply, want):
             raise BadReply(f"a {shape[j % per].__name__} reply was expected, got {type(reply).__name__}")
-    return [flat[k * per : (k + 1) * per] for k in range(len(idx))]
+    return [flat[k * per : (k + 1) * per] for k in range(n)]
 
 
 def _node_groups(client: Any, names: Sequence[str]) -> list[tuple[str, Any, list[int]]] | None:
@@ -115,11 +126,30 @@ class RedisCalls:
         self._config_logged: dict[Reason, float] = {}
         self._closed = False
         self._counts = Counters()
+        self._wires: dict[int, tuple[Any, Wire | None]] = {}
+        """Per client (the server's, or a cluster node's): it, and the Wire to its server."""
         self.location = url.location
 
     # ------------------------------------------------------------ pipelines
 
-    def _pipeline(self, names: Sequence[str], queue: Queue, shape: tuple[type, ...]) -> list[list[Any]]:
+    def read(self, names: Sequence[str], commands_of: CommandsOf, shape: tuple[type, ...]) -> list[list[Any]]:
+        """:meth:`_pipeline` of the commands ``commands_of`` gives per name, sent on our own socket
+        (:mod:`.redis_wire`: bulk replies are Parts of one buffer) unless the server speaks TLS or
+        ``KVCODEC_REDIS_READS=client``; else through redis-py (bulk replies are bytes)."""
+
+        def queue(pipe: Any, i: int) -> None:
+            for c in commands_of(i):
+                pipe.execute_command(*c.args)
+
+        return self._pipeline(names, queue, shape, commands_of)
+
+    def _pipeline(
+        self,
+        names: Sequence[str],
+        queue: Queue,
+        shape: tuple[type, ...],
+        commands_of: CommandsOf | None = None,
+    ) -> list[list[Any]]:
         """Per name, the replies of the commands ``queue`` adds for it (``shape``: each one's type), in
         one pipeline, or one per node on a cluster; the call fails at the first node that fails."""
         if not names:
@@ -129,12 +159,14 @@ class RedisCalls:
         groups = self._call(lambda c: _node_groups(c, names), trips=0, checked=True)
         every = list(range(len(names)))
         if groups is None:
-            return self._call(lambda c: _run(c, names, every, queue, shape), names, checked=True)
+            return self._call(
+                lambda c: self._run_on(c, names, every, queue, shape, commands_of), names, checked=True
+            )
         out: list[list[Any]] = [[] for _ in names]
         for node, node_client, idx in groups:
             sub = [names[i] for i in idx]
             got = self._call(
-                lambda c, n=node_client, i=idx: self._run_node(c, n, names, i, queue, shape),
+                lambda c, n=node_client, i=idx: self._run_node(c, n, names, i, queue, shape, commands_of),
                 sub,
                 node=node,
                 checked=True,
@@ -143,15 +175,48 @@ class RedisCalls:
                 out[i] = replies
         return out
 
-    @staticmethod
+    def _run_on(
+        self,
+        client: Any,
+        names: Sequence[str],
+        idx: Sequence[int],
+        queue: Queue,
+        shape: tuple[type, ...],
+        commands_of: CommandsOf | None,
+    ) -> list:
+        """One pipeline on ``client``'s server: on the wire when the call has commands and can."""
+        wire = self._wire_of(client) if commands_of is not None else None
+        if wire is None:
+            return _run(client, names, idx, queue, shape)
+        return _run_wire(wire, idx, commands_of, shape)  # type: ignore[arg-type]
+
     def _run_node(
-        client: Any, node: Any, names: Sequence[str], idx: list[int], queue: Queue, shape: tuple[type, ...]
+        self,
+        client: Any,
+        node: Any,
+        names: Sequence[str],
+        idx: list[int],
+        queue: Queue,
+        shape: tuple[type, ...],
+        commands_of: CommandsOf | None,
     ) -> list:
         """One node's pipeline; a redirection sends its names through the cluster client instead."""
         try:
-            return _run(node, names, idx, queue, shape)
+            return self._run_on(node, names, idx, queue, shape, commands_of)
         except _REDIRECTS:
             return _run(client, names, idx, queue, shape)
+
+    def _wire_of(self, client: Any) -> Wire | None:
+        """The :class:`~.redis_wire.Wire` to ``client``'s server (made once per client), or None:
+        TLS, or reads through redis-py asked for."""
+        if redis_reads() != "wire":
+            return None
+        with self._lock:
+            got = self._wires.get(id(client))
+            if got is None or got[0] is not client:
+                got = (client, Wire.of(client))
+                self._wires[id(client)] = got
+            return got[1]
 
     # ------------------------------------------------------------ one call
 
@@ -316,6 +381,10 @@ class RedisCalls:
         self._closed = True
         with self._lock:
             client, self._client = self._client, None
+            wires, self._wires = list(self._wires.values()), {}
+        for _, wire in wires:
+            if wire is not None:
+                wire.close()
         if client is not None:
             try:
                 client.close()

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason
 from .auth import ENVELOPE_LEN, ENVELOPE_MAGIC
+from .redis_wire import Part
 
 __all__ = [
     "FRAME_LEN",
@@ -42,9 +44,12 @@ __all__ = [
     "TAIL_FRAME_LEN",
     "TAIL_MARK",
     "TORN",
+    "Assemble",
     "Limits",
     "PartDamage",
+    "concat",
     "head_len",
+    "in_place",
     "is_split",
     "join",
     "read_value",
@@ -177,7 +182,36 @@ def _refuse(name: str, why: str, reason: Reason) -> PartDamage:
     return PartDamage(f"{name!r} (stored in two parts): {why}", reason=reason)
 
 
-def join(name: str, head: bytes, tail: Any, lim: Limits, tail_wrong_type: bool) -> bytes | _Torn | None:
+Assemble = Callable[[Any, Any, int], Any]
+"""``assemble(head, tail, at)``: the value of a split head and its tail that passed every check
+(``at``: the length of the head's MAC envelope, 0 or :data:`ENVELOPE_LEN`)."""
+
+
+def concat(head: Any, tail: Any, at: int) -> bytes:
+    """The value of a head and its tail, as a new ``bytes`` (replies read by redis-py)."""
+    mv = memoryview(head)
+    return b"".join((mv[:at], mv[at + FRAME_LEN :], memoryview(tail)[TAIL_FRAME_LEN:]))
+
+
+def in_place(head: Part, tail: Part) -> Assemble:
+    """The assembler of two replies of one buffer (:mod:`.redis_wire`), the tail after the head: the
+    tail's bytes are moved up to the head's end, the envelope over the frame; no new buffer."""
+
+    def assemble(_h: Any, _t: Any, at: int) -> Any:
+        if head.buf is not tail.buf or tail.start < head.end:
+            return concat(head.view(), tail.view(), at)
+        buf, n = head.buf, len(tail) - TAIL_FRAME_LEN
+        buf[head.end : head.end + n] = buf[tail.start + TAIL_FRAME_LEN : tail.end]
+        start = head.start + FRAME_LEN
+        buf[start : start + at] = buf[head.start : head.start + at]
+        return Part(buf, start, head.end + n).view()
+
+    return assemble
+
+
+def join(
+    name: str, head: Any, tail: Any, lim: Limits, tail_wrong_type: bool, assemble: Assemble = concat
+) -> Any:
     """The value a head (and its tail, as read) holds: the head itself when it is whole; None when
     its tail is gone (evicted alone: a miss); :data:`TORN` when the tail is another write's. Damage
     (a frame that does not add up, a tail too long or of another type) raises CorruptEncodedKVError."""
@@ -191,7 +225,7 @@ def join(name: str, head: bytes, tail: Any, lim: Limits, tail_wrong_type: bool) 
         raise _refuse(name, f"a {tail_len}-byte tail declared", Reason.SIZE_MISMATCH)
     if tail_wrong_type:
         raise _refuse(name, "its tail holds another type than a string", Reason.WRONG_TYPE)
-    if not isinstance(tail, bytes) or tail == b"":
+    if not isinstance(tail, (bytes, memoryview)) or len(tail) == 0:
         return None
     if len(tail) < TAIL_FRAME_LEN:
         raise _refuse(name, f"a {len(tail)}-byte tail", Reason.TRUNCATED_PAYLOAD)
@@ -201,22 +235,28 @@ def join(name: str, head: bytes, tail: Any, lim: Limits, tail_wrong_type: bool) 
         got = len(tail) - TAIL_FRAME_LEN
         reason = Reason.TRUNCATED_PAYLOAD if got < tail_len else Reason.SIZE_MISMATCH
         raise _refuse(name, f"a tail of {got} bytes, {tail_len} declared", reason)
-    mv = memoryview(head)
-    return b"".join((mv[:at], mv[at + FRAME_LEN :], memoryview(tail)[TAIL_FRAME_LEN:]))
+    return assemble(head, tail, at)
 
 
 def read_value(
-    name: str, exists: int, head: Any, tail: Any, lim: Limits, wrong_type: tuple[bool, bool]
-) -> bytes | _Torn | None:
-    """The value of one read (``EXISTS``, the head's and the tail's ``GETRANGE``; ``wrong_type``: each
-    ``GETRANGE`` answered ``WRONGTYPE``): None for a miss, :data:`TORN`, or the whole value. Damage
+    name: str,
+    exists: int,
+    head: Any,
+    tail: Any,
+    lim: Limits,
+    wrong_type: tuple[bool, bool],
+    assemble: Assemble = concat,
+) -> Any:
+    """The value of one read (``EXISTS``, the head's and the tail's ``GETRANGE``, as bytes or views;
+    ``wrong_type``: each ``GETRANGE`` answered ``WRONGTYPE``): None for a miss, :data:`TORN`, or
+    the whole value (bytes-like; ``assemble`` puts a split one together). Damage
     (another type, an empty head, a head longer than the reader takes, a split that does not add up)
     raises CorruptEncodedKVError."""
     if wrong_type[0]:
         raise CorruptEncodedKVError(f"{name!r} holds another type than a blob", reason=Reason.WRONG_TYPE)
     if not exists:
         return None
-    if head == b"":
+    if len(head) == 0:
         raise CorruptEncodedKVError(f"{name!r} is empty", reason=Reason.TRUNCATED_HEADER)
     if len(head) > lim.head:
         raise CorruptEncodedKVError(
@@ -224,4 +264,4 @@ def read_value(
             f"(+{ENVELOPE_LEN} for a MAC): not read",
             reason=Reason.SIZE_MISMATCH,
         )
-    return join(name, head, tail, lim, wrong_type[1])
+    return join(name, head, tail, lim, wrong_type[1], assemble)

@@ -1,0 +1,280 @@
+"""Bulk reads on sockets of our own: one pipeline's replies received straight into one buffer.
+
+redis-py hands each reply over as a new ``bytes`` (with hiredis: received into the client's buffer,
+fed to hiredis's, copied out), which made a 2.4 MB chunk read ~2.7x slower than the socket allows
+(``bench/fleet/wire.py``). Here a read's commands go out in one ``sendall`` and the replies are
+``recv_into`` one buffer sized by the reader's own bounds; a value is a read-only view of it, and
+a value stored in two parts is put back together in place (:func:`.redis_values.join_in_place`).
+
+Only what a read needs is spoken: RESP2 integers, bulk strings, errors and simple strings; an
+array, a bulk longer than its command can return, or a line longer than :data:`MAX_LINE` is a
+reply no Redis gives (:class:`BadReply`). Failures are redis-py's own exceptions
+(``TimeoutError``, ``ConnectionError``, Redis's error replies parsed as redis-py parses them), so
+the caller maps them to kvcodec's errors in one place. A socket goes back to the idle list only
+after a whole pipeline was read; any failure closes it. TLS and RESP3 servers are left to redis-py
+(:meth:`Wire.of` gives None).
+"""
+
+from __future__ import annotations
+
+import re
+import select
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.connection
+
+__all__ = ["MAX_IDLE", "MAX_LINE", "UP_FRONT", "BadReply", "Command", "Part", "Wire", "pack", "receive"]
+
+MAX_LINE = 4096
+"""The longest reply line (type, integer, error text) read before it is refused."""
+MAX_IDLE = 4
+"""Idle sockets kept per server (the connector's loads run on at most a few threads)."""
+_INTEGER = re.compile(rb"-?[0-9]{1,19}")
+UP_FRONT = 64 << 20
+"""A pipeline whose replies may take up to this many bytes (its commands' bounds) gets its whole
+buffer at once: the connector's chunk reads, bounded by the blob size it expects."""
+_START = 1 << 20
+"""A larger bound (a read without ``max_bytes``: Redis's 512 MiB) starts here and grows as replies
+arrive, doubling, never past the bound: memory follows what was sent, not what may be."""
+
+
+class BadReply(ValueError):
+    """A reply of a type its command never gives."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command of a pipeline and the longest bulk reply it may return (0: none expected)."""
+
+    args: tuple[str | bytes | int, ...]
+    max_bulk: int = 0
+
+
+def pack(commands: Sequence[Command]) -> bytes:
+    """The RESP2 request of ``commands`` (arrays of bulk strings)."""
+    out: list[bytes] = []
+    for c in commands:
+        out.append(b"*%d\r\n" % len(c.args))
+        for a in c.args:
+            b = a if isinstance(a, bytes) else str(a).encode()
+            out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A bulk reply: bytes ``start:end`` of its pipeline's buffer (shared by the pipeline's replies)."""
+
+    buf: bytearray
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def view(self) -> memoryview:
+        """A read-only view of the reply's bytes (no copy)."""
+        return memoryview(self.buf)[self.start : self.end].toreadonly()
+
+
+class _Reader:
+    """The replies of one pipeline off one socket, parsed as they arrive."""
+
+    def __init__(self, sock: Any, commands: Sequence[Command]) -> None:
+        self.sock = sock
+        self.commands = commands
+        self.bound = sum(c.max_bulk + 64 for c in commands)
+        self.buf = bytearray(self.bound if self.bound <= UP_FRONT else _START)
+        self.got = 0
+        self.pos = 0
+
+    def read(self) -> list[Any]:
+        items = [self._reply(c) for c in self.commands]
+        if self.got != self.pos:
+            raise self._bad(f"{self.got - self.pos} bytes after the last reply")
+        return [Part(self.buf, x.start, x.stop) if isinstance(x, slice) else x for x in items]
+
+    def _reply(self, c: Command) -> Any:
+        kind, line = self._line()
+        if kind == b":":
+            return self._integer(line)
+        if kind == b"$":
+            return self._bulk(self._integer(line), c.max_bulk)
+        if kind == b"-":
+            return redis.connection.BaseParser.parse_error(line.decode("utf-8", "replace"))
+        if kind == b"+":
+            return line.decode("utf-8", "replace")
+        raise self._bad(f"a reply of type {kind!r}")
+
+    def _line(self) -> tuple[bytes, bytes]:
+        while True:
+            end = self.buf.find(b"\r\n", self.pos, self.got)
+            if end >= 0:
+                break
+            if self.got - self.pos > MAX_LINE:
+                raise self._bad(f"a reply line of over {MAX_LINE} bytes")
+            self._fill(self.got + 1)
+        kind, line = bytes(self.buf[self.pos : self.pos + 1]), bytes(self.buf[self.pos + 1 : end])
+        self.pos = end + 2
+        return kind, line
+
+    def _integer(self, line: bytes) -> int:
+        if not _INTEGER.fullmatch(line):
+            raise self._bad(f"{line[:32]!r} where an integer belongs")
+        return int(line)
+
+    def _bulk(self, n: int, most: int) -> slice | None:
+        if n == -1:
+            return None
+        if not 0 <= n <= most:
+            raise self._bad(f"a {n}-byte string where at most {most} can come")
+        start, end = self.pos, self.pos + n
+        self._fill(end + 2)
+        if self.buf[end : end + 2] != b"\r\n":
+            raise self._bad("a string without its CRLF")
+        self.pos = end + 2
+        return slice(start, end)
+
+    def _fill(self, need: int) -> None:
+        """Receive until ``need`` bytes are in (as many more as arrive and fit)."""
+        if need > len(self.buf):
+            grown = bytearray(max(need, min(2 * len(self.buf), self.bound)))
+            grown[: self.got] = memoryview(self.buf)[: self.got]
+            self.buf = grown
+        while self.got < need:
+            with memoryview(self.buf) as mv:
+                try:
+                    n = self.sock.recv_into(mv[self.got :])
+                except TimeoutError:
+                    raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+                except OSError as e:
+                    raise redis.exceptions.ConnectionError(f"Error while reading from socket: {e}") from None
+            if n == 0:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            self.got += n
+
+    @staticmethod
+    def _bad(why: str) -> BadReply:
+        return BadReply(why)
+
+
+def receive(sock: Any, commands: Sequence[Command]) -> list[Any]:
+    """The replies of ``commands`` (already sent) off ``sock`` (``recv_into``), parsed as they
+    arrive into one buffer; see :meth:`Wire.read` for what each reply becomes."""
+    return _Reader(sock, commands).read()
+
+
+class Wire:
+    """Sockets to one Redis server, opened as redis-py's client for it would open them."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self._kwargs = kwargs
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def of(cls, client: Any) -> Wire | None:
+        """A Wire to the server of a plain ``redis.Redis`` client (TCP or Unix socket), or None: TLS,
+        RESP3, or a client of another kind."""
+        pool = getattr(client, "connection_pool", None)
+        kwargs = getattr(pool, "connection_kwargs", None)
+        conn_class = getattr(pool, "connection_class", None)
+        plain = (redis.connection.Connection, redis.connection.UnixDomainSocketConnection)
+        if (
+            not isinstance(kwargs, dict)
+            or conn_class not in plain
+            or kwargs.get("protocol") not in (None, 2, "2")
+        ):
+            return None
+        return cls(dict(kwargs))
+
+    def read(self, commands: Sequence[Command]) -> list[Any]:
+        """Send ``commands`` in one write and receive their replies into one buffer: per command an
+        ``int``, a :class:`Part` (a bulk string), None (a nil bulk), a ``str`` (a simple string) or
+        the redis-py ``ResponseError`` of an error reply."""
+        sock = self._take()
+        try:
+            sock.sendall(pack(commands))
+            replies = receive(sock, commands)
+        except BaseException:
+            sock.close()
+            raise
+        self._give_back(sock)
+        return replies
+
+    def _take(self) -> socket.socket:
+        """An idle socket the server has not closed (a restarted server's EOF, or bytes nobody asked
+        for, make it readable: it is dropped, as redis-py drops such a connection), else a new one."""
+        while True:
+            with self._lock:
+                sock = self._idle.pop() if self._idle else None
+            if sock is None:
+                return self._open()
+            if not select.select([sock], [], [], 0)[0]:
+                return sock
+            sock.close()
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < MAX_IDLE:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _open(self) -> socket.socket:
+        k = self._kwargs
+        timeout = k.get("socket_timeout")
+        try:
+            if k.get("path"):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(k.get("socket_connect_timeout") or timeout)
+                sock.connect(k["path"])
+            else:
+                sock = socket.create_connection(
+                    (k["host"], k["port"]), k.get("socket_connect_timeout") or timeout
+                )
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except TimeoutError:
+            raise redis.exceptions.TimeoutError("Timeout connecting to server") from None
+        except OSError as e:
+            raise redis.exceptions.ConnectionError(f"Error connecting to {self._where()}: {e}") from None
+        sock.settimeout(timeout)
+        try:
+            self._handshake(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _handshake(self, sock: socket.socket) -> None:
+        """``AUTH`` and ``SELECT`` as the URL asks; an error reply is raised as redis-py raises it."""
+        k, hello = self._kwargs, []
+        if k.get("password") is not None:
+            user = (k["username"],) if k.get("username") else ()
+            hello.append(Command(("AUTH", *user, k["password"])))
+        if k.get("db"):
+            hello.append(Command(("SELECT", k["db"])))
+        if not hello:
+            return
+        sock.sendall(pack(hello))
+        for reply in receive(sock, hello):
+            if isinstance(reply, Exception):
+                raise reply
+
+    def _where(self) -> str:
+        k = self._kwargs
+        return k["path"] if k.get("path") else f"{k.get('host')}:{k.get('port')}"
+
+    def close(self) -> None:
+        """Close the idle sockets; a read in flight closes its own when done."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
