@@ -3,9 +3,11 @@ tokens, section offsets and shapes, ask whether a blob is plain, and carry its C
 
 * :class:`Geometry` (:func:`geometry`): tokens, heads, head_dim and where K, V's codes and the scales
   lie in the payload, from the header alone.
-* :func:`is_plain`: a blob whose payload is K and FP8 e4m3 codes of one ``[tokens, heads, head_dim]``
+* :func:`is_plain`: a blob whose payload is K and FP8 codes of one ``[tokens, heads, head_dim]``
   shape with fp32 scales of a computed scope stored in that scope's shape: what row loops (the C cache
   lanes, the fused kernels) can take as it is, without a decode.
+* :func:`sections_from`: a plain blob's K, codes and scales of its tokens from one on (the payload
+  of a blob of those tokens), for a load that leaves the first tokens alone.
 * :class:`BlobCrc`: a blob's CRC carried through the passes that read its payload: the seed before
   the payload, the rest added after a pass that folded part of it in, checked against the stored
   CRC, and the header then remembered by :func:`~.parser.parse`'s memo.
@@ -19,11 +21,11 @@ import math
 from dataclasses import dataclass
 
 from .crc import crc32
-from .dtypes import FLOAT8_E4M3FN, FLOAT32
+from .dtypes import FLOAT8_DTYPES, FLOAT32
 from .header import COMPUTED_SCOPES, Header, ScaleScheme, ScaleScope, check_crc, payload_crc
 from .parser import ParsedBlob, expected_scale_shape, remember_header
 
-__all__ = ["BlobCrc", "Geometry", "geometry", "is_plain"]
+__all__ = ["BlobCrc", "Geometry", "geometry", "is_plain", "sections_from"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,16 @@ class Geometry:
     """The scales start here (after V)."""
     end: int
     """The payload's length."""
+
+    @property
+    def k_token(self) -> int:
+        """Bytes of K per token (all heads)."""
+        return self.heads * self.k_row
+
+    @property
+    def v_token(self) -> int:
+        """Bytes of V per token (all heads)."""
+        return (self.scales_at - self.v_at) // self.tokens
 
     @property
     def k_shape(self) -> tuple[int, int, int]:
@@ -66,11 +78,11 @@ def geometry(h: Header) -> Geometry | None:
 
 
 def is_plain(h: Header) -> bool:
-    """Whether the payload is plain rows: K present, V e4m3fn codes of one ``[tokens, heads,
-    head_dim]`` shape, fp32 scales computed per a scope (``page_size >= 1`` for per_page_head) and
+    """Whether the payload is plain rows: K present, V FP8 codes (e4m3fn or e5m2) of one ``[tokens,
+    heads, head_dim]`` shape, fp32 scales computed per a scope (``page_size >= 1`` for per_page_head) and
     stored in that scope's shape. Such a blob is written into a cache by row loops as it is."""
     g = geometry(h)
-    if g is None or not h.k_payload_len or h.v_dtype != FLOAT8_E4M3FN or h.scale_dtype != FLOAT32:
+    if g is None or not h.k_payload_len or h.v_dtype not in FLOAT8_DTYPES or h.scale_dtype != FLOAT32:
         return False
     if h.scale_scheme != ScaleScheme.COMPUTED or h.scale_scope not in COMPUTED_SCOPES:
         return False
@@ -78,6 +90,21 @@ def is_plain(h: Header) -> bool:
         return False
     shape = expected_scale_shape(h.scale_scope, g.tokens, g.heads, h.page_size)
     return shape is not None and h.scale_shape == shape and h.scale_payload_len == 4 * math.prod(shape)
+
+
+def sections_from(p: ParsedBlob, skip: int) -> tuple[memoryview, memoryview, memoryview]:
+    """K, V's codes and the scales of a plain blob's (:func:`is_plain`) tokens ``skip ..``: the payload
+    of a blob of those tokens. per_page_head: its scale rows from page ``skip / page_size`` on (``skip``
+    must be a whole number of pages); the other scopes' scales cover every token and come whole."""
+    h, g = p.header, geometry(p.header)
+    if g is None or not 0 <= skip <= g.tokens:
+        raise ValueError(f"skip {skip} is not a token of this blob")
+    scales_skip = 0
+    if h.scale_scope == ScaleScope.PER_PAGE_HEAD:
+        if skip % h.page_size:
+            raise ValueError(f"skip {skip} splits a scale page of {h.page_size} tokens")
+        scales_skip = skip // h.page_size * g.heads * h.scale_dtype.itemsize
+    return p.k[skip * g.k_token :], p.v[skip * g.v_token :], p.scales[scales_skip:]
 
 
 class BlobCrc:

@@ -9,6 +9,7 @@ import torch
 
 from kvcodec import CorruptEncodedKVError, Reason, encode
 from kvcodec.format import BlobCrc, geometry, is_plain, parse
+from kvcodec.format.geometry import sections_from
 from kvcodec.format.parser import clear_header_memo, header_memo_info
 
 
@@ -66,3 +67,26 @@ def test_blob_crc_refuses_damage_and_remembers_only_after_passing() -> None:
     blob[-1] ^= 1
     c.finish(None, remember=True)
     assert header_memo_info().entries == 1
+
+
+@pytest.mark.parametrize("skip", [0, 16, 32])
+def test_sections_from_a_page_are_the_blob_of_those_tokens(skip: int) -> None:
+    """per_page_head scales are per page: the tail from a page boundary is the blob of those tokens."""
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(40, 3, 64, generator=g).half(), torch.randn(40, 3, 64, generator=g).half()
+    kw = {"scope": "per_page_head", "page_size": 16, "scale_dtype": torch.float32}
+    whole = parse(encode(k, v, **kw))
+    got = b"".join(bytes(x) for x in sections_from(whole, skip))
+    want = bytes(parse(encode(k[skip:], v[skip:], **kw)).payload)
+    assert got == want
+
+
+def test_sections_from_keep_whole_scales_and_refuse_a_split_page() -> None:
+    p = parse(_blob(scope="per_layer_head", scale_dtype=torch.float32))
+    k, codes, scales = sections_from(p, 8)
+    assert bytes(k) == bytes(p.k)[8 * 3 * 64 * 2 :] and bytes(codes) == bytes(p.v)[8 * 3 * 64 :]
+    assert bytes(scales) == bytes(p.scales)
+    with pytest.raises(ValueError, match="splits a scale page"):
+        sections_from(parse(_blob(scope="per_page_head", page_size=16)), 8)
+    with pytest.raises(ValueError, match="not a token"):
+        sections_from(p, 41)

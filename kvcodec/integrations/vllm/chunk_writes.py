@@ -13,29 +13,14 @@ from typing import Any
 
 import torch
 
-from kvcodec import ParsedBlob, Reason, UnsupportedConfigError
+from kvcodec import Reason, UnsupportedConfigError
 from kvcodec.backends import scatter_blob_rows_many
-from kvcodec.format import check_crc, payload_crc
-from kvcodec.format.crc import crc32
-from kvcodec.format.parser import remember_header
+from kvcodec.format import BlobCrc
 
-from .chunks import LayerChunk, PreparedChunk, check_blob_crc
+from .chunks import LayerChunk, PreparedChunk
 from .layout import ChunkSlots, chunk_slots, scatter_kv
 
 __all__ = ["write_chunk"]
-
-
-def _finish_crc(p: ParsedBlob, got: int | None) -> None:
-    """After a C pass that wrote the blob: ``got`` its CRC through K and V's codes (continued over the
-    scales here), or None when C did not fold it (the whole blob checked here). Only once it passed
-    is the header remembered (the store's read left it out of the memo)."""
-    if got is None:
-        check_blob_crc(p)
-    else:
-        h = p.header
-        end = p.header_len + h.k_payload_len + h.v_payload_len
-        check_crc(h, p.crc, crc32(p.buffer[end : end + h.scale_payload_len], got))
-    remember_header(p)
 
 
 def write_chunk(
@@ -88,7 +73,7 @@ def write_chunk(
 def _write_c(plan: list[tuple[torch.Tensor, LayerChunk, ChunkSlots, Any]]) -> set[int]:
     """Layers of one geometry, each with rows for C, in one :func:`scatter_blob_rows_many`: the ids of
     those written (a CRC read unchecked is checked after the writes, in order: a mismatch raises)."""
-    writes = [(lay.rows, c, _seed(lay.unverified)) for c, lay, _, _ in plan]
+    writes = [(lay.rows, c, None if lay.unverified is None else lay.unverified.seed) for c, lay, _, _ in plan]
     got = scatter_blob_rows_many(writes, plan[0][1].codec.head_size, plan[0][3])
     written = set()
     for (_, layer, _, _), res in zip(plan, got):
@@ -99,8 +84,11 @@ def _write_c(plan: list[tuple[torch.Tensor, LayerChunk, ChunkSlots, Any]]) -> se
     return written
 
 
-def _seed(p: ParsedBlob | None) -> int | None:
-    return None if p is None else payload_crc(p.header, p.crc_prefix, ())
+def _finish_crc(crc: BlobCrc, got: int | None) -> None:
+    """After a C pass that wrote the blob: ``got`` its CRC through K and V's codes (continued over the
+    scales), or None when C did not fold it (the whole blob checked). Only once it passed is the
+    header remembered (the store's read left it out of the memo)."""
+    crc.finish(got, crc.codes_end, remember=True)
 
 
 def _write_decoded(
@@ -111,7 +99,7 @@ def _write_decoded(
     :func:`~.layout.scatter_kv`."""
     cc = layer.codec
     if layer.unverified is not None:
-        check_blob_crc(layer.unverified)
+        layer.unverified.finish(None)
     k, v = layer.decoded(cache.dtype)
     scatter_kv(
         cache,

@@ -16,7 +16,6 @@ is never read at other widths.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,14 +34,14 @@ from kvcodec import (
 )
 from kvcodec.backends import BlobRows, Groups, cache_lanes_available, call, select
 from kvcodec.format import (
+    BlobCrc,
     Hashes,
     Header,
     ScaleScheme,
     ScaleScope,
     as_dtype,
-    check_crc,
-    expected_scale_shape,
-    payload_crc,
+    geometry,
+    is_plain,
 )
 from kvcodec.format.dtypes import FLOAT8_E4M3FN, FLOAT32
 
@@ -67,7 +66,6 @@ __all__ = [
     "LayerChunk",
     "PreparedChunk",
     "blob_identity",
-    "check_blob_crc",
     "check_ids",
     "check_k_exact",
     "decode_chunk",
@@ -202,9 +200,9 @@ class LayerChunk:
     rows: BlobRows | None = None
     """The blob's K bytes and V's codes and scales, which :func:`~.chunk_writes.write_chunk` writes into a CPU
     cache in one C pass (V dequantized there, K copied)."""
-    unverified: ParsedBlob | None = None
-    """The blob ``rows`` view when its CRC is still unchecked (read with ``crc_checked=False``):
-    :func:`write_chunk` checks it in the same C pass and raises ``CorruptEncodedKVError`` after
+    unverified: BlobCrc | None = None
+    """The CRC of the blob ``rows`` views when it is still unchecked (read with ``crc_checked=False``):
+    :func:`write_chunk` continues it in the same C pass and raises ``CorruptEncodedKVError`` after
     writing (the load then fails and the blob is removed)."""
 
     def decoded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +227,6 @@ class PreparedChunk:
     layers: dict[str, LayerChunk]
 
 
-_C_SCOPES = (ScaleScope.PER_TENSOR, ScaleScope.PER_LAYER_HEAD, ScaleScope.PER_PAGE_HEAD)
 _C_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -273,10 +270,10 @@ def read_chunk(
             plan = plans[key] = _Plan.of(cache, cc, num_tokens, chunk_hash)
         ids = (layer_ids[name], chunk_id)
         unchecked = not crc_checked and parsed is blob
-        layer = plan.rows(parsed, ids, parsed if unchecked else None)
+        layer = plan.rows(parsed, ids, unchecked)
         if layer is None:  # not the plain case: decoded now, by the general path (which names any refusal)
             if unchecked:
-                check_blob_crc(parsed)
+                BlobCrc(parsed).finish(None)
             layer = LayerChunk(
                 cc, kv=decode_chunk(parsed, cache, cc, num_tokens=num_tokens, chunk_hash=chunk_hash, ids=ids)
             )
@@ -286,43 +283,35 @@ def read_chunk(
 
 @dataclass(frozen=True)
 class _Rows:
-    """Where a plain blob's K, V codes and scales lie after its header, their shapes and V's groups:
+    """A plain blob's K, V codes and scales shapes (:func:`~kvcodec.format.geometry`) and V's groups:
     the same for every blob of one header layout, so worked out once per chunk and layout."""
 
     k_shape: tuple[int, int, int]
     codes_shape: tuple[int, int, int]
     scales_shape: tuple[int, ...]
-    codes_at: int
-    """Bytes from the header's end to V's codes (K's length); the scales follow the codes."""
-    scales_at: int
     groups: Groups
 
     @classmethod
     def of(cls, h: Header, key: tuple[Any, ...], fields: tuple[Any, ...]) -> _Rows | None:
         """The layout of a blob whose header is ``h`` (``key``: its :func:`_layout_key`); None when it
-        is not the plain case ``fields`` describes (the general path then checks and decodes it)."""
-        paged = h.scale_scope == ScaleScope.PER_PAGE_HEAD
-        plain = key[: len(fields)] == fields and h.scale_scope in _C_SCOPES and h.scale_payload_len
-        if not plain or (paged and h.page_size < 1):
+        is not the plain case (:func:`~kvcodec.format.is_plain`) ``fields`` describes (the general
+        path then checks and decodes it, and names any refusal)."""
+        g = geometry(h)
+        if key[: len(fields)] != fields or g is None or not is_plain(h):
             return None
-        heads, dk, k_len, v_len = h.kv_head_count, h.head_dim, h.k_payload_len, h.v_payload_len
-        tokens = v_len // (heads * dk)
-        shape = expected_scale_shape(h.scale_scope, tokens, heads, h.page_size)
-        if h.scale_shape != shape or h.scale_payload_len != 4 * math.prod(shape):
-            return None  # a header parsed without its consistency checks: the general path names it
+        paged = h.scale_scope == ScaleScope.PER_PAGE_HEAD
         return cls(
-            k_shape=(tokens, heads, k_len // (tokens * heads)),
-            codes_shape=(tokens, heads, dk),
-            scales_shape=shape,
-            codes_at=k_len,
-            scales_at=k_len + v_len,
+            k_shape=g.k_shape,
+            codes_shape=g.v_shape,
+            scales_shape=tuple(h.scale_shape),
             groups=Groups(h.scale_scope, h.page_size if paged else None, torch.float8_e4m3fn),
         )
 
 
 def _layout_key(h: Header) -> tuple[Any, ...]:
-    """Every header field :meth:`_Rows.of` reads, :attr:`_Plan.fields`' first: headers equal in these
-    have the same layout."""
+    """Every header field :meth:`_Rows.of` reads (through :func:`~kvcodec.format.is_plain` and
+    :func:`~kvcodec.format.geometry`), :attr:`_Plan.fields`' first: headers equal in these have the
+    same layout."""
     return (
         h.kv_head_count,
         h.head_dim,
@@ -382,10 +371,10 @@ class _Plan:
         )
         return cls(cc, identity, fields)
 
-    def rows(self, p: ParsedBlob, ids: tuple[int, int], unverified: ParsedBlob | None) -> LayerChunk | None:
+    def rows(self, p: ParsedBlob, ids: tuple[int, int], unverified: bool) -> LayerChunk | None:
         """The blob as K bytes and V codes for C, after the identity and id checks; None when it is
-        not the plain case (the general path then checks and decodes it). ``unverified``: ``p``, when
-        its CRC is left to :func:`write_chunk`."""
+        not the plain case (the general path then checks and decodes it). ``unverified``: ``p``'s CRC
+        is left to :func:`write_chunk` (carried as a :class:`~kvcodec.format.BlobCrc`)."""
         h = p.header
         if h.hashes != self.identity:  # equal: the strict check passes; else it names the difference
             check_hashes(h.hashes, self.identity, strict=True)
@@ -398,13 +387,8 @@ class _Plan:
         r = self.last[1]
         if r is None:
             return None
-        buf, at = p.buffer, p.header_len
-        k = np.ndarray(r.k_shape, np.uint8, buf, at)
-        codes = np.ndarray(r.codes_shape, np.uint8, buf, at + r.codes_at)
-        scales = np.ndarray(r.scales_shape, np.float32, buf, at + r.scales_at).copy()  # aligned, C-contiguous
-        return LayerChunk(self.codec, rows=BlobRows(k, codes, scales, r.groups), unverified=unverified)
-
-
-def check_blob_crc(p: ParsedBlob) -> None:
-    """Check a blob's CRC over its header and whole payload (CorruptEncodedKVError, CRC_MISMATCH)."""
-    check_crc(p.header, p.crc, payload_crc(p.header, p.crc_prefix, (p.payload,)))
+        k = np.frombuffer(p.k, np.uint8).reshape(r.k_shape)
+        codes = np.frombuffer(p.v, np.uint8).reshape(r.codes_shape)
+        scales = np.frombuffer(p.scales, np.float32).reshape(r.scales_shape).copy()  # aligned, C-contiguous
+        crc = BlobCrc(p) if unverified else None
+        return LayerChunk(self.codec, rows=BlobRows(k, codes, scales, r.groups), unverified=crc)

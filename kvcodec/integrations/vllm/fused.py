@@ -35,7 +35,6 @@ module imports neither Triton nor vLLM.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcodec import ParsedBlob, Reason, ScaleScheme, ScaleScope, UnsupportedConfigError, check_hashes
+from kvcodec import ParsedBlob, Reason, ScaleScope, UnsupportedConfigError, check_hashes
 from kvcodec.codec import resolve_scope, to_torch
 from kvcodec.env import triton_interpret
 from kvcodec.format import COMPUTED_SCOPES, Hashes, HeaderPacker
-from kvcodec.numerics import FP8_DTYPES, scale_shape
+from kvcodec.format.geometry import geometry, is_plain, sections_from
+from kvcodec.numerics import FP8_DTYPES
 
 from .chunks import ChunkCodec, blob_identity, check_ids, check_k_exact
 
@@ -162,11 +162,8 @@ def _check_geometry(p: ParsedBlob, tokens: int, heads: int, dim: int, dtype: tor
         raise UnsupportedConfigError(
             "the blob holds no K; a vLLM cache needs both K and V", reason=Reason.MISSING_ARGUMENT
         )
-    shape = (
-        (h.v_payload_len // (h.kv_head_count * h.head_dim), h.kv_head_count, h.head_dim)
-        if (h.kv_head_count > 0 and h.head_dim > 0)
-        else (h.v_payload_len,)
-    )
+    g = geometry(h)
+    shape = g.v_shape if g is not None else (h.v_payload_len,)
     if shape != (tokens, heads, dim):
         raise UnsupportedConfigError(
             f"the blob holds {shape}; this cache needs ({tokens}, {heads}, {dim})", reason=Reason.BAD_SHAPE
@@ -174,21 +171,13 @@ def _check_geometry(p: ParsedBlob, tokens: int, heads: int, dim: int, dtype: tor
     check_k_exact(to_torch(h.k_dtype), dtype)
 
 
-def _plan(p: ParsedBlob, tokens: int, heads: int) -> _Plan | None:
-    """The kernels' decode of one checked blob, or None when only the per-layer path decodes it."""
+def _plan(p: ParsedBlob) -> _Plan | None:
+    """The kernels' decode of one checked blob (:func:`_check_geometry`: of this cache's tokens and
+    heads), or None when only the per-layer path decodes it: a blob that is not plain."""
     h = p.header
-    if (
-        h.scale_scope not in COMPUTED_SCOPES
-        or h.scale_scheme != ScaleScheme.COMPUTED
-        or str(h.scale_dtype) != "float32"
-    ):
+    if not is_plain(h):
         return None
     ps = h.page_size if h.scale_scope == ScaleScope.PER_PAGE_HEAD else None
-    if h.scale_scope == ScaleScope.PER_PAGE_HEAD and ps < 1:
-        return None
-    shape = scale_shape(h.scale_scope, tokens, heads, ps)
-    if tuple(h.scale_shape) != shape or h.scale_payload_len != 4 * math.prod(shape):
-        return None
     return _Plan(h.scale_scope, ps, to_torch(h.v_dtype))
 
 
@@ -347,7 +336,7 @@ class FusedLayers:
         rows = [parsed[n] for n in self.names]
         for p, lid in zip(rows, self.layer_ids):
             self.check(p, chunk_size, chunk_hash, (lid, chunk))
-        plans = {_plan(p, chunk_size, self.views.heads) for p in rows}
+        plans = {_plan(p) for p in rows}
         if len(plans) != 1 or None in plans:
             return None
         (plan,) = plans
@@ -366,17 +355,15 @@ class FusedLayers:
             buf = self._load_host = torch.empty(layers * stride, dtype=torch.uint8, pin_memory=True)
         return buf[: layers * stride].view(layers, stride)
 
-    def _upload(
-        self, parsed: Sequence[ParsedBlob], skip: int = 0, page_size: int | None = None
-    ) -> torch.Tensor:
+    def _upload(self, parsed: Sequence[ParsedBlob], skip: int = 0) -> torch.Tensor:
         """Every layer's payload as ``[L, payload_len]`` uint8 on the caches' device, rows 16-byte
         aligned (padded as the save side's are, so the kernels keep their 128-bit accesses).
 
         With ``skip``, each row is the payload of the chunk's tokens from ``skip`` on (the tail of K,
-        of the codes and, per page, of the scales): a blob of those tokens, which the kernels decode
-        as they decode a whole chunk. ``page_size``: the per_page_head scale page (None otherwise).
+        of the codes and, per page, of the scales: :func:`~kvcodec.format.geometry.sections_from`): a blob of
+        those tokens, which the kernels decode as they decode a whole chunk.
         """
-        parts = [_tail(p, skip, page_size) for p in parsed]
+        parts = [sections_from(p, skip) for p in parsed]
         n = sum(len(x) for x in parts[0])
         host = self._payload_buffer(len(parsed), self._qt.payload_stride(n))
         rows = host.numpy()
@@ -397,7 +384,7 @@ class FusedLayers:
         again); its first ``skip`` tokens stay as vLLM computed them."""
         plan = fc.plan
         self._vt.decode_scatter_layers(
-            self._upload(fc.parsed, fc.skip, plan.page_size),
+            self._upload(fc.parsed, fc.skip),
             self.views,
             block_ids,
             num_tokens=fc.chunk_size - fc.skip,
@@ -419,12 +406,3 @@ class FusedChunk:
     chunk_size: int
     skip: int
     plan: _Plan
-
-
-def _tail(p: ParsedBlob, skip: int, page_size: int | None) -> tuple[memoryview, memoryview, memoryview]:
-    """K, codes and scale bytes of a checked blob's tokens from ``skip`` on (whole sections at 0)."""
-    h = p.header
-    tokens = h.v_payload_len // (h.kv_head_count * h.head_dim)
-    k_tok, v_tok = h.k_payload_len // tokens, h.v_payload_len // tokens
-    s_skip = (skip // page_size) * h.kv_head_count * 4 if page_size else 0  # fp32 scales, [pages, heads]
-    return p.k[skip * k_tok :], p.v[skip * v_tok :], p.scales[s_skip:]

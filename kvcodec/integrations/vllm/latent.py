@@ -70,7 +70,6 @@ def decode_latent(
             f"{h.scale_scheme.name}, V of {h.v_dtype.name}, {h.v_payload_len} bytes",
             reason=Reason.INCONSISTENT_PAYLOAD,
         )
-    v_at = h.k_payload_len
-    raw = torch.frombuffer(bytearray(p.payload[v_at : v_at + want]), dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(p.v), dtype=torch.uint8)  # v_payload_len == want: checked above
     entry = raw.view(cache.dtype).reshape(num_tokens, heads, dim).to(cache.device)
     return entry, entry.new_empty((num_tokens, heads, 0))
