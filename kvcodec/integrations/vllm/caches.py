@@ -22,7 +22,7 @@ __all__ = ["LayerCaches"]
 
 @dataclass
 class LayerCaches:
-    """What ``register_kv_caches`` set up; empty until then."""
+    """What ``register_kv_caches`` sets up: the worker builds it (and its handlers) there."""
 
     geo: CacheGeometry
     layers: dict[str, int]

@@ -234,11 +234,9 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config.model_config.dtype,
                 getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None),
                 str(vllm_config.cache_config.cache_dtype),
+                groups,
             )
             self.worker = KvcodecWorker(setup, self.store, self.keys, self.counters, parts)
-            if geo.windows:  # vLLM's hybrid allocator: each layer's group, copies inside the step
-                self.worker.caches.groups = groups
-                self.worker.caches.windowed = True
         logger.info(
             "KvcodecConnector(%s): store %s, chunk_size %d, scope %s, async save %s / load %s",
             role.name,
@@ -267,8 +265,8 @@ class KvcodecConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _sample(self) -> None:
         if self.worker is not None:
-            self.counters.gauge("writer_queue_depth", self.worker.saves.depth)
-            self.counters.gauge("pending_save_bytes", self.worker.saves.pending.held)
+            for name, value in self.worker.gauges().items():
+                self.counters.gauge(name, value)
         self.counters.merge_store(flat_stats(self.store))
 
     @property

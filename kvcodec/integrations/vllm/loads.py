@@ -18,7 +18,6 @@ find it again; a damaged or misfiled blob removes the chunk's every key.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import threading
 import time
@@ -55,7 +54,7 @@ each taking the GIL and a core from the loader. (A request that arrives meanwhil
 
 DEFER_CRC = True
 """Whether CPU loads check each blob's CRC in the C pass that writes it rather than in the read (where
-the store and C allow it), so that each blob's payload is read from memory once. On: measured with
+C is built), so that each blob's payload is read from memory once. On: measured with
 ``bench/connector_load.py`` (2048 tokens, 96 blobs), with the C CRC folded on 512-bit registers the
 deferred load is 3-8% less CPU than checking in the read (the read saves the CRC pass, the write adds
 less). A blob found damaged while written fails its chunk: vLLM recomputes the blocks written."""
@@ -101,6 +100,7 @@ class LoadHandler:
         *,
         write: WriteChunk = write_chunk,
         idle_wait_s: float = IDLE_LOAD_WAIT_S,
+        heads: HeadLayout | None = None,
     ) -> None:
         self.cfg, self.caches, self.store, self.keys, self.counters = cfg, caches, store, keys, counters
         self.write = write
@@ -114,7 +114,7 @@ class LoadHandler:
         self._errors: set[int] = set()
         self.prepare: Callable[[LoadSpec], LoadResult] = self.read_and_check
         """What reads and checks a load (replaceable: tests gate or break it)."""
-        self.heads: HeadLayout | None = None
+        self.heads = heads
         """How chunks are split into head ranges (None: one rank, whole-head blobs only)."""
         self.defer_crc = DEFER_CRC and self.can_defer_crc
         """Whether CPU loads read blobs unchecked and check their CRC while writing them (settable,
@@ -122,8 +122,9 @@ class LoadHandler:
 
     @property
     def can_defer_crc(self) -> bool:
-        """Whether the CRC can be left to the write: C built, the store takes ``verify_crc``."""
-        return cache_lanes_available() and _takes_verify_crc(self.store)
+        """Whether the CRC can be left to the write: C built (every :class:`~kvcodec.store.BlobStore`
+        takes ``verify_crc``)."""
+        return cache_lanes_available()
 
     # ------------------------------------------------------------ the step's hooks
 
@@ -304,12 +305,12 @@ class LoadHandler:
         return parsed
 
     def _max_blob_bytes(self, c: int, chunk_hash: str) -> int | None:
-        """The most one layer's blob of chunk ``c`` may hold, for a store whose reads take it: no more
-        of a value is read, so a planted oversized value costs no more than a blob (issue 34). The
+        """The most one layer's blob of chunk ``c`` may hold (every :class:`~kvcodec.store.BlobStore`'s
+        reads take ``max_bytes``): no more of a value is read, so a planted oversized value costs no more than a blob (issue 34). The
         chunk manifest's header with the most scale dims (+1 KiB), K and V of every KV head of the
         model at 2 bytes an element (or the cache's), a float32 scale a token and head."""
         caches = self.caches
-        if not _takes_max_bytes(self.store) or not caches.caches:
+        if not caches.caches:
             return None
         cache = next(iter(caches.caches.values()))  # every layer's view has the geometry's shape
         header = len(caches.manifest_blob(c, chunk_hash)) + MAX_SCALE_DIMS * SCALE_DIM.size + 1024
@@ -416,18 +417,6 @@ class LoadHandler:
         self.loader.shutdown(0)
 
 
-def _takes_max_bytes(store: BlobStore) -> bool:
-    """Whether ``store``'s reads take ``max_bytes`` (the largest blob expected; optional in a
-    :class:`~kvcodec.store.BlobStore` not of this package)."""
-    try:
-        return all(
-            "max_bytes" in inspect.signature(getattr(store, m)).parameters
-            for m in ("get_parsed", "get_parsed_many")
-        )
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
 NULL_BLOCK = 0
 """vLLM's null block: what a sliding-window group's block table holds outside the window."""
 
@@ -440,15 +429,3 @@ def _live_from(blocks: Sequence[int], chunk: int, cs: int, bs: int, skip: int) -
         if blocks[b] != NULL_BLOCK:
             return max(skip, b * bs - first)
     return None
-
-
-def _takes_verify_crc(store: BlobStore) -> bool:
-    """Whether ``store`` can leave a blob's CRC to its caller (``get_parsed``/``get_parsed_many``
-    take ``verify_crc``; the keyword is optional in :class:`~kvcodec.store.BlobStore`)."""
-    try:
-        return all(
-            "verify_crc" in inspect.signature(getattr(store, m)).parameters
-            for m in ("get_parsed", "get_parsed_many")
-        )
-    except (AttributeError, TypeError, ValueError):
-        return False

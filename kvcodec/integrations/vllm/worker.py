@@ -1,6 +1,8 @@
 """The connector's worker side: the registered caches, one load handler and one save handler.
 
-The facade's worker hooks land here; each hands its part of the step's :class:`~.metadata.StepPlan`
+The caches and both handlers are built in ``register_kv_caches``, once the caches exist (as vLLM builds
+its offloading worker there); a hook that needs them before that is a ``RuntimeError``. The facade's
+worker hooks land here; each hands its part of the step's :class:`~.metadata.StepPlan`
 to :class:`~.loads.LoadHandler` or :class:`~.saves.SaveHandler`. What tests and benchmarks replace
 (the store, the copy out of the cache, the write into it, the idle wait) comes in through
 :class:`ConnectorParts`, never by patching modules.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +67,17 @@ class WorkerSetup:
     fp8_layers: Any = None
     """vLLM's static forward context (layer name -> attention layer), for FP8 caches' scales."""
     cache_dtype: str = "auto"
+    groups: dict[str, int] = field(default_factory=dict)
+    """Layer name -> its KV cache group (vLLM's hybrid allocator); used where a group is sliding-window."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What the worker has once vLLM registered its caches: the caches and the handlers over them."""
+
+    caches: LayerCaches
+    loads: LoadHandler
+    saves: SaveHandler
 
 
 class KvcodecWorker:
@@ -73,22 +86,67 @@ class KvcodecWorker:
     def __init__(
         self, setup: WorkerSetup, store: BlobStore, keys: ChunkKeys, counters: Counters, parts: ConnectorParts
     ) -> None:
-        cfg = self.cfg = setup.cfg
-        self.setup, self.store, self.counters = setup, store, counters
-        self.caches = LayerCaches(setup.geo, setup.layers, cfg.chunk_size, world=setup.heads.world)
-        self.loads = LoadHandler(
-            cfg, self.caches, store, keys, counters, write=parts.write, idle_wait_s=parts.idle_load_wait_s
-        )
-        self.loads.heads = setup.heads
-        self.saves = SaveHandler(cfg, self.caches, store, keys, counters, gather=parts.gather)
+        self.cfg = setup.cfg
+        self.setup, self.store, self.keys, self.counters, self.parts = setup, store, keys, counters, parts
+        self.registered: Registered | None = None
+        """The caches and handlers, from ``register_kv_caches`` on."""
         self.held: set[str] = set()
         """Finished requests whose blocks vLLM holds until ``get_finished`` reports them."""
         self.shutdown_timeout_s = SHUTDOWN_DRAIN_S
 
+    def _registered(self) -> Registered:
+        if self.registered is None:
+            raise RuntimeError("kvcodec: a worker hook called before register_kv_caches")
+        return self.registered
+
+    @property
+    def caches(self) -> LayerCaches:
+        return self._registered().caches
+
+    @property
+    def loads(self) -> LoadHandler:
+        return self._registered().loads
+
+    @property
+    def saves(self) -> SaveHandler:
+        return self._registered().saves
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], rank: int) -> None:
-        """Keep this model's layer views and build the fused path when it serves them (logged once)."""
+        """Keep this model's layer views, build the fused path when it serves them (logged once), then
+        the load and save handlers over them. Called again (vLLM does not), the views are replaced and
+        the handlers kept."""
+        if self.registered is not None:
+            self._register(self.registered.caches, kv_caches, rank)
+            return
+        setup, cfg, parts = self.setup, self.cfg, self.parts
+        windowed = bool(setup.geo.windows)  # vLLM's hybrid allocator: each layer's group, copies in the step
+        caches = LayerCaches(
+            setup.geo,
+            setup.layers,
+            cfg.chunk_size,
+            world=setup.heads.world,
+            groups=dict(setup.groups) if windowed else {},
+            windowed=windowed,
+        )
+        self._register(caches, kv_caches, rank)
+        store, keys, counters = self.store, self.keys, self.counters
+        loads = LoadHandler(
+            cfg,
+            caches,
+            store,
+            keys,
+            counters,
+            write=parts.write,
+            idle_wait_s=parts.idle_load_wait_s,
+            heads=setup.heads,
+        )
+        saves = SaveHandler(cfg, caches, store, keys, counters, gather=parts.gather)
+        self.registered = Registered(caches, loads, saves)
+
+    def _register(self, caches: LayerCaches, kv_caches: dict[str, torch.Tensor], rank: int) -> None:
+        """Fill ``caches`` with this model's views, its codec and the fused path (logged once)."""
         setup, geo = self.setup, self.setup.geo
-        self.caches.rank = rank
+        caches.rank = rank
         codec = ChunkCodec(  # one for every layer: a load plans each chunk once for all of them
             head_size=geo.head_size,
             block_size=geo.block_size,
@@ -97,14 +155,14 @@ class KvcodecWorker:
             page_size=self.cfg.page_size,
             hashes=setup.heads.hashes[setup.heads.own(rank)],
         )
-        self.caches.register(kv_caches, codec)
+        caches.register(kv_caches, codec)
         if geo.fp8:
-            self.caches.fp8_scales = self._fp8_scales
-        mode = "off" if self.caches.windowed else self.cfg.fused  # fused: one block table for all layers
-        fused, why = FusedLayers.build(self.caches.caches, setup.layers, codec, mode)
-        self.caches.fused = fused
+            caches.fp8_scales = self._fp8_scales
+        mode = "off" if caches.windowed else self.cfg.fused  # fused: one block table for all layers
+        fused, why = FusedLayers.build(caches.caches, setup.layers, codec, mode)
+        caches.fused = fused
         if fused is not None and fused.device.type == "cuda":
-            self.caches.side_stream = torch.cuda.Stream(fused.device)
+            caches.side_stream = torch.cuda.Stream(fused.device)
         logger.info("kvcodec: %s path (%s)", "fused" if fused is not None else "per-layer", why)
 
     def _fp8_scales(self, name: str) -> FP8Scales:
@@ -160,11 +218,22 @@ class KvcodecWorker:
         self.saves.wait_for_save(meta.saves)
         self.counters.add(wait_for_save_seconds=time.perf_counter() - t0)
 
+    def gauges(self) -> dict[str, float]:
+        """The save side's queue depth and held bytes (0 before the caches are registered)."""
+        if self.registered is None:
+            return {"writer_queue_depth": 0, "pending_save_bytes": 0}
+        saves = self.registered.saves
+        return {"writer_queue_depth": saves.depth, "pending_save_bytes": saves.pending.held}
+
     def drain(self, timeout: float | None = None) -> bool:
-        return self.saves.drain(timeout)
+        """Wait for the saves (True: none pending; nothing is before the caches are registered)."""
+        return self.registered is None or self.registered.saves.drain(timeout)
 
     def shutdown(self) -> None:
-        """Drain the saves for up to ``shutdown_timeout_s`` and abandon the rest; drop pending loads."""
+        """Drain the saves for up to ``shutdown_timeout_s`` and abandon the rest; drop pending loads
+        (nothing to do before the caches are registered)."""
+        if self.registered is None:
+            return
         abandoned = self.saves.shutdown(self.shutdown_timeout_s)
         self.loads.shutdown()
         if abandoned:

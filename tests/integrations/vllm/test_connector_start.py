@@ -107,3 +107,21 @@ def test_a_cluster_url_with_a_database_is_refused_at_start(tmp_path: Path) -> No
     with redis_single(tmp_path, extra) as server:
         with pytest.raises(UnsupportedConfigError, match="database 0"):
             connector(tmp_path, SCHED, store=f"redis://127.0.0.1:{server.port}/1")
+
+
+def test_the_worker_builds_its_handlers_when_the_caches_are_registered(tmp_path: Path) -> None:
+    """Before ``register_kv_caches`` no handler exists (a hook that needs one says so); the stats,
+    ``drain`` and ``shutdown`` work; after it both handlers work on the registered caches."""
+    conn = connector(tmp_path, KVConnectorRole.WORKER)
+    worker = conn.worker
+    assert worker is not None and worker.registered is None
+    with pytest.raises(RuntimeError, match="before register_kv_caches"):
+        conn.get_block_ids_with_load_errors()
+    assert conn.stats["writer_queue_depth"] == 0 and conn.drain(1)
+    conn.shutdown()
+    conn = cpu_worker(tmp_path)
+    worker = conn.worker
+    assert worker is not None and worker.registered is not None
+    assert worker.loads.caches is worker.saves.caches is worker.caches
+    assert sorted(worker.caches.caches) == workers.NAMES and worker.loads.heads is worker.setup.heads
+    conn.shutdown()

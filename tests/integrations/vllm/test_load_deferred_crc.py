@@ -18,7 +18,8 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason=
 
 from kvcodec.format import parse
 from kvcodec.integrations.vllm.connector import KvcodecConnector, KvcodecMetadata, LoadSpec, SaveSpec
-from tests.integrations.vllm.workers import BLOCK, BLOCK_IDS, CHUNK, HASHES, cpu_worker
+from kvcodec.integrations.vllm.worker import ConnectorParts
+from tests.integrations.vllm.workers import BLOCK, BLOCK_IDS, CHUNK, HASHES, HookedStore, cpu_worker
 
 LOAD_BLOCKS = [7, 6, 5, 2]
 """Where the hit is loaded: blocks other than the ones it was saved from."""
@@ -94,4 +95,27 @@ def test_a_damaged_blob_fails_its_chunk_and_is_removed(
     assert not any(store.contains(k) for k in bad)  # its blobs and manifest are gone
     assert all(store.contains(k) for k in _keys(conn, 0))
     assert conn.stats["chunks_loaded"] == 1
+    conn.shutdown()
+
+
+class _KeywordsSeen(HookedStore):
+    """A store of the Protocol's shape that records the keywords its reads are given."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.seen: list[dict[str, object]] = []
+
+    def get_parsed(self, key: str, into: bytearray | None = None, **kw: object) -> object:
+        self.seen.append(kw)
+        return super().get_parsed(key, into, **kw)
+
+
+def test_a_store_of_the_protocols_shape_gets_verify_crc_and_max_bytes(tmp_path: Path) -> None:
+    """The load passes the keywords the BlobStore Protocol declares, to any store (none is probed)."""
+    _saved(tmp_path).shutdown()
+    store = _KeywordsSeen(tmp_path)
+    conn = cpu_worker(tmp_path, ConnectorParts(store=store))
+    assert conn.worker.loads.defer_crc  # type: ignore[union-attr]  # the default, for this store too
+    assert _load(conn) == set() and conn.stats["chunks_loaded"] == 2
+    assert store.seen and all(kw["verify_crc"] is False and kw["max_bytes"] > 0 for kw in store.seen)  # type: ignore[operator]
     conn.shutdown()

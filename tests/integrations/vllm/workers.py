@@ -70,14 +70,15 @@ class HookedStore:
         if self.on_write is not None:
             self.on_write(key)
 
-    def get_parsed(self, key: str, into: bytearray | None = None) -> Any:
+    def get_parsed(self, key: str, into: bytearray | None = None, **kw: Any) -> Any:
+        """The inner store's, ``verify_crc`` and ``max_bytes`` (the BlobStore Protocol's) passed on."""
         self._read(key)
-        return self.inner.get_parsed(key, into=into)
+        return self.inner.get_parsed(key, into=into, **kw)
 
-    def get_parsed_many(self, keys: Sequence[str]) -> list[Any]:
+    def get_parsed_many(self, keys: Sequence[str], **kw: Any) -> list[Any]:
         for key in keys:
             self._read(key)
-        return self.inner.get_parsed_many(keys)
+        return self.inner.get_parsed_many(keys, **kw)
 
     def put(self, key: str, blob: Any) -> None:
         self._write(key)

@@ -39,18 +39,19 @@ class FaultyStore:
         if self.fail_get and self.fail_get in key:
             raise RuntimeError(f"injected read failure for {key}")
 
-    def get(self, key: str) -> Any:
+    def get(self, key: str, **kw: Any) -> Any:
         self._read(key)
-        return self.inner.get(key)
+        return self.inner.get(key, **kw)
 
-    def get_parsed(self, key: str, into: bytearray | None = None) -> Any:
+    def get_parsed(self, key: str, into: bytearray | None = None, **kw: Any) -> Any:
+        """The inner store's, ``verify_crc`` and ``max_bytes`` (the BlobStore Protocol's) passed on."""
         self._read(key)
-        return self.inner.get_parsed(key, into=into)
+        return self.inner.get_parsed(key, into=into, **kw)
 
-    def get_parsed_many(self, keys: Sequence[str]) -> list[Any]:
+    def get_parsed_many(self, keys: Sequence[str], **kw: Any) -> list[Any]:
         for key in keys:
             self._read(key)
-        return self.inner.get_parsed_many(keys)
+        return self.inner.get_parsed_many(keys, **kw)
 
     def put(self, key: str, blob: Any) -> None:
         time.sleep(self.slow_put_s)
