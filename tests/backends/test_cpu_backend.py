@@ -26,6 +26,7 @@ from kvcodec.backends import cpu, reference
 from kvcodec.backends.base import Declined, Groups
 from kvcodec.errors import Reason
 from kvcodec.numerics import ScaleScope
+from tests.backends.conftest import cpu_level
 
 pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason=f"kvcodec._cpu is not built: {cpu.REASON}")
 
@@ -46,12 +47,10 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 @pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512vl"])
 def level(request: pytest.FixtureRequest) -> Any:
     """Run the test on the portable C rows, then on the AVX2 + F16C rows, then on those compiled for
-    AVX-512VL (each where the CPU has it; else the best level below it runs again)."""
-    from kvcodec import _cpu
-
-    prev = _cpu.simd(request.param)
-    yield request.param
-    _cpu.simd(prev)
+    AVX-512VL (each where the CPU has it; else the best level below it runs again): the backend bound
+    to that ``kvcodec._cpu.Level``."""
+    with cpu_level(simd=request.param) as bound:
+        yield bound
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +84,7 @@ def _encode(
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("scale", [1.0, 0.75, 3.0e-3, 1.0 / 448, 2.0**-20, 5.0e3, 1.0e-40, 3.0e35])
-def test_quantize_every_16bit_value(level: int, dtype: torch.dtype, scale: float) -> None:
+def test_quantize_every_16bit_value(level: Any, dtype: torch.dtype, scale: float) -> None:
     v = _every(dtype)
     s = torch.tensor(scale)
     assert _same(
@@ -94,7 +93,7 @@ def test_quantize_every_16bit_value(level: int, dtype: torch.dtype, scale: float
     )
 
 
-def test_quantize_next_to_every_rounding_boundary(level: int) -> None:
+def test_quantize_next_to_every_rounding_boundary(level: Any) -> None:
     """fp32 V within a few steps of midpoint x scale for every e4m3 midpoint (ties included) at 32
     scales: where multiplying by 1 / scale and dividing land on either side of a midpoint, the codes
     must still be the division's."""
@@ -113,7 +112,7 @@ def test_quantize_next_to_every_rounding_boundary(level: int) -> None:
         ), sv
 
 
-def test_quantize_random_fp32_bits(level: int) -> None:
+def test_quantize_random_fp32_bits(level: Any) -> None:
     g = torch.Generator().manual_seed(7)
     x = (
         torch.randint(-(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int64, generator=g)
@@ -130,7 +129,7 @@ def test_quantize_random_fp32_bits(level: int) -> None:
 
 
 @pytest.mark.parametrize("out_dtype", FLOATS)
-def test_dequantize_every_code(level: int, out_dtype: torch.dtype) -> None:
+def test_dequantize_every_code(level: Any, out_dtype: torch.dtype) -> None:
     """All 254 non-NaN codes x scales that round, overflow to Inf, land subnormal, or are zero/negative."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] * 3, dtype=torch.uint8)
     q = codes.view(E4M3).view(1, 1, -1)
@@ -145,7 +144,7 @@ def test_dequantize_every_code(level: int, out_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("g", GROUPS, ids=GID)
 @pytest.mark.parametrize("heads,dim", [(1, 8), (3, 72), (16, 64), (17, 32), (40, 128)])
 def test_dequantize_tables_at_every_scope_and_head_count(
-    level: int, out_dtype: torch.dtype, g: Groups, heads: int, dim: int
+    level: Any, out_dtype: torch.dtype, g: Groups, heads: int, dim: int
 ) -> None:
     """The AVX-512 rows look each head's results up in a table rebuilt when its scale changes (a
     table per head up to 16 heads, computed rows beyond): every scope, head count and row length
@@ -170,7 +169,7 @@ def test_dequantize_tables_at_every_scope_and_head_count(
 
 @pytest.mark.parametrize("sdt", FLOATS, ids=["s16", "sbf16", "s32"])
 @pytest.mark.parametrize("g", GROUPS, ids=GID)
-def test_encode_v_every_16bit_value(level: int, encode_pass: int, g: Groups, sdt: torch.dtype) -> None:
+def test_encode_v_every_16bit_value(level: Any, encode_pass: int, g: Groups, sdt: torch.dtype) -> None:
     """Every finite fp16 and bf16 value in groups of varied absmax, each scope and stored scale dtype."""
     for dtype in (torch.float16, torch.bfloat16):
         x = _every(dtype).flatten()
@@ -194,7 +193,7 @@ SHAPES = [(1, 1, 1), (1, 1, 8), (17, 3, 33), (5, 1, 256), (40, 2, 1), (64, 8, 12
 @pytest.mark.parametrize("g", GROUPS, ids=GID)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_encode_quantize_dequantize_equal_reference(
-    level: int, encode_pass: int, shape: tuple[int, int, int], g: Groups, dtype: torch.dtype
+    level: Any, encode_pass: int, shape: tuple[int, int, int], g: Groups, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(sum(shape) * 7 + len(GID))
     v = (torch.randn(shape, generator=gen) * 4).to(dtype)
@@ -212,7 +211,7 @@ def test_encode_quantize_dequantize_equal_reference(
         assert _same(a, R.dequantize(qb, sb, g, out=torch.empty(shape, dtype=od)))
 
 
-def test_strided_inputs_and_outputs(level: int, encode_pass: int) -> None:
+def test_strided_inputs_and_outputs(level: Any, encode_pass: int) -> None:
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(2, 30, 4, 72, generator=gen).half()
     v = base[1, :, 1:3, :64]  # token and head strides of a bigger tensor, head_dim contiguous
@@ -375,7 +374,7 @@ def _huge(v: torch.Tensor, idx: tuple[int, ...]) -> torch.Tensor:
 @pytest.mark.parametrize("vdtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bad", ["nan", "inf", "scale_overflow"])
 def test_encode_v_page_by_page_stops_at_the_first_bad_page(
-    level: int, encode_pass: int, vdtype: torch.dtype, bad: str
+    level: Any, encode_pass: int, vdtype: torch.dtype, bad: str
 ) -> None:
     """Page by page (SIMD levels), a decline met at page 2 leaves pages 0 and 1 coded as the reference
     codes them and the rest of ``out`` as it was; in two passes (or portable C) nothing is written."""
@@ -388,9 +387,7 @@ def test_encode_v_page_by_page_stops_at_the_first_bad_page(
     out = torch.zeros(8, 2, 64, dtype=torch.uint8).view(E4M3)
     with pytest.raises(Declined):
         C.encode_v(v, PH, out=out, scale_dtype=sdt, nonfinite="error")
-    from kvcodec import _cpu
-
-    written = 4 if encode_pass and _cpu.simd(-1) > 0 else 0  # the level this build and CPU run
+    written = 4 if encode_pass and level.simd > 0 else 0  # the level this build and CPU run
     if written:
         _, want = _encode(R, v[:written].contiguous(), PH, sdt)
         assert _same(out[:written], want)

@@ -23,6 +23,7 @@ from kvcodec.backends.cpu import AVAILABLE
 from kvcodec.codec import decode, encode
 from kvcodec.errors import CodecError, CorruptEncodedKVError, Reason
 from kvcodec.format import parse, payload_crc
+from tests.backends.conftest import cpu_level
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="kvcodec._cpu is not built")
 
@@ -34,12 +35,10 @@ POLY = 0x104C11DB7
 @pytest.fixture(params=[0, 1, 2], ids=["bytewise", "folded128", "folded512"])
 def fast(request: pytest.FixtureRequest) -> Any:
     """Each test byte by byte, then folded on 128-bit lanes (PCLMULQDQ), then on 512-bit registers
-    (VPCLMULQDQ), each where the CPU has it (else the best level below runs again)."""
-    from kvcodec import _cpu
-
-    prev = _cpu.crc_fast(request.param)
-    yield _cpu
-    _cpu.crc_fast(prev)
+    (VPCLMULQDQ), each where the CPU has it (else the best level below runs again): the backend bound
+    to that ``kvcodec._cpu.Level``, which the test calls directly too."""
+    with cpu_level(crc=request.param) as bound:
+        yield bound
 
 
 def _xpow_mod(n: int) -> int:
@@ -107,11 +106,8 @@ def test_encode_with_the_crc_folded_in_writes_the_same_bytes(
     kw = {"scope": "per_page_head", "page_size": 16, "version": version}
     out = bytearray(len(encode(k, v, **kw)))
     got = encode(k, v, out=out, **kw)
-    prev = fast.crc_fast(0)
-    try:
+    with cpu_level(crc=0):
         want = encode(k, v, **kw)  # the CRC computed afterwards by kvcodec.format
-    finally:
-        fast.crc_fast(prev)
     assert bytes(got) == bytes(want)
 
 
@@ -128,11 +124,8 @@ def test_encode_folding_the_codes_crc_into_the_quantize_writes_the_same_bytes(
     v[:8] = torch.randn(8, 3, 64, generator=g)  # page 0 of ordinary scale, the others of V's
     kw = {"scope": "per_page_head", "page_size": 8}
     got = encode(k, v, out=bytearray(len(encode(k, v, **kw))), **kw)
-    prev = fast.crc_fast(0)
-    try:
+    with cpu_level(crc=0):
         want = encode(k, v, **kw)
-    finally:
-        fast.crc_fast(prev)
     assert bytes(got) == bytes(want)
 
 
@@ -143,7 +136,7 @@ def test_encode_v_returns_the_crc_over_k_then_the_codes(fast: Any, encode_pass: 
     k_src = k.numpy().reshape(-1).view(np.uint8)
     k_dst = np.empty_like(k_src)
     got = fast.encode_v(v.numpy(), 0, 2, 16, 2, q, s, k_src, k_dst, 99)
-    if fast.crc_fast(-1):
+    if fast.crc:
         assert got == zlib.crc32(q, zlib.crc32(k_dst, 99))
     else:
         assert got is None  # no folding: the caller computes it
@@ -166,7 +159,7 @@ def test_encode_v_crc_of_one_token_with_a_long_token_stride(fast: Any, encode_pa
     )
     s = np.empty((1, 2), np.float32)
     got = fast.encode_v(v.numpy(), 0, 2, 16, 2, q, s, None, None, 0)
-    if fast.crc_fast(-1):
+    if fast.crc:
         assert got == zlib.crc32(bytes(memoryview(q)))
     else:
         assert got is None
@@ -307,7 +300,7 @@ def test_scatter_blob_rows_carries_the_blobs_crc(fast: Any, order: str, heads: i
     assert scatter_blob_rows(rows, plain, dim, runs).crc is None
     got = scatter_blob_rows(rows, cache, dim, runs, crc=payload_crc(p.header, p.crc_prefix, ())).crc
     assert torch.equal(cache.view(torch.int16), plain.view(torch.int16))
-    if not fast.crc_fast(-1):
+    if not fast.crc:
         assert got is None
         return
     end = p.header_len + p.header.k_payload_len + p.header.v_payload_len

@@ -15,6 +15,7 @@ from kvcodec import UnsupportedConfigError
 from kvcodec.backends import Declined, Groups, Served, reference
 from kvcodec.backends.cpu import AVAILABLE, BACKEND, BlobRows, scatter_blob_rows, scatter_dequantize
 from kvcodec.numerics import ScaleScope
+from tests.backends.conftest import cpu_level
 
 scatter_rows = BACKEND.scatter_rows
 
@@ -155,12 +156,10 @@ def test_bad_arguments_raise():
 
 @pytest.fixture(params=[0, 1, 2], ids=["portable", "avx2", "avx512"])
 def level(request: pytest.FixtureRequest):
-    """Each SIMD level of the C rows (where the CPU has it; else the best below runs again)."""
-    from kvcodec import _cpu
-
-    prev = _cpu.simd(request.param)
-    yield request.param
-    _cpu.simd(prev)
+    """Each SIMD level of the C rows (where the CPU has it; else the best below runs again): the
+    backend bound to that ``kvcodec._cpu.Level``."""
+    with cpu_level(simd=request.param) as bound:
+        yield bound
 
 
 @pytest.mark.parametrize("d", [16, 32, 48, 64, 128, 256], ids=lambda d: f"d{d}")
