@@ -52,6 +52,9 @@ class Reason(str, Enum):
     """Stored ``scale_shape`` / scale bytes that do not fit the scope and payload."""
     BAD_SCALE = "bad_scale"
     """A stored scale encode never writes: NaN, Inf, zero or negative."""
+    BAD_STREAM = "bad_stream"
+    """A lossless blob's coded stream that does not decode to exactly the bytes its geometry gives:
+    not deflate, truncated, longer (a decompression bomb), or followed by bytes of its own."""
     BAD_CODE = "bad_code"
     """A V code encode never writes: an FP8 NaN (or e5m2 ±Inf) code, or V that decodes to NaN/Inf."""
 

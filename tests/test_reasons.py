@@ -20,7 +20,7 @@ import torch
 
 import kvcodec
 from kvcodec import CodecMismatchError, CorruptEncodedKVError, Reason, UnsupportedConfigError
-from kvcodec.format import Header, serialize_header
+from kvcodec.format import Header, assemble, serialize_header
 from kvcodec.store import StoreOptions, open_store, validate_key
 from tests._helpers import DEFAULT_PAIRS, raw_blob
 from tests.paths import REPO_ROOT
@@ -58,6 +58,14 @@ def _too_many_elements_per_token() -> bytes:
     return raw_blob(**fields, scale_shape=(), k=b"", v=b"", s=b"\x00\x00\x80\x3f")
 
 
+def _garbage_stream() -> object:
+    """A lossless blob whose first V stream is not deflate (its table and CRC valid)."""
+    p = kvcodec.parse(kvcodec.encode(*_kv(), scope="per_tensor", compression="lossless"))
+    v = bytearray(p.v)
+    v[20] = 0xFF  # the first stream's first byte (after tokens, count, two lengths): a reserved block type
+    return kvcodec.decode(assemble(p.header, p.k, v, p.scales))
+
+
 _CORRUPT: dict[Reason, Callable[[], object]] = {
     Reason.BAD_MAGIC: lambda: kvcodec.parse(raw_blob(magic=b"NOTLMCKV")),
     Reason.UNSUPPORTED_VERSION: lambda: kvcodec.parse(raw_blob(version=99)),
@@ -78,6 +86,7 @@ _CORRUPT: dict[Reason, Callable[[], object]] = {
     Reason.BAD_SCALE_SHAPE: lambda: kvcodec.parse(raw_blob(scale_shape=(3, 2), s=bytes(24))),
     Reason.BAD_SCALE: lambda: kvcodec.decode(raw_blob(s=struct.pack("<4f", 0.5, math.nan, 2.0, 0.25))),
     Reason.LIMIT_EXCEEDED: lambda: kvcodec.parse(_too_many_elements_per_token()),
+    Reason.BAD_STREAM: _garbage_stream,
 }
 _MISMATCH: dict[Reason, Callable[[], object]] = {
     Reason.HASH_MISMATCH: lambda: kvcodec.decode(_blob(model_id="a"), expected_hashes={"model_id": "b"}),

@@ -37,6 +37,7 @@ from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
 from .encode import as_scales, external_scope
 from .layout import check_hashes
+from .lossless import expand_blob, is_lossless
 
 __all__ = ["DecodeRequest", "DecodedKV", "decode", "decode_parsed"]
 
@@ -291,6 +292,8 @@ def decode(
         if got is not None:
             return got
     parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
+    if is_lossless(parsed.header):  # its plain blob, exactly: decoded below as any other
+        parsed = parse(expand_blob(parsed), verify_crc=False)
     if expected_hashes is not None:
         check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
     req = _request(
@@ -326,6 +329,8 @@ def _decode_checked_in_pass(
     try:
         parsed = parse(blob, verify_crc=False, strict=strict)
         h = parsed.header
+        if is_lossless(h):  # decoded by the general path: CRC, then the plain blob
+            return None
         if expected_hashes is not None:
             check_hashes(h.hashes, expected_hashes, strict=strict_hashes)
         req = _request(h, scales=None, backend=backend, **kw)

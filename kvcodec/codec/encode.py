@@ -31,12 +31,14 @@ from ..format import (
     as_bytes_view,
     header_size,
     pack_header_into,
+    parse,
     payload_crc,
 )
 from ..hostmem import buffer_address, copy_scale_bytes, copy_tensor, new_buffer, overlaps_buffer
 from ..numerics import FP8_DTYPES, check_amax, check_layers_amax, check_scales, scale_shape
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
+from .lossless import COMPRESSIONS, compress_blob
 from .spec import EncodeSpec
 
 __all__ = [
@@ -566,9 +568,33 @@ def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, *
     there instead and a memoryview of its bytes is returned.
     """
     spec = EncodeSpec.of(spec, options)
+    lossless = _lossless(spec, out)
     plan, packer = _planned(k, v, spec)
     owner, mv = _write_blob(plan, packer, spec, out)
+    if lossless:
+        return compress_blob(parse(owner, verify_crc=False))
     return owner if out is None else mv
+
+
+def _lossless(spec: EncodeSpec, out: Any) -> bool:
+    """Whether ``spec`` asks for the lossless payload (refusing an unknown name, or it with ``out``)."""
+    if spec.compression not in COMPRESSIONS:
+        raise UnsupportedConfigError(
+            f"compression={spec.compression!r}; expected one of {COMPRESSIONS}", reason=Reason.BAD_VALUE
+        )
+    if spec.compression == "none":
+        return False
+    if out is not None:
+        raise UnsupportedConfigError(
+            "compression='lossless' with out=: the coded size is known only once coded",
+            reason=Reason.BAD_VALUE,
+        )
+    if spec.version < 2:
+        raise UnsupportedConfigError(
+            f"compression='lossless' needs version 2; got {spec.version} (LMCache's version 1 stays plain)",
+            reason=Reason.BAD_VALUE,
+        )
+    return True
 
 
 def encoded_size(k: Any, v: Any, spec: EncodeSpec | None = None, **options: Any) -> int:
@@ -609,6 +635,9 @@ def encode_layers(
     if len(ids) != n:
         raise UnsupportedConfigError(f"{len(ids)} layer_ids for {n} layers", reason=Reason.BAD_VALUE)
     base = EncodeSpec.of(spec, options)
+    if _lossless(base, None):
+        plain = encode_layers(ks, vs, base.replace(compression="none"), layer_ids=ids)
+        return [compress_blob(parse(b, verify_crc=False)) for b in plain]
     if n > 1 and all(k is not None for k in ks):
         try:
             plan = plan_encode(ks[0], vs[0], base.replace(layer_id=ids[0]))

@@ -10,6 +10,7 @@ that only read headers stay light.
 from __future__ import annotations
 
 from .buffer import as_bytes_view
+from .coding import Coding, read_coding
 from .crc import CRC_BACKEND, crc32
 from .dtypes import (
     DTYPE_TO_ID,
@@ -26,12 +27,14 @@ from .header import (
     COMPUTED_SCOPES,
     FIXED_HEADER_LEN,
     HASH_KEYS,
+    LOSSLESS_OF,
     MAGIC,
     MAX_DIM,
     MAX_ELEMENTS,
     MAX_HASH_PAIRS,
     MAX_PAYLOAD_LEN,
     MAX_SCALE_DIMS,
+    PLAIN_OF,
     SCOPE_NAMES,
     SUPPORTED_VERSIONS,
     Hashes,
@@ -64,15 +67,18 @@ __all__ = [
     "FLOAT_INF_BITS",
     "HASH_KEYS",
     "ID_TO_DTYPE",
+    "LOSSLESS_OF",
     "MAGIC",
     "MAX_DIM",
     "MAX_ELEMENTS",
     "MAX_HASH_PAIRS",
     "MAX_PAYLOAD_LEN",
     "MAX_SCALE_DIMS",
+    "PLAIN_OF",
     "SCOPE_NAMES",
     "SUPPORTED_VERSIONS",
     "BlobCrc",
+    "Coding",
     "DType",
     "Geometry",
     "Hashes",
@@ -98,5 +104,6 @@ __all__ = [
     "pack_header_into",
     "parse",
     "payload_crc",
+    "read_coding",
     "serialize_header",
 ]

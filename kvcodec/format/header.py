@@ -35,6 +35,7 @@ __all__ = [
     "IDS",
     "IDS_OFFSET",
     "LATENT_DTYPES",
+    "LOSSLESS_OF",
     "MAGIC",
     "MAX_DIM",
     "MAX_ELEMENTS",
@@ -43,6 +44,7 @@ __all__ = [
     "MAX_PAYLOAD_LEN",
     "MAX_SCALE_DIMS",
     "PAYLOAD_LENS",
+    "PLAIN_OF",
     "SCALE_DIM",
     "SCOPE_NAMES",
     "SUPPORTED_VERSIONS",
@@ -167,10 +169,24 @@ class ScaleScheme(IntEnum):
     """An MLA latent cache (version 2, scope NONE): V holds each token's whole latent entry
     (``kv_lora_rank`` latent then ``qk_rope_head_dim`` rope part, one "head") at its 16- or 32-bit
     dtype, bit for bit; no K, no scales. LMCache (version 1, schemes 0 and 1) reads none of it."""
+    LOSSLESS = 3
+    """COMPUTED's scales with a lossless payload (version 2, :mod:`~.coding`): K's high-byte plane and
+    V's codes deflate-coded per head, K's low-byte plane raw. Decodes to COMPUTED's blob byte for byte."""
+    LOSSLESS_UNIT = 4
+    """UNIT (raw FP8 at unit scale, no scales) with the same lossless payload."""
     COMPUTED_PER_TENSOR = 0
     """LMCache's name for COMPUTED (an alias)."""
     RAW_UNIT = 1
     """LMCache's name for UNIT (an alias)."""
+
+
+LOSSLESS_OF: dict[ScaleScheme, ScaleScheme] = {
+    ScaleScheme.COMPUTED: ScaleScheme.LOSSLESS,
+    ScaleScheme.UNIT: ScaleScheme.LOSSLESS_UNIT,
+}
+"""Each plain scheme's lossless id (a new id per scheme, so that older readers refuse it by its id)."""
+PLAIN_OF: dict[ScaleScheme, ScaleScheme] = {v: k for k, v in LOSSLESS_OF.items()}
+"""Each lossless scheme's plain scheme: the blob it decodes to, byte for byte."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ exactly one :class:`~kvcodec.errors.CodecError` subclass:
    each payload section against the bytes that remain (never a raw sum);
 3. CRC (unless the caller verified it already): a corrupted blob is reported
    as such before any consistency complaint its corruption may cause;
-4. consistency: K/V/scale lengths against the layout fields and the scope;
+4. consistency: K/V/scale lengths against the layout fields and the scope (a lossless blob's
+   stream tables first, :func:`~.coding.read_coding`, then its plain blob's header);
 5. stored scales: each finite and greater than zero, as encode writes them
    (a NaN, Inf, zero or negative scale would decode V to NaN, Inf or flipped
    signs); a C-speed pass over one byte per scale, a few µs per 1,000 scales.
@@ -29,6 +30,7 @@ from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason
 from .buffer import as_bytes_view
+from .coding import read_coding
 from .dtypes import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT_INF_BITS, DType, id_to_dtype
 from .header import (
     COMPUTED_SCOPES,
@@ -45,6 +47,7 @@ from .header import (
     MAX_PAYLOAD_LEN,
     MAX_SCALE_DIMS,
     PAYLOAD_LENS,
+    PLAIN_OF,
     SCALE_DIM,
     SUPPORTED_VERSIONS,
     Hashes,
@@ -210,10 +213,14 @@ def _check_versioned_ids(magic: bytes, version: int, scope_id: int, scheme_id: i
         raise CorruptEncodedKVError(
             f"reserved field is {scheme_id}; expected 0 in version 1", reason=Reason.RESERVED_NONZERO
         )
-    if scheme_id not in (0, 1, 2):
+    if scheme_id not in _SCHEME_IDS:
         raise CorruptEncodedKVError(
-            f"unknown scale scheme {scheme_id}; expected 0, 1 or 2", reason=Reason.UNKNOWN_SCHEME
+            f"unknown scale scheme {scheme_id}; expected one of {sorted(_SCHEME_IDS)}",
+            reason=Reason.UNKNOWN_SCHEME,
         )
+
+
+_SCHEME_IDS = frozenset(int(s) for s in ScaleScheme)
 
 
 def _check_ranges(n_scale: int, layer_id: int, chunk_id: int, layout: tuple[int, int, int, int]) -> None:
@@ -540,7 +547,11 @@ def parse(
         payload = mv[header_len : header_len + header.payload_len]
         check_crc(header, crc_stored, payload_crc(header, mv[:crc_off], (payload,)))
     if consistency:
-        if seen is None:
+        if header.scale_scheme in PLAIN_OF:  # the stream tables are payload: checked on every blob
+            k_at = header_len + header.k_payload_len
+            coded = read_coding(header, mv[header_len:k_at], mv[k_at : k_at + header.v_payload_len])
+            check_consistency(coded.plain)
+        elif seen is None:
             check_consistency(header)
         scales_at = header_len + header.k_payload_len + header.v_payload_len
         check_stored_scales(header, mv[scales_at : scales_at + header.scale_payload_len])

@@ -145,10 +145,10 @@ def test_nonzero_reserved_in_v1(reserved: int) -> None:
         parse(raw_blob(reserved=reserved))
 
 
-@pytest.mark.parametrize("scheme", [3, 7, 0xFFFF])
+@pytest.mark.parametrize("scheme", [5, 7, 0xFFFF])
 def test_unknown_scale_scheme_in_v2(scheme: int) -> None:
     with pytest.raises(
-        CorruptEncodedKVError, match=_rx(f"unknown scale scheme {scheme}; expected 0, 1 or 2")
+        CorruptEncodedKVError, match=_rx(f"unknown scale scheme {scheme}; expected one of [0, 1, 2, 3, 4]")
     ):
         parse(raw_blob(version=2, reserved=scheme))
 

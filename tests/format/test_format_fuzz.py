@@ -230,8 +230,9 @@ def scale_bytes(dtype: DType, count: int) -> st.SearchStrategy[bytes]:
 def headers_and_payloads(draw) -> tuple[Header, bytes, bytes, bytes]:
     version = draw(st.sampled_from([1, 2]))
     scope = draw(st.sampled_from(list(ScaleScope) if version == 2 else list(ScaleScope)[:4]))
-    # LATENT (MLA) blobs have fixed rules of their own: tests/format/test_latent.py.
-    schemes = [s for s in ScaleScheme if s != ScaleScheme.LATENT]
+    # LATENT (MLA) and lossless blobs have rules of their own: tests/format/test_latent.py,
+    # tests/format/test_lossless_tables.py, tests/codec/test_lossless.py.
+    schemes = [s for s in ScaleScheme if s in (ScaleScheme.COMPUTED, ScaleScheme.UNIT)]
     scheme = draw(st.sampled_from(schemes)) if version == 2 else ScaleScheme.COMPUTED
     k_dtype, v_dtype, s_dtype = (draw(st.sampled_from(DTYPES)) for _ in range(3))
     tokens = draw(st.integers(0, 6))

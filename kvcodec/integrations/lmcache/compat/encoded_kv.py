@@ -133,11 +133,13 @@ class EncodedKV:
         already a :class:`CodecHashes` (the caller's object, as LMCache keeps it),
         else the record gets the header's.
         """
-        if int(h.scale_scheme) not in {int(s) for s in ScaleScheme}:  # kvcodec's LATENT (MLA): never misread
+        if int(h.scale_scheme) not in {
+            int(s) for s in ScaleScheme
+        }:  # kvcodec's LATENT, LOSSLESS: never misread
             raise with_lmcache_phrase(
                 CorruptEncodedKVError(
-                    f"scale scheme {int(h.scale_scheme)} ({h.scale_scheme.name}: an MLA latent blob of "
-                    "kvcodec's vLLM connector) has no LMCache record",
+                    f"scale scheme {int(h.scale_scheme)} ({h.scale_scheme.name}: kvcodec's own, an MLA latent "
+                    "or a lossless blob) has no LMCache record",
                     reason=Reason.UNKNOWN_SCHEME,
                 )
             )

@@ -1,0 +1,266 @@
+"""The lossless stage (issue 38): a LOSSLESS blob decodes to its plain blob's bits by construction,
+and hostile coded payloads are refused by reason with bounded memory."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.codec.lossless import CODER, compress_blob, expand_blob
+from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
+from kvcodec.format import Header, ScaleScheme, assemble, parse, read_coding
+from kvcodec.format.coding import STREAM_COUNT, TOKENS, max_stream_len, pack_table
+from tests.paths import VECTORS
+
+LOSSLESS = VECTORS / "lossless"
+SCOPES = {
+    "per_tensor": {},
+    "per_layer_head": {},
+    "per_page_head": {"page_size": 4},
+    "raw": {},
+}
+SHAPES = [(1, 1, 1), (5, 3, 7), (33, 2, 16), (64, 4, 128)]
+
+
+def _kv(shape: tuple[int, int, int], dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    v = torch.randn(*shape, generator=g).to(dtype)
+    return k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scope", list(SCOPES))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decodes_to_the_plain_blobs_bits(dtype, scope, shape) -> None:
+    k, v = _kv(shape, dtype)
+    plain = kvcodec.encode(k, v, scope=scope, **SCOPES[scope])
+    coded = kvcodec.encode(k, v, scope=scope, compression="lossless", **SCOPES[scope])
+    assert parse(coded).header.scale_scheme in (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT)
+    assert bytes(expand_blob(parse(coded))) == bytes(plain)
+    for out in (None, torch.float32, dtype):
+        a, b = kvcodec.decode(plain, out_v_dtype=out), kvcodec.decode(coded, out_v_dtype=out)
+        assert torch.equal(a.k.view(torch.int16), b.k.view(torch.int16))
+        assert torch.equal(a.v.contiguous().view(torch.uint8), b.v.contiguous().view(torch.uint8))
+
+
+def test_v_only_blob_and_encode_layers() -> None:
+    k, v = _kv((9, 2, 8), torch.bfloat16)
+    plain = kvcodec.encode(None, v, scope="per_tensor")
+    coded = kvcodec.encode(None, v, scope="per_tensor", compression="lossless")
+    assert parse(coded).header.k_payload_len == 0
+    assert bytes(expand_blob(parse(coded))) == bytes(plain)
+    layers = kvcodec.encode_layers([k, k], [v, v], compression="lossless", page_size=4)
+    assert [bytes(expand_blob(parse(b))) for b in layers] == [
+        bytes(b) for b in kvcodec.encode_layers([k, k], [v, v], page_size=4)
+    ]
+
+
+def test_a_real_like_cache_gets_smaller() -> None:
+    """Smooth channels (a shared exponent per channel, as real K has) code well below the plain size."""
+    t = torch.arange(256, dtype=torch.float32)[:, None, None]
+    ch = torch.linspace(0.5, 8, 64)[None, None, :]
+    k = (ch * (1 + 0.1 * torch.sin(t / 7 + torch.arange(3)[None, :, None]))).to(torch.bfloat16)
+    plain = kvcodec.encode(k, k, scope="per_tensor")
+    assert len(kvcodec.encode(k, k, scope="per_tensor", compression="lossless")) < 0.8 * len(plain)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"compression": "zstd"}, {"compression": "lossless", "version": 1}],
+)
+def test_refused_options(kw) -> None:
+    k, v = _kv((4, 1, 4), torch.float16)
+    with pytest.raises(UnsupportedConfigError) as e:
+        kvcodec.encode(k, v, **kw)
+    assert e.value.reason == Reason.BAD_VALUE
+
+
+def test_refused_with_out_and_for_32_bit_k() -> None:
+    k, v = _kv((4, 1, 4), torch.float16)
+    with pytest.raises(UnsupportedConfigError):
+        kvcodec.encode(k, v, scope="per_tensor", compression="lossless", out=bytearray(1 << 12))
+    with pytest.raises(UnsupportedConfigError) as e:
+        kvcodec.encode(k.float(), v, scope="per_tensor", compression="lossless")
+    assert e.value.reason == Reason.BAD_VALUE
+
+
+def _coded(shape=(8, 2, 4), seed=1) -> tuple[bytearray, Header]:
+    k, v = _kv(shape, torch.float16, seed)
+    b = kvcodec.encode(k, v, scope="per_tensor", compression="lossless")
+    return b, parse(b).header
+
+
+def _rebuild(h: Header, k: bytes, v: bytes, scales: bytes) -> bytearray:
+    """A blob with these sections and a valid CRC: what a hostile writer sends."""
+    return assemble(h, k, v, scales)
+
+
+def _sections(b: bytearray) -> tuple[Header, bytes, bytes, bytes]:
+    p = parse(b)
+    return p.header, bytes(p.k), bytes(p.v), bytes(p.scales)
+
+
+def _v_with_streams(tokens: int, streams: list[bytes]) -> bytes:
+    return pack_table([len(s) for s in streams], tokens) + b"".join(streams)
+
+
+def test_a_decompression_bomb_is_refused_without_expanding() -> None:
+    b, h = _coded((256, 2, 64))
+    h, k, _, s = _sections(b)
+    bomb = zlib.compressobj(9, zlib.DEFLATED, -15)
+    stream = bomb.compress(bytes(8 << 20)) + bomb.flush()  # 8 MiB of zeros in ~8 KiB
+    assert len(stream) <= max_stream_len(256 * 64)  # passes the table's bound: refused when decoded
+    hostile = _rebuild(h, k, _v_with_streams(256, [stream, stream]), s)
+    p = parse(hostile)  # the table is within bounds; the decode refuses it
+    with pytest.raises(CorruptEncodedKVError) as e:
+        kvcodec.decode(p)
+    assert e.value.reason == Reason.BAD_STREAM
+    assert f"more than {256 * 64}" in str(e.value)
+
+
+@pytest.mark.parametrize("cut", [1, 3])
+def test_a_truncated_stream_is_refused(cut) -> None:
+    b, _ = _coded()
+    h, k, v, s = _sections(b)
+    c = read_coding(h, memoryview(k), memoryview(v))
+    at, n = c.v.streams[0]
+    streams = [v[at : at + n - cut], *(v[a : a + m] for a, m in c.v.streams[1:])]
+    with pytest.raises(CorruptEncodedKVError) as e:
+        kvcodec.decode(_rebuild(h, k, _v_with_streams(8, streams), s))
+    assert e.value.reason == Reason.BAD_STREAM
+
+
+def test_garbage_and_trailing_bytes_in_a_stream_are_refused() -> None:
+    b, _ = _coded()
+    h, k, v, s = _sections(b)
+    c = read_coding(h, memoryview(k), memoryview(v))
+    good = [v[a : a + m] for a, m in c.v.streams]
+    for bad in (b"\xff" * 12, good[0] + b"\x00\x01"):
+        with pytest.raises(CorruptEncodedKVError) as e:
+            kvcodec.decode(_rebuild(h, k, _v_with_streams(8, [bad, good[1]]), s))
+        assert e.value.reason == Reason.BAD_STREAM
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        "tokens_zero",
+        "tokens_huge",
+        "more_tokens",
+        "count",
+        "length_past_end",
+        "length_over_bound",
+        "extra_bytes",
+    ],
+)
+def test_lying_tables_are_refused_at_parse(lie) -> None:
+    b, _ = _coded()
+    h, k, v, s = _sections(b)
+    c = read_coding(h, memoryview(k), memoryview(v))
+    streams = [v[a : a + m] for a, m in c.v.streams]
+    lengths = [len(x) for x in streams]
+    tokens, body = 8, b"".join(streams)
+    if lie == "tokens_zero":
+        tokens = 0
+    elif lie == "tokens_huge":
+        tokens = 1 << 62
+    elif lie == "more_tokens":
+        tokens = 9  # K's low plane then disagrees
+    elif lie == "count":
+        lengths = lengths[:1]
+        body = streams[0]
+    elif lie == "length_past_end":
+        lengths[1] += 5
+    elif lie == "length_over_bound":
+        lengths = [max_stream_len(32) + 1, 1]
+        body = bytes(sum(lengths))
+    elif lie == "extra_bytes":
+        body += b"\x00"
+    hostile = _rebuild(h, k, pack_table(lengths, tokens) + body, s)
+    with pytest.raises(CorruptEncodedKVError) as e:
+        parse(hostile)
+    assert e.value.reason == Reason.INCONSISTENT_PAYLOAD
+
+
+def test_damage_is_a_crc_mismatch_first() -> None:
+    b, h = _coded()
+    for at in range(h.header_len, len(b)):
+        bad = bytearray(b)
+        bad[at] ^= 0x10
+        with pytest.raises(CorruptEncodedKVError) as e:
+            kvcodec.decode(bad)
+        assert e.value.reason == Reason.CRC_MISMATCH
+
+
+def test_older_schemes_do_not_claim_the_new_ids() -> None:
+    b, _ = _coded()
+    bad = bytearray(b)
+    bad[18:20] = struct.pack("<H", 5)  # the next unused id
+    with pytest.raises(CorruptEncodedKVError) as e:
+        parse(bad, verify_crc=False)
+    assert e.value.reason == Reason.UNKNOWN_SCHEME
+    assert TOKENS.size + STREAM_COUNT.size == 12
+
+
+def test_compress_refuses_what_it_cannot_code() -> None:
+    k, v = _kv((4, 1, 4), torch.float16)
+    with pytest.raises(UnsupportedConfigError):
+        compress_blob(kvcodec.encode(k, v, scope="per_tensor", version=1))
+    coded = kvcodec.encode(k, v, scope="per_tensor", compression="lossless")
+    with pytest.raises(UnsupportedConfigError):
+        compress_blob(coded)  # already coded
+
+
+# ----------------------------------------------------------------------------
+# Golden vectors: the decoder reads them forever; the coder re-creates them while it is the same
+# ----------------------------------------------------------------------------
+
+
+def _golden_kv(
+    shape: tuple[int, int, int], dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic finite K and V from integer arithmetic (no RNG whose stream may change)."""
+    n = shape[0] * shape[1] * shape[2]
+    i = torch.arange(n, dtype=torch.int64)
+    k = ((i * 2654435761 + seed * 40503) % 2001 - 1000).to(torch.float32) / 97
+    v = ((i * 40503 + seed * 2654435761) % 1999 - 999).to(torch.float32) / 313
+    return k.reshape(shape).to(dtype), v.reshape(shape).to(dtype)
+
+
+GOLDEN = {
+    "lossless_bf16_pph.blob": ((37, 3, 16), torch.bfloat16, {"scope": "per_page_head", "page_size": 16}),
+    "lossless_fp16_plh.blob": ((16, 2, 8), torch.float16, {"scope": "per_layer_head"}),
+    "lossless_bf16_raw.blob": ((5, 1, 4), torch.bfloat16, {"scope": "raw"}),
+}
+
+
+def _golden_plain(name: str) -> bytearray:
+    shape, dtype, kw = GOLDEN[name]
+    k, v = _golden_kv(shape, dtype, len(name))
+    return kvcodec.encode(k, v, layer_id=2, chunk_id=7, hashes={"model_id": "golden-lossless"}, **kw)
+
+
+def _write() -> None:  # pragma: no cover - run once by hand when the format changes
+    LOSSLESS.mkdir(exist_ok=True)
+    for name in GOLDEN:
+        (LOSSLESS / name).write_bytes(bytes(compress_blob(_golden_plain(name))))
+    (LOSSLESS / "manifest.json").write_text(json.dumps(sorted(GOLDEN), indent=1) + "\n")
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_vectors(name) -> None:
+    stored = (LOSSLESS / name).read_bytes()
+    plain = _golden_plain(name)
+    assert bytes(expand_blob(parse(stored))) == bytes(plain)
+    if CODER == "isal":  # zlib's deflate codes the same bytes differently (both decode either)
+        assert bytes(compress_blob(plain)) == stored
+
+
+def test_manifest_lists_the_vectors() -> None:
+    assert json.loads((LOSSLESS / "manifest.json").read_text()) == sorted(GOLDEN)

@@ -1,0 +1,92 @@
+"""The lossless payload's stream tables (kvcodec/format/coding.py): docs/FORMAT.md's limits, and any
+bytes in the tables either describe their sections exactly or are refused by reason."""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcodec.errors import CorruptEncodedKVError, Reason
+from kvcodec.format import MAX_ELEMENTS, Header, ScaleScheme, ScaleScope, read_coding
+from kvcodec.format.coding import STREAM_COUNT, STREAM_LEN, TOKENS, max_stream_len, pack_table
+from tests.format.test_format_doc import DOC, _tables
+
+HEADS, DIM = 2, 4
+
+
+def _header(k_len: int, v_len: int, **over: object) -> Header:
+    fields: dict = {
+        "k_dtype": "bfloat16",
+        "v_dtype": "float8_e4m3fn",
+        "scale_scope": ScaleScope.PER_TENSOR,
+        "scale_scheme": ScaleScheme.LOSSLESS,
+        "version": 2,
+        "kv_head_count": HEADS,
+        "head_dim": DIM,
+        "k_payload_len": k_len,
+        "v_payload_len": v_len,
+        "scale_payload_len": 4,
+    }
+    return Header(**{**fields, **over})
+
+
+def test_the_doc_states_the_table_layouts_and_bounds() -> None:
+    text = DOC.read_text()
+    (rows,) = _tables(text)["Lossless payload (schemes LOSSLESS, LOSSLESS_UNIT)"][1:2]
+    assert {r["name"] for r in rows} == {"tokens", "stream count", "stream length", "section length"}
+    assert (TOKENS.format, STREAM_COUNT.format, STREAM_LEN.format) == ("<q", "<I", "<I")
+    assert "`tokens` (`q`), stream count (`I`" in text
+    assert max_stream_len(1000) == 1000 + 1000 // 256 + 64  # "raw + raw / 256 + 64"
+
+
+def test_a_written_table_reads_back() -> None:
+    tokens = 3
+    v = pack_table([5, 7], tokens) + bytes(12)
+    k = pack_table([1, 2]) + bytes(3) + bytes(tokens * HEADS * DIM)
+    c = read_coding(_header(len(k), len(v)), memoryview(k), memoryview(v))
+    assert (c.tokens, c.stream_raw) == (tokens, tokens * DIM)
+    assert c.v.streams == ((20, 5), (25, 7)) and c.k.streams == ((12, 1), (13, 2))
+    assert c.plain.scale_scheme == ScaleScheme.COMPUTED
+    assert (c.plain.k_payload_len, c.plain.v_payload_len) == (2 * tokens * HEADS * DIM, tokens * HEADS * DIM)
+
+
+def test_token_bound_is_overflow_safe() -> None:
+    v = pack_table([1, 1], MAX_ELEMENTS) + bytes(2)
+    h = _header(0, len(v), kv_head_count=1 << 40, head_dim=1 << 40)
+    try:
+        read_coding(h, memoryview(b""), memoryview(v))
+    except CorruptEncodedKVError as e:
+        assert e.reason == Reason.INCONSISTENT_PAYLOAD
+    else:
+        raise AssertionError("2^80 elements per token accepted")
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    tokens=st.integers(-(1 << 63), (1 << 63) - 1) | st.integers(0, 40),
+    count=st.integers(0, (1 << 32) - 1) | st.integers(0, 4),
+    lengths=st.lists(st.integers(0, (1 << 32) - 1) | st.integers(0, 80), max_size=4),
+    body=st.binary(max_size=200),
+    k_raw=st.binary(max_size=300),
+    cut=st.integers(0, 40),
+)
+def test_hostile_tables_read_or_refuse(tokens, count, lengths, body, k_raw, cut) -> None:
+    v = TOKENS.pack(tokens) + STREAM_COUNT.pack(count) + struct.pack(f"<{len(lengths)}I", *lengths) + body
+    v = v[: max(0, len(v) - cut)]
+    k = k_raw
+    try:
+        c = read_coding(_header(len(k), len(v)), memoryview(k), memoryview(v))
+    except CorruptEncodedKVError as e:
+        assert e.reason == Reason.INCONSISTENT_PAYLOAD
+        return
+    # Accepted: the tables tile each section exactly, every stream within its bound.
+    raw = c.tokens * DIM
+    assert c.v.raw_at == len(v) and 0 < c.tokens
+    for sec in (c.v, c.k) if c.k else (c.v,):
+        assert len(sec.streams) == HEADS
+        assert all(0 < n <= max_stream_len(raw) for _, n in sec.streams)
+        assert all(a + n == b for (a, n), (b, _) in zip(sec.streams, sec.streams[1:]))
+    if c.k:
+        assert len(k) - c.k.raw_at == raw * HEADS
