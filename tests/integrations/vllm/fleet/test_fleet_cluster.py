@@ -85,6 +85,7 @@ def _tiered_host(tmp, cl, base: dict) -> dict:
     victim = max(cl.nodes, key=_keys_on)
     tiers = connector_keys(cl.url, host_cache_bytes=64 << 20)
     spec = {**base, "connector": tiers, "prefix_caching": False, "repeat": 2, "pause_after": [len(PROMPTS)]}
+    spec["log_stats"] = True  # vLLM's cached-tokens-by-source counters
     try:
         return run_host(tmp, "c", spec, on_pause=lambda _n: victim.kill())[0]
     finally:
@@ -130,3 +131,17 @@ def test_a_host_with_its_own_tiers_keeps_hitting_through_a_killed_node(fleet):
     assert c["stats"]["chunks_failed"] == 0
     for half in (outs[: len(PROMPTS)], outs[len(PROMPTS) :]):
         assert same_greedy(fleet["a"]["outputs"], half) >= MIN_COMPARED * MAX_TOKENS * len(PROMPTS)
+
+
+def test_the_hits_by_source_add_up_to_the_cached_tokens(fleet):
+    """vLLM's per-source counters (``get_external_cache_hit_sources``): the cluster's hits are
+    ``external_unspecified``, the RAM tier's ``host``, the directory's ``disk``; they add up to
+    every request's ``num_cached_tokens`` (vLLM's own prefix cache is off)."""
+    c = fleet["c"]
+    prefix = "vllm:prompt_tokens_cached_by_source{"
+    by_source = {k[len(prefix) : -1]: v for k, v in c["metrics"].items() if k.startswith(prefix)}
+    cached = [o["cached"] for o in c["outputs"]]
+    first, down = sum(cached[: len(PROMPTS)]), sum(cached[len(PROMPTS) :])
+    assert sum(by_source.values()) == first + down, by_source
+    assert 0 < by_source.get("external_unspecified", 0) <= first, by_source  # the cluster: first round only
+    assert by_source.get("host", 0) + by_source.get("disk", 0) >= down, by_source  # a node down: own tiers
