@@ -111,13 +111,10 @@ class MemoryStore:
         verify_crc: bool = True,
         max_bytes: int | None = None,
     ) -> ParsedBlob:
-        """The blob under ``key`` copied into ``into`` (when it fits) or a fresh ``bytearray``, parsed
-        once (its CRC checked unless ``verify_crc`` is False)."""
-        parsed = self._read(validate_key(key), verify_crc, max_bytes)
-        n = len(parsed.buffer)
-        buf = into if into is not None and len(into) >= n else bytearray(n)
-        buf[:n] = parsed.buffer
-        return parse(memoryview(buf)[:n], verify_crc=False, remember=False)
+        """The blob under ``key``, parsed once (its CRC checked unless ``verify_crc`` is False), as a
+        read-only view of the stored bytes: no copy (``into`` unused). Stored blobs are immutable
+        ``bytes``, so the view stays whole after the key is evicted or replaced."""
+        return self._read(validate_key(key), verify_crc, max_bytes)
 
     def get_parsed_many(
         self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
