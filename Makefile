@@ -58,12 +58,14 @@ bench-threads:
 
 # CI performance gate: kvcodec's speed as a ratio to a fixed yardstick workload timed in the same
 # rounds on the thread's CPU time (see bench/_ratio.py), against the floors in bench/baseline.json;
-# bench/test_bench_copy_limit.py: encode / decode / decode into vLLM blocks as fractions of a memcpy.
+# bench/test_bench_copy_limit.py: encode / decode / decode into vLLM blocks as fractions of a memcpy;
+# bench/test_bench_lossless.py: encode / decode with compression="lossless" as fractions of a memcpy.
 # KVCODEC_BENCH_GATE=1 measures only the gated figures (no LMCache / memcpy comparison).
 GATE_BENCH = KVCODEC_BENCH_GATE=1 $(PYTEST) bench/test_bench_codec.py --benchmark-enable --benchmark-max-time=0.2 -q
 bench-gate:
 	mkdir -p bench/results
-	$(GATE_BENCH) bench/test_bench_copy_limit.py -k "not compat" --benchmark-json=bench/results/bench-gate.json
+	$(GATE_BENCH) bench/test_bench_copy_limit.py bench/test_bench_lossless.py -k "not compat" \
+	  --benchmark-json=bench/results/bench-gate.json
 	$(BIN)/python bench/gate.py bench/results/bench-gate.json
 
 # End-to-end check of the gate itself (benchmark runs, not a test: they time things): a baseline

@@ -58,7 +58,7 @@ test-portable:
 CROSS_DIR := build/cross
 CROSS_CC ?= aarch64-linux-gnu-gcc
 CROSS_RUN ?= qemu-aarch64
-CPU_C_SOURCES = $(filter-out %/module.c %/buffers.c %/py_codec.c %/py_scatter.c,$(CPU_SOURCES))
+CPU_C_SOURCES = $(filter-out %/module.c %/buffers.c %/py_codec.c %/py_scatter.c %/py_planes.c,$(CPU_SOURCES))
 CROSS_FLAGS = $(CPU_CFLAGS) -Wall -Wextra -Wno-missing-field-initializers -Werror -Ikvcodec/csrc
 
 .PHONY: test-cross

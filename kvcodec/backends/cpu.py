@@ -40,6 +40,7 @@ __all__ = [
     "REASON",
     "BlobRows",
     "CpuBackend",
+    "k_planes",
     "scatter_blob_rows",
     "scatter_dequantize",
 ]
@@ -62,6 +63,18 @@ else:
     REASON = ""
 
 AVAILABLE: bool = _cpu is not None
+
+
+def k_planes(k: Any, hi: Any, lo: Any, tokens: int, heads: int, dim: int, merge: bool) -> bool:
+    """16-bit K's bytes split into (``merge=False``) or merged from (True) its high plane
+    ``[heads, dim, tokens]`` and low plane ``[tokens, heads, dim]`` by planes.c, in one pass; False
+    (nothing done) when the C loops are not built."""
+    if _cpu is None:
+        return False
+    _cpu.k_planes(k, hi, lo, tokens, heads, dim, merge)
+    return True
+
+
 """Whether the C extension is built and importable."""
 
 _DTYPE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

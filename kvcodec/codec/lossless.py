@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import backends
 from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import (
     LOSSLESS_OF,
@@ -90,32 +91,53 @@ def _check_plain(h: Header) -> tuple[int, int, int]:
     return tokens, heads, dim
 
 
+def _split_k(k: memoryview, tokens: int, heads: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """K's high plane ``[heads, dim, tokens]`` and low plane ``[tokens, heads, dim]`` (C, else numpy)."""
+    n = tokens * heads * dim
+    hi, lo = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    if not backends.k_planes(k, hi, lo, tokens, heads, dim, merge=False):
+        kb = np.frombuffer(k, np.uint8).reshape(tokens, heads, dim, CODED_K_ITEMSIZE)
+        hi.reshape(heads, dim, tokens)[...] = kb[..., 1].transpose(1, 2, 0)
+        lo.reshape(tokens, heads, dim)[...] = kb[..., 0]
+    return hi, lo
+
+
+def _coded_parts(p: ParsedBlob, tokens: int, heads: int, dim: int) -> list[Any]:
+    """The lossless payload's parts in order: K's table, streams and low plane; V's table and streams."""
+    codes = np.frombuffer(p.v, np.uint8).reshape(tokens, heads, dim)
+    v_streams = [_compress(np.ascontiguousarray(codes[:, i, :])) for i in range(heads)]
+    parts: list[Any] = []
+    if p.header.k_payload_len:
+        hi, lo = _split_k(p.k, tokens, heads, dim)
+        per = tokens * dim
+        k_streams = [_compress(hi[i * per : (i + 1) * per]) for i in range(heads)]
+        parts += [pack_table([len(s) for s in k_streams]), *k_streams, lo]
+    return [*parts, pack_table([len(s) for s in v_streams], tokens), *v_streams]
+
+
 def compress_blob(plain: Any) -> bytearray:
     """The lossless blob of plain version-2 blob ``plain`` (checked, CRC included)."""
     p = plain if isinstance(plain, ParsedBlob) else parse(plain)
     h = p.header
     tokens, heads, dim = _check_plain(h)
-    codes = np.frombuffer(p.v, np.uint8).reshape(tokens, heads, dim)
-    v_streams = [_compress(np.ascontiguousarray(codes[:, i, :])) for i in range(heads)]
-    v_sec = [pack_table([len(s) for s in v_streams], tokens), *v_streams]
-    k_sec: list[Any] = []
-    if h.k_payload_len:
-        k = np.frombuffer(p.k, np.uint8).reshape(tokens, heads, dim, CODED_K_ITEMSIZE)
-        hi = [_compress(np.ascontiguousarray(k[:, i, :, 1].T)) for i in range(heads)]
-        k_sec = [pack_table([len(s) for s in hi]), *hi, np.ascontiguousarray(k[..., 0])]
-    parts = [b"".join(k_sec), b"".join(v_sec), p.scales]
+    parts = _coded_parts(p, tokens, heads, dim)
+    sizes = [memoryview(x).nbytes for x in parts]
+    v_len = sum(sizes[-(heads + 1) :])
     coded = h.replace(
         scale_scheme=LOSSLESS_OF[ScaleScheme(h.scale_scheme)],
-        k_payload_len=len(parts[0]),
-        v_payload_len=len(parts[1]),
+        k_payload_len=sum(sizes) - v_len,
+        v_payload_len=v_len,
     )
+    parts.append(p.scales)
     head = serialize_header(coded, parts)
     out = bytearray(len(head) + coded.payload_len)
-    out[: len(head)] = head
+    mv = memoryview(out)
+    mv[: len(head)] = head
     at = len(head)
     for part in parts:
-        out[at : at + len(part)] = part
-        at += len(part)
+        n = memoryview(part).nbytes
+        mv[at : at + n] = memoryview(part).cast("B")
+        at += n
     return out
 
 
@@ -140,11 +162,17 @@ def _inflate(stream: memoryview, raw: int, what: str) -> bytes:
     return out
 
 
-def _expand_section(
-    sec: Section, src: memoryview, c: Coding, put: Callable[[int, np.ndarray], None], what: str
-) -> None:
-    for i, (at, n) in enumerate(sec.streams):
-        put(i, np.frombuffer(_inflate(src[at : at + n], c.stream_raw, f"{what} stream {i}"), np.uint8))
+def _streams(sec: Section, src: memoryview, raw: int, what: str) -> list[bytes]:
+    return [_inflate(src[at : at + n], raw, f"{what} stream {i}") for i, (at, n) in enumerate(sec.streams)]
+
+
+def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None:
+    """Write K's bytes into ``out`` from its planes (C, else numpy)."""
+    t, heads, dim = c.tokens, c.heads, c.head_dim
+    if not backends.k_planes(out, hi, lo, t, heads, dim, merge=True):
+        k = np.frombuffer(out, np.uint8).reshape(t, heads, dim, CODED_K_ITEMSIZE)
+        k[..., 0] = np.frombuffer(lo, np.uint8).reshape(t, heads, dim)
+        k[..., 1] = hi.reshape(heads, dim, t).transpose(2, 0, 1)
 
 
 def expand_blob(p: ParsedBlob) -> bytearray:
@@ -154,23 +182,16 @@ def expand_blob(p: ParsedBlob) -> bytearray:
     hs = p.header_len  # the plain header has the same fields and strings: the same size
     out = bytearray(hs + plain.payload_len)
     mv = memoryview(out)
-    t, heads, dim = c.tokens, c.heads, c.head_dim
+    t, heads, dim, raw = c.tokens, c.heads, c.head_dim, c.stream_raw
     k_len = plain.k_payload_len
     codes = np.frombuffer(mv, np.uint8, plain.v_payload_len, hs + k_len).reshape(t, heads, dim)
-
-    def put_v(i: int, got: np.ndarray) -> None:
-        codes[:, i, :] = got.reshape(t, dim)
-
-    _expand_section(c.v, p.v, c, put_v, "V")
+    for i, got in enumerate(_streams(c.v, p.v, raw, "V")):
+        codes[:, i, :] = np.frombuffer(got, np.uint8).reshape(t, dim)
     if c.k is not None:
-        k = np.frombuffer(mv, np.uint8, k_len, hs).reshape(t, heads, dim, CODED_K_ITEMSIZE)
-        k[..., 0] = np.frombuffer(p.k, np.uint8, t * heads * dim, c.k.raw_at).reshape(t, heads, dim)
-
-        def put_k(i: int, got: np.ndarray) -> None:
-            k[:, i, :, 1] = got.reshape(dim, t).T
-
-        _expand_section(c.k, p.k, c, put_k, "K")
-    at = hs + k_len + plain.v_payload_len
-    mv[at:] = p.scales
+        hi = np.empty(heads * raw, np.uint8)
+        for i, got in enumerate(_streams(c.k, p.k, raw, "K")):
+            hi[i * raw : (i + 1) * raw] = np.frombuffer(got, np.uint8)
+        _merge_k(mv[hs : hs + k_len], hi, p.k[c.k.raw_at :], c)
+    mv[hs + k_len + plain.v_payload_len :] = p.scales
     mv[:hs] = serialize_header(plain, [mv[hs:]])
     return out

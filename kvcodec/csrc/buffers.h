@@ -88,5 +88,6 @@ PyObject *py_quantize(PyObject *self, PyObject *args);
 PyObject *py_dequantize(PyObject *self, PyObject *args);
 PyObject *py_scatter_rows(PyObject *self, PyObject *args);
 PyObject *py_scatter_dequant(PyObject *self, PyObject *args);
+PyObject *py_k_planes(PyObject *self, PyObject *args); /* py_planes.c */
 
 #endif

@@ -147,6 +147,8 @@ static PyObject *py_set_error(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     CODEC_METHODS,
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
+    {"k_planes", py_k_planes, METH_VARARGS,
+     "k_planes(k, hi, lo, tokens, heads, dim, merge): 16-bit K's byte planes split (merge=0) or merged."},
     {"bytes_to_fill", py_bytes_to_fill, METH_VARARGS, "bytes_to_fill(n): (bytes, its writable view), uninitialised."},
     {"crc_fast", py_crc_fast, METH_VARARGS,
      "crc_fast(level) -> previous: 2 folded on 512-bit registers, 1 on 128-bit lanes, 0 off, -1 read only."},

@@ -264,3 +264,32 @@ def test_golden_vectors(name) -> None:
 
 def test_manifest_lists_the_vectors() -> None:
     assert json.loads((LOSSLESS / "manifest.json").read_text()) == sorted(GOLDEN)
+
+
+def test_numpy_planes_give_the_same_bytes(monkeypatch) -> None:
+    """Without the C loops the planes are split and merged by numpy: the same blobs both ways."""
+    k, v = _kv((19, 3, 8), torch.bfloat16)
+    coded = kvcodec.encode(k, v, scope="per_tensor", compression="lossless")
+    plain = kvcodec.encode(k, v, scope="per_tensor")
+    monkeypatch.setattr(kvcodec.backends, "k_planes", lambda *a, **kw: False)
+    assert bytes(kvcodec.encode(k, v, scope="per_tensor", compression="lossless")) == bytes(coded)
+    assert bytes(expand_blob(parse(coded))) == bytes(plain)
+
+
+def test_a_bomb_is_decoded_in_bounded_memory() -> None:
+    """The bomb of 8 MiB is refused after at most one stream's bytes (+1) were produced."""
+    import tracemalloc
+
+    b, _ = _coded((256, 2, 64))
+    h, k, _, s = _sections(b)
+    bomb = zlib.compressobj(9, zlib.DEFLATED, -15)
+    stream = bomb.compress(bytes(8 << 20)) + bomb.flush()
+    hostile = _rebuild(h, k, _v_with_streams(256, [stream, stream]), s)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptEncodedKVError):
+            kvcodec.decode(hostile)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # the blob's plain size is ~130 KiB; the bomb would be 8 MiB

@@ -1,0 +1,53 @@
+/* k_planes(k, hi, lo, tokens, heads, dim, merge) -> None: the entry point of planes.c. Every buffer
+ * C-contiguous bytes of exactly its plane's length (checked), none overlapping another; merge=0 splits
+ * k into hi and lo, merge=1 writes k from them. The GIL is released around the pass. */
+#include "buffers.h"
+#include "planes.h"
+
+/* One buffer of exactly `len` bytes, C-contiguous, writable if asked. -1: error raised. */
+static int take(PyObject *obj, Py_ssize_t len, int writable, const char *name, Py_buffer *b) {
+    if (PyObject_GetBuffer(obj, b, writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS) < 0) {
+        rethrow("k_planes");
+        return -1;
+    }
+    if (b->len != len) {
+        PyBuffer_Release(b);
+        char msg[160];
+        snprintf(msg, sizeof msg, "%s is %zd bytes; the geometry needs %zd", name, b->len, len);
+        return fail("k_planes", msg);
+    }
+    return 0;
+}
+
+PyObject *py_k_planes(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ko, *ho, *lo_o;
+    Py_ssize_t T, H, D;
+    int m;
+    if (parse(args, "k_planes", "OOOnnnp", &ko, &ho, &lo_o, &T, &H, &D, &m)) return NULL;
+    if (T < 0 || H < 0 || D < 0 || (H && D > PY_SSIZE_T_MAX / H) || (H * D != 0 && T > PY_SSIZE_T_MAX / 2 / (H * D))) {
+        fail("k_planes", "tokens, heads and head_dim must be >= 0 and their bytes fit a Py_ssize_t");
+        return NULL;
+    }
+    Py_ssize_t n = T * H * D;
+    Py_buffer k, hi, lo;
+    if (take(ko, 2 * n, m, "k", &k) < 0) return NULL;
+    if (take(ho, n, !m, "hi", &hi) < 0) return PyBuffer_Release(&k), NULL;
+    if (take(lo_o, n, !m, "lo", &lo) < 0) return PyBuffer_Release(&k), PyBuffer_Release(&hi), NULL;
+    PyObject *ret = NULL;
+    if (bufs_overlap(&k, &hi) || bufs_overlap(&k, &lo) || bufs_overlap(&hi, &lo)) {
+        fail("k_planes", "K and its planes must not share memory");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        if (m)
+            kv_planes_merge(hi.buf, lo.buf, k.buf, (size_t)T, (size_t)(H * D));
+        else
+            kv_planes_split(k.buf, hi.buf, lo.buf, (size_t)T, (size_t)(H * D));
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&hi);
+    PyBuffer_Release(&lo);
+    return ret;
+}
