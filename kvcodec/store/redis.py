@@ -403,22 +403,24 @@ class RedisStore(RedisCalls):
         verify_crc: bool = True,
         max_bytes: int | None = None,
     ) -> ParsedBlob:
-        """The blob under ``key``, read in one pipeline and parsed once with its CRC (``into`` unused:
-        the client hands over the value as bytes already; ``verify_crc`` ignored: always checked)."""
-        return self.get_parsed_many([key], max_bytes=max_bytes)[0]
+        """The blob under ``key``, read in one pipeline and parsed once (its CRC checked unless
+        ``verify_crc`` is False; ``into`` unused: the value is a view of the read's buffer)."""
+        return self.get_parsed_many([key], verify_crc=verify_crc, max_bytes=max_bytes)[0]
 
     def get_parsed_many(
         self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
     ) -> list[ParsedBlob]:
         """Each key's parsed blob from one pipeline, all or nothing: ``KeyError`` names the first
-        missing key; a damaged value is deleted and raises with its check's reason (``verify_crc``
-        ignored: the CRC is always checked). ``max_bytes``: the largest blob the caller accepts
-        (header + payload); no more of a value is ever read (+ the 40-byte MAC envelope)."""
+        missing key; a damaged value is deleted and raises with its check's reason. ``verify_crc``
+        False leaves the CRC to the caller (the connector's load checks it in the pass that writes
+        the blob, and removes the chunk on a mismatch), as every store does; the fleet MAC, the
+        header and the sizes are checked here regardless. ``max_bytes``: the largest blob the caller
+        accepts (header + payload); no more of a value is ever read (+ the 40-byte MAC envelope)."""
         fetched = self._fetch(keys, [self.name_of(k) for k in keys], max_bytes)
         for key, _, value in fetched:
             if value is None:
                 raise KeyError(key)
-        return [self._verified(k, n, v, max_bytes=max_bytes) for k, n, v in fetched]  # type: ignore[arg-type]
+        return [self._verified(k, n, v, verify_crc, max_bytes) for k, n, v in fetched]  # type: ignore[arg-type]
 
     def get_named(self, name: str, *, max_bytes: int | None = None) -> memoryview:
         """The verified blob stored under the full Redis ``name`` (as :meth:`iter_names` lists it,

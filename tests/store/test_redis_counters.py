@@ -1,6 +1,6 @@
 """What the Redis store's ``hits``/``misses`` count (only the reads that return blobs, not ``contains``
-lookups nor a writer's checks), and the ``verify_crc`` keyword of the BlobStore protocol (accepted,
-the CRC always checked) on a real redis-server (issue 27)."""
+lookups nor a writer's checks), and the ``verify_crc`` keyword of the BlobStore protocol (the CRC
+checked, or left to the caller as every store leaves it) on a real redis-server (issue 27)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_hits_and_misses_count_blob_reads_only(tmp_path: Path) -> None:
         assert (st.stats()["hits"], st.stats()["misses"]) == (3, 2)
 
 
-def test_get_parsed_takes_verify_crc_and_checks_the_crc_anyway(tmp_path: Path) -> None:
+def test_verify_crc_false_leaves_the_crc_to_the_caller(tmp_path: Path) -> None:
     with redis_single(tmp_path) as srv, open_store(srv.url, OPTS) as st:
         blob = make_blob(64, 0)
         st.put("k", blob)
@@ -43,5 +43,8 @@ def test_get_parsed_takes_verify_crc_and_checks_the_crc_anyway(tmp_path: Path) -
         damaged[-1] ^= 0x40
         with srv.client() as c:
             c.set(st.name_of("k"), bytes(damaged))
+        unchecked = st.get_parsed("k", verify_crc=False)  # the caller's check (the load's write pass)
+        assert bytes(unchecked.blob) == bytes(damaged) and st.contains("k")
         with raises_reason(CorruptEncodedKVError, Reason.CRC_MISMATCH):
-            st.get_parsed("k", verify_crc=False)
+            st.get_parsed_many(["k"])  # checked: refused and deleted
+        assert not st.contains("k")
