@@ -35,7 +35,7 @@ FLEET_REDIS = if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis
 	  echo "SKIP $@: no redis-server here (apt-get install redis-server failed); the fleet checks did not run"; exit 0; \
 	fi
 
-.PHONY: fleet-deps test-fleet test-fleet-store test-fleet-engines bench-fleet bench-fleet-engines bench-fleet-sizes
+.PHONY: fleet-deps test-fleet test-fleet-store test-fleet-engines bench-fleet bench-fleet-engines bench-fleet-sizes bench-fleet-wire
 
 # The Python side: LMCache with its server deps, the valkey adapter's client (glide; in 0.5.6 its import
 # chain also pulls in transformers), all from requirements/lmcache.txt.
@@ -79,6 +79,12 @@ bench-fleet-engines:
 	[ $$rc -eq 0 ] || exit $$rc; \
 	mkdir -p bench/results && VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 3000 \
 	  $(VLLM_VENV)/bin/python bench/fleet/engines.py --json bench/results/fleet-engines.json
+
+# One chunk's read side by side: a local directory, Redis on kvcodec's own socket, Redis through
+# redis-py with hiredis (bench/fleet/wire.py -> bench/results/fleet-wire.json); no engines.
+bench-fleet-wire:
+	@$(FLEET_REDIS); \
+	mkdir -p bench/results && timeout 900 $(BIN)/python bench/fleet/wire.py --json bench/results/fleet-wire.json
 
 bench-fleet-sizes:
 	@$(FLEET_REDIS); \
