@@ -12,7 +12,14 @@ from kvcodec.errors import Reason, UnsupportedConfigError
 from kvcodec.format import COMPUTED_SCOPES, ScaleScope
 from kvcodec.format.header import MAX_DIM, MAX_HASH_STR
 
-__all__ = ["DEFAULT_PENDING_SAVE_BYTES", "KvcodecConfig"]
+__all__ = ["COMPRESSION_TIERS", "DEFAULT_COMPRESSION", "DEFAULT_PENDING_SAVE_BYTES", "KvcodecConfig"]
+
+COMPRESSION_TIERS = ("ram", "disk", "remote")
+"""The store tiers ``compression`` names (kvcodec/integrations/vllm/store_tiers.py)."""
+DEFAULT_COMPRESSION = {"ram": "none", "disk": "none", "remote": "lossless"}
+"""Lossless blobs where bytes cost more than CPU: a remote store (Redis memory, the network on every
+hit: 0.72x the bytes on a real model's KV); plain where the CPU is the bottleneck: RAM and a local
+directory (the lossless stage codes at ~0.04x a memcpy's speed on one core; docs/quality.md)."""
 
 DEFAULT_PENDING_SAVE_BYTES = 1 << 30
 """Host memory that chunks copied out of the cache but not yet written may hold (1 GiB): a 2048-token
@@ -61,6 +68,10 @@ class KvcodecConfig:
     max_concurrent_loads: int = 16
     """Asynchronous loads in flight at once; over it the scheduler asks vLLM to try the request later."""
     writer_threads: int = 2
+    compression: Any = None
+    """Per store tier, ``"none"`` or ``"lossless"`` (``compression="lossless"`` blobs, decoded back
+    byte for byte): a mapping of ``ram``/``disk``/``remote`` to either (tiers left out keep
+    :data:`DEFAULT_COMPRESSION`), one string for every tier, or None for the defaults."""
 
     def __post_init__(self) -> None:
         """Check every field, so a bad config stops the engine at start, not every chunk save."""
@@ -101,6 +112,7 @@ class KvcodecConfig:
                 )
         if self.model_id is not None:
             _check_hash_text("model_id", self.model_id)
+        object.__setattr__(self, "compression", _compression(self.compression))
         object.__setattr__(self, "scope", _scope_name(self.scope))
 
     def _check_location(self) -> None:
@@ -111,6 +123,10 @@ class KvcodecConfig:
             )
         if self.root is not None or self.store is None:
             object.__setattr__(self, "root", _check_root(self.root))
+
+    def compression_of(self, tier: str) -> str:
+        """``"none"`` or ``"lossless"``: how ``tier`` (ram, disk or remote) stores blobs."""
+        return dict(self.compression)[tier]
 
     @property
     def location(self) -> str:
@@ -196,6 +212,31 @@ def _check_hash_text(name: str, text: Any) -> None:
             f"model_id is {len(raw)} bytes in UTF-8; blobs hold at most {MAX_HASH_STR}",
             reason=Reason.BAD_HASH,
         )
+
+
+def _compression(value: Any) -> tuple[tuple[str, str], ...]:
+    """``compression`` as ((tier, "none" | "lossless"), ...) for every tier; refused unless one of
+    None, "none", "lossless" or a mapping of known tiers to either."""
+    modes = ("none", "lossless")
+    if value is None:
+        value = {}
+    elif isinstance(value, str):
+        value = dict.fromkeys(COMPRESSION_TIERS, value)
+    elif isinstance(value, tuple):  # already normalized (a config rebuilt from another's fields)
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise UnsupportedConfigError(
+            f'compression must be "none", "lossless", a mapping of {list(COMPRESSION_TIERS)} to either, or null; '
+            f"got {value!r}",
+            reason=Reason.BAD_TYPE,
+        )
+    bad = {k: v for k, v in value.items() if k not in COMPRESSION_TIERS or v not in modes}
+    if bad:
+        raise UnsupportedConfigError(
+            f"compression {bad!r}: tiers are {list(COMPRESSION_TIERS)}, each {list(modes)}",
+            reason=Reason.BAD_VALUE,
+        )
+    return tuple({**DEFAULT_COMPRESSION, **value}.items())
 
 
 def _scope_name(scope: Any) -> str:

@@ -6,7 +6,10 @@
 * ``root`` and a remote ``store`` both set: the local directory in front of the remote store;
 * the configured store last.
 
-Writes go through to every tier; reads take the fastest and promote (:mod:`kvcodec.store.tiers`),
+A tier configured with ``compression: "lossless"`` (by default the remote one: :data:`DEFAULT_COMPRESSION`)
+stores each plain blob as its lossless twin (:mod:`kvcodec.codec.lossless`, about 0.72x the bytes on a
+real model's KV) and hands it back expanded, byte for byte, so every other part of the connector sees
+plain blobs. Writes go through to every tier; reads take the fastest and promote (:mod:`kvcodec.store.tiers`),
 with the chunk's manifest that the scheduler-side lookup found below (a memo shared in the process).
 vLLM's per-source hit metrics get each chunk under its tier's source (RAM: ``HOST``, directory:
 ``DISK``, remote: ``EXTERNAL_UNSPECIFIED``). Also here: opening the connector's store (the fleet key
@@ -20,7 +23,9 @@ import threading
 import weakref
 from typing import Any
 
+from kvcodec.codec.lossless import compress_blob, expand_blob
 from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
+from kvcodec.format import LOSSLESS_OF, MAGIC, PLAIN_OF, ParsedBlob, parse
 from kvcodec.store import BlobStore, DirectoryStore, StoreOptions, open_store
 from kvcodec.store.auth import load_fleet_key
 from kvcodec.store.factory import REDIS_SCHEMES
@@ -28,11 +33,13 @@ from kvcodec.store.memory import MemoryStore
 from kvcodec.store.tiers import ManifestMemo, Tier, TieredStore
 
 from .chunk_keys import group_of, is_manifest
-from .config import KvcodecConfig
+from .config import DEFAULT_COMPRESSION, KvcodecConfig
 
 logger = logging.getLogger("vllm.kvcodec")
 
 __all__ = [
+    "DEFAULT_COMPRESSION",
+    "LosslessTier",
     "by_source",
     "flat_stats",
     "hit_source",
@@ -44,18 +51,104 @@ __all__ = [
 
 
 def open_tiers(cfg: KvcodecConfig, options: StoreOptions) -> BlobStore:
-    """The configured store, or a :class:`~kvcodec.store.tiers.TieredStore` of its tiers."""
+    """The configured store, or a :class:`~kvcodec.store.tiers.TieredStore` of its tiers; each tier
+    whose ``compression`` is ``lossless`` behind a :class:`LosslessTier`."""
     remote = _is_remote(cfg.store)
     tiers = []
     if cfg.host_cache_bytes is not None:
-        tiers.append(Tier("ram", _SHARED_RAM.acquire(cfg, options)))
+        tiers.append(Tier("ram", _coded(cfg, "ram", _SHARED_RAM.acquire(cfg, options))))
     if remote and cfg.root is not None:
-        tiers.append(Tier("disk", open_store(cfg.root, options)))
-    bottom = open_store(cfg.location, options)
+        tiers.append(Tier("disk", _coded(cfg, "disk", open_store(cfg.root, options))))
+    name = "remote" if remote else "disk"
+    bottom = _coded(cfg, name, open_store(cfg.location, options))
     if not tiers:
         return bottom
-    tiers.append(Tier("remote" if remote else "disk", bottom))
+    tiers.append(Tier(name, bottom))
     return TieredStore(tiers, options, _memo_of(cfg))
+
+
+def _coded(cfg: KvcodecConfig, tier: str, store: BlobStore) -> BlobStore:
+    return LosslessTier(store) if cfg.compression_of(tier) == "lossless" else store
+
+
+_LOSSLESS_IDS = frozenset(int(s) for s in PLAIN_OF)
+
+
+def _is_lossless(mv: memoryview) -> bool:
+    """Whether ``mv`` starts like a lossless LMCKV blob (magic, version 2, a lossless scheme id)."""
+    b = bytes(mv[:20])
+    return (
+        len(b) == 20
+        and b[:8] == MAGIC
+        and b[8:10] == b"\x02\x00"
+        and int.from_bytes(b[18:], "little") in _LOSSLESS_IDS
+    )
+
+
+class LosslessTier:
+    """A store that keeps plain blobs as their lossless twins and gives them back plain, byte for byte.
+
+    ``put``: a plain version-2 blob (its CRC checked first, so damage is never sealed in) is stored
+    coded; anything else (a manifest, a blob the stage cannot code) as it is. Reads expand a lossless
+    blob after checking its own CRC, whatever ``verify_crc`` says; a damaged one raises
+    ``CorruptEncodedKVError`` as any damaged blob does. Everything else is the inner store's.
+    """
+
+    def __init__(self, inner: BlobStore) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # partial_groups, location, stats, keys, close...
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def _code(key: str, blob: Any) -> Any:
+        if is_manifest(key):
+            return blob
+        try:
+            p = parse(blob)
+        except CodecError:
+            return blob  # not a blob kvcodec reads: stored as given, refused when read
+        if p.header.version < 2 or p.header.scale_scheme not in LOSSLESS_OF:
+            return blob
+        try:
+            return compress_blob(p)
+        except UnsupportedConfigError:  # 32-bit K, no layout fields: the plain blob
+            return blob
+
+    @staticmethod
+    def _expand(p: ParsedBlob, checked: bool) -> ParsedBlob:
+        if p.header.scale_scheme not in PLAIN_OF:
+            return p
+        if not checked:
+            p = parse(p.blob)
+        return parse(expand_blob(p), verify_crc=False)
+
+    def put(self, key: str, blob: Any) -> None:
+        self.inner.put(key, self._code(key, blob))
+
+    def put_many(self, items: Any) -> None:
+        self.inner.put_many([(k, self._code(k, b)) for k, b in items])
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> memoryview:
+        mv = self.inner.get(key, max_bytes=max_bytes)
+        return memoryview(expand_blob(parse(mv))) if _is_lossless(mv) else mv
+
+    def get_parsed(
+        self,
+        key: str,
+        into: bytearray | None = None,
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+    ) -> ParsedBlob:
+        p = self.inner.get_parsed(key, into, verify_crc=verify_crc, max_bytes=max_bytes)
+        return self._expand(p, verify_crc)
+
+    def get_parsed_many(
+        self, keys: Any, *, verify_crc: bool = True, max_bytes: int | None = None
+    ) -> list[ParsedBlob]:
+        got = self.inner.get_parsed_many(keys, verify_crc=verify_crc, max_bytes=max_bytes)
+        return [self._expand(p, verify_crc) for p in got]
 
 
 _SOURCE_OF_TIER = {"ram": "HOST", "disk": "DISK", "remote": "EXTERNAL_UNSPECIFIED"}
@@ -93,10 +186,9 @@ def flat_stats(store: BlobStore) -> dict[str, float]:
 
 
 def stores_of(store: BlobStore) -> list[BlobStore]:
-    """The stores a connector's store is made of (its tiers, or itself)."""
-    if isinstance(store, TieredStore):
-        return [t.store for t in store.tiers]
-    return [store]
+    """The stores a connector's store is made of (its tiers, or itself; a :class:`LosslessTier`'s inner store)."""
+    tiers = [t.store for t in store.tiers] if isinstance(store, TieredStore) else [store]
+    return [s.inner if isinstance(s, LosslessTier) else s for s in tiers]
 
 
 def _is_remote(url: str | None) -> bool:
