@@ -18,6 +18,12 @@ straight into LMCache's destination buffer by ``kvcodec.encode(out=...)``:
 * the model name goes into the blob's ``model_id`` hash and a blob of
   another model is refused on load (:class:`~kvcodec.CodecMismatchError`).
 
+No ``compression="lossless"`` option (issue 38): a lossless blob's size depends on the KV, and
+LMCache 0.5.6's framing reads an object back at exactly :meth:`estimate_serialized_size` bytes (its
+``fs`` adapter drops a shorter file as an incomplete read), so a coded object would have to be padded
+to the plain size and would save nothing; its blobs also stay version 1 for LMCache's own reader.
+Lossless blobs are for kvcodec's own stores (the vLLM connector's ``compression`` key).
+
 Configured from the ``"serde"`` object of an L2 adapter's JSON, e.g.
 ``{"type": "kvcodec", "head_dim": 128, "model": "meta-llama/Llama-3.1-8B"}``.
 Importing this module registers the type (:func:`register` is idempotent).
