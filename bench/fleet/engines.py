@@ -7,13 +7,18 @@ local directory; one redis-server; a 3-node Redis Cluster, all on 127.0.0.1) hos
 prompts, then a fresh host B (own process, own empty local directory) runs them again. Measured:
 
 * TTFT of B's hits, and of a recompute (an engine without a connector), medians over the prompts;
+  Redis read three ways (:data:`READ_PATHS`: kvcodec's own socket reads, redis-py with hiredis,
+  redis-py's Python parser), each a fresh host B on the same stored chunks;
   ``redis+ram``: a host B with a RAM tier (``host_cache_bytes``) in front of Redis, its second pass
-  over the prompts (hits from RAM; the first pass filled it from Redis);
+  over the prompts (hits from RAM; the first pass filled it from Redis); ``redis lossless``: host A
+  and B with ``compression: "lossless"`` (their own key prefix in the same server); vLLM's own
+  prefix cache (no connector, the prompts twice); whether vLLM's ``OffloadingConnector`` starts;
 * bytes in Redis: ``used_memory`` after A over before (all nodes), vs the raw bf16 KV of the chunks;
 * round trips per prompt, from the store counters of B's scheduler (lookups) and worker (loads).
 
-Targets (issue 27): a Redis hit <= 1.5x a local-directory hit, >= 10x faster than a recompute;
-bytes <= 0.76x raw; one round trip per chunk for the load and one per prompt for the lookup.
+Targets: a Redis hit <= 1.2x a local-directory hit (issue 36; 1.5x in issue 27), >= 10x faster than
+a recompute; a RAM-tier hit within 2% of a recompute above vLLM's own prefix-cache hit;
+``used_memory`` <= 0.78x raw; one round trip per chunk for the load and one per prompt for the lookup.
 Numbers go to ``--json`` and a table to stdout; one machine, one run, side by side.
 """
 
@@ -76,7 +81,7 @@ def _ram_tier_row(work: Path, model: str, url: str, p: Prompts, timeout: float, 
     """Host B with a RAM tier in front of Redis: the prompts once (hits from Redis, copied into RAM),
     then again (hits from RAM)."""
     phases = [ttft("warmup", [p.fresh_warmup]), ttft("fill", p.timed), ttft("hit", p.timed)]
-    b = _engine(work, model, "ram-b", url, phases, host_cache_bytes=RAM_TIER_BYTES)
+    b = _engine(work, model, "ram-b", url, phases, host_cache_bytes=RAM_TIER_BYTES, **PLAIN)
     b.engine = {"enable_prefix_caching": False}  # the second pass is the RAM tier's, not vLLM's own cache
     return _hits(run_engine(b, work, timeout, pythonpath))
 
@@ -115,9 +120,10 @@ def _redis_rows(work: Path, model: str, url: str, p: Prompts, timeout: float, py
         b = _engine(
             work,
             model,
-            name.replace(" ", "-").replace(",", "").replace("+", "-") + "-b",
+            _slug(name) + "-b",
             url,
             [ttft("warmup", [p.fresh_warmup]), ttft("hit", p.timed)],
+            **PLAIN,
         )
         b.env = env
         out[name] = _hits(run_engine(b, work, timeout, pythonpath))
@@ -150,6 +156,43 @@ def _vllm_offloading(model: str, timeout: float, pythonpath: str) -> dict:
     said = [ln for ln in proc.stdout.splitlines() if ln.startswith(("REFUSED", "STARTED"))]
     tail = (proc.stderr.strip().splitlines() or [""])[-1][:300]
     return {"started": proc.returncode == 0, "rc": proc.returncode, "said": said[-1] if said else tail}
+
+
+PLAIN = {"compression": "none"}
+"""Every store row but one keeps plain blobs in every tier (the connector's per-tier ``compression``)."""
+LOSSLESS = {"compression": "lossless", "key_prefix": "kvcodec-lossless"}
+"""The ``redis lossless`` row: ``compression="lossless"`` values, under their own prefix in the same server."""
+
+
+def _slug(name: str) -> str:
+    return name.replace(" ", "-").replace(",", "").replace("+", "-")
+
+
+def _saved(
+    work: Path,
+    model: str,
+    name: str,
+    deployment: Any,
+    p: Prompts,
+    raw: int,
+    run: tuple[float, str],
+    more: dict,
+) -> dict[str, Any]:
+    """Host A saves the timed prompts into ``deployment`` (None: a directory); the bytes it wrote and,
+    for Redis, ``used_memory`` after over before (all nodes), each over the raw KV."""
+    url = None if deployment is None else deployment.url
+    before = deployment.used_memory() if deployment is not None else 0
+    saver = _engine(
+        work, model, _slug(name) + "-a", url, [ttft("warmup", [p.warmup]), ttft("save", p.timed)], **more
+    )
+    saved = _stats(run_engine(saver, work, *run), "worker")
+    row: dict[str, Any] = {"value_bytes": saved.get("store_bytes_written")}
+    if deployment is not None:
+        _settle(deployment)
+        row["bytes"] = deployment.used_memory() - before
+        row["bytes_vs_raw"] = row["bytes"] / raw
+        row["value_bytes_vs_raw"] = (row["value_bytes"] or 0) / raw
+    return row
 
 
 def _settle(deployment: RedisServer | RedisCluster) -> None:
@@ -209,19 +252,11 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
     saved_chunks = (PROMPT_LEN - 1) // CHUNK * n + 1  # the timed prompts' full chunks and the warm-up's
     out["raw_kv_bytes"] = saved_chunks * CHUNK_RAW_BYTES
     with redis_single(work) as srv, redis_cluster(work) as cl:
-        for name, deployment in (("directory", None), ("redis", srv), ("cluster", cl)):
+        stores = [("directory", None, PLAIN), ("redis", srv, PLAIN), ("cluster", cl, PLAIN)]
+        stores.append(("redis lossless", srv, LOSSLESS))
+        for name, deployment, more in stores:
             url = None if deployment is None else deployment.url
-            before = deployment.used_memory() if deployment is not None else 0
-            saver = _engine(
-                work, model, f"{name}-a", url, [ttft("warmup", [p.warmup]), ttft("save", p.timed)]
-            )
-            saved = _stats(run_engine(saver, work, timeout, pythonpath), "worker")
-            row: dict[str, Any] = {"value_bytes": saved.get("store_bytes_written")}
-            if deployment is not None:
-                _settle(deployment)
-                row["bytes"] = deployment.used_memory() - before
-                row["bytes_vs_raw"] = row["bytes"] / out["raw_kv_bytes"]
-                row["value_bytes_vs_raw"] = (row["value_bytes"] or 0) / out["raw_kv_bytes"]
+            row = _saved(work, model, name, deployment, p, out["raw_kv_bytes"], (timeout, pythonpath), more)
             if name == "redis":
                 reads = _redis_rows(work, model, url, p, timeout, pythonpath)
                 out[name] = row | reads.pop("redis")
@@ -229,16 +264,22 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
                 out["redis+ram"] = _ram_tier_row(work, model, url, p, timeout, pythonpath)
                 continue
             hit_phases = [ttft("warmup", [p.fresh_warmup]), ttft("hit", p.timed)]
-            row |= _hits(
-                run_engine(_engine(work, model, f"{name}-b", url, hit_phases), work, timeout, pythonpath)
-            )
-            out[name] = row
+            b = _engine(work, model, _slug(name) + "-b", url, hit_phases, **more)
+            out[name] = row | _hits(run_engine(b, work, timeout, pythonpath))
     out["prefix-cache"] = _prefix_cache_row(work, model, p, timeout, pythonpath)
     out["vllm-offloading"] = _vllm_offloading(model, timeout, pythonpath)
     return out
 
 
-ROWS = ("directory", "redis", "redis client+hiredis", "redis client, no hiredis", "redis+ram", "cluster")
+ROWS = (
+    "directory",
+    "redis",
+    "redis client+hiredis",
+    "redis client, no hiredis",
+    "redis+ram",
+    "cluster",
+    "redis lossless",
+)
 
 
 def table(res: dict[str, Any]) -> str:
