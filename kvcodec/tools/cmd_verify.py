@@ -115,10 +115,13 @@ def verify_blob(
     import torch
 
     from ..codec import decode
+    from ..codec.lossless import expand_blob, is_lossless
     from ..format import ScaleScope, parse
     from ..format.parser import check_v_codes
 
     parsed = parse(data, verify_crc=True, strict=strict)
+    if is_lossless(parsed.header):  # its codes are coded: check those of the plain blob it holds
+        parsed = parse(expand_blob(parsed), verify_crc=False)
     h = parsed.header
     scales_missing = h.scale_scope == ScaleScope.EXTERNAL and h.scale_payload_len == 0
     d = decode(

@@ -293,3 +293,18 @@ def test_a_bomb_is_decoded_in_bounded_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20  # the blob's plain size is ~130 KiB; the bomb would be 8 MiB
+
+
+def test_kvcodec_verify_checks_the_codes_a_lossless_blob_holds() -> None:
+    """``kvcodec verify`` reads a lossless blob's codes through its plain blob (not the coded bytes)."""
+    from kvcodec.tools.cmd_verify import verify_blob
+
+    k, v = _kv((33, 2, 16), torch.float16)
+    verify_blob(kvcodec.encode(k, v, scope="per_tensor", compression="lossless"))
+    plain = kvcodec.parse(kvcodec.encode(k, v, scope="per_tensor"))
+    codes = bytearray(plain.v)
+    codes[5] = 0x7F  # an e4m3fn NaN code, sealed into a lossless blob with a valid CRC
+    bad = compress_blob(assemble(plain.header, plain.k, codes, plain.scales))
+    with pytest.raises(CorruptEncodedKVError) as e:
+        verify_blob(bad)
+    assert e.value.reason == Reason.BAD_CODE
