@@ -9,6 +9,8 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvcodec
 from kvcodec.codec.lossless import CODER, compress_blob, expand_blob
@@ -308,3 +310,39 @@ def test_kvcodec_verify_checks_the_codes_a_lossless_blob_holds() -> None:
     with pytest.raises(CorruptEncodedKVError) as e:
         verify_blob(bad)
     assert e.value.reason == Reason.BAD_CODE
+
+
+def test_the_header_memo_does_not_skip_a_blobs_tables() -> None:
+    """A second blob with the same header bytes (so the parse memo knows it) still has its tables checked."""
+    b, _ = _coded()
+    parse(b)  # remembered
+    h, k, v, s = _sections(b)
+    c = read_coding(h, memoryview(k), memoryview(v))
+    lengths = [n for _, n in c.v.streams]
+    lying = pack_table([lengths[0] + 1, lengths[1] - 1], 8) + v[c.v.streams[0][0] :]  # same section length
+    hostile = _rebuild(h, k, lying, s)
+    assert bytes(hostile[: h.header_len - 4]) == bytes(b[: h.header_len - 4])
+    try:
+        kvcodec.decode(hostile)
+    except CorruptEncodedKVError as e:
+        assert e.reason in (Reason.BAD_STREAM, Reason.INCONSISTENT_PAYLOAD)
+    else:
+        raise AssertionError("a blob whose streams were cut elsewhere decoded")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams=st.lists(st.binary(min_size=1, max_size=120), min_size=2, max_size=2), flip=st.integers(0, 1))
+def test_random_streams_decode_or_are_refused_by_reason(streams, flip) -> None:
+    """Any bytes in the streams (tables and CRC valid): decoded to exactly the geometry, or BAD_STREAM."""
+    b, _ = _coded()
+    h, k, v, s = _sections(b)
+    if flip:  # keep one real stream, so the other is the only hostile one
+        c = read_coding(h, memoryview(k), memoryview(v))
+        streams[0] = v[c.v.streams[0][0] : c.v.streams[0][0] + c.v.streams[0][1]]
+    hostile = _rebuild(h, k, _v_with_streams(8, streams), s)
+    try:
+        got = kvcodec.decode(hostile)
+    except CorruptEncodedKVError as e:
+        assert e.reason in (Reason.BAD_STREAM, Reason.BAD_CODE, Reason.INCONSISTENT_PAYLOAD)
+    else:
+        assert got.v.shape == (8, 2, 4)
