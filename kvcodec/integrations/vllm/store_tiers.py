@@ -6,7 +6,7 @@
 * ``root`` and a remote ``store`` both set: the local directory in front of the remote store;
 * the configured store last.
 
-A tier configured with ``compression: "lossless"`` (by default the remote one: :data:`DEFAULT_COMPRESSION`)
+A tier configured with ``compression: "lossless"`` (none by default: :data:`DEFAULT_COMPRESSION`)
 stores each plain blob as its lossless twin (:mod:`kvcodec.codec.lossless`, about 0.72x the bytes on a
 real model's KV) and hands it back expanded, byte for byte, so every other part of the connector sees
 plain blobs. Writes go through to every tier; reads take the fastest and promote (:mod:`kvcodec.store.tiers`),

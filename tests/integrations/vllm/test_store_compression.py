@@ -34,10 +34,10 @@ def _chunk() -> list[tuple[str, bytes]]:
     return [*out, base[-1]]
 
 
-def test_default_is_lossless_on_the_remote_tier_only(tmp_path: Path) -> None:
+def test_default_is_plain_in_every_tier(tmp_path: Path) -> None:
     cfg = KvcodecConfig(root=str(tmp_path))
     assert {t: cfg.compression_of(t) for t in DEFAULT_COMPRESSION} == DEFAULT_COMPRESSION
-    assert cfg.compression_of("remote") == "lossless" and cfg.compression_of("disk") == "none"
+    assert {cfg.compression_of(t) for t in ("ram", "disk", "remote")} == {"none"}
     assert isinstance(open_tiers(cfg, OPTS), DirectoryStore)  # a directory alone: plain
 
 
