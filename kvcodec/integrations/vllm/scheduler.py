@@ -59,14 +59,20 @@ class LookupShape:
 
     def keys(self, keys: ChunkKeys, ref: ChunkRef) -> list[list[str]]:
         """Per split, the keys whose presence marks ``ref`` loadable from it, the manifest first."""
-        out = []
-        for parts in self.splits:
+        return [self.split_keys(keys, ref, parts) for parts in self.splits]
+
+    def split_keys(self, keys: ChunkKeys, ref: ChunkRef, parts: int) -> list[str]:
+        """The keys whose presence marks ``ref`` loadable from the split into ``parts`` head ranges."""
+        ks = [keys.manifest(ref, parts)]
+        if self.partial_groups:
             split = HeadSplit(self.heads, parts)
-            ks = [keys.manifest(ref, parts)]
-            if self.partial_groups:
-                ks += [keys.part_blob(lid, ref, split, p) for p in range(parts) for lid in self.layers]
-            out.append(ks)
-        return out
+            ks += [keys.part_blob(lid, ref, split, p) for p in range(parts) for lid in self.layers]
+        return ks
+
+
+def _slowest(tiers: Sequence[int | None]) -> int:
+    """The tier a chunk's load reads: the slowest (highest index) among its keys'."""
+    return max((t or 0 for t in tiers), default=0)
 
 
 @dataclass
@@ -139,6 +145,9 @@ class KvcodecScheduler:
             ("tokens_hit", "tokens_missed", "lookups_unavailable", "loads_deferred", "lookup_calls"), 0
         )
         self._held_new: list[str] = []
+        self._stored_upto: dict[str, int] = {}
+        """Per request allocated after a hit, the leading chunks its lookup found stored (planned
+        saves start after them, without asking the store again)."""
         self.loading: set[str] = set()
         """Requests whose asynchronous load is in flight (until the worker reports it received)."""
         self._failing = False
@@ -153,37 +162,60 @@ class KvcodecScheduler:
 
     def present_where(self, refs: Sequence[ChunkRef]) -> list[tuple[int | None, int]]:
         """:meth:`present`, each with the tier its load reads (the slowest tier among the keys that made
-        it present; 0 without ``locate``)."""
+        it present; 0 without ``locate``).
+
+        One call asks for every key of this engine's own split and only the manifests of the others
+        (with ``partial_groups`` a split's blobs are many keys: the bench model's 12 layers in 4 head
+        ranges are 49 keys a chunk); a chunk missing its own split but holding another's manifest
+        is then asked for that split's blobs in a second call. A fleet of one TP size: one call."""
         if not refs:
             return []
-        shapes = [self.shape.keys(self.keys, r) for r in refs]
-        per = [ks for chunk in shapes for ks in chunk]
-        gens = self.generations
-        if gens is not None:  # one more key in the same call: the generation still stands
-            per.insert(0, [gens.check_key])
+        own, others = self.shape.splits[0], self.shape.splits[1:]
+        first = [self.shape.split_keys(self.keys, r, own) for r in refs]
+        first += [[self.keys.manifest(r, parts) for parts in others] for r in refs]
+        got = self._locate(first, generation=True)
+        if got is None:
+            return [(None, 0)] * len(refs)
+        out = [(own, _slowest(t)) if None not in t else (None, 0) for t in got[: len(refs)]]
+        maybe = [
+            (c, parts, tier)
+            for c, tiers in enumerate(got[len(refs) :])
+            for parts, tier in zip(others, tiers)
+            if out[c][0] is None and tier is not None
+        ]
+        if not maybe:
+            return out
+        if not self.shape.partial_groups:  # the manifest alone marks a split present
+            for c, parts, tier in maybe:
+                out[c] = out[c] if out[c][0] is not None else (parts, tier)
+            return out
+        second = self._locate([self.shape.split_keys(self.keys, refs[c], p) for c, p, _ in maybe])
+        for (c, parts, _), tiers in zip(maybe, second or []):
+            if out[c][0] is None and None not in tiers:
+                out[c] = (parts, _slowest(tiers))
+        return out
+
+    def _locate(self, groups: list[list[str]], generation: bool = False) -> list[list[int | None]] | None:
+        """The tier of each key of each group, in one ``contains_many``/``locate`` call (with
+        ``generation``, also the generation's key); None when the store cannot answer (counted and
+        logged once) or the generation changed."""
+        gens = self.generations if generation else None
+        flat = ([gens.check_key] if gens is not None else []) + [k for g in groups for k in g]
         self._delta["lookup_calls"] += 1
         try:
-            where = self._where([k for ks in per for k in ks])
+            where = self._where(flat)
         except (CodecError, OSError) as e:  # never into vLLM's schedule(): the engine would die
             self._lookup_failed(e)
-            return [(None, 0)] * len(refs)
+            return None
         if self._failing:
             self._failing = False
             logger.info("kvcodec: store lookups answer again")
-        if gens is not None:
-            per.pop(0)
-            if not gens.confirmed(where.pop(0) is not None):
-                return [(None, 0)] * len(refs)  # another generation now: these keys are not its
-        out: list[tuple[int | None, int]] = []
-        at = 0
-        for chunk in shapes:
-            got: tuple[int | None, int] = (None, 0)
-            for parts, ks in zip(self.shape.splits, chunk):
-                tiers = where[at : at + len(ks)]
-                if got[0] is None and None not in tiers:
-                    got = (parts, max(t or 0 for t in tiers))
-                at += len(ks)
-            out.append(got)
+        if gens is not None and not gens.confirmed(where.pop(0) is not None):
+            return None  # another generation now: these keys are not its
+        out, at = [], 0
+        for g in groups:
+            out.append(where[at : at + len(g)])
+            at += len(g)
         return out
 
     def _where(self, keys: list[str]) -> list[int | None]:
@@ -282,6 +314,8 @@ class KvcodecScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of a request vLLM allocated blocks for."""
         hit = self._hits.pop(request.request_id, None)
+        if hit is not None:  # its lookup found these chunks stored: no save plan asks again
+            self._stored_upto[request.request_id] = hit[1] // self.cfg.chunk_size
         if num_external_tokens > 0 and hit is not None:
             start, _, hashes, splits = hit
             rid = request.request_id
@@ -323,7 +357,10 @@ class KvcodecScheduler:
             tokens = list(new.prompt_token_ids or []) if seed is not None else []
             hashes = prefix_hashes(tokens, self.cfg.chunk_size, seed or "")
             request = self._requests.pop(new.req_id, None)
-            self._reqs[new.req_id] = _ReqState(hashes, [list(g) for g in new.block_ids], request)
+            stored = min(self._stored_upto.pop(new.req_id, 0), len(hashes))
+            self._reqs[new.req_id] = _ReqState(
+                hashes, [list(g) for g in new.block_ids], request, stored, stored
+            )
             self._plan(meta, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -395,6 +432,7 @@ class KvcodecScheduler:
         self._requests.pop(rid, None)
         self._hits.pop(rid, None)
         self._tiers.pop(rid, None)
+        self._stored_upto.pop(rid, None)
         self.loading.discard(rid)
         look = self._lookups.pop(rid, None)
         if look is not None:

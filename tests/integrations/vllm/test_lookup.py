@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvcodec import UnsupportedConfigError
 from kvcodec.errors import Reason, StoreUnavailableError
-from kvcodec.integrations.vllm.chunk_keys import ChunkRef, is_manifest
+from kvcodec.integrations.vllm.chunk_keys import ChunkRef, HeadSplit, is_manifest
 from kvcodec.integrations.vllm.connector import KvcodecConnector
 from kvcodec.integrations.vllm.keys import prefix_hashes
 from kvcodec.integrations.vllm.worker import ConnectorParts
@@ -107,8 +107,31 @@ def test_a_store_that_loses_single_blobs_is_asked_for_every_blob(tmp_path: Path)
     _mark(conn, hashes, range(1), layers=2)
     _mark(conn, hashes, range(1, 3), layers=1)  # chunks 1 and 2 lost layer 1's blob
     assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (CHUNK, True)
-    # Per chunk and head split (1 or 2 ranges): the manifest and every layer's blob of every range.
-    assert len(store.calls) == 1 and len(store.calls[0]) == 1 + 3 * ((1 + 2) + (1 + 2 * 2))
+    # One call: per chunk the manifest and every layer's blob of this engine's own split (one range),
+    # and the other split's manifest only (2 ranges); none is stored, so no second call.
+    assert len(store.calls) == 1 and len(store.calls[0]) == 1 + 3 * ((1 + 2) + 1)
+
+
+def test_a_chunk_stored_by_another_tp_size_is_asked_for_its_blobs_in_a_second_call(tmp_path: Path) -> None:
+    """Chunk 1 was written split in 2 head ranges (another TP size): its manifest answers the first
+    call, its blobs the second; then it hits from that split."""
+    store = CountingStore(tmp_path, partial=True)
+    conn = _connector(tmp_path, 2, ConnectorParts(store=store))
+    tokens = list(range(5, 5 + 3 * CHUNK + 3))
+    hashes = prefix_hashes(tokens[: 3 * CHUNK], CHUNK)
+    _mark(conn, hashes, range(1), layers=2)
+    inner, keys, ref = getattr(conn.store, "inner", conn.store), conn.keys, ChunkRef.of(hashes, 1)
+    split = HeadSplit(2, 2)
+    for key in [keys.manifest(ref, 2)] + [
+        keys.part_blob(lid, ref, split, p) for lid in range(2) for p in range(2)
+    ]:
+        inner.put(key, b"x")
+    assert conn.get_num_new_matched_tokens(_request(tokens), 0) == (2 * CHUNK, True)
+    first, second = store.calls
+    assert len(first) == 1 + 3 * ((1 + 2) + 1)
+    assert second == [keys.manifest(ref, 2)] + [
+        keys.part_blob(lid, ref, split, p) for p in range(2) for lid in range(2)
+    ]
 
 
 def test_an_unreachable_store_is_a_counted_miss(tmp_path: Path) -> None:

@@ -75,6 +75,24 @@ def test_saves_are_planned_in_order_and_held_at_finish(tmp_path: Path) -> None:
     assert sched.build_connector_meta(_output(None, 0), StepPlan()).held == ["r"]
 
 
+def test_the_save_plan_does_not_ask_again_for_the_chunks_a_hit_found(tmp_path: Path) -> None:
+    """A hit's lookup found chunks 0 and 1 stored: the step that schedules the request plans a save
+    of chunk 2 only, asking the store about chunk 2 alone (one lookup call per prompt, not two)."""
+    sched, store = _scheduler(tmp_path, async_load=False)
+    for c in (0, 1):
+        store.put(KEYS.manifest(ChunkRef.of(HASHES, c)), b"m")
+    asked: list[list[str]] = []
+    real = store.contains_many
+    store.contains_many = lambda keys: asked.append(list(keys)) or real(keys)  # type: ignore[method-assign]
+    assert sched.get_num_new_matched_tokens(_request(), 0) == (2 * CHUNK, False)
+    sched.update_state_after_alloc(
+        _request(), SimpleNamespace(get_block_ids=lambda: (list(range(8)),)), 2 * CHUNK
+    )
+    meta = sched.build_connector_meta(_output("r", len(TOKENS)), StepPlan())
+    assert [s.chunk for s in meta.saves] == [2] and len(meta.loads) == 1
+    assert len(asked) == 2 and asked[1] == [KEYS.manifest(ChunkRef.of(HASHES, 2))]
+
+
 def test_a_capped_scheduler_defers_loads_until_one_is_received(tmp_path: Path) -> None:
     sched, store = _scheduler(tmp_path, max_concurrent_loads=1)
     store.put(KEYS.manifest(ChunkRef.of(HASHES, 0)), b"m")
