@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .crc import crc32
 from .dtypes import FLOAT8_DTYPES, FLOAT32
-from .header import COMPUTED_SCOPES, Header, ScaleScheme, ScaleScope, check_crc, payload_crc
+from .header import COMPUTED_SCOPES, PLAIN_OF, Header, ScaleScheme, ScaleScope, check_crc, payload_crc
 from .parser import ParsedBlob, expected_scale_shape, remember_header
 
 __all__ = ["BlobCrc", "Geometry", "geometry", "is_plain", "sections_from"]
@@ -67,9 +67,10 @@ class Geometry:
 
 def geometry(h: Header) -> Geometry | None:
     """The payload's geometry from the header's layout fields, or None when they cannot tell (no heads
-    or head_dim, no tokens, or sections that are not whole rows of them)."""
+    or head_dim, no tokens, sections that are not whole rows of them, or a lossless payload: coded
+    streams, not rows, whatever their lengths happen to be)."""
     heads, dim, tokens = h.kv_head_count, h.head_dim, h.num_tokens
-    if heads <= 0 or dim <= 0 or not tokens:
+    if heads <= 0 or dim <= 0 or not tokens or h.scale_scheme in PLAIN_OF:
         return None
     k_len, v_len = h.k_payload_len, h.v_payload_len
     if v_len != tokens * heads * dim * h.v_dtype.itemsize or k_len % (tokens * heads):

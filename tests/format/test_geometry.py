@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
 import torch
 
 from kvcodec import CorruptEncodedKVError, Reason, encode
-from kvcodec.format import BlobCrc, geometry, is_plain, parse
+from kvcodec.format import BlobCrc, ScaleScheme, geometry, is_plain, parse
 from kvcodec.format.geometry import sections_from
 from kvcodec.format.parser import clear_header_memo, header_memo_info
 
@@ -43,6 +44,23 @@ def test_a_v_only_blob_is_not_plain() -> None:
     v = torch.randn(8, 2, 32).to(torch.float16)
     h = parse(encode(None, v, scope="per_layer_head", scale_dtype=torch.float32)).header
     assert not is_plain(h) and geometry(h) is not None
+
+
+def test_a_lossless_payload_has_no_row_geometry_whatever_its_lengths() -> None:
+    """Schemes 3 and 4 hold coded streams: even with section lengths a plain blob of that shape
+    would have, no geometry (so no consumer reads rows out of a coded payload)."""
+    plain = parse(_blob(scope="per_page_head", page_size=16, scale_dtype=torch.float32)).header
+    assert geometry(plain) is not None and is_plain(plain)
+    for scheme in (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT):
+        coded = dataclasses.replace(plain, scale_scheme=scheme)
+        assert geometry(coded) is None and not is_plain(coded)
+    lossless = parse(encode(*_kv_pair(), scope="per_page_head", page_size=16, compression="lossless")).header
+    assert geometry(lossless) is None and not is_plain(lossless)
+
+
+def _kv_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(32, 2, 16, generator=g).bfloat16(), torch.randn(32, 2, 16, generator=g).bfloat16()
 
 
 @pytest.mark.parametrize("through", [None, 0, "codes", "all"])
