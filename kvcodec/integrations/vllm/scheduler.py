@@ -148,6 +148,8 @@ class KvcodecScheduler:
         self._stored_upto: dict[str, int] = {}
         """Per request allocated after a hit, the leading chunks its lookup found stored (planned
         saves start after them, without asking the store again)."""
+        self._load_blocks: dict[str, set[int]] = {}
+        """The blocks of each asynchronous load in flight: a failed one's request is planned by a lookup."""
         self.loading: set[str] = set()
         """Requests whose asynchronous load is in flight (until the worker reports it received)."""
         self._failing = False
@@ -316,6 +318,8 @@ class KvcodecScheduler:
         hit = self._hits.pop(request.request_id, None)
         if hit is not None:  # its lookup found these chunks stored: no save plan asks again
             self._stored_upto[request.request_id] = hit[1] // self.cfg.chunk_size
+            if self.cfg.async_load and num_external_tokens > 0:  # unless its load fails first
+                self._load_blocks[request.request_id] = {b for g in blocks.get_block_ids() for b in g}
         if num_external_tokens > 0 and hit is not None:
             start, _, hashes, splits = hit
             rid = request.request_id
@@ -333,9 +337,15 @@ class KvcodecScheduler:
                 self.loading.add(rid)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """A load the worker reports received no longer counts against ``max_concurrent_loads``."""
+        """A load the worker reports received no longer counts against ``max_concurrent_loads``; one
+        that failed (its blocks among ``invalid_block_ids``, or its request in ``failed_recving``) had
+        its chunks removed, so the save plan asks the store again which are stored."""
+        bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self.loading.discard(rid)
+            if rid in failed or self._load_blocks.pop(rid, set()) & bad:
+                self._stored_upto.pop(rid, None)
 
     # ------------------------------------------------------------ the step's plan
 
@@ -433,6 +443,7 @@ class KvcodecScheduler:
         self._hits.pop(rid, None)
         self._tiers.pop(rid, None)
         self._stored_upto.pop(rid, None)
+        self._load_blocks.pop(rid, None)
         self.loading.discard(rid)
         look = self._lookups.pop(rid, None)
         if look is not None:

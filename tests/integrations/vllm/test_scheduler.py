@@ -93,6 +93,28 @@ def test_the_save_plan_does_not_ask_again_for_the_chunks_a_hit_found(tmp_path: P
     assert len(asked) == 2 and asked[1] == [KEYS.manifest(ChunkRef.of(HASHES, 2))]
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_failed_asynchronous_load_has_its_chunks_looked_up_again(tmp_path: Path, failed: bool) -> None:
+    """An asynchronous load that fails removes its chunk: the save plan then asks the store about the
+    hit's chunks again (and saves the missing one); a load that succeeds is trusted."""
+    sched, store = _scheduler(tmp_path)
+    for c in (0, 1):
+        store.put(KEYS.manifest(ChunkRef.of(HASHES, c)), b"m")
+    assert sched.get_num_new_matched_tokens(_request(), 0) == (2 * CHUNK, True)
+    sched.update_state_after_alloc(
+        _request(), SimpleNamespace(get_block_ids=lambda: (list(range(8)),)), 2 * CHUNK
+    )
+    sched.build_connector_meta(_output(None, 0), StepPlan())  # the load goes out
+    sched.update_connector_output(SimpleNamespace(finished_recving=set()))  # a step it is not done in
+    if failed:
+        store.delete(KEYS.manifest(ChunkRef.of(HASHES, 1)))  # what the worker does with a failed chunk
+    sched.update_connector_output(
+        SimpleNamespace(finished_recving={"r"}, invalid_block_ids={5} if failed else set())
+    )
+    meta = sched.build_connector_meta(_output("r", len(TOKENS)), StepPlan())
+    assert [s.chunk for s in meta.saves] == ([1, 2] if failed else [2])
+
+
 def test_a_capped_scheduler_defers_loads_until_one_is_received(tmp_path: Path) -> None:
     sched, store = _scheduler(tmp_path, max_concurrent_loads=1)
     store.put(KEYS.manifest(ChunkRef.of(HASHES, 0)), b"m")
