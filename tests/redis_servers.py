@@ -199,7 +199,8 @@ def redis_single(
     workdir: Path, extra: list[str] | None = None, password: str | None = None
 ) -> Iterator[RedisServer]:
     """One redis-server on a free port of 127.0.0.1 (``extra``: more server arguments), stopped at the end."""
-    server = RedisServer(free_port(), workdir / "redis-single", list(extra or []), password)
+    cluster_mode = "--cluster-enabled" in (extra or [])  # its bus port (+10000) must be free and valid
+    server = RedisServer(free_port(bus=cluster_mode), workdir / "redis-single", list(extra or []), password)
     try:
         server.start()
         yield server

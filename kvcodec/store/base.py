@@ -33,7 +33,15 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import Reason, UnsupportedConfigError
 from ..format import ParsedBlob
 
-__all__ = ["STORE_COUNTERS", "BlobStore", "GroupOf", "StoreFullError", "StoreOptions", "check_max_bytes"]
+__all__ = [
+    "SEALS_VALUES",
+    "STORE_COUNTERS",
+    "BlobStore",
+    "GroupOf",
+    "StoreFullError",
+    "StoreOptions",
+    "check_max_bytes",
+]
 
 STORE_COUNTERS: tuple[str, ...] = (
     "round_trips",
@@ -80,6 +88,11 @@ class StoreOptions:
     timeout_s: float = 0.05
     verify_blobs: bool = True
     evict_first: Callable[[str], bool] | None = None
+
+
+SEALS_VALUES = "seals_values"
+"""An optional store attribute: True on a store that seals each value with the fleet key's MAC and
+checks it on read (a shared remote store); absent or False on a local one (a directory, RAM)."""
 
 
 @runtime_checkable

@@ -178,6 +178,8 @@ class RedisStore(RedisCalls):
     """
 
     partial_groups = True
+    seals_values = True
+    """Values carry the fleet MAC when a fleet key is given (:data:`~kvcodec.store.base.SEALS_VALUES`)."""
 
     def __init__(self, url: RedisURL, options: StoreOptions | None = None) -> None:
         opts = options if options is not None else StoreOptions()

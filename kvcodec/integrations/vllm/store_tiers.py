@@ -28,6 +28,7 @@ from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
 from kvcodec.format import LOSSLESS_OF, MAGIC, PLAIN_OF, ParsedBlob, parse
 from kvcodec.store import BlobStore, DirectoryStore, StoreOptions, open_store
 from kvcodec.store.auth import load_fleet_key
+from kvcodec.store.base import SEALS_VALUES
 from kvcodec.store.factory import REDIS_SCHEMES
 from kvcodec.store.memory import MemoryStore
 from kvcodec.store.tiers import ManifestMemo, Tier, TieredStore
@@ -291,9 +292,9 @@ def open_connector_store(cfg: KvcodecConfig) -> BlobStore:
 
 
 def _authenticates(store: BlobStore) -> bool:
-    """Whether the store (one of its tiers) seals values with the fleet key (only RedisStore does; a
-    directory or a RAM tier is local)."""
-    return any(type(s).__name__ == "RedisStore" for s in stores_of(store))
+    """Whether the store (one of its tiers) seals values with the fleet key (its ``seals_values``:
+    RedisStore; a directory or a RAM tier is local)."""
+    return any(getattr(s, SEALS_VALUES, False) for s in stores_of(store))
 
 
 def _check_fleet_key(store: BlobStore, cfg: KvcodecConfig, keyed: bool) -> None:

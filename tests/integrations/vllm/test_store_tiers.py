@@ -10,6 +10,7 @@ import pytest
 from kvcodec.errors import Reason, UnsupportedConfigError
 from kvcodec.integrations.vllm.chunk_keys import group_of, is_manifest
 from kvcodec.integrations.vllm.config import KvcodecConfig
+from kvcodec.integrations.vllm.store_tiers import _check_fleet_key as check_fleet_key
 from kvcodec.integrations.vllm.store_tiers import open_tiers, stores_of
 from kvcodec.store import DirectoryStore, StoreOptions
 from kvcodec.store.tiers import TieredStore
@@ -40,6 +41,22 @@ def test_host_cache_bytes_puts_one_shared_ram_tier_in_front(tmp_path: Path) -> N
     fresh = open_tiers(cfg, OPTS)  # the last close freed the tier: a new one starts empty
     assert stores_of(fresh)[0].keys() == [] and fresh.contains(chunk[0][0])  # the disk kept it
     fresh.close()
+
+
+def test_a_fleet_key_is_taken_where_a_tier_seals_values(tmp_path: Path) -> None:
+    """Decided by the store's ``seals_values`` (RedisStore), not by its class name: a directory alone
+    refuses a fleet key file; the same directory in front of a Redis store takes it (no connection
+    is made: the store connects on its first call)."""
+    key = tmp_path / "fleet.key"
+    key.write_text("k" * 32)
+    alone = KvcodecConfig(root=str(tmp_path / "d"), fleet_key_file=str(key))
+    with raises_reason(UnsupportedConfigError, Reason.UNSUPPORTED):
+        check_fleet_key(open_tiers(alone, OPTS), alone, keyed=True)
+    fronted = KvcodecConfig(root=str(tmp_path / "d"), store="redis://127.0.0.1:1/0", fleet_key_file=str(key))
+    st = open_tiers(fronted, OPTS)
+    assert [getattr(s, "seals_values", False) for s in stores_of(st)] == [False, True]
+    check_fleet_key(st, fronted, keyed=True)
+    st.close()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1GB"])
