@@ -18,9 +18,9 @@ COMPRESSION_TIERS = ("ram", "disk", "remote")
 """The store tiers ``compression`` names (kvcodec/integrations/vllm/store_tiers.py)."""
 DEFAULT_COMPRESSION = {"ram": "none", "disk": "none", "remote": "none"}
 """Plain blobs in every tier by default. ``{"remote": "lossless"}`` keeps 0.72x the bytes in Redis (its
-``used_memory`` 0.544x the raw KV instead of 0.757x, ``make bench-fleet-engines``), but on a CPU host
-the stage codes and decodes at ~0.04x a memcpy's speed: the same run's hit from Redis took 175 ms
-against 99.5 ms plain, and the saver's engine ~1.6x the wall time. Turn it on where Redis memory
+``used_memory`` 0.545x the raw KV instead of 0.756x, ``bench/fleet/engines.py``), but on a CPU host
+the stage codes and decodes at ~0.04x a memcpy's speed: the same run's hit from Redis took 120 ms
+against 60 ms plain (the expansion on the engine's cores). Turn it on where Redis memory
 bounds the hit rate and the hosts have cores to spare (docs/vllm.md, Store tiers)."""
 
 DEFAULT_PENDING_SAVE_BYTES = 1 << 30
