@@ -26,9 +26,9 @@ install: $(BIN)/python
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# Wall-clock bounds live in benchmarks and in the real-server fault tests (marked timing), never here.
+# Wall-clock bounds live in benchmarks, never in a test.
 test:
-	$(PYTEST) -q -m "not timing"
+	$(PYTEST) -q
 
 test-interpret:
 	TRITON_INTERPRET=1 $(PYTEST) -q -m interpreter

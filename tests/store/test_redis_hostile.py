@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import threading
-import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,16 +242,16 @@ def test_reply_types_no_redis_gives_are_a_typed_error() -> None:
 # --------------------------------------------------------------------------- a silent cluster node
 
 
-@pytest.mark.timing
-def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_about_one_timeout(
+def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_one_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """128 chunks' keys in one lookup, a third of their slots on a SIGSTOPped node: about one timeout
-    (redis-py's cluster pipeline resends each of that node's commands on a fresh connection, each a
-    timeout). A real-server fault test, so it may bound time (generously)."""
+    """128 chunks' keys in one lookup, a third of their slots on a SIGSTOPped node: one read times out
+    (redis-py's cluster pipeline resent each of that node's commands on a fresh connection, each a
+    timeout: ~80 here), then the next lookup fails fast with no read at all. Reads that time out are
+    counted, not clocked: the wall time of this stall is a benchmark's business."""
     monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 60.0)
-    timeout = 0.5
-    opts = StoreOptions(group_of=group_of, timeout_s=timeout)
+    timed_out = _count_timed_out_reads(monkeypatch)
+    opts = StoreOptions(group_of=group_of, timeout_s=0.5)
     with redis_cluster(tmp_path) as cl, open_store(cl.url, opts) as st:
         keys = [k for c in range(128) for k in chunk_keys(layers=1, chunk=c)]
         assert st.contains_many(keys) == [False] * len(keys)  # every node's connection is open
@@ -260,22 +259,35 @@ def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_about_one_ti
         assert victim.proc is not None
         os.kill(victim.proc.pid, signal.SIGSTOP)
         try:
-            start = time.monotonic()
             with raises_reason(StoreUnavailableError, Reason.STORE_TIMEOUT):
                 st.contains_many(keys)
-            first = time.monotonic() - start
-            start = time.monotonic()
+            assert len(timed_out) == 1, f"{len(timed_out)} reads timed out in one lookup"
             with raises_reason(StoreUnavailableError, Reason.STORE_UNAVAILABLE):
                 st.contains_many(keys)  # fails fast: the node is down
-            second = time.monotonic() - start
+            assert len(timed_out) == 1, "the lookup after the timeout waited on the silent node again"
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
-        # Generous for a busy machine (the old path took ~80 timeouts here: 41.8 s); the real cost is one.
-        assert first < 6 * timeout, f"one lookup stalled {first:.2f} s (timeout {timeout} s)"
-        assert second < timeout, f"the next lookup took {second:.2f} s"
         assert st.stats()["timeouts"] == 1
         monkeypatch.setattr(redis_outage, "PROBE_INTERVAL_S", 0.0)
         assert st.contains_many(keys) == [False] * len(keys)  # the probe answered
+
+
+def _count_timed_out_reads(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """A list that gets one entry per reply read (redis-py's connections) that times out."""
+    import redis
+
+    timed_out: list[object] = []
+    read = redis.connection.AbstractConnection.read_response
+
+    def counted(self, *args, **kwargs):
+        try:
+            return read(self, *args, **kwargs)
+        except redis.exceptions.TimeoutError:
+            timed_out.append(self)
+            raise
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", counted)
+    return timed_out
 
 
 def _move_slot(cl, name: str, to) -> None:
