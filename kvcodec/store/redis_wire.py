@@ -96,7 +96,7 @@ class _Reader:
     def read(self) -> list[Any]:
         items = [self._reply(c) for c in self.commands]
         if self.got != self.pos:
-            raise self._bad(f"{self.got - self.pos} bytes after the last reply")
+            raise BadReply(f"{self.got - self.pos} bytes after the last reply")
         return [Part(self.buf, x.start, x.stop) if isinstance(x, slice) else x for x in items]
 
     def _reply(self, c: Command) -> Any:
@@ -109,7 +109,7 @@ class _Reader:
             return redis.connection.BaseParser.parse_error(line.decode("utf-8", "replace"))
         if kind == b"+":
             return line.decode("utf-8", "replace")
-        raise self._bad(f"a reply of type {kind!r}")
+        raise BadReply(f"a reply of type {kind!r}")
 
     def _line(self) -> tuple[bytes, bytes]:
         while True:
@@ -117,7 +117,7 @@ class _Reader:
             if end >= 0:
                 break
             if self.got - self.pos > MAX_LINE:
-                raise self._bad(f"a reply line of over {MAX_LINE} bytes")
+                raise BadReply(f"a reply line of over {MAX_LINE} bytes")
             self._fill(self.got + 1)
         kind, line = bytes(self.buf[self.pos : self.pos + 1]), bytes(self.buf[self.pos + 1 : end])
         self.pos = end + 2
@@ -125,18 +125,18 @@ class _Reader:
 
     def _integer(self, line: bytes) -> int:
         if not _INTEGER.fullmatch(line):
-            raise self._bad(f"{line[:32]!r} where an integer belongs")
+            raise BadReply(f"{line[:32]!r} where an integer belongs")
         return int(line)
 
     def _bulk(self, n: int, most: int) -> slice | None:
         if n == -1:
             return None
         if not 0 <= n <= most:
-            raise self._bad(f"a {n}-byte string where at most {most} can come")
+            raise BadReply(f"a {n}-byte string where at most {most} can come")
         start, end = self.pos, self.pos + n
         self._fill(end + 2)
         if self.buf[end : end + 2] != b"\r\n":
-            raise self._bad("a string without its CRLF")
+            raise BadReply("a string without its CRLF")
         self.pos = end + 2
         return slice(start, end)
 
@@ -157,10 +157,6 @@ class _Reader:
             if n == 0:
                 raise redis.exceptions.ConnectionError("Connection closed by server.")
             self.got += n
-
-    @staticmethod
-    def _bad(why: str) -> BadReply:
-        return BadReply(why)
 
 
 def receive(sock: Any, commands: Sequence[Command]) -> list[Any]:
