@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from .base import STORE_COUNTERS, BlobStore, GroupOf, StoreFullError, StoreOptions
+from .base import STORE_COUNTERS, BlobStore, GroupOf, GroupRead, StoreFullError, StoreOptions
 from .directory import DirectoryStore
 from .eviction import EvictionPolicy, GroupLRU
 from .factory import open_store
@@ -32,6 +32,7 @@ __all__ = [
     "EvictionPolicy",
     "GroupLRU",
     "GroupOf",
+    "GroupRead",
     "InvalidKeyError",
     "StoreFullError",
     "StoreOptions",

@@ -38,6 +38,8 @@ __all__ = [
     "STORE_COUNTERS",
     "BlobStore",
     "GroupOf",
+    "GroupRead",
+    "ReadBufferPool",
     "StoreFullError",
     "StoreOptions",
     "check_max_bytes",
@@ -57,6 +59,28 @@ STORE_COUNTERS: tuple[str, ...] = (
 GroupOf = Callable[[str], tuple[str, int, str | None]]
 """``key -> (group id, depth, parent group id)``: how a store's eviction groups keys
 (:func:`kvcodec.integrations.vllm.chunk_keys.group_of` for the connector's keys)."""
+
+
+@dataclass(frozen=True)
+class GroupRead:
+    """One ``get_parsed_many`` a reader is about to make: its keys and ``max_bytes``, exactly."""
+
+    keys: tuple[str, ...]
+    max_bytes: int | None = None
+
+
+@runtime_checkable
+class ReadBufferPool(Protocol):
+    """Where a read takes the buffer its bytes go into (the connector's pool of buffers given back
+    once their chunk is written): reused memory costs no page faults."""
+
+    def lend(self, at_least: int) -> bytearray:
+        """A buffer of at least ``at_least`` bytes: an idle one, else a new one of the pool's own."""
+        ...
+
+    def owns(self, buf: object) -> bool:
+        """Whether ``buf`` was lent by this pool (the caller gives it back once done with it)."""
+        ...
 
 
 class StoreFullError(UnsupportedConfigError):
@@ -134,9 +158,25 @@ class BlobStore(Protocol):
         ...
 
     def get_parsed_many(
-        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+        self,
+        keys: Sequence[str],
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+        buffers: ReadBufferPool | None = None,
     ) -> list[ParsedBlob]:
-        """``get_parsed`` of each key, all or nothing: KeyError(key) if any one is missing."""
+        """``get_parsed`` of each key, all or nothing: KeyError(key) if any one is missing.
+
+        ``buffers``: a store that reads into buffers of its own may borrow them there (optional); a
+        blob whose buffer (``blob.buffer.obj``) the pool :meth:`~ReadBufferPool.owns` is the caller's
+        to give back once done with it."""
+        ...
+
+    def read_ahead(self, reads: Sequence[GroupRead]) -> None:
+        """A hint: this thread's next ``get_parsed_many`` calls are ``reads``, in order. A remote store
+        may ask for them now, so the server prepares one while the caller checks the one before; a
+        read that differs drops the hint. Empty ``reads``: the caller is done (drop what is left).
+        Never raises for the hint's sake; a local store ignores it."""
         ...
 
     def contains(self, key: str) -> bool:

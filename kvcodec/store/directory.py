@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import Hashes, ParsedBlob, as_bytes_view, parse
-from .base import GroupOf, StoreFullError, StoreOptions, check_max_bytes
+from .base import GroupOf, GroupRead, ReadBufferPool, StoreFullError, StoreOptions, check_max_bytes
 from .counters import Counters
 from .eviction import EvictionPolicy, GroupLRU
 from .evictor import Evictor
@@ -299,11 +299,17 @@ class DirectoryStore:
         return self._get(key, True, into, verify_crc, max_bytes)
 
     def get_parsed_many(
-        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+        self,
+        keys: Sequence[str],
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+        buffers: ReadBufferPool | None = None,
     ) -> list[ParsedBlob]:
         """``get_parsed`` of each key, all or nothing: ``KeyError(key)`` if any one is missing (checked
         before any is read), a damaged one's :class:`CorruptEncodedKVError` after quarantining it
-        (``verify_crc`` and ``max_bytes`` as for :meth:`get_parsed`)."""
+        (``verify_crc`` and ``max_bytes`` as for :meth:`get_parsed`; ``buffers`` unused: each blob is
+        mapped or read on its own)."""
         keys = [validate_key(k) for k in keys]
         self._check_open()
         for k in keys:
@@ -311,6 +317,9 @@ class DirectoryStore:
                 self._counters.add(round_trips=1, misses=1)
                 raise KeyError(k)
         return [self._get(k, True, None, verify_crc, max_bytes) for k in keys]
+
+    def read_ahead(self, reads: Sequence[GroupRead]) -> None:
+        """Ignored: a local read waits on nothing another core could do first (:meth:`~kvcodec.store.BlobStore.read_ahead`)."""
 
     def contains(self, key: str) -> bool:
         """Whether a regular file exists for ``key`` (not verified: ``get`` may still find it corrupt).

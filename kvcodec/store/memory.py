@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import MAX_PAYLOAD_LEN, ParsedBlob, as_bytes_view, parse
-from .base import StoreFullError, StoreOptions, check_max_bytes
+from .base import GroupRead, ReadBufferPool, StoreFullError, StoreOptions, check_max_bytes
 from .counters import Counters
 from .eviction import GroupLRU
 from .index import SizeIndex
@@ -117,9 +117,15 @@ class MemoryStore:
         return self._read(validate_key(key), verify_crc, max_bytes)
 
     def get_parsed_many(
-        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+        self,
+        keys: Sequence[str],
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+        buffers: ReadBufferPool | None = None,
     ) -> list[ParsedBlob]:
-        """``get_parsed`` of each key, all or nothing: ``KeyError(key)`` for the first one missing."""
+        """``get_parsed`` of each key, all or nothing: ``KeyError(key)`` for the first one missing
+        (``buffers`` unused: the blobs are views of what is held)."""
         keys = [validate_key(k) for k in keys]
         self._check_open()
         with self._lock:
@@ -149,6 +155,9 @@ class MemoryStore:
         return parsed
 
     # ------------------------------------------------------------ the rest
+
+    def read_ahead(self, reads: Sequence[GroupRead]) -> None:
+        """Ignored: its reads wait on nothing (:meth:`~kvcodec.store.BlobStore.read_ahead`)."""
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]

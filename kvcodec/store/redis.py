@@ -77,7 +77,7 @@ import redis.cluster
 from ..errors import CodecError, CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import ParsedBlob, as_bytes_view, parse
 from .auth import ENVELOPE_LEN, open_envelope, seal, strip_envelope
-from .base import StoreOptions
+from .base import GroupRead, ReadBufferPool, StoreOptions
 from .keys import InvalidKeyError, validate_key
 from .reading import check_max_blob, check_size
 from .redis_calls import AUTH_LOG_INTERVAL_S, BadReply, RedisCalls, is_wrong_type
@@ -133,6 +133,15 @@ def _check_timeout(timeout: Any) -> float:
             reason=Reason.BAD_VALUE,
         )
     return float(timeout)
+
+
+def _read_commands(name: str, lim: Limits) -> tuple[Command, ...]:
+    """The commands that read the value ``name``: ``EXISTS``, the head's and the tail's ``GETRANGE``."""
+    return (  # GETRANGE's end is inclusive: a longer value is told (one byte more), not read
+        Command(("EXISTS", name)),
+        Command(("GETRANGE", name, 0, lim.head), lim.head + 1),
+        Command(("GETRANGE", tail_name(name), 0, lim.tail), lim.tail + 1),
+    )
 
 
 def _check_max_bytes(max_bytes: Any) -> int:
@@ -292,14 +301,16 @@ class RedisStore(RedisCalls):
         replies = self._pipeline(names, queue, (int, bytes, int))
         return [bool(n) and (not is_split(head) or bool(tail)) for n, head, tail in replies]
 
-    def _fetch(self, keys: Sequence[str], names: Sequence[str], max_bytes: Any) -> list[_Fetched]:
+    def _fetch(
+        self, keys: Sequence[str], names: Sequence[str], max_bytes: Any, buffers: ReadBufferPool | None = None
+    ) -> list[_Fetched]:
         """``(key, name, value or None)`` of each name, in one pipeline of ``EXISTS`` + ``GETRANGE`` of
         the head and of the tail, each bounded (:class:`~.redis_values.Limits`): a value read between
         two writes of it is read again (up to twice more). A value of another type, an empty one, a
         longer one or a split one that does not add up is damage: all of them are deleted, then the
         first refused; a head whose tail was evicted is a miss, and deleted."""
         lim = Limits(_check_max_bytes(max_bytes) + ENVELOPE_LEN)
-        out = self._fetch_once(keys, names, lim, count=True)
+        out = self._fetch_once(keys, names, lim, count=True, buffers=buffers)
         for _ in range(_TORN_READS):
             torn = [i for i, (_, _, v) in enumerate(out) if v is TORN]
             if not torn:
@@ -313,17 +324,18 @@ class RedisStore(RedisCalls):
             self._refuse(damage)
         return out
 
-    def _fetch_once(self, keys: Sequence[str], names: Sequence[str], lim: Limits, count: bool) -> list[Any]:
-        """One read of ``names`` (one pipeline); ``count``: hits and misses (not on a read again)."""
+    def _fetch_once(
+        self,
+        keys: Sequence[str],
+        names: Sequence[str],
+        lim: Limits,
+        count: bool,
+        buffers: ReadBufferPool | None = None,
+    ) -> list[Any]:
+        """One read of ``names`` (one pipeline; its buffer lent by ``buffers`` if given); ``count``:
+        hits and misses (not on a read again)."""
 
-        def commands(i: int) -> tuple[Command, ...]:
-            return (  # GETRANGE's end is inclusive: a longer value is told (one byte more), not read
-                Command(("EXISTS", names[i])),
-                Command(("GETRANGE", names[i], 0, lim.head), lim.head + 1),
-                Command(("GETRANGE", tail_name(names[i]), 0, lim.tail), lim.tail + 1),
-            )
-
-        replies = self.read(names, commands, _READ_SHAPE)
+        replies = self.read(names, lambda i: _read_commands(names[i], lim), _READ_SHAPE, buffers)
         self._count(bytes_read=sum(len(x) for r in replies for x in r[1:] if isinstance(x, (bytes, Part))))
         out: list[Any] = []
         damage: list[tuple[str, str, CorruptEncodedKVError]] = []
@@ -410,19 +422,39 @@ class RedisStore(RedisCalls):
         return self.get_parsed_many([key], verify_crc=verify_crc, max_bytes=max_bytes)[0]
 
     def get_parsed_many(
-        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+        self,
+        keys: Sequence[str],
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+        buffers: ReadBufferPool | None = None,
     ) -> list[ParsedBlob]:
         """Each key's parsed blob from one pipeline, all or nothing: ``KeyError`` names the first
         missing key; a damaged value is deleted and raises with its check's reason. ``verify_crc``
         False leaves the CRC to the caller (the connector's load checks it in the pass that writes
         the blob, and removes the chunk on a mismatch), as every store does; the fleet MAC, the
         header and the sizes are checked here regardless. ``max_bytes``: the largest blob the caller
-        accepts (header + payload); no more of a value is ever read (+ the 40-byte MAC envelope)."""
-        fetched = self._fetch(keys, [self.name_of(k) for k in keys], max_bytes)
+        accepts (header + payload); no more of a value is ever read (+ the 40-byte MAC envelope).
+        ``buffers``: read on our own socket, the replies go into one buffer lent by it (the blobs view
+        it; the caller gives it back once done with them)."""
+        fetched = self._fetch(keys, [self.name_of(k) for k in keys], max_bytes, buffers)
         for key, _, value in fetched:
             if value is None:
                 raise KeyError(key)
         return [self._verified(k, n, v, verify_crc, max_bytes) for k, n, v in fetched]  # type: ignore[arg-type]
+
+    def read_ahead(self, reads: Sequence[GroupRead]) -> None:
+        """Ask for ``reads`` now (see :class:`~kvcodec.store.BlobStore`): on one server read on our own
+        socket (:meth:`~.redis_wire.Wire.read_ahead`); a cluster, TLS, or reads through redis-py
+        ignore the hint. A server that fails here is an outage, as on any call; nothing is raised."""
+        try:
+            groups = []
+            for r in reads:
+                lim = Limits(_check_max_bytes(r.max_bytes) + ENVELOPE_LEN)
+                groups.append([c for k in r.keys for c in _read_commands(self.name_of(k), lim)])
+            self.send_ahead(groups)
+        except CodecError:  # a hint: the reads themselves fail fast or find what is wrong
+            pass
 
     def get_named(self, name: str, *, max_bytes: int | None = None) -> memoryview:
         """The verified blob stored under the full Redis ``name`` (as :meth:`iter_names` lists it,

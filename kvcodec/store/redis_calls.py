@@ -25,7 +25,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn, TypeVar
 
 import redis
@@ -35,7 +35,7 @@ from redis.crc import key_slot
 from ..env import redis_reads
 from ..errors import Reason, StoreUnavailableError, UnsupportedConfigError
 from . import redis_outage
-from .base import StoreFullError, StoreOptions
+from .base import ReadBufferPool, StoreFullError, StoreOptions
 from .counters import Counters
 from .redis_outage import Outages
 from .redis_url import RedisURL, auth_refusal, connect
@@ -80,9 +80,18 @@ def _run(
     return _checked(pipe.execute(raise_on_error=False), len(idx), shape)
 
 
-def _run_wire(wire: Wire, idx: Sequence[int], commands_of: CommandsOf, shape: tuple[type, ...]) -> list:
+@dataclass(frozen=True)
+class WireRead:
+    """A read that may go on our own socket: its commands per name, and where its buffer may come from."""
+
+    commands_of: CommandsOf
+    buffers: ReadBufferPool | None = None
+
+
+def _run_wire(wire: Wire, idx: Sequence[int], read: WireRead, shape: tuple[type, ...]) -> list:
     """:func:`_run` on our own socket: bulk replies are :class:`~.redis_wire.Part` of one buffer."""
-    return _checked(wire.read([c for i in idx for c in commands_of(i)]), len(idx), shape)
+    commands = [c for i in idx for c in read.commands_of(i)]
+    return _checked(wire.read(commands, read.buffers), len(idx), shape)
 
 
 def _checked(flat: Any, n: int, shape: tuple[type, ...]) -> list:
@@ -132,23 +141,29 @@ class RedisCalls:
 
     # ------------------------------------------------------------ pipelines
 
-    def read(self, names: Sequence[str], commands_of: CommandsOf, shape: tuple[type, ...]) -> list[list[Any]]:
+    def read(
+        self,
+        names: Sequence[str],
+        commands_of: CommandsOf,
+        shape: tuple[type, ...],
+        buffers: ReadBufferPool | None = None,
+    ) -> list[list[Any]]:
         """:meth:`_pipeline` of the commands ``commands_of`` gives per name, sent on our own socket
-        (:mod:`.redis_wire`: bulk replies are Parts of one buffer) unless the server speaks TLS or
-        ``KVCODEC_REDIS_READS=client``; else through redis-py (bulk replies are bytes)."""
+        (:mod:`.redis_wire`: bulk replies are Parts of one buffer, lent by ``buffers`` if given) unless the server speaks TLS or ``KVCODEC_REDIS_READS=client``; else through redis-py
+        (bulk replies are bytes)."""
 
         def queue(pipe: Any, i: int) -> None:
             for c in commands_of(i):
                 pipe.execute_command(*c.args)
 
-        return self._pipeline(names, queue, shape, commands_of)
+        return self._pipeline(names, queue, shape, WireRead(commands_of, buffers))
 
     def _pipeline(
         self,
         names: Sequence[str],
         queue: Queue,
         shape: tuple[type, ...],
-        commands_of: CommandsOf | None = None,
+        wire_read: WireRead | None = None,
     ) -> list[list[Any]]:
         """Per name, the replies of the commands ``queue`` adds for it (``shape``: each one's type), in
         one pipeline, or one per node on a cluster; the call fails at the first node that fails."""
@@ -160,13 +175,13 @@ class RedisCalls:
         every = list(range(len(names)))
         if groups is None:
             return self._call(
-                lambda c: self._run_on(c, names, every, queue, shape, commands_of), names, checked=True
+                lambda c: self._run_on(c, names, every, queue, shape, wire_read), names, checked=True
             )
         out: list[list[Any]] = [[] for _ in names]
         for node, node_client, idx in groups:
             sub = [names[i] for i in idx]
             got = self._call(
-                lambda c, n=node_client, i=idx: self._run_node(c, n, names, i, queue, shape, commands_of),
+                lambda c, n=node_client, i=idx: self._run_node(c, n, names, i, queue, shape, wire_read),
                 sub,
                 node=node,
                 checked=True,
@@ -175,6 +190,22 @@ class RedisCalls:
                 out[i] = replies
         return out
 
+    def send_ahead(self, groups: Sequence[Sequence[Command]]) -> None:
+        """Send ``groups`` ahead of the reads that will ask for them (:meth:`.Wire.read_ahead`), on one
+        server read on the wire; else nothing. Empty: drop this thread's read-ahead. Failures are
+        the store's as in any call (the target marked down); no round trip is counted."""
+        if self._cluster or (groups and self._down):
+            return
+        if not groups and self._client is None:
+            return
+
+        def send(client: Any) -> None:
+            wire = self._wire_of(client)
+            if wire is not None and not isinstance(client, redis.cluster.RedisCluster):
+                wire.read_ahead(groups)
+
+        self._call(send, trips=0)
+
     def _run_on(
         self,
         client: Any,
@@ -182,13 +213,13 @@ class RedisCalls:
         idx: Sequence[int],
         queue: Queue,
         shape: tuple[type, ...],
-        commands_of: CommandsOf | None,
+        wire_read: WireRead | None,
     ) -> list:
         """One pipeline on ``client``'s server: on the wire when the call has commands and can."""
-        wire = self._wire_of(client) if commands_of is not None else None
+        wire = self._wire_of(client) if wire_read is not None else None
         if wire is None:
             return _run(client, names, idx, queue, shape)
-        return _run_wire(wire, idx, commands_of, shape)  # type: ignore[arg-type]
+        return _run_wire(wire, idx, wire_read, shape)  # type: ignore[arg-type]
 
     def _run_node(
         self,
@@ -198,11 +229,11 @@ class RedisCalls:
         idx: list[int],
         queue: Queue,
         shape: tuple[type, ...],
-        commands_of: CommandsOf | None,
+        wire_read: WireRead | None,
     ) -> list:
         """One node's pipeline; a redirection sends its names through the cluster client instead."""
         try:
-            return self._run_on(node, names, idx, queue, shape, commands_of)
+            return self._run_on(node, names, idx, queue, shape, wire_read)
         except _REDIRECTS:
             return _run(client, names, idx, queue, shape)
 

@@ -6,6 +6,12 @@ fed to hiredis's, copied out), which made a 2.4 MB chunk read ~2.7x slower than 
 ``recv_into`` one buffer sized by the reader's own bounds; a value is a read-only view of it, and
 a value stored in two parts is put back together in place (:func:`.redis_values.join_in_place`).
 
+A reader that knows its next reads (the connector's load: a request's chunks, in order) may send
+them ahead (:meth:`Wire.read_ahead`): Redis then prepares the next chunk's replies on its own core
+while this one is received and checked, instead of waiting for each request in turn. At most
+:data:`READ_AHEAD_BYTES` of replies (by the commands' bounds) are asked for ahead of the reads that
+take them, so Redis never buffers more than that for one reader.
+
 Only what a read needs is spoken: RESP2 integers, bulk strings, errors and simple strings; an
 array, a bulk longer than its command can return, or a line longer than :data:`MAX_LINE` is a
 reply no Redis gives (:class:`BadReply`). Failures are redis-py's own exceptions
@@ -21,6 +27,7 @@ import re
 import select
 import socket
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +35,21 @@ from typing import Any
 import redis
 import redis.connection
 
-__all__ = ["MAX_IDLE", "MAX_LINE", "UP_FRONT", "BadReply", "Command", "Part", "Wire", "pack", "receive"]
+from .base import ReadBufferPool
+
+__all__ = [
+    "MAX_IDLE",
+    "MAX_LINE",
+    "READ_AHEAD_BYTES",
+    "UP_FRONT",
+    "BadReply",
+    "Command",
+    "Part",
+    "Wire",
+    "bound",
+    "pack",
+    "receive",
+]
 
 MAX_LINE = 4096
 """The longest reply line (type, integer, error text) read before it is refused."""
@@ -41,6 +62,15 @@ buffer at once: the connector's chunk reads, bounded by the blob size it expects
 _START = 1 << 20
 """A larger bound (a read without ``max_bytes``: Redis's 512 MiB) starts here and grows as replies
 arrive, doubling, never past the bound: memory follows what was sent, not what may be."""
+
+
+READ_AHEAD_BYTES = 16 << 20
+"""The most reply bytes (by the commands' bounds) asked for ahead of the reads that take them (at
+least one group): what Redis buffers for one reader, and what a read-ahead dropped unread may waste.
+16 MiB: a few chunks of a large model's layers."""
+_PEEK = 4096
+"""With replies of later commands behind these, a receive takes at most this many bytes past what
+the reply at hand needs (its next line): the next group's bytes mostly stay in the socket."""
 
 
 class BadReply(ValueError):
@@ -82,22 +112,54 @@ class Part:
         return memoryview(self.buf)[self.start : self.end].toreadonly()
 
 
+def bound(commands: Sequence[Command]) -> int:
+    """The most bytes the replies of ``commands`` may take (each bulk's bound and its framing)."""
+    return sum(c.max_bulk + 64 for c in commands)
+
+
+@dataclass
+class _Ahead:
+    """A thread's read-ahead: its socket, the groups sent and not yet read, those still to send."""
+
+    sock: socket.socket
+    sent: deque[tuple[Command, ...]]
+    later: deque[tuple[Command, ...]]
+    early: bytes = b""
+    """Bytes received with the group before: the start of the next group's replies."""
+
+
 class _Reader:
     """The replies of one pipeline off one socket, parsed as they arrive."""
 
-    def __init__(self, sock: Any, commands: Sequence[Command]) -> None:
+    def __init__(
+        self,
+        sock: Any,
+        commands: Sequence[Command],
+        early: bytes = b"",
+        buffers: ReadBufferPool | None = None,
+    ) -> None:
         self.sock = sock
         self.commands = commands
-        self.bound = sum(c.max_bulk + 64 for c in commands)
-        self.buf = bytearray(self.bound if self.bound <= UP_FRONT else _START)
-        self.got = 0
+        self.bound = bound(commands)
+        size = max(len(early), self.bound if self.bound <= UP_FRONT else _START)
+        self.buf = buffers.lend(size) if buffers is not None else bytearray(size)
+        self.buf[: len(early)] = early
+        self.got = len(early)
         self.pos = 0
+        self.more = False
 
-    def read(self) -> list[Any]:
+    def read(self, more: bool = False) -> list[Any]:
+        """The replies; ``more``: the replies of commands sent after these may follow (kept, see
+        :meth:`rest`), else any byte after the last reply is one no command asked for."""
+        self.more = more
         items = [self._reply(c) for c in self.commands]
-        if self.got != self.pos:
+        if self.got != self.pos and not more:
             raise BadReply(f"{self.got - self.pos} bytes after the last reply")
         return [Part(self.buf, x.start, x.stop) if isinstance(x, slice) else x for x in items]
+
+    def rest(self) -> bytes:
+        """The bytes received after the last reply: the start of the next group's replies."""
+        return bytes(self.buf[self.pos : self.got])
 
     def _reply(self, c: Command) -> Any:
         kind, line = self._line()
@@ -146,10 +208,11 @@ class _Reader:
             grown = bytearray(max(need, min(2 * len(self.buf), self.bound)))
             grown[: self.got] = memoryview(self.buf)[: self.got]
             self.buf = grown
+        stop = min(len(self.buf), need + _PEEK) if self.more else len(self.buf)
         while self.got < need:
             with memoryview(self.buf) as mv:
                 try:
-                    n = self.sock.recv_into(mv[self.got :])
+                    n = self.sock.recv_into(mv[self.got : stop])
                 except TimeoutError:
                     raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
                 except OSError as e:
@@ -173,6 +236,9 @@ class Wire:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._local = threading.local()
+        self._aheads: set[socket.socket] = set()
+        """Sockets of read-aheads in flight (closed with the Wire)."""
 
     @classmethod
     def of(cls, client: Any) -> Wire | None:
@@ -190,18 +256,84 @@ class Wire:
             return None
         return cls(dict(kwargs))
 
-    def read(self, commands: Sequence[Command]) -> list[Any]:
+    def read(self, commands: Sequence[Command], buffers: ReadBufferPool | None = None) -> list[Any]:
         """Send ``commands`` in one write and receive their replies into one buffer: per command an
         ``int``, a :class:`Part` (a bulk string), None (a nil bulk), a ``str`` (a simple string) or
-        the redis-py ``ResponseError`` of an error reply."""
+        the redis-py ``ResponseError`` of an error reply. The buffer is taken from ``buffers`` when
+        given (lent: the caller gives it back). Commands this thread sent ahead
+        (:meth:`read_ahead`) are received, not sent again; any other read drops the read-ahead."""
+        ahead = getattr(self._local, "ahead", None)
+        if ahead is not None:
+            if ahead.sent and ahead.sent[0] == tuple(commands):
+                return self._take_ahead(ahead, buffers)
+            self.drop_ahead()
         sock = self._take()
         try:
             sock.sendall(pack(commands))
-            replies = receive(sock, commands)
+            replies = _Reader(sock, commands, buffers=buffers).read()
         except BaseException:
             sock.close()
             raise
         self._give_back(sock)
+        return replies
+
+    def read_ahead(self, groups: Sequence[Sequence[Command]]) -> None:
+        """Send the first of ``groups`` now (up to :data:`READ_AHEAD_BYTES` of replies, at least one
+        group), the rest as the reads before them are taken: the next :meth:`read` calls of this thread
+        that ask for exactly these groups, in order, receive their replies. Drops the thread's
+        earlier read-ahead; empty ``groups``: only that. A failure to send drops it and is raised."""
+        self.drop_ahead()
+        if not groups:
+            return
+        ahead = _Ahead(self._take(), deque(), deque(tuple(g) for g in groups))
+        with self._lock:
+            self._aheads.add(ahead.sock)
+        self._local.ahead = ahead
+        try:
+            self._send_more(ahead)
+        except BaseException:
+            self.drop_ahead()
+            raise
+
+    def drop_ahead(self) -> None:
+        """Forget this thread's read-ahead; its socket, with replies maybe unread, is closed."""
+        ahead = getattr(self._local, "ahead", None)
+        if ahead is None:
+            return
+        self._local.ahead = None
+        with self._lock:
+            self._aheads.discard(ahead.sock)
+        ahead.sock.close()
+
+    def _send_more(self, ahead: _Ahead) -> None:
+        """Send the groups still to send, while the replies outstanding stay within the bound."""
+        pending, out = sum(bound(g) for g in ahead.sent), []
+        while ahead.later and (
+            not (ahead.sent or out) or pending + bound(ahead.later[0]) <= READ_AHEAD_BYTES
+        ):
+            group = ahead.later.popleft()
+            pending += bound(group)
+            out.append(group)
+        if out:
+            ahead.sock.sendall(pack([c for g in out for c in g]))
+            ahead.sent.extend(out)
+
+    def _take_ahead(self, ahead: _Ahead, buffers: ReadBufferPool | None) -> list[Any]:
+        """The replies of the oldest group sent ahead; the socket goes back once every group is read."""
+        commands = ahead.sent.popleft()
+        try:
+            reader = _Reader(ahead.sock, commands, ahead.early, buffers)
+            replies = reader.read(more=bool(ahead.sent or ahead.later))
+            ahead.early = reader.rest()
+            self._send_more(ahead)
+        except BaseException:
+            self.drop_ahead()
+            raise
+        if not ahead.sent:
+            self._local.ahead = None
+            with self._lock:
+                self._aheads.discard(ahead.sock)
+            self._give_back(ahead.sock)
         return replies
 
     def _take(self) -> socket.socket:
@@ -272,5 +404,7 @@ class Wire:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            idle += list(self._aheads)
+            self._aheads.clear()
         for sock in idle:
             sock.close()

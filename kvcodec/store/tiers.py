@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from ..errors import CorruptEncodedKVError, Reason, StoreUnavailableError, UnsupportedConfigError
 from ..format import ParsedBlob
-from .base import STORE_COUNTERS, BlobStore, StoreFullError, StoreOptions
+from .base import STORE_COUNTERS, BlobStore, GroupRead, ReadBufferPool, StoreFullError, StoreOptions
 from .eviction import own_group
 from .keys import validate_key
 
@@ -144,8 +144,15 @@ class TieredStore:
         return self._serve([key], read, verify_crc, _blob_bytes)[0]
 
     def get_parsed_many(
-        self, keys: Sequence[str], *, verify_crc: bool = True, max_bytes: int | None = None
+        self,
+        keys: Sequence[str],
+        *,
+        verify_crc: bool = True,
+        max_bytes: int | None = None,
+        buffers: ReadBufferPool | None = None,
     ) -> list[ParsedBlob]:
+        """The blobs from the fastest tier holding them all (``buffers`` unused: what is read below the
+        top is promoted, and a promoted blob must not live in a buffer its caller reuses)."""
         keys = [validate_key(k) for k in keys]
         if not keys:
             return []
@@ -212,6 +219,26 @@ class TieredStore:
             except (KeyError, CorruptEncodedKVError, StoreUnavailableError):
                 continue  # the chunk is whole above without it only once a lookup sees it there again
         return out
+
+    def read_ahead(self, reads: Sequence[GroupRead]) -> None:
+        """Each tier is told the reads it is to serve (:meth:`BlobStore.read_ahead`): a read goes to the
+        fastest tier holding every key of it, asked of the tiers above the last only (a remote store's
+        lookup would cost the round trip the hint is there to save); empty ``reads`` reach every tier."""
+        per: list[list[GroupRead]] = [[] for _ in self.tiers]
+        for r in reads:
+            per[self._server_of(list(r.keys))].append(r)
+        for tier, mine in zip(self.tiers, per):
+            tier.store.read_ahead(mine)
+
+    def _server_of(self, keys: list[str]) -> int:
+        """The first tier above the last that holds every key (one that is down holds none), else the last."""
+        for j, tier in enumerate(self.tiers[:-1]):
+            try:
+                if all(tier.store.contains_many(keys)):
+                    return j
+            except StoreUnavailableError:
+                continue
+        return len(self.tiers) - 1
 
     # ------------------------------------------------------------ lookups and the rest
 

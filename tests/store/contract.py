@@ -20,7 +20,7 @@ import pytest
 from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from kvcodec.format import ParsedBlob, parse
 from kvcodec.integrations.vllm.chunk_keys import ChunkRef
-from kvcodec.store import STORE_COUNTERS, BlobStore, InvalidKeyError
+from kvcodec.store import STORE_COUNTERS, BlobStore, GroupRead, InvalidKeyError
 from tests.raises import raises_reason
 from tests.redis_servers import connector_keys
 from tests.store.test_store import make_blob
@@ -166,6 +166,21 @@ class BlobStoreContract:
         got = store.get_parsed_many(keys)
         assert [bytes(p.blob) for p in got] == blobs
         assert store.get_parsed_many([]) == []
+
+    def test_a_read_ahead_changes_no_read(self, store: BlobStore) -> None:
+        """``read_ahead`` is a hint: reads after it, in its order or not, give what is stored; a
+        group missing a key is still a KeyError; ``read_ahead([])`` ends it."""
+        groups = [chunk_blob_keys(layers=2, chunk=c) for c in range(3)]
+        blobs = {k: blob(60 + i) for i, k in enumerate(k for g in groups for k in g)}
+        store.put_many([(k, b) for k, b in blobs.items() if k != groups[1][0]])
+        store.read_ahead([GroupRead(tuple(g), 1 << 20) for g in groups])
+        assert [bytes(p.blob) for p in store.get_parsed_many(groups[0], max_bytes=1 << 20)] == [
+            blobs[k] for k in groups[0]
+        ]
+        with pytest.raises(KeyError):
+            store.get_parsed_many(groups[1], max_bytes=1 << 20)
+        assert [bytes(p.blob) for p in store.get_parsed_many(groups[2])] == [blobs[k] for k in groups[2]]
+        store.read_ahead([])
 
     # ----------------------------------------------------------------- damage and bad input
 

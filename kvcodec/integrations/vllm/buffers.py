@@ -18,6 +18,10 @@ READ_POOL_BYTES = 64 << 20
 """Idle read buffers kept per connector (a 2048-token hit of a 12-layer model reads ~19 MB)."""
 
 
+class _Lent(bytearray):
+    """A buffer :meth:`ReadBuffers.lend` made: the mark that tells a lent buffer from a store's own."""
+
+
 class ReadBuffers:
     """A bounded free list of bytearrays; ``take`` and ``give`` from any thread."""
 
@@ -41,6 +45,22 @@ class ReadBuffers:
             buf = self._free.pop()
             self._bytes -= len(buf)
             return buf
+
+    def lend(self, at_least: int) -> bytearray:
+        """An idle buffer of at least ``at_least`` bytes (the most recently given back first), else a
+        new one of the pool's own (:meth:`owns` tells them: a store's own memory is never taken back
+        as a read buffer)."""
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                if len(self._free[i]) >= at_least:
+                    buf = self._free.pop(i)
+                    self._bytes -= len(buf)
+                    return buf
+        return _Lent(at_least)
+
+    def owns(self, buf: object) -> bool:
+        """Whether ``buf`` is a buffer :meth:`lend` made (whoever holds it now gives it back)."""
+        return isinstance(buf, _Lent)
 
     def give(self, buffers: list[bytearray]) -> None:
         """Return buffers whose blobs are no longer used; keep those that fit under the bound."""

@@ -28,7 +28,7 @@ from typing import Any
 from kvcodec.backends import cache_lanes_available
 from kvcodec.errors import CodecError, CodecMismatchError, CorruptEncodedKVError, StoreUnavailableError
 from kvcodec.format.header import MAX_SCALE_DIMS, SCALE_DIM
-from kvcodec.store import BlobStore
+from kvcodec.store import BlobStore, GroupRead
 
 from .background import BackgroundPool
 from .buffers import ReadBuffers
@@ -190,9 +190,39 @@ class LoadHandler:
 
     def read_and_check(self, spec: LoadSpec) -> LoadResult:
         """Read and check every chunk of a load (stopping at the first that fails); nothing is written."""
-        cs = self.cfg.chunk_size
         result = LoadResult(spec, [])
         t0 = time.perf_counter()
+        ahead = self._read_ahead(spec)
+        try:
+            self._read_chunks(spec, result)
+        finally:
+            if ahead:  # a chunk that failed leaves reads unread: dropped
+                self.store.read_ahead([])
+        self.counters.add(load_seconds=time.perf_counter() - t0)
+        return result
+
+    def _read_ahead(self, spec: LoadSpec) -> bool:
+        """Tell the store the chunk reads to come (:meth:`~kvcodec.store.BlobStore.read_ahead`): each
+        chunk's blobs in this engine's head split, up to the first chunk stored in another; a remote
+        store asks for them at once, so its server prepares chunk ``c + 1`` while ``c`` is checked.
+        Whether any was told."""
+        if not self.store.partial_groups:  # reads go key by key (get_parsed): nothing to tell
+            return False
+        cs, parts = self.cfg.chunk_size, self.keys.split.parts
+        reads: list[GroupRead] = []
+        for c in range(spec.start // cs, -(-spec.end // cs)):
+            if spec.split(c, parts) != parts:
+                break
+            keys = tuple(self._blob_keys(spec, c).values())
+            reads.append(GroupRead(keys, self._max_blob_bytes(c, spec.ref(c).chunk_hash)))
+        if len(reads) < 2:  # one read has nothing to overlap
+            return False
+        self.store.read_ahead(reads)
+        return True
+
+    def _read_chunks(self, spec: LoadSpec, result: LoadResult) -> None:
+        """:meth:`_prepare_chunk` of each chunk of ``spec`` into ``result``, stopping at the first failure."""
+        cs = self.cfg.chunk_size
         for c in range(spec.start // cs, -(-spec.end // cs)):
             first = max(spec.start, c * cs)
             try:
@@ -214,8 +244,6 @@ class LoadHandler:
                     exc_info=not isinstance(e, (CodecError, KeyError, OSError)),
                 )
                 break
-        self.counters.add(load_seconds=time.perf_counter() - t0)
-        return result
 
     def _prepare_chunk(self, spec: LoadSpec, c: int, skip: int) -> PreparedLoad:
         """Every layer's blob of chunk ``c``, read once and checked against its key."""
@@ -297,8 +325,10 @@ class LoadHandler:
         if max_bytes is not None:
             kw["max_bytes"] = max_bytes
         if self.store.partial_groups:
-            got = self.store.get_parsed_many(list(keys.values()), **kw)
+            got = self.store.get_parsed_many(list(keys.values()), buffers=self.buffers, **kw)
             parsed = dict(zip(keys, got))
+            lent = {id(o): o for p in got if self.buffers.owns(o := p.buffer.obj)}
+            buffers.extend(lent.values())  # given back once the chunk is written
         else:
             parsed = {name: self._read_into(key, buffers, kw) for name, key in keys.items()}
         self.counters.add(bytes_read=sum(len(p.blob) for p in parsed.values()))

@@ -146,8 +146,9 @@ class LosslessTier:
         return self._expand(p, verify_crc)
 
     def get_parsed_many(
-        self, keys: Any, *, verify_crc: bool = True, max_bytes: int | None = None
+        self, keys: Any, *, verify_crc: bool = True, max_bytes: int | None = None, buffers: Any = None
     ) -> list[ParsedBlob]:
+        """The inner store's blobs, expanded (``buffers`` unused: an expanded blob is a new buffer)."""
         got = self.inner.get_parsed_many(keys, verify_crc=verify_crc, max_bytes=max_bytes)
         return [self._expand(p, verify_crc) for p in got]
 

@@ -90,14 +90,20 @@ class HookedStore:
 
 
 def connector(
-    root: Path, role: KVConnectorRole, parts: ConnectorParts | None = None, **extra: object
+    root: Path | None, role: KVConnectorRole, parts: ConnectorParts | None = None, **extra: object
 ) -> KvcodecConnector:
-    """A connector over the store at ``root`` (``extra``: more ``kv_connector_extra_config`` keys)."""
+    """A connector over the store at ``root`` (None: no local directory, a ``store`` in ``extra``;
+    ``extra``: more ``kv_connector_extra_config`` keys)."""
     ktc = KVTransferConfig(
         kv_connector="KvcodecConnector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"root": str(root), "chunk_size": CHUNK, "fused": "off", **extra},
+        kv_connector_extra_config={
+            "root": None if root is None else str(root),
+            "chunk_size": CHUNK,
+            "fused": "off",
+            **extra,
+        },
     )
     hf = SimpleNamespace(to_dict=lambda: {"rope_theta": 1e4}, quantization_config=None)
     mc = SimpleNamespace(model="m", revision=None, dtype=torch.bfloat16, hf_config=hf, quantization=None)
@@ -114,7 +120,7 @@ def connector(
     return KvcodecConnector(vcfg, role, kv_config, parts=parts)
 
 
-def cpu_worker(root: Path, parts: ConnectorParts | None = None, **extra: object) -> KvcodecConnector:
+def cpu_worker(root: Path | None, parts: ConnectorParts | None = None, **extra: object) -> KvcodecConnector:
     """The worker side with 8 random bf16 blocks per layer registered (the same for every call)."""
     conn = connector(root, KVConnectorRole.WORKER, parts, **extra)
     g = torch.Generator().manual_seed(0)
