@@ -189,12 +189,15 @@ class LoadHandler:
         result.written = True
 
     def read_and_check(self, spec: LoadSpec) -> LoadResult:
-        """Read and check every chunk of a load (stopping at the first that fails); nothing is written."""
+        """Read and check every chunk of a load, stopping at the first that fails. Into CPU caches each
+        chunk is written as soon as it is checked (:attr:`LoadResult.written`: failures reported too),
+        so a remote store sends the next chunk while this one is written and its buffers go back at
+        once; else nothing is written here."""
         result = LoadResult(spec, [])
         t0 = time.perf_counter()
         ahead = self._read_ahead(spec)
         try:
-            self._read_chunks(spec, result)
+            self._read_chunks(spec, result, write=self.caches.on_cpu)
         finally:
             if ahead:  # a chunk that failed leaves reads unread: dropped
                 self.store.read_ahead([])
@@ -220,13 +223,25 @@ class LoadHandler:
         self.store.read_ahead(reads)
         return True
 
-    def _read_chunks(self, spec: LoadSpec, result: LoadResult) -> None:
-        """:meth:`_prepare_chunk` of each chunk of ``spec`` into ``result``, stopping at the first failure."""
+    def _read_chunks(self, spec: LoadSpec, result: LoadResult, write: bool) -> None:
+        """:meth:`_prepare_chunk` of each chunk of ``spec`` into ``result``, stopping at the first failure;
+        ``write``: each written once checked (:meth:`_apply`) and the load's failure reported here."""
+        try:
+            self._each_chunk(spec, result, write)
+        finally:
+            if write:
+                result.written = True
+                if result.failed_at is not None:
+                    self._fail_blocks(spec, result.failed_at)
+
+    def _each_chunk(self, spec: LoadSpec, result: LoadResult, write: bool) -> None:
+        """The loop of :meth:`_read_chunks`: a read that fails sets ``result.failed_at``; a write that
+        fails was reported by :meth:`_apply` and only ends the loop."""
         cs = self.cfg.chunk_size
         for c in range(spec.start // cs, -(-spec.end // cs)):
             first = max(spec.start, c * cs)
             try:
-                result.chunks.append(self._prepare_chunk(spec, c, first - c * cs))
+                prepared = self._prepare_chunk(spec, c, first - c * cs)
             except StoreUnavailableError:
                 result.failed_at = first
                 self.counters.add(load_unavailable=1)
@@ -243,6 +258,13 @@ class LoadHandler:
                     first,
                     exc_info=not isinstance(e, (CodecError, KeyError, OSError)),
                 )
+                break
+            if not write:
+                result.chunks.append(prepared)
+                continue
+            written = LoadResult(spec, [prepared])
+            self._apply(written)  # a write that fails is reported there: nothing more to do
+            if written.failed_at is not None:
                 break
 
     def _prepare_chunk(self, spec: LoadSpec, c: int, skip: int) -> PreparedLoad:
@@ -383,12 +405,17 @@ class LoadHandler:
     # ------------------------------------------------------------ write
 
     def _apply(self, result: LoadResult) -> None:
-        """Write the prepared chunks into the request's blocks; report the rest as load errors."""
+        """Write the prepared chunks into the request's blocks; report the rest as load errors
+        (``result.failed_at``: the first token that failed). Nothing to do for a result written
+        while it was read."""
+        if result.written:
+            return
         failed_at = result.failed_at
         try:
             failed_at = self._write_all(result, failed_at)
         finally:  # every chunk written or skipped: nothing views the buffers any more
             self.buffers.give([b for p in result.chunks for b in p.buffers])
+        result.failed_at = failed_at
         if failed_at is not None:
             self._fail_blocks(result.spec, failed_at)
 
