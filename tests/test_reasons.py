@@ -59,10 +59,10 @@ def _too_many_elements_per_token() -> bytes:
 
 
 def _garbage_stream() -> object:
-    """A lossless blob whose first V stream is not deflate (its table and CRC valid)."""
+    """A lossless blob whose first V stream is no Huffman stream (its table and CRC valid)."""
     p = kvcodec.parse(kvcodec.encode(*_kv(), scope="per_tensor", compression="lossless"))
     v = bytearray(p.v)
-    v[20] = 0xFF  # the first stream's first byte (after tokens, count, two lengths): a reserved block type
+    v[20] = 0xFF  # the first stream's first byte (after tokens, count, two lengths): code lengths of 15 bits
     return kvcodec.decode(assemble(p.header, p.k, v, p.scales))
 
 

@@ -42,6 +42,8 @@ __all__ = [
     "backend_info",
     "cache_lanes_available",
     "call",
+    "huff_decode_many",
+    "huff_encode_many",
     "k_planes",
     "reference_backend",
     "scatter_blob_rows_many",
@@ -196,6 +198,31 @@ def k_planes(k: Any, hi: Any, lo: Any, tokens: int, heads: int, dim: int, *, mer
     """K's byte planes for the lossless payload, split (``merge=False``) or merged by the C loops
     (:func:`kvcodec.backends.cpu.k_planes`); False when they are not built: the caller's numpy then."""
     return bool(_cpu().k_planes(k, hi, lo, tokens, heads, dim, merge))
+
+
+def huff_encode_many(
+    src: Any, at: int, step: int, count: int, n: int, row: int, stride: int, out: Any, out_at: int
+) -> list[int] | None:
+    """A lossless section's Huffman streams coded by the C loops, one after another
+    (:func:`kvcodec.backends.cpu.huff_encode_many`): their lengths; None when they are not built: the
+    caller's Python coder then."""
+    return _cpu().huff_encode_many(src, at, step, count, n, row, stride, out, out_at)
+
+
+def huff_decode_many(
+    src: Any,
+    streams: Sequence[tuple[int, int]],
+    n: int,
+    out: Any,
+    out_at: int,
+    out_step: int,
+    row: int,
+    stride: int,
+) -> tuple[int, int] | bool | None:
+    """A lossless section's Huffman streams decoded by the C loops
+    (:func:`kvcodec.backends.cpu.huff_decode_many`): True, or ``(i, code)`` for the first refused; None
+    when they are not built: the caller's Python coder then."""
+    return _cpu().huff_decode_many(src, streams, n, out, out_at, out_step, row, stride)
 
 
 def scatter_rows(

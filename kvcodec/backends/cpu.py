@@ -40,6 +40,10 @@ __all__ = [
     "REASON",
     "BlobRows",
     "CpuBackend",
+    "huff_decode",
+    "huff_decode_many",
+    "huff_encode",
+    "huff_encode_many",
     "k_planes",
     "scatter_blob_rows",
     "scatter_dequantize",
@@ -73,6 +77,55 @@ def k_planes(k: Any, hi: Any, lo: Any, tokens: int, heads: int, dim: int, merge:
         return False
     _cpu.k_planes(k, hi, lo, tokens, heads, dim, merge)
     return True
+
+
+def huff_encode(src: Any, at: int, n: int, row: int, stride: int, out: Any, out_at: int) -> int | None:
+    """The Huffman stream (huff.c) of the ``n`` symbols ``src[at + (j // row) * stride + j % row]``
+    written at ``out[out_at:]``: its length, -1 when it does not fit there, None when the C loops are
+    not built."""
+    if _cpu is None:
+        return None
+    return int(_cpu.huff_encode(src, at, n, row, stride, out, out_at))
+
+
+def huff_decode(
+    src: Any, at: int, length: int, n: int, out: Any, out_at: int, row: int, stride: int
+) -> int | None:
+    """Huffman stream ``src[at : at + length]`` decoded by huff.c to ``n`` symbols written as
+    :func:`huff_encode` reads them: 0, a refusal code (``kvcodec.format.coding.HUFF_ERRORS``), or None
+    when the C loops are not built."""
+    if _cpu is None:
+        return None
+    return int(_cpu.huff_decode(src, at, length, n, out, out_at, row, stride))
+
+
+def huff_encode_many(
+    src: Any, at: int, step: int, count: int, n: int, row: int, stride: int, out: Any, out_at: int
+) -> list[int] | None:
+    """``count`` streams (stream i: :func:`huff_encode` of the symbols from ``at + i * step``) written one
+    after another from ``out[out_at:]`` in one call: their lengths; None when the C loops are not built."""
+    if _cpu is None:
+        return None
+    return list(_cpu.huff_encode_many(src, at, step, count, n, row, stride, out, out_at))
+
+
+def huff_decode_many(
+    src: Any,
+    streams: Sequence[tuple[int, int]],
+    n: int,
+    out: Any,
+    out_at: int,
+    out_step: int,
+    row: int,
+    stride: int,
+) -> tuple[int, int] | bool | None:
+    """Each ``(offset, length)`` of ``streams`` decoded (:func:`huff_decode`) to ``n`` symbols written from
+    ``out_at + i * out_step``, in one call: True when all decoded, ``(i, code)`` for the first refused,
+    None when the C loops are not built."""
+    if _cpu is None:
+        return None
+    got = _cpu.huff_decode_many(src, streams, n, out, out_at, out_step, row, stride)
+    return True if got is None else (int(got[0]), int(got[1]))
 
 
 """Whether the C extension is built and importable."""

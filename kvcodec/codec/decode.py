@@ -293,7 +293,7 @@ def decode(
             return got
     parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
     if is_lossless(parsed.header):  # its plain blob, exactly: decoded below as any other
-        parsed = parse(expand_blob(parsed), verify_crc=False)
+        parsed = parse(expand_blob(parsed, crc=False), verify_crc=False)
     if expected_hashes is not None:
         check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
     req = _request(

@@ -1,17 +1,24 @@
-"""The lossless stage: a plain blob to its LOSSLESS twin and back, byte for byte.
+"""The lossless stage: a plain blob to its lossless twin and back, byte for byte.
 
 ``compress_blob`` splits K into its high-byte plane (sign and exponent; laid out channel by channel
 per head, where neighbouring values share exponents) and its low-byte plane (near-random mantissa
-bits, stored raw), and codes the high plane and V's FP8 codes with raw deflate, one stream per head
-(``docs/FORMAT.md``, "Lossless payload"). ``expand_blob`` gives back the plain blob exactly, so a
-decode of either is the same bits by construction.
+bits, stored raw), and codes the high plane and V's FP8 codes one stream per head (``docs/FORMAT.md``,
+"Lossless payload"). ``expand_blob`` gives back the plain blob exactly, so a decode of either is the
+same bits by construction.
 
-The coder is raw deflate (RFC 1951): ISA-L's igzip (python-isal, the ``fast`` extra) when installed,
-level 1 with a 16-byte history window (measured on real KV: smaller and faster than zstd level 1 on
-these planes, docs/quality.md), else the stdlib's zlib at level 1. Either decodes the other's
-streams. Each stream is decoded with at most ``tokens x head_dim + 1`` bytes of output, the size the
-header's geometry gives, so a stream that claims more (a decompression bomb) is refused without
-being expanded.
+The coder (schemes LOSSLESS_HUFF / LOSSLESS_HUFF_UNIT, what ``compression="lossless"`` writes) is an
+order-0 canonical Huffman code per stream, lengths of at most 11 bits, the symbols cut in four lanes
+that decode side by side (``docs/FORMAT.md``, "Huffman stream"): ``kvcodec/csrc/huff.c`` through
+:mod:`kvcodec.backends`, else :mod:`.huffman` (the same bytes, slower). It was chosen by measurement
+(docs/quality.md): on real KV it codes as small as deflate level 1 and decodes several times faster
+than ISA-L's inflate on these planes. The C encoder reads V's codes of a head in place (stride
+heads x head_dim) and the decoder writes them straight into the plain blob's V payload.
+
+Blobs of schemes LOSSLESS / LOSSLESS_UNIT (raw deflate, written before the Huffman coder) are still
+read: ISA-L's igzip (python-isal, the ``fast`` extra) when installed, else the stdlib's zlib; each
+deflate stream is decoded with at most ``tokens x head_dim + 1`` bytes of output, the size the
+header's geometry gives, so a stream that claims more (a decompression bomb) is refused without being
+expanded. ``compress_blob(coder="deflate")`` still writes them (golden vectors, tests).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import numpy as np
 from .. import backends
 from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import (
+    DEFLATE_OF,
     LOSSLESS_OF,
+    PLAIN_OF,
     Coding,
     Header,
     ParsedBlob,
@@ -34,12 +43,25 @@ from ..format import (
     read_coding,
     serialize_header,
 )
-from ..format.coding import CODED_K_ITEMSIZE, Section, pack_table
+from ..format.coding import (
+    CODED_K_ITEMSIZE,
+    HUFF_ERRORS,
+    STREAM_COUNT,
+    STREAM_LEN,
+    TOKENS,
+    Section,
+    max_stream_len,
+    pack_table,
+)
+from ..hostmem import new_buffer
+from . import huffman
 
-__all__ = ["CODER", "COMPRESSIONS", "compress_blob", "expand_blob", "is_lossless"]
+__all__ = ["CODER", "CODERS", "COMPRESSIONS", "DEFLATE_CODER", "compress_blob", "expand_blob", "is_lossless"]
 
 COMPRESSIONS = ("none", "lossless")
 """``encode(compression=...)``: ``none`` writes the plain payload, ``lossless`` the coded one."""
+CODERS = ("huffman", "deflate")
+"""``compress_blob(coder=...)``: Huffman streams (schemes 5/6, the default) or raw deflate (3/4)."""
 DEFLATE_LEVEL = 1
 """igzip / zlib level: level 1 codes these planes as small as 2 and 3 (measured), at the best speed."""
 HIST_BITS = 4
@@ -65,12 +87,14 @@ def _zlib_compress(b: Any) -> bytes:
     return c.compress(b) + c.flush()
 
 
-_compress, _decompressor, _STREAM_ERRORS, CODER = _coders()
+_compress, _decompressor, _STREAM_ERRORS, DEFLATE_CODER = _coders()
+CODER = "huffman-c" if backends.cache_lanes_available() else "huffman-python"
+"""What codes ``compression="lossless"`` here: huff.c, or the Python coder when the C loops are not built."""
 
 
 def is_lossless(h: Header) -> bool:
-    """Whether ``h`` is a lossless blob's header (scheme LOSSLESS or LOSSLESS_UNIT)."""
-    return h.scale_scheme in (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT)
+    """Whether ``h`` is a lossless blob's header (schemes LOSSLESS(_UNIT) or LOSSLESS_HUFF(_UNIT))."""
+    return h.scale_scheme in PLAIN_OF
 
 
 def _refuse(msg: str) -> UnsupportedConfigError:
@@ -102,8 +126,121 @@ def _split_k(k: memoryview, tokens: int, heads: int, dim: int) -> tuple[np.ndarr
     return hi, lo
 
 
-def _coded_parts(p: ParsedBlob, tokens: int, heads: int, dim: int) -> list[Any]:
-    """The lossless payload's parts in order: K's table, streams and low plane; V's table and streams."""
+# ----------------------------------------------------------------------------- Huffman (schemes 5/6)
+
+
+def _rows(buf: Any, at: int, n: int, row: int, stride: int) -> np.ndarray:
+    """The ``n`` symbols at ``buf[at + (j // row) * stride + j % row]`` as a (strided) numpy view."""
+    flat = np.frombuffer(buf, np.uint8)
+    return np.lib.stride_tricks.as_strided(flat[at:], (n // row, row), (stride, 1), writeable=False)
+
+
+def _encode_streams(
+    src: Any, at: int, step: int, heads: int, n: int, row: int, stride: int, out: memoryview
+) -> list[int]:
+    """Each head's stream (head i's symbols from ``at + i * step``) written one after another at the start
+    of ``out`` (C, else the Python coder): their lengths."""
+    got = backends.huff_encode_many(src, at, step, heads, n, row, stride, out, 0)
+    if got is None:
+        got, pos = [], 0
+        for i in range(heads):
+            stream = huffman.encode(
+                np.ascontiguousarray(_rows(src, at + i * step, n, row, stride)).reshape(-1)
+            )
+            out[pos : pos + len(stream)] = stream
+            got.append(len(stream))
+            pos += len(stream)
+    cap = max_stream_len(n, huffman=True)
+    if not all(0 < x <= cap for x in got):  # pragma: no cover - the bound is the coder's worst case
+        raise AssertionError(f"Huffman streams of {n} symbols took {got} bytes; the bound is {cap}")
+    return got
+
+
+def _huffman_blob(p: ParsedBlob, tokens: int, heads: int, dim: int) -> bytearray:
+    """The LOSSLESS_HUFF(_UNIT) blob of plain blob ``p``: streams coded in place into one buffer."""
+    h, raw, hs = p.header, tokens * dim, p.header_len
+    bound = max_stream_len(raw, huffman=True)
+    table = STREAM_COUNT.size + heads * STREAM_LEN.size
+    k_cap = table + heads * (bound + raw) if h.k_payload_len else 0
+    cap = hs + k_cap + TOKENS.size + table + heads * bound + h.scale_payload_len
+    out = new_buffer(cap)
+    mv = memoryview(out)
+    at = hs
+    if h.k_payload_len:
+        hi, lo = _split_k(p.k, tokens, heads, dim)
+        lengths = _encode_streams(
+            hi, 0, raw, heads, raw, raw, raw, mv[at + table : at + table + heads * bound]
+        )
+        mv[at : at + table] = pack_table(lengths)
+        at += table + sum(lengths)
+        mv[at : at + lo.size] = lo
+        at += lo.size
+    k_len, v_at = at - hs, at
+    at += TOKENS.size + table
+    lengths = _encode_streams(p.v, 0, dim, heads, raw, dim, heads * dim, mv[at : at + heads * bound])
+    mv[v_at:at] = pack_table(lengths, tokens)
+    at += sum(lengths)
+    end = at + h.scale_payload_len
+    mv[at:end] = p.scales
+    coded = h.replace(
+        scale_scheme=LOSSLESS_OF[ScaleScheme(h.scale_scheme)], k_payload_len=k_len, v_payload_len=at - v_at
+    )
+    head = serialize_header(coded, [mv[hs:end]])
+    mv[:hs] = head  # the same fields and strings as the plain header: the same size
+    mv.release()
+    del out[end:]
+    return out
+
+
+def _decode_streams(
+    src: memoryview,
+    sec: Section,
+    raw: int,
+    out: Any,
+    out_at: int,
+    step: int,
+    row: int,
+    stride: int,
+    what: str,
+) -> None:
+    """Each stream of ``sec`` decoded to exactly ``raw`` symbols, stream i's written at ``out[out_at + i *
+    step + (j // row) * stride + j % row]`` (C, else the Python coder), or CorruptEncodedKVError(BAD_STREAM)."""
+    got = backends.huff_decode_many(src, sec.streams, raw, out, out_at, step, row, stride)
+    if got is None:
+        got = True
+        flat = np.frombuffer(out, np.uint8)
+        for i, (at, n) in enumerate(sec.streams):
+            try:
+                syms = huffman.decode(src[at : at + n], raw)
+            except huffman.HuffmanError as e:
+                got = (i, e.code)
+                break
+            view = np.lib.stride_tricks.as_strided(flat[out_at + i * step :], (raw // row, row), (stride, 1))
+            view[...] = syms.reshape(-1, row)
+    if got is not True:
+        i, code = got
+        raise CorruptEncodedKVError(
+            f"{what} stream {i} (a Huffman stream of {sec.streams[i][1]} bytes for {raw} symbols) "
+            f"{HUFF_ERRORS[code]}",
+            reason=Reason.BAD_STREAM,
+        )
+
+
+def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
+    heads, dim, raw = c.heads, c.head_dim, c.stream_raw
+    k_len = c.plain.k_payload_len
+    _decode_streams(p.v, c.v, raw, mv, hs + k_len, dim, dim, heads * dim, "V")
+    if c.k is not None:
+        hi = np.empty(heads * raw, np.uint8)
+        _decode_streams(p.k, c.k, raw, hi, 0, raw, raw, raw, "K")
+        _merge_k(mv[hs : hs + k_len], hi, p.k[c.k.raw_at :], c)
+
+
+# ----------------------------------------------------------------------------- deflate (schemes 3/4)
+
+
+def _deflate_parts(p: ParsedBlob, tokens: int, heads: int, dim: int) -> list[Any]:
+    """The deflate payload's parts in order: K's table, streams and low plane; V's table and streams."""
     codes = np.frombuffer(p.v, np.uint8).reshape(tokens, heads, dim)
     v_streams = [_compress(np.ascontiguousarray(codes[:, i, :])) for i in range(heads)]
     parts: list[Any] = []
@@ -115,16 +252,13 @@ def _coded_parts(p: ParsedBlob, tokens: int, heads: int, dim: int) -> list[Any]:
     return [*parts, pack_table([len(s) for s in v_streams], tokens), *v_streams]
 
 
-def compress_blob(plain: Any) -> bytearray:
-    """The lossless blob of plain version-2 blob ``plain`` (checked, CRC included)."""
-    p = plain if isinstance(plain, ParsedBlob) else parse(plain)
+def _deflate_blob(p: ParsedBlob, tokens: int, heads: int, dim: int) -> bytearray:
     h = p.header
-    tokens, heads, dim = _check_plain(h)
-    parts = _coded_parts(p, tokens, heads, dim)
+    parts = _deflate_parts(p, tokens, heads, dim)
     sizes = [memoryview(x).nbytes for x in parts]
     v_len = sum(sizes[-(heads + 1) :])
     coded = h.replace(
-        scale_scheme=LOSSLESS_OF[ScaleScheme(h.scale_scheme)],
+        scale_scheme=DEFLATE_OF[ScaleScheme(h.scale_scheme)],
         k_payload_len=sum(sizes) - v_len,
         v_payload_len=v_len,
     )
@@ -166,6 +300,35 @@ def _streams(sec: Section, src: memoryview, raw: int, what: str) -> list[bytes]:
     return [_inflate(src[at : at + n], raw, f"{what} stream {i}") for i, (at, n) in enumerate(sec.streams)]
 
 
+def _expand_deflate(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
+    t, heads, dim, raw = c.tokens, c.heads, c.head_dim, c.stream_raw
+    k_len = c.plain.k_payload_len
+    codes = np.frombuffer(mv, np.uint8, c.plain.v_payload_len, hs + k_len).reshape(t, heads, dim)
+    for i, got in enumerate(_streams(c.v, p.v, raw, "V")):
+        codes[:, i, :] = np.frombuffer(got, np.uint8).reshape(t, dim)
+    if c.k is not None:
+        hi = np.empty(heads * raw, np.uint8)
+        for i, got in enumerate(_streams(c.k, p.k, raw, "K")):
+            hi[i * raw : (i + 1) * raw] = np.frombuffer(got, np.uint8)
+        _merge_k(mv[hs : hs + k_len], hi, p.k[c.k.raw_at :], c)
+
+
+# ----------------------------------------------------------------------------- both
+
+
+def compress_blob(plain: Any, *, coder: str = "huffman") -> bytearray:
+    """The lossless blob of plain version-2 blob ``plain`` (checked, CRC included): Huffman streams
+    (scheme LOSSLESS_HUFF or LOSSLESS_HUFF_UNIT), or raw deflate with ``coder="deflate"`` (LOSSLESS,
+    LOSSLESS_UNIT: what kvcodec wrote before; kept for golden vectors and tests)."""
+    if coder not in CODERS:
+        raise _refuse(f"coder={coder!r}; expected one of {CODERS}")
+    p = plain if isinstance(plain, ParsedBlob) else parse(plain)
+    tokens, heads, dim = _check_plain(p.header)
+    if coder == "deflate":
+        return _deflate_blob(p, tokens, heads, dim)
+    return _huffman_blob(p, tokens, heads, dim)
+
+
 def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None:
     """Write K's bytes into ``out`` from its planes (C, else numpy)."""
     t, heads, dim = c.tokens, c.heads, c.head_dim
@@ -175,23 +338,17 @@ def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None
         k[..., 1] = hi.reshape(heads, dim, t).transpose(2, 0, 1)
 
 
-def expand_blob(p: ParsedBlob) -> bytearray:
-    """The plain blob that lossless blob ``p`` (parsed, CRC checked) codes, byte for byte."""
+def expand_blob(p: ParsedBlob, *, crc: bool = True) -> bytearray:
+    """The plain blob that lossless blob ``p`` (parsed, CRC checked) codes, byte for byte.
+
+    ``crc=False`` leaves the plain header's CRC field 0 instead of computing it over the payload: for
+    a caller that parses the result with ``verify_crc=False`` and never hands it on (decode)."""
     c = read_coding(p.header, p.k, p.v)
     plain = c.plain
     hs = p.header_len  # the plain header has the same fields and strings: the same size
-    out = bytearray(hs + plain.payload_len)
+    out = new_buffer(hs + plain.payload_len)
     mv = memoryview(out)
-    t, heads, dim, raw = c.tokens, c.heads, c.head_dim, c.stream_raw
-    k_len = plain.k_payload_len
-    codes = np.frombuffer(mv, np.uint8, plain.v_payload_len, hs + k_len).reshape(t, heads, dim)
-    for i, got in enumerate(_streams(c.v, p.v, raw, "V")):
-        codes[:, i, :] = np.frombuffer(got, np.uint8).reshape(t, dim)
-    if c.k is not None:
-        hi = np.empty(heads * raw, np.uint8)
-        for i, got in enumerate(_streams(c.k, p.k, raw, "K")):
-            hi[i * raw : (i + 1) * raw] = np.frombuffer(got, np.uint8)
-        _merge_k(mv[hs : hs + k_len], hi, p.k[c.k.raw_at :], c)
-    mv[hs + k_len + plain.v_payload_len :] = p.scales
-    mv[:hs] = serialize_header(plain, [mv[hs:]])
+    (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, hs)
+    mv[hs + plain.k_payload_len + plain.v_payload_len :] = p.scales
+    mv[:hs] = serialize_header(plain, [mv[hs:]]) if crc else serialize_header(plain, crc=0)
     return out

@@ -52,7 +52,7 @@ class EncodeSpec:
     """Keep an external scope's scales in the payload too (LMCache does with attached scales)."""
     backend: str | None = None
     compression: str = "none"
-    """"none" (the plain payload) or "lossless" (K's exponent plane and V's codes deflate-coded, v2)."""
+    """"none" (the plain payload) or "lossless" (K's exponent plane and V's codes Huffman-coded, v2)."""
 
     @classmethod
     def of(cls, spec: EncodeSpec | None, options: dict[str, Any]) -> EncodeSpec:

@@ -1,18 +1,70 @@
 /* K's byte planes for the lossless payload (docs/FORMAT.md, "Lossless payload"): a 16-bit K
  * [tokens, heads, head_dim] split into its high bytes laid out channel by channel per head
  * [heads, head_dim, tokens] and its low bytes [tokens, heads, head_dim], and merged back; one pass over
- * K's bytes each way. Portable C (no Python): eight tokens at a time, so that each channel's high bytes
- * are written (or read) as one 8-byte run instead of eight scattered bytes. py_planes.c is the entry. */
+ * K's bytes each way. Where SSE2 is there (every x86-64), blocks of 8 tokens x 8 channels: eight 8-byte
+ * runs of the high plane transposed in registers and interleaved with the low bytes, 16 bytes of K a
+ * store (or the reverse); elsewhere, and for the edges, portable C eight tokens at a time, so that each
+ * channel's high bytes are written (or read) as one 8-byte run. py_planes.c is the entry. */
 #include "planes.h"
 
 #include <string.h>
+
+#if defined(__SSE2__) && !defined(KV_NO_SSE2_PLANES)
+#include <emmintrin.h>
+#define PLANES_SSE2 1
+
+/* 8 rows of 8 bytes (each in a register's low half) transposed: out[j] holds column 2j in its low half
+ * and column 2j + 1 in its high half. */
+static inline void transpose8(const __m128i a[8], __m128i out[4]) {
+    __m128i t0 = _mm_unpacklo_epi8(a[0], a[1]), t1 = _mm_unpacklo_epi8(a[2], a[3]);
+    __m128i t2 = _mm_unpacklo_epi8(a[4], a[5]), t3 = _mm_unpacklo_epi8(a[6], a[7]);
+    __m128i u0 = _mm_unpacklo_epi16(t0, t1), u1 = _mm_unpackhi_epi16(t0, t1);
+    __m128i u2 = _mm_unpacklo_epi16(t2, t3), u3 = _mm_unpackhi_epi16(t2, t3);
+    out[0] = _mm_unpacklo_epi32(u0, u2);
+    out[1] = _mm_unpackhi_epi32(u0, u2);
+    out[2] = _mm_unpacklo_epi32(u1, u3);
+    out[3] = _mm_unpackhi_epi32(u1, u3);
+}
+
+/* Tokens [t, t + 8) x channels [e, e + 8). */
+static inline void merge_block(const uint8_t *hi, const uint8_t *lo, uint8_t *k, size_t T, size_t E, size_t t,
+                               size_t e) {
+    __m128i a[8], c[4];
+    for (int i = 0; i < 8; i++) a[i] = _mm_loadl_epi64((const __m128i *)(hi + (e + i) * T + t));
+    transpose8(a, c);
+    for (int j = 0; j < 8; j++) {
+        __m128i h = (j & 1) ? _mm_srli_si128(c[j >> 1], 8) : c[j >> 1];
+        __m128i l = _mm_loadl_epi64((const __m128i *)(lo + (t + j) * E + e));
+        _mm_storeu_si128((__m128i *)(k + 2 * ((t + j) * E + e)), _mm_unpacklo_epi8(l, h));
+    }
+}
+
+static inline void split_block(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T, size_t E, size_t t, size_t e) {
+    const __m128i low = _mm_set1_epi16(0x00ff);
+    __m128i a[8], c[4];
+    for (int j = 0; j < 8; j++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(k + 2 * ((t + j) * E + e)));
+        _mm_storel_epi64((__m128i *)(lo + (t + j) * E + e), _mm_packus_epi16(_mm_and_si128(x, low), x));
+        a[j] = _mm_packus_epi16(_mm_srli_epi16(x, 8), x);
+    }
+    transpose8(a, c);
+    for (int i = 0; i < 8; i++) {
+        __m128i r = (i & 1) ? _mm_srli_si128(c[i >> 1], 8) : c[i >> 1];
+        _mm_storel_epi64((__m128i *)(hi + (e + i) * T + t), r);
+    }
+}
+#endif
 
 #define RUN 8 /* tokens per pass: one 8-byte run of a channel's high bytes */
 
 void kv_planes_split(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T, size_t E) {
     size_t t = 0;
     for (; t + RUN <= T; t += RUN) {
-        for (size_t e = 0; e < E; e++) {
+        size_t e = 0;
+#ifdef PLANES_SSE2
+        for (; e + 8 <= E; e += 8) split_block(k, hi, lo, T, E, t, e);
+#endif
+        for (; e < E; e++) {
             uint8_t run[RUN];
             for (size_t j = 0; j < RUN; j++) {
                 const uint8_t *p = k + 2 * ((t + j) * E + e);
@@ -33,7 +85,11 @@ void kv_planes_split(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T, size_
 void kv_planes_merge(const uint8_t *hi, const uint8_t *lo, uint8_t *k, size_t T, size_t E) {
     size_t t = 0;
     for (; t + RUN <= T; t += RUN) {
-        for (size_t e = 0; e < E; e++) {
+        size_t e = 0;
+#ifdef PLANES_SSE2
+        for (; e + 8 <= E; e += 8) merge_block(hi, lo, k, T, E, t, e);
+#endif
+        for (; e < E; e++) {
             uint8_t run[RUN];
             memcpy(run, hi + e * T + t, RUN);
             for (size_t j = 0; j < RUN; j++) {

@@ -25,8 +25,10 @@ from .dtypes import (
 from .geometry import BlobCrc, Geometry, geometry, is_plain
 from .header import (
     COMPUTED_SCOPES,
+    DEFLATE_OF,
     FIXED_HEADER_LEN,
     HASH_KEYS,
+    HUFFMAN_SCHEMES,
     LOSSLESS_OF,
     MAGIC,
     MAX_DIM,
@@ -61,11 +63,13 @@ from .parser import (
 __all__ = [
     "COMPUTED_SCOPES",
     "CRC_BACKEND",
+    "DEFLATE_OF",
     "DTYPE_TO_ID",
     "FIXED_HEADER_LEN",
     "FLOAT8_DTYPES",
     "FLOAT_INF_BITS",
     "HASH_KEYS",
+    "HUFFMAN_SCHEMES",
     "ID_TO_DTYPE",
     "LOSSLESS_OF",
     "MAGIC",

@@ -1,18 +1,21 @@
-"""The lossless payload of schemes LOSSLESS / LOSSLESS_UNIT: its stream tables, read and written.
+"""The lossless payload of schemes LOSSLESS(_UNIT) and LOSSLESS_HUFF(_UNIT): its stream tables, read and written.
 
 A lossless blob stores the same K, V codes and scales as its plain blob (scheme COMPUTED / UNIT),
 coded so that each head decodes on its own (``docs/FORMAT.md``, "Lossless payload"):
 
 * V section: ``tokens`` (i64), a stream count (u32, = heads), each stream's stored length (u32),
-  then the streams: head h's codes ``[tokens, head_dim]``, raw-deflate coded;
+  then the streams: head h's codes ``[tokens, head_dim]``, coded (raw deflate for schemes 3/4, a
+  Huffman stream for 5/6);
 * K section (empty when the blob has no K): a stream count (u32, = heads), each stream's stored
   length (u32), the streams: head h's high bytes laid out channel by channel ``[head_dim, tokens]``,
-  raw-deflate coded; then K's low bytes ``[tokens, heads, head_dim]``, stored as they are;
+  coded alike; then K's low bytes ``[tokens, heads, head_dim]``, stored as they are;
 * scales: as in the plain blob.
 
 :func:`read_coding` checks every table against the header before a byte is decoded: each stream
 may decode to exactly ``tokens x head_dim`` bytes, so a decoder allocates by the geometry, never by
-what a stream claims. Pure Python (``struct``).
+what a stream claims. A Huffman stream's own layout (its code-length table, lane lengths and lanes),
+its bound and the codes of its refusals are named here too (``HUFF_*``); the coders are
+``kvcodec/csrc/huff.c`` and :mod:`kvcodec.codec.huffman`. Pure Python (``struct``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,16 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import CorruptEncodedKVError, Reason
-from .header import MAX_ELEMENTS, PLAIN_OF, Header, ScaleScheme
+from .header import HUFFMAN_SCHEMES, MAX_ELEMENTS, PLAIN_OF, Header, ScaleScheme
 
 __all__ = [
     "CODED_K_ITEMSIZE",
+    "HUFF_ERRORS",
+    "HUFF_HEAD_BYTES",
+    "HUFF_LANES",
+    "HUFF_LANE_LENS",
+    "HUFF_MAX_LEN",
+    "HUFF_TABLE_BYTES",
     "STREAM_COUNT",
     "STREAM_LEN",
     "TOKENS",
@@ -50,8 +59,34 @@ STREAM_SLACK_BYTES = 64
 blocks, 5 bytes per 65,535) with room to spare. A longer one is refused before it is decoded."""
 
 
-def max_stream_len(raw: int) -> int:
-    """The most bytes a stream that decodes to ``raw`` bytes may store."""
+HUFF_MAX_LEN = 11
+"""A Huffman stream's longest code, in bits (its decode table has 2^11 entries)."""
+HUFF_TABLE_BYTES = 128
+"""A Huffman stream's first field: the code length of symbols 0..255, 4 bits each (low nibble: even)."""
+HUFF_LANES = 4
+"""Lanes a Huffman stream's symbols are cut in, each its own bit stream."""
+HUFF_LANE_LENS = struct.Struct("<3I")
+"""Stored bytes of lanes 0..2, after the code-length table; lane 3 takes the rest of the stream."""
+HUFF_HEAD_BYTES = HUFF_TABLE_BYTES + HUFF_LANE_LENS.size
+HUFF_ERRORS: dict[int, str] = {
+    1: "ends inside its code-length table or lane lengths",
+    2: "declares a code length over 11 bits",
+    3: "has over-subscribed code lengths (Kraft sum over 1)",
+    4: "has no code for its symbols",
+    5: "declares lanes longer than the stream",
+    6: "decodes a code no symbol has",
+    7: "has a lane whose bits run out before its symbols",
+    8: "has a lane that stores more bytes than its bits need",
+    9: "has a lane whose padding bits are not zero",
+}
+"""Why a Huffman stream is refused, by the code both coders return (``kvcodec/csrc/huff.h``)."""
+
+
+def max_stream_len(raw: int, huffman: bool = False) -> int:
+    """The most bytes a stream that decodes to ``raw`` bytes may store: raw deflate's bound (schemes
+    3/4), or a Huffman stream's (5/6): its head, 11 bits a symbol, a padding byte per lane."""
+    if huffman:
+        return HUFF_HEAD_BYTES + (raw * HUFF_MAX_LEN + 7) // 8 + HUFF_LANES
     return raw + raw // STREAM_SLACK_DIVISOR + STREAM_SLACK_BYTES
 
 
@@ -75,6 +110,8 @@ class Coding:
     k: Section | None
     v: Section
     plain: Header
+    huffman: bool
+    """Whether the streams are Huffman streams (schemes 5/6), else raw deflate (3/4)."""
 
     @property
     def stream_raw(self) -> int:
@@ -92,7 +129,7 @@ def pack_table(lengths: list[int], tokens: int | None = None) -> bytes:
     return head + STREAM_COUNT.pack(len(lengths)) + struct.pack(f"<{len(lengths)}I", *lengths)
 
 
-def _section(buf: memoryview, at: int, heads: int, raw: int, what: str) -> Section:
+def _section(buf: memoryview, at: int, heads: int, raw: int, what: str, huffman: bool) -> Section:
     """The streams of a section whose table starts at ``at``; each length within its bound."""
     n = len(buf)
     if n - at < STREAM_COUNT.size:
@@ -105,7 +142,7 @@ def _section(buf: memoryview, at: int, heads: int, raw: int, what: str) -> Secti
         raise _bad(f"{what} section of {n} bytes cannot hold {count} stream lengths")
     lengths = struct.unpack_from(f"<{count}I", buf, at)
     at += count * STREAM_LEN.size
-    bound, streams = max_stream_len(raw), []
+    bound, streams = max_stream_len(raw, huffman), []
     for i, length in enumerate(lengths):
         if not 0 < length <= bound or length > n - at:
             raise _bad(
@@ -150,13 +187,13 @@ def read_coding(h: Header, k: memoryview, v: memoryview) -> Coding:
     (tokens,) = TOKENS.unpack_from(v, 0)
     if not 0 < tokens <= MAX_ELEMENTS // (heads * dim):
         raise _bad(f"tokens={tokens}: expected 1..{MAX_ELEMENTS // (heads * dim)} at {heads} x {dim}")
-    raw = tokens * dim
-    vs = _section(v, TOKENS.size, heads, raw, "V")
+    raw, huffman = tokens * dim, h.scale_scheme in HUFFMAN_SCHEMES
+    vs = _section(v, TOKENS.size, heads, raw, "V", huffman)
     if vs.raw_at != len(v):
         raise _bad(f"V section has {len(v) - vs.raw_at} bytes after its streams")
     ks = None
     if len(k):
-        ks = _section(k, 0, heads, raw, "K")
+        ks = _section(k, 0, heads, raw, "K", huffman)
         if len(k) - ks.raw_at != raw * heads:
             raise _bad(f"K's low plane is {len(k) - ks.raw_at} bytes; {tokens} tokens need {raw * heads}")
-    return Coding(tokens, heads, dim, ks, vs, plain_header(h, tokens, ks is not None))
+    return Coding(tokens, heads, dim, ks, vs, plain_header(h, tokens, ks is not None), huffman)

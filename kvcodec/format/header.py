@@ -26,12 +26,14 @@ from .dtypes import FLOAT32, DType, as_dtype, dtype_to_id
 __all__ = [
     "COMPUTED_SCOPES",
     "CRC_FIELD",
+    "DEFLATE_OF",
     "FIXED_FIELDS",
     "FIXED_HEADER",
     "FIXED_HEADER_LEN",
     "HASH_KEYS",
     "HASH_LEN",
     "HASH_PAIR_COUNT",
+    "HUFFMAN_SCHEMES",
     "IDS",
     "IDS_OFFSET",
     "LATENT_DTYPES",
@@ -171,9 +173,15 @@ class ScaleScheme(IntEnum):
     dtype, bit for bit; no K, no scales. LMCache (version 1, schemes 0 and 1) reads none of it."""
     LOSSLESS = 3
     """COMPUTED's scales with a lossless payload (version 2, :mod:`~.coding`): K's high-byte plane and
-    V's codes deflate-coded per head, K's low-byte plane raw. Decodes to COMPUTED's blob byte for byte."""
+    V's codes deflate-coded per head, K's low-byte plane raw. Decodes to COMPUTED's blob byte for byte.
+    Read, no longer written: ``compression="lossless"`` writes :attr:`LOSSLESS_HUFF`."""
     LOSSLESS_UNIT = 4
-    """UNIT (raw FP8 at unit scale, no scales) with the same lossless payload."""
+    """UNIT (raw FP8 at unit scale, no scales) with the same deflate-coded lossless payload."""
+    LOSSLESS_HUFF = 5
+    """COMPUTED's scales with the lossless payload's layout, each stream a four-lane canonical Huffman
+    stream (:mod:`~.coding`, ``docs/FORMAT.md`` "Huffman stream"). Decodes to COMPUTED's blob byte for byte."""
+    LOSSLESS_HUFF_UNIT = 6
+    """UNIT with the same Huffman-coded lossless payload."""
     COMPUTED_PER_TENSOR = 0
     """LMCache's name for COMPUTED (an alias)."""
     RAW_UNIT = 1
@@ -181,11 +189,22 @@ class ScaleScheme(IntEnum):
 
 
 LOSSLESS_OF: dict[ScaleScheme, ScaleScheme] = {
+    ScaleScheme.COMPUTED: ScaleScheme.LOSSLESS_HUFF,
+    ScaleScheme.UNIT: ScaleScheme.LOSSLESS_HUFF_UNIT,
+}
+"""Each plain scheme's lossless id as written today (a new id per scheme and coder, so that older
+readers refuse it by its id)."""
+DEFLATE_OF: dict[ScaleScheme, ScaleScheme] = {
     ScaleScheme.COMPUTED: ScaleScheme.LOSSLESS,
     ScaleScheme.UNIT: ScaleScheme.LOSSLESS_UNIT,
 }
-"""Each plain scheme's lossless id (a new id per scheme, so that older readers refuse it by its id)."""
-PLAIN_OF: dict[ScaleScheme, ScaleScheme] = {v: k for k, v in LOSSLESS_OF.items()}
+"""Each plain scheme's deflate-coded lossless id (schemes 3 and 4: still read; written on request only)."""
+HUFFMAN_SCHEMES = frozenset(LOSSLESS_OF.values())
+"""The lossless schemes whose streams are Huffman streams (the others' are raw deflate)."""
+PLAIN_OF: dict[ScaleScheme, ScaleScheme] = {
+    **{v: k for k, v in DEFLATE_OF.items()},
+    **{v: k for k, v in LOSSLESS_OF.items()},
+}
 """Each lossless scheme's plain scheme: the blob it decodes to, byte for byte."""
 
 

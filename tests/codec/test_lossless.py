@@ -1,5 +1,7 @@
-"""The lossless stage (issue 38): a LOSSLESS blob decodes to its plain blob's bits by construction,
-and hostile coded payloads are refused by reason with bounded memory."""
+"""The lossless stage (issue 38): a lossless blob (Huffman streams, schemes 5/6; raw deflate, the
+schemes 3/4 still read) decodes to its plain blob's bits by construction, and hostile coded payloads
+are refused by reason with bounded memory. The Huffman coder itself (C against its Python oracle, each
+refusal): tests/backends/test_cpu_huff.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcodec
-from kvcodec.codec.lossless import CODER, compress_blob, expand_blob
+from kvcodec.codec.lossless import DEFLATE_CODER, compress_blob, expand_blob
 from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from kvcodec.format import Header, ScaleScheme, assemble, parse, read_coding
 from kvcodec.format.coding import STREAM_COUNT, TOKENS, max_stream_len, pack_table
@@ -43,8 +45,13 @@ def test_decodes_to_the_plain_blobs_bits(dtype, scope, shape) -> None:
     k, v = _kv(shape, dtype)
     plain = kvcodec.encode(k, v, scope=scope, **SCOPES[scope])
     coded = kvcodec.encode(k, v, scope=scope, compression="lossless", **SCOPES[scope])
-    assert parse(coded).header.scale_scheme in (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT)
+    assert parse(coded).header.scale_scheme in (ScaleScheme.LOSSLESS_HUFF, ScaleScheme.LOSSLESS_HUFF_UNIT)
     assert bytes(expand_blob(parse(coded))) == bytes(plain)
+    deflated = compress_blob(plain, coder="deflate")  # schemes 3/4: still read
+    assert parse(deflated).header.scale_scheme in (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT)
+    assert bytes(expand_blob(parse(deflated))) == bytes(plain)
+    nocrc, hl = bytes(expand_blob(parse(coded), crc=False)), parse(plain).header_len
+    assert nocrc[: hl - 4] == bytes(plain)[: hl - 4] and nocrc[hl:] == bytes(plain)[hl:]  # all but the CRC
     for out in (None, torch.float32, dtype):
         a, b = kvcodec.decode(plain, out_v_dtype=out), kvcodec.decode(coded, out_v_dtype=out)
         assert torch.equal(a.k.view(torch.int16), b.k.view(torch.int16))
@@ -92,9 +99,11 @@ def test_refused_with_out_and_for_32_bit_k() -> None:
     assert e.value.reason == Reason.BAD_VALUE
 
 
-def _coded(shape=(8, 2, 4), seed=1) -> tuple[bytearray, Header]:
+def _coded(shape=(8, 2, 4), seed=1, coder="deflate") -> tuple[bytearray, Header]:
+    """A lossless blob (raw deflate by default: the hostile-stream tests below are deflate's; the Huffman
+    streams' are in tests/backends/test_cpu_huff.py and at the end of this file)."""
     k, v = _kv(shape, torch.float16, seed)
-    b = kvcodec.encode(k, v, scope="per_tensor", compression="lossless")
+    b = compress_blob(kvcodec.encode(k, v, scope="per_tensor"), coder=coder)
     return b, parse(b).header
 
 
@@ -161,8 +170,9 @@ def test_garbage_and_trailing_bytes_in_a_stream_are_refused() -> None:
         "extra_bytes",
     ],
 )
-def test_lying_tables_are_refused_at_parse(lie) -> None:
-    b, _ = _coded()
+@pytest.mark.parametrize("coder", ["deflate", "huffman"])
+def test_lying_tables_are_refused_at_parse(lie, coder) -> None:
+    b, _ = _coded(coder=coder)
     h, k, v, s = _sections(b)
     c = read_coding(h, memoryview(k), memoryview(v))
     streams = [v[a : a + m] for a, m in c.v.streams]
@@ -180,7 +190,7 @@ def test_lying_tables_are_refused_at_parse(lie) -> None:
     elif lie == "length_past_end":
         lengths[1] += 5
     elif lie == "length_over_bound":
-        lengths = [max_stream_len(32) + 1, 1]
+        lengths = [max_stream_len(32, huffman=coder == "huffman") + 1, 1]
         body = bytes(sum(lengths))
     elif lie == "extra_bytes":
         body += b"\x00"
@@ -203,7 +213,7 @@ def test_damage_is_a_crc_mismatch_first() -> None:
 def test_older_schemes_do_not_claim_the_new_ids() -> None:
     b, _ = _coded()
     bad = bytearray(b)
-    bad[18:20] = struct.pack("<H", 5)  # the next unused id
+    bad[18:20] = struct.pack("<H", 7)  # the next unused id
     with pytest.raises(CorruptEncodedKVError) as e:
         parse(bad, verify_crc=False)
     assert e.value.reason == Reason.UNKNOWN_SCHEME
@@ -217,6 +227,8 @@ def test_compress_refuses_what_it_cannot_code() -> None:
     coded = kvcodec.encode(k, v, scope="per_tensor", compression="lossless")
     with pytest.raises(UnsupportedConfigError):
         compress_blob(coded)  # already coded
+    with pytest.raises(UnsupportedConfigError):
+        compress_blob(kvcodec.encode(k, v, scope="per_tensor"), coder="zstd")
 
 
 # ----------------------------------------------------------------------------
@@ -236,22 +248,43 @@ def _golden_kv(
 
 
 GOLDEN = {
-    "lossless_bf16_pph.blob": ((37, 3, 16), torch.bfloat16, {"scope": "per_page_head", "page_size": 16}),
-    "lossless_fp16_plh.blob": ((16, 2, 8), torch.float16, {"scope": "per_layer_head"}),
-    "lossless_bf16_raw.blob": ((5, 1, 4), torch.bfloat16, {"scope": "raw"}),
+    # raw deflate (schemes 3/4, written before the Huffman coder): read forever
+    "lossless_bf16_pph.blob": (
+        (37, 3, 16),
+        torch.bfloat16,
+        {"scope": "per_page_head", "page_size": 16},
+        "deflate",
+    ),
+    "lossless_fp16_plh.blob": ((16, 2, 8), torch.float16, {"scope": "per_layer_head"}, "deflate"),
+    "lossless_bf16_raw.blob": ((5, 1, 4), torch.bfloat16, {"scope": "raw"}, "deflate"),
+    # Huffman streams (schemes 5/6): what compression="lossless" writes
+    "lossless_huff_bf16_pph.blob": (
+        (37, 3, 16),
+        torch.bfloat16,
+        {"scope": "per_page_head", "page_size": 16},
+        "huffman",
+    ),
+    "lossless_huff_fp16_plh.blob": ((16, 2, 8), torch.float16, {"scope": "per_layer_head"}, "huffman"),
+    "lossless_huff_bf16_raw.blob": ((5, 1, 4), torch.bfloat16, {"scope": "raw"}, "huffman"),
+    "lossless_huff_bf16_long.blob": (
+        (300, 2, 64),
+        torch.bfloat16,
+        {"scope": "per_page_head", "page_size": 16},
+        "huffman",
+    ),
 }
 
 
 def _golden_plain(name: str) -> bytearray:
-    shape, dtype, kw = GOLDEN[name]
-    k, v = _golden_kv(shape, dtype, len(name))
+    shape, dtype, kw, _ = GOLDEN[name]
+    k, v = _golden_kv(shape, dtype, len(name.replace("_huff", "")))
     return kvcodec.encode(k, v, layer_id=2, chunk_id=7, hashes={"model_id": "golden-lossless"}, **kw)
 
 
 def _write() -> None:  # pragma: no cover - run once by hand when the format changes
     LOSSLESS.mkdir(exist_ok=True)
-    for name in GOLDEN:
-        (LOSSLESS / name).write_bytes(bytes(compress_blob(_golden_plain(name))))
+    for name, (*_, coder) in GOLDEN.items():
+        (LOSSLESS / name).write_bytes(bytes(compress_blob(_golden_plain(name), coder=coder)))
     (LOSSLESS / "manifest.json").write_text(json.dumps(sorted(GOLDEN), indent=1) + "\n")
 
 
@@ -259,21 +292,33 @@ def _write() -> None:  # pragma: no cover - run once by hand when the format cha
 def test_golden_vectors(name) -> None:
     stored = (LOSSLESS / name).read_bytes()
     plain = _golden_plain(name)
+    coder = GOLDEN[name][3]
+    assert parse(stored).header.scale_scheme in (
+        (ScaleScheme.LOSSLESS_HUFF, ScaleScheme.LOSSLESS_HUFF_UNIT)
+        if coder == "huffman"
+        else (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT)
+    )
     assert bytes(expand_blob(parse(stored))) == bytes(plain)
-    if CODER == "isal":  # zlib's deflate codes the same bytes differently (both decode either)
-        assert bytes(compress_blob(plain)) == stored
+    if coder == "huffman" or DEFLATE_CODER == "isal":  # zlib's deflate codes the same bytes differently
+        assert bytes(compress_blob(plain, coder=coder)) == stored
 
 
 def test_manifest_lists_the_vectors() -> None:
     assert json.loads((LOSSLESS / "manifest.json").read_text()) == sorted(GOLDEN)
 
 
-def test_numpy_planes_give_the_same_bytes(monkeypatch) -> None:
-    """Without the C loops the planes are split and merged by numpy: the same blobs both ways."""
+@pytest.mark.parametrize("without", ["k_planes", "huff", "both"])
+def test_numpy_planes_and_the_python_coder_give_the_same_bytes(monkeypatch, without) -> None:
+    """Without the C loops the planes are split and merged by numpy and the streams coded by
+    kvcodec.codec.huffman: the same blobs both ways."""
     k, v = _kv((19, 3, 8), torch.bfloat16)
     coded = kvcodec.encode(k, v, scope="per_tensor", compression="lossless")
     plain = kvcodec.encode(k, v, scope="per_tensor")
-    monkeypatch.setattr(kvcodec.backends, "k_planes", lambda *a, **kw: False)
+    if without in ("k_planes", "both"):
+        monkeypatch.setattr(kvcodec.backends, "k_planes", lambda *a, **kw: False)
+    if without in ("huff", "both"):
+        monkeypatch.setattr(kvcodec.backends, "huff_encode_many", lambda *a, **kw: None)
+        monkeypatch.setattr(kvcodec.backends, "huff_decode_many", lambda *a, **kw: None)
     assert bytes(kvcodec.encode(k, v, scope="per_tensor", compression="lossless")) == bytes(coded)
     assert bytes(expand_blob(parse(coded))) == bytes(plain)
 
@@ -331,10 +376,16 @@ def test_the_header_memo_does_not_skip_a_blobs_tables() -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(streams=st.lists(st.binary(min_size=1, max_size=120), min_size=2, max_size=2), flip=st.integers(0, 1))
-def test_random_streams_decode_or_are_refused_by_reason(streams, flip) -> None:
+@given(
+    streams=st.lists(
+        st.binary(min_size=1, max_size=120) | st.binary(min_size=140, max_size=200), min_size=2, max_size=2
+    ),
+    flip=st.integers(0, 1),
+)
+@pytest.mark.parametrize("coder", ["deflate", "huffman"])
+def test_random_streams_decode_or_are_refused_by_reason(streams, flip, coder) -> None:
     """Any bytes in the streams (tables and CRC valid): decoded to exactly the geometry, or BAD_STREAM."""
-    b, _ = _coded()
+    b, _ = _coded(coder=coder)
     h, k, v, s = _sections(b)
     if flip:  # keep one real stream, so the other is the only hostile one
         c = read_coding(h, memoryview(k), memoryview(v))

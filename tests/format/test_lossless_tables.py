@@ -10,7 +10,19 @@ from hypothesis import strategies as st
 
 from kvcodec.errors import CorruptEncodedKVError, Reason
 from kvcodec.format import MAX_ELEMENTS, Header, ScaleScheme, ScaleScope, read_coding
-from kvcodec.format.coding import STREAM_COUNT, STREAM_LEN, TOKENS, max_stream_len, pack_table
+from kvcodec.format.coding import (
+    HUFF_ERRORS,
+    HUFF_HEAD_BYTES,
+    HUFF_LANE_LENS,
+    HUFF_LANES,
+    HUFF_MAX_LEN,
+    HUFF_TABLE_BYTES,
+    STREAM_COUNT,
+    STREAM_LEN,
+    TOKENS,
+    max_stream_len,
+    pack_table,
+)
 from tests.format.test_format_doc import DOC, _tables
 
 HEADS, DIM = 2, 4
@@ -34,11 +46,24 @@ def _header(k_len: int, v_len: int, **over: object) -> Header:
 
 def test_the_doc_states_the_table_layouts_and_bounds() -> None:
     text = DOC.read_text()
-    (rows,) = _tables(text)["Lossless payload (schemes LOSSLESS, LOSSLESS_UNIT)"][1:2]
+    sections = _tables(text)
+    (rows,) = sections[
+        "Lossless payload (schemes LOSSLESS, LOSSLESS_UNIT, LOSSLESS_HUFF, LOSSLESS_HUFF_UNIT)"
+    ][1:2]
     assert {r["name"] for r in rows} == {"tokens", "stream count", "stream length", "section length"}
     assert (TOKENS.format, STREAM_COUNT.format, STREAM_LEN.format) == ("<q", "<I", "<I")
     assert "`tokens` (`q`), stream count (`I`" in text
     assert max_stream_len(1000) == 1000 + 1000 // 256 + 64  # "raw + raw / 256 + 64"
+    assert (
+        max_stream_len(1000, huffman=True) == 140 + -(-1000 * 11 // 8) + 4
+    )  # "140 + ceil(raw x 11 / 8) + 4"
+    fields, refusals = sections["Huffman stream (schemes 5, 6)"]
+    assert [(r["field"], r["bytes"]) for r in fields][:2] == [
+        ("code lengths", str(HUFF_TABLE_BYTES)),
+        ("lane lengths", str(HUFF_LANE_LENS.size)),
+    ]
+    assert HUFF_LANE_LENS.format == "<3I" and HUFF_HEAD_BYTES == 140 and (HUFF_MAX_LEN, HUFF_LANES) == (11, 4)
+    assert [int(r["code"]) for r in refusals] == sorted(HUFF_ERRORS)
 
 
 def test_a_written_table_reads_back() -> None:
@@ -71,22 +96,24 @@ def test_token_bound_is_overflow_safe() -> None:
     body=st.binary(max_size=200),
     k_raw=st.binary(max_size=300),
     cut=st.integers(0, 40),
+    scheme=st.sampled_from([ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_HUFF_UNIT]),
 )
-def test_hostile_tables_read_or_refuse(tokens, count, lengths, body, k_raw, cut) -> None:
+def test_hostile_tables_read_or_refuse(tokens, count, lengths, body, k_raw, cut, scheme) -> None:
     v = TOKENS.pack(tokens) + STREAM_COUNT.pack(count) + struct.pack(f"<{len(lengths)}I", *lengths) + body
     v = v[: max(0, len(v) - cut)]
     k = k_raw
     try:
-        c = read_coding(_header(len(k), len(v)), memoryview(k), memoryview(v))
+        c = read_coding(_header(len(k), len(v), scale_scheme=scheme), memoryview(k), memoryview(v))
     except CorruptEncodedKVError as e:
         assert e.reason == Reason.INCONSISTENT_PAYLOAD
         return
+    assert c.huffman == (scheme == ScaleScheme.LOSSLESS_HUFF_UNIT)
     # Accepted: the tables tile each section exactly, every stream within its bound.
     raw = c.tokens * DIM
     assert c.v.raw_at == len(v) and 0 < c.tokens
     for sec in (c.v, c.k) if c.k else (c.v,):
         assert len(sec.streams) == HEADS
-        assert all(0 < n <= max_stream_len(raw) for _, n in sec.streams)
+        assert all(0 < n <= max_stream_len(raw, c.huffman) for _, n in sec.streams)
         assert all(a + n == b for (a, n), (b, _) in zip(sec.streams, sec.streams[1:]))
     if c.k:
         assert len(k) - c.k.raw_at == raw * HEADS

@@ -1,0 +1,620 @@
+/* The lossless payload's Huffman streams (docs/FORMAT.md, "Huffman stream"): order-0 canonical Huffman
+ * over byte symbols, code lengths limited to 11 bits, the n symbols cut in four lanes coded as four
+ * independent LSB-first bit streams, so that the decoder runs four dependency chains at once on one core
+ * (huff0's design). kvcodec/codec/huffman.py is the same coder in Python: the fallback and the oracle;
+ * both write the same bytes and refuse with the same code.
+ *
+ * Decoding: one 2^11-entry table of uint16 (length | symbol << 8; 0 where no code lands). Where the
+ * table is complete (no holes: every table a Huffman encoder writes but one of a single symbol), the
+ * four lanes run side by side with no check per symbol: a round loads 8 bytes at each lane's bit
+ * position and makes four lookups per lane (of one symbol each, or of runs of up to three where the
+ * codes are short); then each lane's tail, one symbol at a time with every check, in lane order. An
+ * incomplete table takes that careful loop throughout. Either way the code returned is the first
+ * failure in lane order (within a lane, the first symbol that fails), as kvcodec/codec/huffman.py's. */
+#include "huff.h"
+
+#include "kv.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define TABLE_SIZE (1u << HUFF_MAX_LEN)
+#define TABLE_MASK (TABLE_SIZE - 1)
+/* A table entry: code length | symbol << 8, so that the bit buffer shifts by the entry itself (the
+ * length is its low 6 bits; x86's shifts take those alone). 0: a hole, no code lands there. */
+#define ENTRY_LEN(e) ((e) & 15u)
+#define ENTRY_SYM(e) ((uint8_t)((e) >> 8))
+#ifndef PAIR_MEAN
+/* bits: the mean code length up to which the decoder looks up runs of up to three symbols (measured:
+ * K's exponents, ~3 bits, decode 1.3x faster; V's codes, ~6.5 bits, no faster) */
+#define PAIR_MEAN 5
+#endif
+
+#if defined(__GNUC__)
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define LIKELY(x) (x)
+#define UNLIKELY(x) (x)
+#endif
+
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static inline void store64(uint8_t *p, uint64_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    memcpy(p, &v, 8);
+}
+
+static inline uint32_t load32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static inline void store32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+    p[2] = (uint8_t)(v >> 16);
+    p[3] = (uint8_t)(v >> 24);
+}
+
+/* Lane i's symbol count: n cut in lanes of q = ceil(n / 4), the last ones shorter (or empty). */
+static inline size_t lane_count(size_t n, size_t q, int i) {
+    size_t at = q * (size_t)i;
+    return at >= n ? 0 : (n - at < q ? n - at : q);
+}
+
+/* ------------------------------------------------------------------ lengths */
+
+/* Sort keys ascending (bottom-up merge sort; at most 256 keys, no recursion). */
+static void sort_keys(uint64_t *a, int m) {
+    uint64_t tmp[256], *x = a, *y = tmp;
+    for (int w = 1; w < m; w *= 2) {
+        for (int lo = 0; lo < m; lo += 2 * w) {
+            int mid = lo + w < m ? lo + w : m, hi = lo + 2 * w < m ? lo + 2 * w : m, i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) y[k++] = x[i] <= x[j] ? x[i++] : x[j++];
+            while (i < mid) y[k++] = x[i++];
+            while (j < hi) y[k++] = x[j++];
+        }
+        uint64_t *t = x;
+        x = y, y = t;
+    }
+    if (x != a) memcpy(a, x, (size_t)m * sizeof *a);
+}
+
+typedef struct {
+    uint64_t f;
+    int s;
+} Item;
+
+void huff_lengths(const uint64_t freq[256], uint8_t len[256]) {
+    /* ascending (frequency, symbol): one key each, frequency << 8 | symbol (counts are below 2^56) */
+    uint64_t key[256];
+    int m = 0;
+    memset(len, 0, 256);
+    for (int s = 0; s < 256; s++)
+        if (freq[s]) key[m++] = freq[s] << 8 | (uint64_t)s;
+    if (m == 0) return;
+    if (m == 1) {
+        len[key[0] & 255] = 1;
+        return;
+    }
+    sort_keys(key, m);
+    Item it[256];
+    for (int i = 0; i < m; i++) it[i] = (Item){key[i] >> 8, (int)(key[i] & 255)};
+    /* Huffman by two queues: leaves 0..m-1 (sorted), internal nodes m..2m-2 in the order made; a tie
+     * takes the leaf first. */
+    uint64_t w[511];
+    int parent[511];
+    int li = 0, ih = m, nt = m;
+    for (int k = 0; k < m - 1; k++) {
+        int pick[2];
+        for (int j = 0; j < 2; j++) {
+            if (li < m && (ih == nt || it[li].f <= w[ih])) {
+                w[li] = it[li].f;
+                pick[j] = li++;
+            } else {
+                pick[j] = ih++;
+            }
+        }
+        w[nt] = w[pick[0]] + w[pick[1]];
+        parent[pick[0]] = parent[pick[1]] = nt;
+        nt++;
+    }
+    int depth[511];
+    unsigned count[256] = {0};
+    depth[2 * m - 2] = 0;
+    for (int i = 2 * m - 3; i >= 0; i--) depth[i] = depth[parent[i]] + 1;
+    for (int i = 0; i < m; i++) count[depth[i] > HUFF_MAX_LEN ? HUFF_MAX_LEN : depth[i]]++;
+    /* the limit: lengths over 11 became 11; give back the Kraft excess by splitting the longest code
+     * shorter than 11 for each 11-bit code dropped (deflate's classic fix) */
+    uint32_t total = 0;
+    for (int l = 1; l <= HUFF_MAX_LEN; l++) total += count[l] << (HUFF_MAX_LEN - l);
+    while (total != TABLE_SIZE) {
+        count[HUFF_MAX_LEN]--;
+        for (int l = HUFF_MAX_LEN - 1; l > 0; l--)
+            if (count[l]) {
+                count[l]--;
+                count[l + 1] += 2;
+                break;
+            }
+        total--;
+    }
+    /* the most frequent symbols take the shortest lengths */
+    int i = m - 1;
+    for (int l = 1; l <= HUFF_MAX_LEN; l++)
+        for (unsigned c = 0; c < count[l]; c++) len[it[i--].s] = (uint8_t)l;
+}
+
+/* Byte b's bits reversed. */
+static inline unsigned rev8(unsigned b) {
+    b = (b & 0xf0u) >> 4 | (b & 0x0fu) << 4;
+    b = (b & 0xccu) >> 2 | (b & 0x33u) << 2;
+    return (b & 0xaau) >> 1 | (b & 0x55u) << 1;
+}
+
+/* Canonical codes of `len`, bit-reversed for LSB-first packing. */
+static void canonical(const uint8_t len[256], uint16_t code[256]) {
+    unsigned count[HUFF_MAX_LEN + 1] = {0}, next[HUFF_MAX_LEN + 2];
+    for (int s = 0; s < 256; s++) count[len[s]]++;
+    count[0] = 0;
+    next[1] = 0;
+    for (int l = 1; l <= HUFF_MAX_LEN; l++) next[l + 1] = (next[l] + count[l]) << 1;
+    for (int s = 0; s < 256; s++) {
+        unsigned l = len[s];
+        if (!l) {
+            code[s] = 0;
+            continue;
+        }
+        unsigned c = next[l]++;
+        code[s] = (uint16_t)((rev8(c & 0xffu) << 8 | rev8(c >> 8)) >> (16 - l));
+    }
+}
+
+/* ------------------------------------------------------------------ encode */
+
+static const uint8_t *gather(const uint8_t *src, size_t n, size_t row, size_t stride, uint8_t *scratch) {
+    if (row >= stride || !n) return src;
+    for (size_t r = 0, at = 0; at < n; r++, at += row) memcpy(scratch + at, src + r * stride, row);
+    return scratch;
+}
+
+/* A lane being written: its bit buffer, the next byte and the end of its bytes. */
+typedef struct {
+    uint64_t buf;
+    unsigned bits;
+    uint8_t *p, *end;
+} Out;
+
+/* One lane's symbols sym[k .. cnt) from state o: 8-byte stores while they stay inside the lane (the bits
+ * above the buffer's count are zero, so a store's spill is the lane's own zero padding), then a byte at
+ * a time; the last byte's unused high bits zero. */
+static inline __attribute__((always_inline)) void finish_out(Out *o, const uint8_t *sym, size_t k, size_t cnt,
+                                                             const uint32_t *cl) {
+    uint64_t buf = o->buf;
+    unsigned bits = o->bits;
+    uint8_t *p = o->p;
+    while (k + 4 <= cnt && o->end - p >= 8) {
+        for (int j = 0; j < 4; j++) {
+            uint32_t c = cl[sym[k + j]];
+            buf |= (uint64_t)(c & 0xffffu) << bits;
+            bits += c >> 16;
+        }
+        k += 4;
+        store64(p, buf);
+        p += bits >> 3;
+        buf >>= bits & ~7u;
+        bits &= 7;
+    }
+    for (; k < cnt; k++) {
+        uint32_t c = cl[sym[k]];
+        buf |= (uint64_t)(c & 0xffffu) << bits;
+        bits += c >> 16;
+        while (bits >= 8) {
+            *p++ = (uint8_t)buf;
+            buf >>= 8;
+            bits -= 8;
+        }
+    }
+    if (bits) *p = (uint8_t)buf;
+}
+
+/* Two lanes' symbols coded side by side (two independent bit buffers: twice the work per dependency
+ * step, few enough registers that nothing spills) while each has four symbols left and 8 bytes of its
+ * own room, then each one's rest; the counts and bytes are exact (from the histograms), so no store
+ * leaves its lane. */
+static inline __attribute__((always_inline)) void encode_two(const uint8_t *s0, const uint8_t *s1, size_t c0, size_t c1,
+                                                             const uint32_t *cl, Out *o0, Out *o1) {
+    uint64_t b0 = 0, b1 = 0;
+    unsigned n0 = 0, n1 = 0;
+    uint8_t *p0 = o0->p, *p1 = o1->p;
+    size_t k = 0;
+    for (;;) {
+        /* a round writes at most 6 bytes a lane (7 bits left + 44): rounds that keep 8 bytes of room */
+        ptrdiff_t r0 = o0->end - p0 - 8, r1 = o1->end - p1 - 8;
+        size_t run = (c1 - k) / 4;
+        if (r0 < 0 || r1 < 0 || !run) break;
+        if ((size_t)r0 / 6 + 1 < run) run = (size_t)r0 / 6 + 1;
+        if ((size_t)r1 / 6 + 1 < run) run = (size_t)r1 / 6 + 1;
+        for (size_t end = k + 4 * run; k < end; k += 4) {
+#define E(b, n, s)                                      \
+    {                                                   \
+        uint32_t c_ = cl[s];                            \
+        b |= (uint64_t)(c_ & 0xffffu) << n;             \
+        n += c_ >> 16;                                  \
+    }
+#define F(b, n, p)                                      \
+    store64(p, b);                                      \
+    p += n >> 3;                                        \
+    b >>= n & ~7u;                                      \
+    n &= 7;
+            E(b0, n0, s0[k]) E(b1, n1, s1[k]) E(b0, n0, s0[k + 1]) E(b1, n1, s1[k + 1])
+            E(b0, n0, s0[k + 2]) E(b1, n1, s1[k + 2]) E(b0, n0, s0[k + 3]) E(b1, n1, s1[k + 3])
+            F(b0, n0, p0) F(b1, n1, p1)
+#undef E
+#undef F
+        }
+    }
+    o0->buf = b0, o0->bits = n0, o0->p = p0;
+    o1->buf = b1, o1->bits = n1, o1->p = p1;
+    finish_out(o0, s0, k, c0, cl);
+    finish_out(o1, s1, k, c1, cl);
+}
+
+/* The four lanes: 0 beside 1, then 2 beside 3 (a lane's count is at least the next one's). Inlined into a
+ * generic and a BMI2 copy. */
+static inline __attribute__((always_inline)) void encode_body(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES],
+                                                              const uint32_t *cl, Out o[HUFF_LANES]) {
+    encode_two(sym, sym + q, cnt[0], cnt[1], cl, &o[0], &o[1]);
+    encode_two(sym + 2 * q, sym + 3 * q, cnt[2], cnt[3], cl, &o[2], &o[3]);
+}
+
+static void encode_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], const uint32_t *cl, Out o[HUFF_LANES]) {
+    encode_body(sym, q, cnt, cl, o);
+}
+#if KV_X86
+__attribute__((target("bmi2"))) static void encode_lanes_bmi2(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES],
+                                                              const uint32_t *cl, Out o[HUFF_LANES]) {
+    encode_body(sym, q, cnt, cl, o);
+}
+#endif
+
+ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, uint8_t *out, size_t cap,
+                      uint8_t *scratch) {
+    const uint8_t *sym = gather(src, n, row, stride, scratch);
+    size_t q = (n + HUFF_LANES - 1) / HUFF_LANES, cnt[HUFF_LANES];
+    for (int i = 0; i < HUFF_LANES; i++) cnt[i] = lane_count(n, q, i);
+    /* two histograms per lane, counted side by side: a run of one symbol (K's exponents) alternates
+     * between two counters instead of waiting on one */
+    uint64_t h[2 * HUFF_LANES][256], freq[256], lane[HUFF_LANES][256];
+    memset(h, 0, sizeof h);
+    const uint8_t *s0 = sym, *s1 = sym + q, *s2 = sym + 2 * q, *s3 = sym + 3 * q;
+    size_t k = 0;
+    for (; k + 2 <= cnt[3]; k += 2) {
+        h[0][s0[k]]++, h[2][s1[k]]++, h[4][s2[k]]++, h[6][s3[k]]++;
+        h[1][s0[k + 1]]++, h[3][s1[k + 1]]++, h[5][s2[k + 1]]++, h[7][s3[k + 1]]++;
+    }
+    for (int i = 0; i < HUFF_LANES; i++) /* each lane's symbols past those */
+        for (size_t j = k; j < cnt[i]; j++) h[2 * i][sym[q * (size_t)i + j]]++;
+    for (int s = 0; s < 256; s++) {
+        freq[s] = 0;
+        for (int i = 0; i < HUFF_LANES; i++) freq[s] += lane[i][s] = h[2 * i][s] + h[2 * i + 1][s];
+    }
+    uint8_t len[256];
+    uint16_t code[256];
+    huff_lengths(freq, len);
+    canonical(len, code);
+    uint32_t cl[256];
+    for (int s = 0; s < 256; s++) cl[s] = code[s] | (uint32_t)len[s] << 16;
+    size_t total = HUFF_HEAD_BYTES, bytes[HUFF_LANES];
+    for (int i = 0; i < HUFF_LANES; i++) {
+        uint64_t b = 0;
+        for (int s = 0; s < 256; s++) b += lane[i][s] * len[s];
+        bytes[i] = (size_t)((b + 7) / 8);
+        total += bytes[i];
+    }
+    if (total > cap) return -1;
+    for (int i = 0; i < HUFF_TABLE_BYTES; i++) out[i] = (uint8_t)(len[2 * i] | len[2 * i + 1] << 4);
+    for (int i = 0; i < HUFF_LANES - 1; i++) store32(out + HUFF_TABLE_BYTES + 4 * i, (uint32_t)bytes[i]);
+    Out o[HUFF_LANES];
+    uint8_t *p = out + HUFF_HEAD_BYTES;
+    for (int i = 0; i < HUFF_LANES; i++) {
+        o[i] = (Out){0, 0, p, p + bytes[i]};
+        p += bytes[i];
+    }
+#if KV_X86
+    if (__builtin_cpu_supports("bmi2")) {
+        encode_lanes_bmi2(sym, q, cnt, cl, o);
+        return (ptrdiff_t)total;
+    }
+#endif
+    encode_lanes(sym, q, cnt, cl, o);
+    return (ptrdiff_t)total;
+}
+
+/* ------------------------------------------------------------------ decode */
+
+typedef struct {
+    const uint8_t *start, *p, *end;
+    uint64_t buf;
+    unsigned bits;
+    size_t k, cnt;
+    uint8_t *dst;
+} Lane;
+
+/* The rest of one lane from its state (locals: a store through a uint8_t pointer may alias any struct
+ * field): four symbols a refill while 8 bytes remain, a hole tested once per four; then a byte at a
+ * time; then its length and padding checked. */
+static int finish_lane(Lane *L, const uint16_t *t) {
+    const uint8_t *p = L->p, *end = L->end;
+    uint64_t buf = L->buf;
+    unsigned bits = L->bits;
+    uint8_t *d = L->dst + L->k, *stop = L->dst + L->cnt;
+    while (stop - d >= 4 && end - p >= 8) {
+        buf |= load64(p) << bits;
+        p += (63 - bits) >> 3;
+        bits |= 56;
+        for (int j = 0; j < 4; j++) {
+            uint32_t e = t[buf & TABLE_MASK];
+            if (UNLIKELY(!e)) return HUFF_UNASSIGNED;
+            d[j] = ENTRY_SYM(e);
+            buf >>= ENTRY_LEN(e);
+            bits -= ENTRY_LEN(e);
+        }
+        d += 4;
+    }
+    for (; d < stop; d++) {
+        while (bits <= 56 && p < end) {
+            buf |= (uint64_t)*p++ << bits;
+            bits += 8;
+        }
+        uint32_t e = t[buf & TABLE_MASK];
+        if (UNLIKELY(!e)) return HUFF_UNASSIGNED;
+        unsigned l = ENTRY_LEN(e);
+        if (UNLIKELY(l > bits)) return HUFF_LANE_SHORT;
+        *d = ENTRY_SYM(e);
+        buf >>= l;
+        bits -= l;
+    }
+    size_t used = (size_t)(p - L->start) * 8 - bits, len = (size_t)(end - L->start);
+    if ((used + 7) / 8 != len) return HUFF_LANE_LONG;
+    if ((used & 7) && (L->start[used / 8] >> (used & 7))) return HUFF_BAD_PADDING;
+    return HUFF_OK;
+}
+
+/* The fast loop's table of runs: for each 11-bit window, up to three symbols, each next one where its
+ * code fits in the bits the ones before leave (so that decoding them is exactly what decoding one at a
+ * time gives): total length | count << 6 | symbols << 8 (the first in bits 8..15). Only for a complete
+ * table (no holes). */
+static void pair_table(const uint8_t cl[256], const uint16_t code[256], const uint16_t *t, uint32_t *t2) {
+    for (int s = 0; s < 256; s++) { /* each first symbol's windows: its code, then every rest */
+        unsigned l1 = cl[s];
+        if (!l1) continue;
+        for (unsigned x = 0, w = code[s]; x < TABLE_SIZE >> l1; x++, w += 1u << l1) {
+            uint32_t e2 = t[x], l2 = ENTRY_LEN(e2);
+            if (l1 + l2 > HUFF_MAX_LEN) {
+                t2[w] = l1 | 1u << 6 | (uint32_t)s << 8;
+                continue;
+            }
+            uint32_t e3 = t[x >> l2], l3 = ENTRY_LEN(e3);
+            t2[w] = l1 + l2 + l3 <= HUFF_MAX_LEN
+                        ? (l1 + l2 + l3) | 3u << 6 | (uint32_t)s << 8 | (e2 >> 8) << 16 | (e3 >> 8) << 24
+                        : (l1 + l2) | 2u << 6 | (uint32_t)s << 8 | (e2 >> 8) << 16;
+        }
+    }
+}
+
+/* Rounds the four lanes can all run: an 8-byte load inside each lane's bytes (a round moves a lane at
+ * most 44 bits, under 6 bytes) and room for sixteen symbols in each lane's output (a round's four
+ * lookups write 4 bytes each, of which up to three symbols). */
+static size_t safe_rounds(const uint8_t *src, const size_t pos[HUFF_LANES], const uint8_t *const end[HUFF_LANES],
+                          uint8_t *const d[HUFF_LANES], uint8_t *const stop[HUFF_LANES]) {
+    size_t safe = SIZE_MAX;
+    for (int i = 0; i < HUFF_LANES; i++) {
+        const uint8_t *p = src + (pos[i] >> 3);
+        if (end[i] - p < 8 || stop[i] - d[i] < 16) return 0;
+        size_t r = (size_t)(end[i] - 8 - p) / 6 + 1, w = (size_t)(stop[i] - d[i] - 4) / 12;
+        if (r < safe) safe = r;
+        if (w < safe) safe = w;
+    }
+    return safe;
+}
+
+/* Four lanes side by side, for a complete table (nothing to test per symbol). Each lane's state is one
+ * bit position from the stream's start (and, with runs, its output pointer): a round loads 8 bytes at
+ * the position (57+ bits: four lookups of 11), makes four lookups per lane and moves the position on.
+ * `pairs`: the table of runs (pair_table), each lookup one to three symbols (a 4-byte store, the
+ * pointer moved by the count); else the plain table, one symbol a lookup. Inlined into a generic and a
+ * BMI2 copy (shifts by any register: without them every variable shift waits on cl, measured 1.5x
+ * slower). */
+static inline __attribute__((always_inline)) void lanes_body(const uint8_t *src, Lane L[HUFF_LANES],
+                                                             const void *table, int pairs) {
+    size_t p0 = (size_t)(L[0].p - src) * 8, p1 = (size_t)(L[1].p - src) * 8;
+    size_t p2 = (size_t)(L[2].p - src) * 8, p3 = (size_t)(L[3].p - src) * 8;
+    uint8_t *d0 = L[0].dst + L[0].k, *d1 = L[1].dst + L[1].k, *d2 = L[2].dst + L[2].k, *d3 = L[3].dst + L[3].k;
+    const uint8_t *const end[HUFF_LANES] = {L[0].end, L[1].end, L[2].end, L[3].end};
+    uint8_t *const stop[HUFF_LANES] = {L[0].dst + L[0].cnt, L[1].dst + L[1].cnt, L[2].dst + L[2].cnt,
+                                       L[3].dst + L[3].cnt};
+    const uint32_t *t2 = table;
+    const uint16_t *t = table;
+    for (;;) {
+        const size_t pos[HUFF_LANES] = {p0, p1, p2, p3};
+        uint8_t *const d[HUFF_LANES] = {d0, d1, d2, d3};
+        size_t run = safe_rounds(src, pos, end, d, stop);
+        if (!run) break;
+        if (pairs) {
+            for (; run; run--) {
+                uint64_t b0 = load64(src + (p0 >> 3)) >> (p0 & 7), b1 = load64(src + (p1 >> 3)) >> (p1 & 7);
+                uint64_t b2 = load64(src + (p2 >> 3)) >> (p2 & 7), b3 = load64(src + (p3 >> 3)) >> (p3 & 7);
+#define S(b, p, d)                                  \
+    {                                               \
+        uint32_t e_ = t2[b & TABLE_MASK];           \
+        uint32_t s_ = e_ >> 8;                      \
+        memcpy(d, &s_, 4);                          \
+        d += (e_ >> 6) & 3;                         \
+        b >>= e_ & 63;                              \
+        p += e_ & 15;                               \
+    }
+                S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
+                S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
+                S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
+                S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
+#undef S
+            }
+        } else {
+            size_t q = (size_t)(d1 - d0); /* the lanes' outputs move together: one pointer, one offset */
+            uint8_t *o2 = d2;
+            for (uint8_t *o_end = d0 + 4 * run; d0 < o_end; d0 += 4, o2 += 4) {
+                uint64_t b0 = load64(src + (p0 >> 3)) >> (p0 & 7), b1 = load64(src + (p1 >> 3)) >> (p1 & 7);
+                uint64_t b2 = load64(src + (p2 >> 3)) >> (p2 & 7), b3 = load64(src + (p3 >> 3)) >> (p3 & 7);
+#define S(b, p, d, j)                               \
+    {                                               \
+        uint32_t e_ = t[b & TABLE_MASK];            \
+        d[j] = ENTRY_SYM(e_);                       \
+        b >>= e_ & 63;                              \
+        p += ENTRY_LEN(e_);                         \
+    }
+                S(b0, p0, d0, 0) S(b1, p1, d0, q) S(b2, p2, o2, 0) S(b3, p3, o2, q)
+                S(b0, p0, d0, 1) S(b1, p1, d0, q + 1) S(b2, p2, o2, 1) S(b3, p3, o2, q + 1)
+                S(b0, p0, d0, 2) S(b1, p1, d0, q + 2) S(b2, p2, o2, 2) S(b3, p3, o2, q + 2)
+                S(b0, p0, d0, 3) S(b1, p1, d0, q + 3) S(b2, p2, o2, 3) S(b3, p3, o2, q + 3)
+#undef S
+            }
+            d1 = d0 + q, d2 = o2, d3 = o2 + q;
+        }
+    }
+    const size_t pos[HUFF_LANES] = {p0, p1, p2, p3};
+    uint8_t *const d[HUFF_LANES] = {d0, d1, d2, d3};
+    for (int i = 0; i < HUFF_LANES; i++) { /* back to a byte pointer and the bits left of its byte */
+        const uint8_t *p = src + (pos[i] >> 3);
+        unsigned skip = pos[i] & 7;
+        L[i].k = (size_t)(d[i] - L[i].dst);
+        L[i].p = p + (skip != 0);
+        L[i].buf = skip ? (uint64_t)(*p >> skip) : 0;
+        L[i].bits = skip ? 8 - skip : 0;
+    }
+}
+
+static void lanes_1(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, 0); }
+static void lanes_2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, 1); }
+#if KV_X86
+__attribute__((target("bmi2"))) static void lanes_1_bmi2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) {
+    lanes_body(src, L, t, 0);
+}
+__attribute__((target("bmi2"))) static void lanes_2_bmi2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) {
+    lanes_body(src, L, t, 1);
+}
+#endif
+
+typedef void (*LanesFn)(const uint8_t *, Lane *, const void *);
+
+/* The fast loops this CPU runs: [0] one symbol a lookup, [1] runs of up to three. */
+static void lanes_fns(LanesFn fn[2]) {
+    fn[0] = lanes_1, fn[1] = lanes_2;
+#if KV_X86
+    if (__builtin_cpu_supports("bmi2")) fn[0] = lanes_1_bmi2, fn[1] = lanes_2_bmi2;
+#endif
+}
+
+static void lane_init(Lane *L, const uint8_t *start, size_t len, size_t cnt, uint8_t *dst) {
+    L->start = L->p = start;
+    L->end = start + len;
+    L->buf = 0;
+    L->bits = 0;
+    L->k = 0;
+    L->cnt = cnt;
+    L->dst = dst;
+}
+
+/* One stream being decoded: its table, lanes and where its symbols go. */
+typedef struct {
+    uint16_t t[TABLE_SIZE];
+    uint16_t code[256];
+    uint8_t cl[256];
+    Lane L[HUFF_LANES];
+    uint32_t kraft, mean; /* the lengths' Kraft sum and own mean (sum l 2^-l), both x 2^11 */
+    uint8_t *dst, *out;
+    size_t n, row, stride;
+} Stream;
+
+/* The stream's head read and checked, its table built and its lanes laid out; nothing written. */
+static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
+                   uint8_t *scratch) {
+    if (len < HUFF_HEAD_BYTES) return HUFF_SHORT_HEAD;
+    uint8_t *cl = st->cl;
+    uint32_t kraft = 0, mean = 0;
+    for (int i = 0; i < HUFF_TABLE_BYTES; i++) {
+        cl[2 * i] = src[i] & 15;
+        cl[2 * i + 1] = src[i] >> 4;
+    }
+    for (int s = 0; s < 256; s++) {
+        if (cl[s] > HUFF_MAX_LEN) return HUFF_BAD_LENGTH;
+        if (cl[s]) kraft += 1u << (HUFF_MAX_LEN - cl[s]), mean += (uint32_t)cl[s] << (HUFF_MAX_LEN - cl[s]);
+    }
+    if (kraft > TABLE_SIZE) return HUFF_OVERSUBSCRIBED;
+    if (!kraft && n) return HUFF_NO_SYMBOLS;
+    size_t lane_len[HUFF_LANES], rest = len - HUFF_HEAD_BYTES;
+    for (int i = 0; i < HUFF_LANES - 1; i++) {
+        lane_len[i] = load32(src + HUFF_TABLE_BYTES + 4 * i);
+        if (lane_len[i] > rest) return HUFF_LANES_PAST_END;
+        rest -= lane_len[i];
+    }
+    lane_len[3] = rest;
+    memset(st->t, 0, sizeof st->t);
+    canonical(cl, st->code);
+    for (int s = 0; s < 256; s++)
+        if (cl[s])
+            for (unsigned j = st->code[s]; j < TABLE_SIZE; j += 1u << cl[s]) st->t[j] = (uint16_t)(cl[s] | s << 8);
+    st->kraft = kraft, st->mean = mean;
+    st->n = n, st->row = row, st->stride = stride, st->out = out;
+    st->dst = row < stride && n ? scratch : out;
+    size_t q = (n + HUFF_LANES - 1) / HUFF_LANES;
+    const uint8_t *at = src + HUFF_HEAD_BYTES;
+    for (int i = 0; i < HUFF_LANES; i++) {
+        lane_init(&st->L[i], at, lane_len[i], lane_count(n, q, i), st->dst + q * (size_t)i);
+        at += lane_len[i];
+    }
+    return HUFF_OK;
+}
+
+/* Whether the fast loops take the stream (a complete table, enough symbols), and with runs. */
+static inline int fast(const Stream *st) { return st->kraft == TABLE_SIZE && st->n >= 64; }
+static inline int with_pairs(const Stream *st) { return st->mean <= PAIR_MEAN * TABLE_SIZE; }
+
+/* Each lane's rest, in lane order (the first refusal returned), then the symbols into their rows. */
+static int finish(Stream *st) {
+    for (int i = 0; i < HUFF_LANES; i++) {
+        int err = finish_lane(&st->L[i], st->t);
+        if (err) return err;
+    }
+    if (st->dst != st->out)
+        for (size_t r = 0, o = 0; o < st->n; r++, o += st->row) memcpy(st->out + r * st->stride, st->dst + o, st->row);
+    return HUFF_OK;
+}
+
+/* One stream's four lanes side by side (runs where its codes are short). */
+static void run_fast(Stream *st, const uint8_t *src) {
+    LanesFn fn[2];
+    lanes_fns(fn);
+    if (with_pairs(st)) {
+        uint32_t t2[TABLE_SIZE];
+        pair_table(st->cl, st->code, st->t, t2);
+        fn[1](src, st->L, t2);
+    } else {
+        fn[0](src, st->L, st->t);
+    }
+}
+
+int huff_decode(const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
+                uint8_t *scratch) {
+    Stream st;
+    int err = prepare(&st, src, len, n, out, row, stride, scratch);
+    if (err) return err;
+    if (fast(&st)) run_fast(&st, src);
+    return finish(&st);
+}

@@ -1,0 +1,340 @@
+"""The lossless payload's Huffman streams (kvcodec/csrc/huff.c) against their Python oracle
+(kvcodec.codec.huffman): the same bytes written, the same symbols or the same refusal read, on random,
+skewed and hostile inputs; every refusal by its code, and through a blob as BAD_STREAM."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvcodec
+from kvcodec.backends import cpu
+from kvcodec.codec import huffman
+from kvcodec.codec.lossless import compress_blob
+from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
+from kvcodec.format import assemble, parse, read_coding
+from kvcodec.format.coding import (
+    HUFF_ERRORS,
+    HUFF_HEAD_BYTES,
+    HUFF_LANE_LENS,
+    HUFF_MAX_LEN,
+    HUFF_TABLE_BYTES,
+    max_stream_len,
+    pack_table,
+)
+
+pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason=cpu.REASON)
+
+
+def c_encode(sym: np.ndarray) -> bytes:
+    n = sym.size
+    out = bytearray(max_stream_len(n, huffman=True))
+    got = cpu.huff_encode(sym, 0, n, max(n, 1), max(n, 1), out, 0)
+    assert got is not None and got > 0
+    return bytes(out[:got])
+
+
+def c_decode(stream: bytes, n: int) -> tuple[int, bytes]:
+    out = bytearray(n)
+    code = cpu.huff_decode(stream, 0, len(stream), n, out, 0, max(n, 1), max(n, 1))
+    return code, bytes(out)
+
+
+def py_decode(stream: bytes, n: int) -> tuple[int, bytes | None]:
+    try:
+        return 0, huffman.decode(stream, n).tobytes()
+    except huffman.HuffmanError as e:
+        return e.code, None
+
+
+def _fib_freqs(m: int) -> np.ndarray:
+    """Symbols with Fibonacci counts: a Huffman tree m - 1 deep, so the 11-bit limit has to cut it."""
+    f = [1, 1]
+    while len(f) < m:
+        f.append(f[-1] + f[-2])
+    return np.repeat(np.arange(m, dtype=np.uint8), f[:m])
+
+
+def _symbols(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        return rng.integers(0, 256, n, dtype=np.uint8)
+    if kind == "one":
+        return np.full(n, 77, np.uint8)
+    if kind == "two":
+        return rng.integers(5, 7, n, dtype=np.uint8)
+    if kind == "exponents":  # K's high bytes: a few exponents, short codes (the decoder's runs of three)
+        return (120 + rng.geometric(0.5, n)).clip(0, 255).astype(np.uint8)
+    if kind == "gauss":  # V's FP8 codes
+        return rng.normal(0, 40, n).clip(-127, 127).astype(np.int8).view(np.uint8)
+    if kind == "all256":
+        return np.resize(rng.permutation(256).astype(np.uint8), n)
+    raise AssertionError(kind)
+
+
+KINDS = ["uniform", "one", "two", "exponents", "gauss", "all256"]
+SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 63, 64, 65, 257, 4099, 40000]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_c_writes_the_oracles_bytes_and_both_read_them(kind, n) -> None:
+    sym = _symbols(kind, n, seed=n)
+    stream = c_encode(sym)
+    assert stream == huffman.encode(sym)
+    assert len(stream) <= max_stream_len(n, huffman=True)
+    assert c_decode(stream, n) == (0, sym.tobytes())
+    assert py_decode(stream, n) == (0, sym.tobytes())
+
+
+def test_the_stream_layout() -> None:
+    """128 bytes of nibbles (low = even symbol), three lane lengths, four lanes of ceil(n / 4)."""
+    sym = np.array([3, 3, 3, 3, 3, 4, 4, 200], np.uint8)  # 3: code 0 (1 bit); 4: 10; 200: 11
+    stream = huffman.encode(sym)
+    lens = [0] * 256
+    for i, b in enumerate(stream[:HUFF_TABLE_BYTES]):
+        lens[2 * i], lens[2 * i + 1] = b & 15, b >> 4
+    assert (lens[3], lens[4], lens[200], sum(1 for x in lens if x)) == (1, 2, 2, 3)
+    assert stream[1] == 0x10 and stream[2] == 0x02  # symbol 3: high nibble of byte 1; symbol 4: low of 2
+    assert HUFF_LANE_LENS.unpack_from(stream, HUFF_TABLE_BYTES) == (1, 1, 1)
+    # lanes of 2: [3, 3] -> bits 0, 0; [3, 3]; [3, 4] -> 0 then 10 reversed = 01 -> byte 0b010;
+    # [4, 200] -> code 10 packed LSB first as bits 0,1 ... -> 0b1101
+    assert stream[HUFF_HEAD_BYTES:] == bytes([0, 0, 0b010, 0b1101])
+    assert huffman.lane_counts(5) == [2, 2, 1, 0] and huffman.lane_counts(1) == [1, 0, 0, 0]
+
+
+def test_lengths_are_limited_deterministic_and_complete() -> None:
+    sym = _fib_freqs(30)
+    lens = huffman.code_lengths(np.bincount(sym, minlength=256))
+    assert max(lens) == HUFF_MAX_LEN and sum(2.0**-x for x in lens if x) == 1.0
+    assert c_encode(sym) == huffman.encode(sym)
+    assert c_decode(c_encode(sym), sym.size) == (0, sym.tobytes())
+    one = huffman.code_lengths(np.bincount(np.full(5, 9, np.uint8), minlength=256))
+    assert one[9] == 1 and sum(one) == 1  # one distinct symbol: length 1, code 0
+    tie = huffman.code_lengths([1] * 256)
+    assert set(tie) == {8}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(min_size=1, max_size=3000), skew=st.integers(0, 7))
+def test_round_trips_match_the_oracle(data, skew) -> None:
+    sym = np.frombuffer(data, np.uint8) >> skew  # fewer, more skewed symbols as skew grows
+    stream = c_encode(sym)
+    assert stream == huffman.encode(sym)
+    assert c_decode(stream, sym.size) == (0, sym.tobytes()) == py_decode(stream, sym.size)
+
+
+def _stream(lens: dict[int, int], lanes: list[bytes]) -> bytes:
+    table = bytearray(HUFF_TABLE_BYTES)
+    for s, n in lens.items():
+        table[s // 2] |= n << (4 * (s % 2))
+    return bytes(table) + HUFF_LANE_LENS.pack(*(len(x) for x in lanes[:3])) + b"".join(lanes)
+
+
+HOSTILE = {
+    1: (b"\x00" * (HUFF_HEAD_BYTES - 1), 1),
+    2: (_stream({0: 12}, [b"\x00", b"", b"", b""]), 1),
+    3: (_stream({0: 1, 1: 1, 2: 1}, [b"\x00", b"", b"", b""]), 1),
+    4: (_stream({}, [b"", b"", b"", b""]), 4),
+    # lanes 0..2 declare 1 + 0 + 1 bytes; 1 follows the head
+    5: (bytes([0x11]) + bytes(HUFF_TABLE_BYTES - 1) + HUFF_LANE_LENS.pack(1, 0, 1) + b"\x00", 1),
+    6: (_stream({0: 1}, [b"\x01", b"", b"", b""]), 1),
+    7: (_stream({0: 1, 1: 1}, [b"", b"", b"", b""]), 1),
+    8: (_stream({0: 1, 1: 1}, [b"\x00\x00", b"", b"", b""]), 1),
+    9: (_stream({0: 1, 1: 1}, [b"\x02", b"", b"", b""]), 1),
+}
+
+
+@pytest.mark.parametrize("code", sorted(HUFF_ERRORS))
+def test_each_refusal_by_its_code(code) -> None:
+    stream, n = HOSTILE[code]
+    assert c_decode(stream, n)[0] == code
+    assert py_decode(stream, n)[0] == code
+
+
+def test_a_lane_after_a_good_one_is_the_one_named() -> None:
+    """The first failing lane in order, whichever loop met it: lane 0 good, lane 1 short."""
+    good = huffman.encode(np.zeros(400, np.uint8) | (np.arange(400) % 2).astype(np.uint8))
+    a, b, c = HUFF_LANE_LENS.unpack_from(good, HUFF_TABLE_BYTES)
+    cut = good[: HUFF_HEAD_BYTES + a + b - 1] + good[HUFF_HEAD_BYTES + a + b :]
+    cut = cut[:HUFF_TABLE_BYTES] + HUFF_LANE_LENS.pack(a, b - 1, c) + cut[HUFF_HEAD_BYTES:]
+    assert c_decode(cut, 400)[0] == py_decode(cut, 400)[0] == 7
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    kind=st.sampled_from(KINDS),
+    n=st.integers(1, 600),
+    edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+    cut=st.integers(0, 3),
+    extra=st.binary(max_size=3),
+    lane=st.none() | st.tuples(st.integers(0, 2), st.integers(0, 300)),
+    n_delta=st.integers(-2, 2),
+)
+def test_hostile_streams_refused_alike(kind, n, edits, cut, extra, lane, n_delta) -> None:
+    """Bytes changed, cut or added, lane lengths lying, a wrong symbol count: C and Python refuse with
+    the same code, or decode the same symbols."""
+    s = bytearray(huffman.encode(_symbols(kind, n, seed=n)))
+    for at, b in edits:
+        s[at % len(s)] = b
+    if lane is not None:
+        struct.pack_into("<I", s, HUFF_TABLE_BYTES + 4 * lane[0], lane[1])
+    s = bytes(s[: len(s) - cut]) + extra
+    m = max(1, n + n_delta)
+    got, want = c_decode(s, m), py_decode(s, m)
+    assert got[0] == want[0]
+    if not got[0]:
+        assert got[1] == want[1]
+
+
+def test_strided_rows_in_and_out() -> None:
+    """A head's codes read from and written to [tokens, heads, dim] rows in place."""
+    t, heads, dim = 33, 3, 8
+    codes = np.random.default_rng(1).integers(0, 40, (t, heads, dim), dtype=np.uint8)
+    flat = codes.reshape(-1)
+    out = bytearray(max_stream_len(t * dim, huffman=True))
+    for h in range(heads):
+        n = cpu.huff_encode(flat, h * dim, t * dim, dim, heads * dim, out, 0)
+        stream = bytes(out[:n])
+        assert stream == huffman.encode(np.ascontiguousarray(codes[:, h, :]))
+        back = np.zeros_like(codes)
+        assert cpu.huff_decode(stream, 0, n, t * dim, back.reshape(-1), h * dim, dim, heads * dim) == 0
+        assert (
+            np.array_equal(back[:, h, :], codes[:, h, :])
+            and not back[:, [i for i in range(heads) if i != h]].any()
+        )
+
+
+def test_many_streams_in_one_call() -> None:
+    t, heads, dim = 40, 4, 16
+    codes = np.random.default_rng(2).normal(0, 9, (t, heads, dim)).astype(np.int8).view(np.uint8)
+    out = bytearray(heads * max_stream_len(t * dim, huffman=True))
+    lens = cpu.huff_encode_many(codes.reshape(-1), 0, dim, heads, t * dim, dim, heads * dim, out, 0)
+    at, spans = 0, []
+    for h, n in enumerate(lens):
+        assert bytes(out[at : at + n]) == huffman.encode(np.ascontiguousarray(codes[:, h, :]))
+        spans.append((at, n))
+        at += n
+    back = np.zeros_like(codes)
+    assert (
+        cpu.huff_decode_many(bytes(out), spans, t * dim, back.reshape(-1), 0, dim, dim, heads * dim) is True
+    )
+    assert np.array_equal(back, codes)
+    bad = bytearray(out)
+    bad[spans[2][0]] = 0xFF  # stream 2's table: lengths of 15 bits
+    assert cpu.huff_decode_many(bytes(bad), spans, t * dim, back.reshape(-1), 0, dim, dim, heads * dim) == (
+        2,
+        2,
+    )
+
+
+def test_the_encoder_stays_inside_its_capacity() -> None:
+    sym = _symbols("uniform", 5000)
+    need = len(huffman.encode(sym))
+    buf = bytearray(b"\xaa" * (need + 64))
+    assert cpu.huff_encode(sym, 0, sym.size, sym.size, sym.size, memoryview(buf)[: need - 1], 0) == -1
+    assert cpu.huff_encode(sym, 0, sym.size, sym.size, sym.size, memoryview(buf)[:need], 0) == need
+    assert buf[need:] == b"\xaa" * 64
+    with pytest.raises(UnsupportedConfigError):
+        cpu.huff_encode_many(sym, 0, 0, 2, sym.size, sym.size, sym.size, bytearray(need + 10), 0)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (b"\x00" * 200, 0, 201, 4, bytearray(4), 0, 4, 4),  # the stream past its buffer
+        (b"\x00" * 200, 0, 200, 8, bytearray(4), 0, 8, 8),  # the symbols past the output
+        (b"\x00" * 200, 0, 200, 8, bytearray(10), 0, 4, 8),  # rows past the output (2 rows of 4 at stride 8)
+        (b"\x00" * 200, 0, 200, 6, bytearray(64), 0, 4, 8),  # n not a multiple of row
+        (b"\x00" * 200, 0, 200, 4, bytearray(64), 0, 8, 4),  # row over stride
+    ],
+)
+def test_spans_outside_their_buffers_are_refused(args) -> None:
+    src, at, length, n, out, out_at, row, stride = args
+    with pytest.raises(UnsupportedConfigError):
+        cpu.huff_decode(src, at, length, n, out, out_at, row, stride)
+
+
+def test_a_stream_and_its_output_may_not_overlap() -> None:
+    buf = bytearray(huffman.encode(np.zeros(64, np.uint8)) + bytes(64))
+    with pytest.raises(UnsupportedConfigError):
+        cpu.huff_decode(buf, 0, len(buf) - 64, 64, buf, len(buf) - 64, 64, 64)
+
+
+# ------------------------------------------------------------------------------ through a blob
+
+
+def _huff_blob() -> tuple[bytearray, object]:
+    g = torch.Generator().manual_seed(5)
+    k = (torch.randn(25, 2, 8, generator=g) * 3).to(torch.bfloat16)  # 200 symbols a stream: lanes of 50
+    v = torch.randn(25, 2, 8, generator=g).to(torch.bfloat16)
+    b = compress_blob(kvcodec.encode(k, v, scope="per_tensor"))
+    return b, parse(b)
+
+
+@pytest.mark.parametrize("code", sorted(HUFF_ERRORS))
+@pytest.mark.parametrize("section", ["K", "V"])
+def test_a_blob_with_a_refused_stream_is_bad_stream(code, section) -> None:
+    """Each refusal in a blob whose tables and CRC are valid: CorruptEncodedKVError(BAD_STREAM) naming it."""
+    _, p = _huff_blob()
+    c = read_coding(p.header, p.k, p.v)
+    raw = c.stream_raw
+    stream, n = HOSTILE[code]
+    if code in (1, 4) or n != raw:  # the stream must decode to the geometry's symbol count
+        stream = _hostile_for(code, raw)
+    sec, buf = (c.k, p.k) if section == "K" else (c.v, p.v)
+    streams = [bytes(buf[a : a + m]) for a, m in sec.streams]
+    streams[1] = stream
+    lengths = [len(s) for s in streams]
+    if section == "K":
+        k = pack_table(lengths) + b"".join(streams) + bytes(buf[sec.raw_at :])
+        hostile = assemble(p.header, k, p.v, p.scales)
+    else:
+        v = pack_table(lengths, c.tokens) + b"".join(streams)
+        hostile = assemble(p.header, p.k, v, p.scales)
+    try:
+        parsed = parse(hostile)
+    except (
+        CorruptEncodedKVError
+    ) as e:  # a stream under the table's bounds (code 1's 139 bytes) is refused there
+        assert e.reason == Reason.INCONSISTENT_PAYLOAD and code == 1
+        return
+    with pytest.raises(CorruptEncodedKVError) as e:
+        kvcodec.decode(parsed)
+    assert e.value.reason == Reason.BAD_STREAM
+    assert f"{section} stream 1" in str(e.value) and HUFF_ERRORS[code] in str(e.value)
+
+
+def _hostile_for(code: int, n: int) -> bytes:
+    """Refusal ``code`` in a stream of ``n`` symbols (lane 0 takes ceil(n / 4))."""
+    q = -(-n // 4)
+    ones = {0: 1, 1: 1}
+    full = [b"\x00" * -(-q // 8)] * 3 + [b"\x00" * -(-(n - 3 * q) // 8)]
+    if code == 1:
+        return b"\x00" * (HUFF_HEAD_BYTES - 1)
+    if code == 2:
+        return _stream({0: 12}, full)
+    if code == 3:
+        return _stream({0: 1, 1: 1, 2: 1}, full)
+    if code == 4:
+        return _stream({}, full)
+    if code == 5:
+        s = _stream(ones, full)
+        return s[:HUFF_TABLE_BYTES] + HUFF_LANE_LENS.pack(len(s), 0, 0) + s[HUFF_HEAD_BYTES:]
+    if code == 6:
+        return _stream({0: 1}, [b"\xff" * len(full[0]), *full[1:]])
+    if code == 7:
+        return _stream(ones, [full[0][:-1], *full[1:]])
+    if code == 8:
+        return _stream(ones, [full[0] + b"\x00", *full[1:]])
+    if code == 9:
+        pad = q % 8
+        assert pad, "the geometry leaves no padding bits"
+        last = bytes([1 << pad])
+        return _stream(ones, [full[0][:-1] + last, *full[1:]])
+    raise AssertionError(code)
