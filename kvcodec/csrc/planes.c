@@ -3,13 +3,14 @@
  * [heads, head_dim, tokens] and its low bytes [tokens, heads, head_dim], and merged back; one pass over
  * K's bytes each way. Where SSE2 is there (every x86-64), blocks of 8 tokens x 8 channels: eight 8-byte
  * runs of the high plane transposed in registers and interleaved with the low bytes, 16 bytes of K a
- * store (or the reverse); elsewhere, and for the edges, portable C eight tokens at a time, so that each
- * channel's high bytes are written (or read) as one 8-byte run. py_planes.c is the entry. */
+ * store (or the reverse); elsewhere (and in the portable build, so that its tests run it), and for the
+ * edges, portable C eight tokens at a time, so that each channel's high bytes are written (or read) as
+ * one 8-byte run. py_planes.c is the entry. */
 #include "planes.h"
 
 #include <string.h>
 
-#if defined(__SSE2__) && !defined(KV_NO_SSE2_PLANES)
+#if defined(__SSE2__) && !defined(KV_PORTABLE_ONLY)
 #include <emmintrin.h>
 #define PLANES_SSE2 1
 
