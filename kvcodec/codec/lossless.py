@@ -186,6 +186,10 @@ def _huffman_blob(p: ParsedBlob, tokens: int, heads: int, dim: int) -> bytearray
         scale_scheme=LOSSLESS_OF[ScaleScheme(h.scale_scheme)], k_payload_len=k_len, v_payload_len=at - v_at
     )
     head = serialize_header(coded, [mv[hs:end]])
+    if len(head) != hs:  # pragma: no cover - a plain header with bytes this writer does not repeat
+        body = bytes(mv[hs:end])
+        mv.release()
+        return bytearray(head + body)
     mv[:hs] = head  # the same fields and strings as the plain header: the same size
     mv.release()
     del out[end:]

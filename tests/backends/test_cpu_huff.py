@@ -32,17 +32,21 @@ pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason=cpu.REASON)
 
 
 def c_encode(sym: np.ndarray) -> bytes:
+    """huff.c's stream of ``sym``, coded into an output of exactly the bound's size (numpy's own
+    allocation: under AddressSanitizer a byte written past it is caught)."""
     n = sym.size
-    out = bytearray(max_stream_len(n, huffman=True))
-    got = cpu.huff_encode(sym, 0, n, max(n, 1), max(n, 1), out, 0)
+    out = np.empty(max_stream_len(n, huffman=True), np.uint8)
+    got = cpu.huff_encode(sym.copy(), 0, n, max(n, 1), max(n, 1), out, 0)
     assert got is not None and got > 0
-    return bytes(out[:got])
+    return out[:got].tobytes()
 
 
 def c_decode(stream: bytes, n: int) -> tuple[int, bytes]:
-    out = bytearray(n)
-    code = cpu.huff_decode(stream, 0, len(stream), n, out, 0, max(n, 1), max(n, 1))
-    return code, bytes(out)
+    """huff.c's decode of ``stream`` held in a buffer of exactly its size, into one of exactly n bytes
+    (under AddressSanitizer a byte read or written past either is caught)."""
+    src, out = np.frombuffer(stream, np.uint8).copy(), np.empty(n, np.uint8)
+    code = cpu.huff_decode(src, 0, len(stream), n, out, 0, max(n, 1), max(n, 1))
+    return code, out.tobytes()
 
 
 def py_decode(stream: bytes, n: int) -> tuple[int, bytes | None]:
