@@ -80,7 +80,7 @@ from .auth import ENVELOPE_LEN, open_envelope, seal, strip_envelope
 from .base import GroupRead, ReadBufferPool, StoreOptions
 from .keys import InvalidKeyError, validate_key
 from .reading import check_max_blob, check_size
-from .redis_calls import AUTH_LOG_INTERVAL_S, BadReply, RedisCalls, is_wrong_type
+from .redis_calls import AUTH_LOG_INTERVAL_S, RedisCalls, is_wrong_type, scan_page, scan_targets
 from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL
 from .redis_values import (
     PEEK_LEN,
@@ -90,11 +90,12 @@ from .redis_values import (
     concat,
     in_place,
     is_split,
+    read_commands,
     read_value,
     split,
     tail_name,
 )
-from .redis_wire import Command, Part
+from .redis_wire import Part
 
 __all__ = [
     "AUTH_LOG_INTERVAL_S",
@@ -117,7 +118,6 @@ MAX_VALUE_BYTES = 512 << 20
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.:-]{1,100}")
 _GROUP_SAFE = re.compile(r"[^{}]+")
-_SCAN_COUNT = 1000
 _READ_SHAPE = (int, bytes, bytes)
 """The replies of one value's read: ``EXISTS`` (int), ``GETRANGE`` of its head and of its tail (bytes)."""
 _TORN_READS = 2
@@ -135,38 +135,9 @@ def _check_timeout(timeout: Any) -> float:
     return float(timeout)
 
 
-def _read_commands(name: str, lim: Limits) -> tuple[Command, ...]:
-    """The commands that read the value ``name``: ``EXISTS``, the head's and the tail's ``GETRANGE``."""
-    return (  # GETRANGE's end is inclusive: a longer value is told (one byte more), not read
-        Command(("EXISTS", name)),
-        Command(("GETRANGE", name, 0, lim.head), lim.head + 1),
-        Command(("GETRANGE", tail_name(name), 0, lim.tail), lim.tail + 1),
-    )
-
-
 def _check_max_bytes(max_bytes: Any) -> int:
     check_max_blob(max_bytes, 0, MAX_VALUE_BYTES)
     return MAX_VALUE_BYTES if max_bytes is None else max_bytes
-
-
-def _nodes(client: Any) -> list[tuple[str | None, Any]]:
-    """``(node name, plain client)`` per server to SCAN: the client itself, or each primary of a cluster."""
-    if isinstance(client, redis.cluster.RedisCluster):
-        return [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
-    return [(None, client)]
-
-
-def _scan_page(node: Any, cursor: int, match: str) -> tuple[int, list[Any]]:
-    """One ``SCAN`` page of ``node``, its reply's types checked."""
-    reply = node.scan(cursor, match=match, count=_SCAN_COUNT)
-    if not isinstance(reply, (tuple, list)) or len(reply) != 2:
-        raise BadReply(f"SCAN answered {type(reply).__name__}")
-    at, names = reply
-    if isinstance(at, bool) or not isinstance(at, int) or at < 0 or not isinstance(names, list):
-        raise BadReply(f"SCAN answered a cursor {type(at).__name__} and {type(names).__name__}")
-    if not all(isinstance(n, (bytes, str)) for n in names):
-        raise BadReply("SCAN listed a name that is not a string")
-    return at, names
 
 
 def _text(name: bytes | str) -> str | None:
@@ -335,7 +306,7 @@ class RedisStore(RedisCalls):
         """One read of ``names`` (one pipeline; its buffer lent by ``buffers`` if given); ``count``:
         hits and misses (not on a read again)."""
 
-        replies = self.read(names, lambda i: _read_commands(names[i], lim), _READ_SHAPE, buffers)
+        replies = self.read(names, lambda i: read_commands(names[i], lim), _READ_SHAPE, buffers)
         self._count(bytes_read=sum(len(x) for r in replies for x in r[1:] if isinstance(x, (bytes, Part))))
         out: list[Any] = []
         damage: list[tuple[str, str, CorruptEncodedKVError]] = []
@@ -451,7 +422,7 @@ class RedisStore(RedisCalls):
             groups = []
             for r in reads:
                 lim = Limits(_check_max_bytes(r.max_bytes) + ENVELOPE_LEN)
-                groups.append([c for k in r.keys for c in _read_commands(self.name_of(k), lim)])
+                groups.append([c for k in r.keys for c in read_commands(self.name_of(k), lim)])
             self.send_ahead(groups)
         except CodecError:  # a hint: the reads themselves fail fast or find what is wrong
             pass
@@ -472,11 +443,11 @@ class RedisStore(RedisCalls):
         cluster), the name as stored: bounded memory; a value written or removed during the scan may
         or may not be listed."""
         match = f"{self._prefix}:{{*"  # the prefix has no glob characters
-        for node_name, node in self._call(_nodes, trips=0):
+        for node_name, node in self._call(scan_targets, trips=0):
             cursor = None
             while cursor != 0:
                 cursor, names = self._call(
-                    lambda c, node=node, at=cursor or 0: _scan_page(node, at, match), node=node_name
+                    lambda c, node=node, at=cursor or 0: scan_page(node, at, match), node=node_name
                 )
                 for name in names:
                     key = self._key_of(name)

@@ -41,7 +41,17 @@ from .redis_outage import Outages
 from .redis_url import RedisURL, auth_refusal, connect
 from .redis_wire import BadReply, Command, Part, Wire
 
-__all__ = ["AUTH_LOG_INTERVAL_S", "BadReply", "Queue", "RedisCalls", "is_wrong_type"]
+__all__ = [
+    "AUTH_LOG_INTERVAL_S",
+    "SCAN_COUNT",
+    "BadReply",
+    "Queue",
+    "RedisCalls",
+    "WireRead",
+    "is_wrong_type",
+    "scan_page",
+    "scan_targets",
+]
 
 log = logging.getLogger("kvcodec.store.redis")
 
@@ -108,6 +118,30 @@ def _checked(flat: Any, n: int, shape: tuple[type, ...]) -> list:
         elif not isinstance(reply, want):
             raise BadReply(f"a {shape[j % per].__name__} reply was expected, got {type(reply).__name__}")
     return [flat[k * per : (k + 1) * per] for k in range(n)]
+
+
+SCAN_COUNT = 1000
+"""Names asked for per ``SCAN`` page."""
+
+
+def scan_targets(client: Any) -> list[tuple[str | None, Any]]:
+    """``(node name, plain client)`` per server to SCAN: the client itself, or each primary of a cluster."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        return [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
+    return [(None, client)]
+
+
+def scan_page(node: Any, cursor: int, match: str) -> tuple[int, list[Any]]:
+    """One ``SCAN`` page of ``node``, its reply's types checked."""
+    reply = node.scan(cursor, match=match, count=SCAN_COUNT)
+    if not isinstance(reply, (tuple, list)) or len(reply) != 2:
+        raise BadReply(f"SCAN answered {type(reply).__name__}")
+    at, names = reply
+    if isinstance(at, bool) or not isinstance(at, int) or at < 0 or not isinstance(names, list):
+        raise BadReply(f"SCAN answered a cursor {type(at).__name__} and {type(names).__name__}")
+    if not all(isinstance(n, (bytes, str)) for n in names):
+        raise BadReply("SCAN listed a name that is not a string")
+    return at, names
 
 
 def _node_groups(client: Any, names: Sequence[str]) -> list[tuple[str, Any, list[int]]] | None:

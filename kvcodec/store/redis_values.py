@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason
 from .auth import ENVELOPE_LEN, ENVELOPE_MAGIC
-from .redis_wire import Part
+from .redis_wire import Command, Part
 
 __all__ = [
     "FRAME_LEN",
@@ -52,6 +52,7 @@ __all__ = [
     "in_place",
     "is_split",
     "join",
+    "read_commands",
     "read_value",
     "size_class",
     "split",
@@ -265,3 +266,12 @@ def read_value(
             reason=Reason.SIZE_MISMATCH,
         )
     return join(name, head, tail, lim, wrong_type[1], assemble)
+
+
+def read_commands(name: str, lim: Limits) -> tuple[Command, ...]:
+    """The commands that read the value ``name``: ``EXISTS``, the head's and the tail's ``GETRANGE``."""
+    return (  # GETRANGE's end is inclusive: a longer value is told (one byte more), not read
+        Command(("EXISTS", name)),
+        Command(("GETRANGE", name, 0, lim.head), lim.head + 1),
+        Command(("GETRANGE", tail_name(name), 0, lim.tail), lim.tail + 1),
+    )
