@@ -83,13 +83,13 @@ from .reading import check_max_blob, check_size
 from .redis_calls import AUTH_LOG_INTERVAL_S, RedisCalls, is_wrong_type, scan_page, scan_targets
 from .redis_url import CA_CERTS_ENV, PASSWORD_ENV, USERNAME_ENV, RedisURL
 from .redis_values import (
-    PEEK_LEN,
     TORN,
     Limits,
     PartDamage,
     concat,
     in_place,
     is_split,
+    peek_commands,
     read_commands,
     read_value,
     split,
@@ -259,18 +259,16 @@ class RedisStore(RedisCalls):
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """``contains`` of each key, in one pipeline (per node on a cluster) of ``EXISTS``, the value's
-        first bytes (``GETRANGE 0 59``: a MAC envelope and a split value's frame) and the tail's
-        ``EXISTS``: a split value whose tail was evicted is not there."""
+        """``contains`` of each key, in one pipeline (per node on a cluster; on our own socket where
+        reads go there, :meth:`read`) of ``EXISTS``, the value's first bytes (``GETRANGE 0 59``: a
+        MAC envelope and a split value's frame) and the tail's ``EXISTS``: a split value whose tail
+        was evicted is not there."""
         names = [self.name_of(k) for k in keys]
-
-        def queue(pipe: Any, i: int) -> None:
-            pipe.exists(names[i])
-            pipe.getrange(names[i], 0, PEEK_LEN - 1)
-            pipe.exists(tail_name(names[i]))
-
-        replies = self._pipeline(names, queue, (int, bytes, int))
-        return [bool(n) and (not is_split(head) or bool(tail)) for n, head, tail in replies]
+        replies = self.read(names, lambda i: peek_commands(names[i]), (int, bytes, int))
+        return [
+            bool(n) and (not is_split(bytes(head.view()) if isinstance(head, Part) else head) or bool(tail))
+            for n, head, tail in replies
+        ]
 
     def _fetch(
         self, keys: Sequence[str], names: Sequence[str], max_bytes: Any, buffers: ReadBufferPool | None = None

@@ -52,6 +52,7 @@ __all__ = [
     "in_place",
     "is_split",
     "join",
+    "peek_commands",
     "read_commands",
     "read_value",
     "size_class",
@@ -274,4 +275,14 @@ def read_commands(name: str, lim: Limits) -> tuple[Command, ...]:
         Command(("EXISTS", name)),
         Command(("GETRANGE", name, 0, lim.head), lim.head + 1),
         Command(("GETRANGE", tail_name(name), 0, lim.tail), lim.tail + 1),
+    )
+
+
+def peek_commands(name: str) -> tuple[Command, ...]:
+    """The commands that tell whether the value ``name`` is there (a lookup): ``EXISTS``, its first
+    :data:`PEEK_LEN` bytes (a MAC envelope and a split value's frame) and its tail's ``EXISTS``."""
+    return (
+        Command(("EXISTS", name)),
+        Command(("GETRANGE", name, 0, PEEK_LEN - 1), PEEK_LEN),
+        Command(("EXISTS", tail_name(name))),
     )

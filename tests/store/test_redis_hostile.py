@@ -273,20 +273,27 @@ def test_a_silent_cluster_node_stalls_one_lookup_of_many_chunks_for_one_timeout(
 
 
 def _count_timed_out_reads(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """A list that gets one entry per reply read (redis-py's connections) that times out."""
+    """A list that gets one entry per read that times out: a reply on redis-py's connections, or a
+    pipeline's replies on the store's own socket (:mod:`kvcodec.store.redis_wire`)."""
     import redis
 
+    from kvcodec.store import redis_wire
+
     timed_out: list[object] = []
-    read = redis.connection.AbstractConnection.read_response
 
-    def counted(self, *args, **kwargs):
-        try:
-            return read(self, *args, **kwargs)
-        except redis.exceptions.TimeoutError:
-            timed_out.append(self)
-            raise
+    def counting(read):
+        def counted(self, *args, **kwargs):
+            try:
+                return read(self, *args, **kwargs)
+            except redis.exceptions.TimeoutError:
+                timed_out.append(self)
+                raise
 
-    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", counted)
+        return counted
+
+    conn = redis.connection.AbstractConnection
+    monkeypatch.setattr(conn, "read_response", counting(conn.read_response))
+    monkeypatch.setattr(redis_wire._Reader, "read", counting(redis_wire._Reader.read))
     return timed_out
 
 
