@@ -145,6 +145,7 @@ def _pooled(before: dict | None, row: dict) -> dict:
     return row | {
         "hit_ttft_s": med(ttfts),
         "ttfts_s": ttfts,
+        "hooks_s": {h: before["hooks_s"][h] + row["hooks_s"][h] for h in TIMED_HOOKS},
         "cached": before["cached"] + row["cached"],
         "hosts": before.get("hosts", 1) + 1,
         "chunks_loaded": chunks,
@@ -241,6 +242,11 @@ def _stats(res: dict, role: str) -> dict[str, float]:
     return {}
 
 
+TIMED_HOOKS = ("get_num_new_matched_tokens", "start_load_kv")
+"""The connector hooks whose wall time each hit's row keeps (the lookup and, loads synchronous, the
+load: read, check and write), per prompt, from the engine runner's own clocks."""
+
+
 def _hits(res: dict) -> dict[str, Any]:
     rows = res["phases"]["hit"]["rows"]
     worker, scheduler = _stats(res, "worker"), _stats(res, "scheduler")
@@ -249,6 +255,7 @@ def _hits(res: dict) -> dict[str, Any]:
     return {
         "hit_ttft_s": med([r["ttft_s"] for r in rows]),
         "ttfts_s": [r["ttft_s"] for r in rows],
+        "hooks_s": {h: [r["hooks"].get(h, 0.0) for r in rows] for h in TIMED_HOOKS},
         "cached": [r["cached"] for r in rows],
         "chunks_loaded": worker.get("chunks_loaded"),
         "load_round_trips": worker.get("store_round_trips"),
@@ -337,10 +344,16 @@ def table(res: dict[str, Any]) -> str:
     lines.append(
         f"| vLLM's own prefix cache (no connector) | {pc * 1e3:.1f} | {pc / base:.2f}x | {rec / pc:.1f}x | - | - | - | - |"
     )
+    lines.append("")
+    for name in ("directory", "redis"):
+        hooks = res[name].get("hooks_s", {})
+        lines.append(
+            f"{name}: median lookup {med(hooks.get(TIMED_HOOKS[0], [0.0])) * 1e3:.1f} ms, "
+            f"load {med(hooks.get(TIMED_HOOKS[1], [0.0])) * 1e3:.1f} ms a hit"
+        )
     ram_over = (res["redis+ram"]["hit_ttft_s"] - pc) / rec
     off = res["vllm-offloading"]
     lines += [
-        "",
         f"redis / directory: {res['redis']['hit_ttft_s'] / base:.2f}x (target <= 1.2x); "
         f"RAM-tier hit above vLLM's prefix-cache hit: {ram_over * 100:.2f}% of a recompute (target <= 2%); "
         f"used_memory / raw: {res['redis']['bytes_vs_raw']:.3f} (target <= 0.78)",
