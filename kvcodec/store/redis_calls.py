@@ -183,8 +183,9 @@ class RedisCalls:
         buffers: ReadBufferPool | None = None,
     ) -> list[list[Any]]:
         """:meth:`_pipeline` of the commands ``commands_of`` gives per name, sent on our own socket
-        (:mod:`.redis_wire`: bulk replies are Parts of one buffer, lent by ``buffers`` if given) unless the server speaks TLS or ``KVCODEC_REDIS_READS=client``; else through redis-py
-        (bulk replies are bytes)."""
+        (:mod:`.redis_wire`: bulk replies are Parts of one buffer, lent by ``buffers`` if given)
+        unless the server speaks TLS or ``KVCODEC_REDIS_READS=client``; else through redis-py (bulk
+        replies are bytes)."""
 
         def queue(pipe: Any, i: int) -> None:
             for c in commands_of(i):

@@ -298,12 +298,15 @@ class Wire:
     def drop_ahead(self) -> None:
         """Forget this thread's read-ahead; its socket, with replies maybe unread, is closed."""
         ahead = getattr(self._local, "ahead", None)
-        if ahead is None:
-            return
+        if ahead is not None:
+            self._end_ahead(ahead).close()
+
+    def _end_ahead(self, ahead: _Ahead) -> socket.socket:
+        """Forget ``ahead`` (this thread's read-ahead); its socket, for the caller to close or reuse."""
         self._local.ahead = None
         with self._lock:
             self._aheads.discard(ahead.sock)
-        ahead.sock.close()
+        return ahead.sock
 
     def _send_more(self, ahead: _Ahead) -> None:
         """Send the groups still to send, while the replies outstanding stay within the bound."""
@@ -329,11 +332,8 @@ class Wire:
         except BaseException:
             self.drop_ahead()
             raise
-        if not ahead.sent:
-            self._local.ahead = None
-            with self._lock:
-                self._aheads.discard(ahead.sock)
-            self._give_back(ahead.sock)
+        if not ahead.sent:  # every group read: nothing left on the socket
+            self._give_back(self._end_ahead(ahead))
         return replies
 
     def _take(self) -> socket.socket:

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,53 +195,59 @@ class LoadHandler:
         once; else nothing is written here."""
         result = LoadResult(spec, [])
         t0 = time.perf_counter()
-        ahead = self._read_ahead(spec)
+        reads = self._own_split_reads(spec)
+        ahead = len(reads) >= 2  # one read has nothing to overlap
+        if ahead:
+            self.store.read_ahead(list(reads.values()))
+        bounds = {c: r.max_bytes for c, r in reads.items()}
         try:
-            self._read_chunks(spec, result, write=self.caches.on_cpu)
+            self._read_chunks(spec, result, self.caches.on_cpu, bounds)
         finally:
             if ahead:  # a chunk that failed leaves reads unread: dropped
                 self.store.read_ahead([])
         self.counters.add(load_seconds=time.perf_counter() - t0)
         return result
 
-    def _read_ahead(self, spec: LoadSpec) -> bool:
-        """Tell the store the chunk reads to come (:meth:`~kvcodec.store.BlobStore.read_ahead`): each
-        chunk's blobs in this engine's head split, up to the first chunk stored in another; a remote
-        store asks for them at once, so its server prepares chunk ``c + 1`` while ``c`` is checked.
-        Whether any was told."""
-        if not self.store.partial_groups:  # reads go key by key (get_parsed): nothing to tell
-            return False
+    def _own_split_reads(self, spec: LoadSpec) -> dict[int, GroupRead]:
+        """Per chunk, the read :meth:`_prepare_chunk` will make (its blobs in this engine's head split
+        and their bound), up to the first chunk stored in another split: what the store is told
+        ahead (:meth:`~kvcodec.store.BlobStore.read_ahead`), so a remote store's server prepares chunk
+        ``c + 1`` while ``c`` is checked. Empty where reads go key by key (``get_parsed``)."""
+        if not self.store.partial_groups:
+            return {}
         cs, parts = self.cfg.chunk_size, self.keys.split.parts
-        reads: list[GroupRead] = []
+        reads: dict[int, GroupRead] = {}
         for c in range(spec.start // cs, -(-spec.end // cs)):
             if spec.split(c, parts) != parts:
                 break
             keys = tuple(self._blob_keys(spec, c).values())
-            reads.append(GroupRead(keys, self._max_blob_bytes(c, spec.ref(c).chunk_hash)))
-        if len(reads) < 2:  # one read has nothing to overlap
-            return False
-        self.store.read_ahead(reads)
-        return True
+            reads[c] = GroupRead(keys, self._max_blob_bytes(c, spec.ref(c).chunk_hash))
+        return reads
 
-    def _read_chunks(self, spec: LoadSpec, result: LoadResult, write: bool) -> None:
+    def _read_chunks(
+        self, spec: LoadSpec, result: LoadResult, write: bool, bounds: Mapping[int, int | None]
+    ) -> None:
         """:meth:`_prepare_chunk` of each chunk of ``spec`` into ``result``, stopping at the first failure;
-        ``write``: each written once checked (:meth:`_apply`) and the load's failure reported here."""
+        ``write``: each written once checked (:meth:`_apply`) and the load's failure reported here;
+        ``bounds``: chunks' ``max_bytes`` already worked out."""
         try:
-            self._each_chunk(spec, result, write)
+            self._each_chunk(spec, result, write, bounds)
         finally:
             if write:
                 result.written = True
                 if result.failed_at is not None:
                     self._fail_blocks(spec, result.failed_at)
 
-    def _each_chunk(self, spec: LoadSpec, result: LoadResult, write: bool) -> None:
+    def _each_chunk(
+        self, spec: LoadSpec, result: LoadResult, write: bool, bounds: Mapping[int, int | None]
+    ) -> None:
         """The loop of :meth:`_read_chunks`: a read that fails sets ``result.failed_at``; a write that
         fails was reported by :meth:`_apply` and only ends the loop."""
         cs = self.cfg.chunk_size
         for c in range(spec.start // cs, -(-spec.end // cs)):
             first = max(spec.start, c * cs)
             try:
-                prepared = self._prepare_chunk(spec, c, first - c * cs)
+                prepared = self._prepare_chunk(spec, c, first - c * cs, bounds)
             except StoreUnavailableError:
                 result.failed_at = first
                 self.counters.add(load_unavailable=1)
@@ -267,7 +273,9 @@ class LoadHandler:
             if written.failed_at is not None:
                 break
 
-    def _prepare_chunk(self, spec: LoadSpec, c: int, skip: int) -> PreparedLoad:
+    def _prepare_chunk(
+        self, spec: LoadSpec, c: int, skip: int, bounds: Mapping[int, int | None]
+    ) -> PreparedLoad:
         """Every layer's blob of chunk ``c``, read once and checked against its key."""
         parts = spec.split(c, self.keys.split.parts)
         if parts != self.keys.split.parts:
@@ -278,7 +286,8 @@ class LoadHandler:
         buffers: list[bytearray] = []
         try:
             with self._deleting_bad([*keys.values(), self.keys.manifest(ref)]):
-                parsed = self._read(keys, buffers, defer, self._max_blob_bytes(c, ref.chunk_hash))
+                bound = bounds[c] if c in bounds else self._max_blob_bytes(c, ref.chunk_hash)
+                parsed = self._read(keys, buffers, defer, bound)
                 fused = caches.fused
                 if fused is not None and fused.serves(c * cs, skip):
                     fc = fused.prepare(parsed, c, cs, skip, ref.chunk_hash)
