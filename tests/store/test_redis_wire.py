@@ -71,6 +71,9 @@ def test_every_bulk_shares_one_buffer() -> None:
         (b"$+10\r\n" + b"z" * 10 + b"\r\n", "integer"),
         (b"$-2\r\n", "at most"),
         (b"$3\r\nabcXY", "CRLF"),
+        (b"$3\r\nabcXY" + b"z" * 40, "CRLF"),  # all of it in the buffer: the inline path refuses too
+        (b":" + b"1" * 20 + b"\r\n", "integer"),
+        (b":\r\n", "integer"),
         (b":" + b"9" * (MAX_LINE + 10), "line"),
         (bulk(b"abc") + b":1\r\n", "after the last reply"),
     ],
@@ -101,7 +104,8 @@ def test_a_buffer_past_the_up_front_bound_grows_only_as_replies_arrive() -> None
 
 replies = st.lists(
     st.one_of(
-        st.integers(0, 10**6).map(lambda n: (EXISTS, b":%d\r\n" % n, n)),
+        # short ones take the inline path, long and negative ones the full parser: the same replies
+        st.integers(-(10**18), 10**19 - 1).map(lambda n: (EXISTS, b":%d\r\n" % n, n)),
         st.binary(max_size=100).map(lambda b: (GET, bulk(b), b)),
         st.just((GET, b"$-1\r\n", None)),
     ),
