@@ -37,7 +37,7 @@ from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
 from .encode import as_scales, external_scope
 from .layout import check_hashes
-from .lossless import expand_blob, is_lossless
+from .lossless import expand_payload, is_lossless
 
 __all__ = ["DecodeRequest", "DecodedKV", "decode", "decode_parsed"]
 
@@ -292,12 +292,13 @@ def decode(
         if got is not None:
             return got
     parsed = blob if isinstance(blob, ParsedBlob) else parse(blob, verify_crc=verify_crc, strict=strict)
-    if is_lossless(parsed.header):  # its plain blob, exactly: decoded below as any other
-        parsed = parse(expand_blob(parsed, crc=False), verify_crc=False)
+    h, payload = parsed.header, parsed.payload
+    if is_lossless(h):  # its plain payload, exactly (no plain blob written): decoded below as any other
+        h, payload = expand_payload(parsed, reuse=out_k is not None and out_v is not None)
     if expected_hashes is not None:
-        check_hashes(parsed.header.hashes, expected_hashes, strict=strict_hashes)
+        check_hashes(h.hashes, expected_hashes, strict=strict_hashes)
     req = _request(
-        parsed.header,
+        h,
         out_v_dtype=out_v_dtype,
         device=device,
         scales=scales,
@@ -307,7 +308,7 @@ def decode(
         copy=copy,
         backend=backend,
     )
-    return decode_parsed(parsed.header, parsed.payload, req)
+    return decode_parsed(h, payload, req)
 
 
 def _decode_checked_in_pass(
@@ -324,24 +325,26 @@ def _decode_checked_in_pass(
     The outputs are written before the CRC is known: a mismatch raises ``CRC_MISMATCH`` with them
     overwritten. Returns None (nothing written) for anything else, including every error met before
     the pass: the general path then decodes it, checking the CRC first, so a damaged blob is named
-    as damaged whatever else it breaks.
+    as damaged whatever else it breaks. A lossless blob's CRC is checked first, over its coded bytes;
+    its streams are then decoded into this thread's reused plain payload (no plain blob written or
+    parsed), which the same pass copies out of.
     """
     try:
         parsed = parse(blob, verify_crc=False, strict=strict)
-        h = parsed.header
-        if is_lossless(h):  # decoded by the general path: CRC, then the plain blob
-            return None
+        blob_crc = BlobCrc(parsed)
+        h, payload, lossless = parsed.header, parsed.payload, is_lossless(parsed.header)
+        if lossless:  # the coded blob's CRC first, then its plain payload, in this thread's reused buffer
+            blob_crc.finish(None)
+            h, payload = expand_payload(parsed, reuse=True)
         if expected_hashes is not None:
             check_hashes(h.hashes, expected_hashes, strict=strict_hashes)
         req = _request(h, scales=None, backend=backend, **kw)
-        lane = _host_lane_inputs(h, parsed.payload, req)
+        lane = _host_lane_inputs(h, payload, req)
     except CodecError:
         return None
     if lane is None:
-        return None
+        return decode_parsed(h, payload, req) if lossless else None
     be, s_t, groups, target = lane
-    payload = parsed.payload
-    blob_crc = BlobCrc(parsed)
     served = backends.call(
         be,
         "decode_host",
@@ -351,13 +354,15 @@ def _decode_checked_in_pass(
         groups,
         req.out_k,
         target,
-        crc=blob_crc.seed,
+        crc=None if lossless else blob_crc.seed,
         fallback=lambda: None,
     )
     if served is None:  # declined: C wrote nothing, or stopped at NaN codes: rewritten here
-        blob_crc.finish(None)
+        if not lossless:
+            blob_crc.finish(None)
         return decode_parsed(h, payload, req)
-    blob_crc.finish(served.crc, blob_crc.codes_end)
+    if not lossless:
+        blob_crc.finish(served.crc, blob_crc.codes_end)
     return DecodedKV(req.out_k, req.out_v, s_t, h)
 
 

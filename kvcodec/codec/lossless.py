@@ -23,6 +23,7 @@ expanded. ``compress_blob(coder="deflate")`` still writes them (golden vectors, 
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +57,16 @@ from ..format.coding import (
 from ..hostmem import new_buffer
 from . import huffman
 
-__all__ = ["CODER", "CODERS", "COMPRESSIONS", "DEFLATE_CODER", "compress_blob", "expand_blob", "is_lossless"]
+__all__ = [
+    "CODER",
+    "CODERS",
+    "COMPRESSIONS",
+    "DEFLATE_CODER",
+    "compress_blob",
+    "expand_blob",
+    "expand_payload",
+    "is_lossless",
+]
 
 COMPRESSIONS = ("none", "lossless")
 """``encode(compression=...)``: ``none`` writes the plain payload, ``lossless`` the coded one."""
@@ -342,17 +352,51 @@ def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None
         k[..., 1] = hi.reshape(heads, dim, t).transpose(2, 0, 1)
 
 
+SCRATCH_MAX_BYTES = 64 << 20
+"""The largest plain payload :func:`expand_payload` writes into its thread's reused buffer (a larger
+one gets a buffer of its own, freed with it): what a thread keeps between decodes is bounded."""
+_scratch = threading.local()
+
+
+def _scratch_view(n: int) -> memoryview:
+    """``n`` bytes of this thread's reused buffer (grown to the largest payload asked for, up to
+    :data:`SCRATCH_MAX_BYTES`), or a new buffer's beyond that."""
+    if n > SCRATCH_MAX_BYTES:
+        return memoryview(new_buffer(n))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, np.uint8)
+    return memoryview(buf)[:n]
+
+
+def _expand_into(c: Coding, p: ParsedBlob, mv: memoryview, at: int) -> None:
+    """The plain payload of ``p`` (tables ``c``) written at ``mv[at:]``: K, V's codes, the scales."""
+    (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, at)
+    mv[at + c.plain.k_payload_len + c.plain.v_payload_len :] = p.scales
+
+
+def expand_payload(p: ParsedBlob, *, reuse: bool = False) -> tuple[Header, memoryview]:
+    """The plain header and payload that lossless blob ``p`` (parsed, CRC checked) codes, with no
+    plain header written or parsed (decode). ``reuse``: the payload lies in this thread's reused
+    buffer (:func:`_scratch_view`), valid until the thread's next ``expand_payload(reuse=True)``: for
+    a caller that copies everything out of it before then (a decode into ``out_k`` and ``out_v``)."""
+    c = read_coding(p.header, p.k, p.v)
+    n = c.plain.payload_len
+    mv = _scratch_view(n) if reuse else memoryview(new_buffer(n))
+    _expand_into(c, p, mv, 0)
+    return c.plain, mv
+
+
 def expand_blob(p: ParsedBlob, *, crc: bool = True) -> bytearray:
     """The plain blob that lossless blob ``p`` (parsed, CRC checked) codes, byte for byte.
 
     ``crc=False`` leaves the plain header's CRC field 0 instead of computing it over the payload: for
-    a caller that parses the result with ``verify_crc=False`` and never hands it on (decode)."""
+    a caller that parses the result with ``verify_crc=False`` and never hands it on."""
     c = read_coding(p.header, p.k, p.v)
     plain = c.plain
     hs = p.header_len  # the plain header has the same fields and strings: the same size
     out = new_buffer(hs + plain.payload_len)
     mv = memoryview(out)
-    (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, hs)
-    mv[hs + plain.k_payload_len + plain.v_payload_len :] = p.scales
+    _expand_into(c, p, mv, hs)
     mv[:hs] = serialize_header(plain, [mv[hs:]]) if crc else serialize_header(plain, crc=0)
     return out

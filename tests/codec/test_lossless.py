@@ -397,3 +397,32 @@ def test_random_streams_decode_or_are_refused_by_reason(streams, flip, coder) ->
         assert e.reason in (Reason.BAD_STREAM, Reason.BAD_CODE, Reason.INCONSISTENT_PAYLOAD)
     else:
         assert got.v.shape == (8, 2, 4)
+
+
+@pytest.mark.parametrize("cap", [None, 0])
+def test_decoding_into_outputs_reuses_the_threads_payload_buffer(monkeypatch, cap) -> None:
+    """A decode into ``out_k`` and ``out_v`` expands the streams into this thread's reused plain payload
+    (or a buffer of its own past SCRATCH_MAX_BYTES): blobs of other sizes one after another, each the
+    plain blob's bits, and damage still refused as a CRC mismatch before a stream is decoded."""
+    from kvcodec.codec import lossless
+
+    if cap is not None:
+        monkeypatch.setattr(lossless, "SCRATCH_MAX_BYTES", cap)
+    for shape, dtype in [
+        ((64, 4, 32), torch.bfloat16),
+        ((5, 3, 7), torch.float16),
+        ((64, 4, 32), torch.float16),
+    ]:
+        k, v = _kv(shape, dtype, seed=shape[0])
+        opts = {"scope": "per_page_head", "page_size": 4}
+        plain, coded = kvcodec.encode(k, v, **opts), kvcodec.encode(k, v, compression="lossless", **opts)
+        want = kvcodec.decode(plain, out_v_dtype=torch.float32)
+        out_k, out_v = torch.empty_like(k), torch.empty(shape, dtype=torch.float32)
+        got = kvcodec.decode(coded, out_k=out_k, out_v=out_v)
+        assert got.k is out_k and got.v is out_v
+        assert torch.equal(out_k.view(torch.int16), want.k.view(torch.int16)) and torch.equal(out_v, want.v)
+        bad = bytearray(coded)
+        bad[-1] ^= 1
+        with pytest.raises(CorruptEncodedKVError) as e:
+            kvcodec.decode(bad, out_k=out_k, out_v=out_v)
+        assert e.value.reason == Reason.CRC_MISMATCH
