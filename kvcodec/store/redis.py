@@ -413,9 +413,10 @@ class RedisStore(RedisCalls):
         return [self._verified(k, n, v, verify_crc, max_bytes) for k, n, v in fetched]  # type: ignore[arg-type]
 
     def read_ahead(self, reads: Sequence[GroupRead]) -> None:
-        """Ask for ``reads`` now (see :class:`~kvcodec.store.BlobStore`): on one server read on our own
-        socket (:meth:`~.redis_wire.Wire.read_ahead`); a cluster, TLS, or reads through redis-py
-        ignore the hint. A server that fails here is an outage, as on any call; nothing is raised."""
+        """Ask for ``reads`` now (see :class:`~kvcodec.store.BlobStore`) on our own sockets
+        (:meth:`~.redis_wire.Wire.read_ahead`; on a cluster, each node its own reads); TLS, or reads
+        through redis-py ignore the hint. A server that fails here is an outage, as on any call;
+        nothing is raised."""
         try:
             groups = []
             for r in reads:

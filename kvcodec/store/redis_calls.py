@@ -226,20 +226,48 @@ class RedisCalls:
         return out
 
     def send_ahead(self, groups: Sequence[Sequence[Command]]) -> None:
-        """Send ``groups`` ahead of the reads that will ask for them (:meth:`.Wire.read_ahead`), on one
-        server read on the wire; else nothing. Empty: drop this thread's read-ahead. Failures are
-        the store's as in any call (the target marked down); no round trip is counted."""
-        if self._cluster or (groups and self._down):
+        """Send ``groups`` ahead of the reads that will ask for them (:meth:`.Wire.read_ahead`), where
+        reads go on the wire: on a cluster each node is sent its own groups (a group's values share a
+        hash tag: one slot, one node). Else nothing. Empty: drop this thread's read-ahead (on every
+        node). Failures are the store's as in any call (the target marked down); no round trip is
+        counted."""
+        if groups and self._down:
             return
         if not groups and self._client is None:
             return
 
         def send(client: Any) -> None:
-            wire = self._wire_of(client)
-            if wire is not None and not isinstance(client, redis.cluster.RedisCluster):
-                wire.read_ahead(groups)
+            for wire, mine in self._ahead_targets(client, groups):
+                wire.read_ahead(mine)
 
         self._call(send, trips=0)
+
+    def _ahead_targets(self, client: Any, groups: Sequence[Sequence[Command]]) -> list[tuple[Wire, list]]:
+        """``(wire, its groups)`` per server a read-ahead goes to: the one server, or on a cluster each
+        node, told the commands of each group on its slots, in order (what the read's pipeline to that
+        node will send; the connector's chunks are one slot each), and to drop, every node's wire. A
+        node told nothing keeps an earlier hint only until its next read, which drops it."""
+        if not isinstance(client, redis.cluster.RedisCluster):
+            wire = self._wire_of(client)
+            return [] if wire is None else [(wire, list(groups))]
+        if not groups:
+            with self._lock:
+                return [(w, []) for _, w in self._wires.values() if w is not None]
+        nodes: dict[int, Any] = {}
+        per: dict[str, tuple[Any, list]] = {}
+        for g in groups:
+            parts: dict[str, list[Command]] = {}
+            for c in g:
+                slot = key_slot(str(c.args[1]).encode())
+                node = nodes.get(slot) or nodes.setdefault(
+                    slot, client.nodes_manager.get_node_from_slot(slot)
+                )
+                parts.setdefault(node.name, []).append(c)
+                per.setdefault(node.name, (client.get_redis_connection(node), []))
+            for name, part in parts.items():
+                per[name][1].append(part)
+        targets = [(self._wire_of(node_client), mine) for node_client, mine in per.values()]
+        return [(w, mine) for w, mine in targets if w is not None]
 
     def _run_on(
         self,

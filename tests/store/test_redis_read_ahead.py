@@ -5,7 +5,8 @@ A read-ahead changes when commands are sent, never what a read returns: each gro
 gives the bytes stored, one round trip each; a read that differs, or a hint dropped half way, leaves
 no reply behind for a later read; a window smaller than the groups still serves every group; a server
 killed in between is an outage, not a hang. Lent buffers hold the replies and are reused once given
-back; a TieredStore tells only its last tier the reads no faster tier can serve."""
+back; a TieredStore tells only its last tier the reads no faster tier can serve. On a cluster each
+node is sent its own chunks ahead (its GETRANGE calls rise before any read)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 
 from kvcodec.errors import StoreUnavailableError
 from kvcodec.integrations.vllm.buffers import ReadBuffers
+from kvcodec.integrations.vllm.chunk_keys import group_of
 from kvcodec.store import GroupRead, StoreOptions, open_store, redis_wire
 from kvcodec.store.memory import MemoryStore
 from kvcodec.store.tiers import Tier, TieredStore
-from tests.redis_servers import chunk_keys, make_blob, redis_missing, redis_single
+from tests.redis_servers import chunk_keys, make_blob, redis_cluster, redis_missing, redis_single, wait_for
 
 LAYERS, CHUNKS, MAX = 4, 5, 1 << 20
 SIZES = [300, 196_000, 197_200, 787_300]
@@ -129,3 +131,49 @@ def test_a_tiered_store_tells_its_last_tier_only_what_no_faster_tier_holds(store
     tiered = TieredStore([Tier("ram", ram), Tier("remote", s)])
     tiered.read_ahead(_reads(groups[:3]))
     assert told == [[tuple(groups[0]), tuple(groups[2])]]
+
+
+# ---------------------------------------------------------------- a cluster: each node its own groups
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator:
+    if redis_missing() is not None:
+        pytest.skip(str(redis_missing()))
+    with redis_cluster(tmp_path_factory.mktemp("ahead-cluster")) as cl:
+        yield cl
+
+
+def _getranges(node) -> int:
+    with node.client() as c:
+        return int(c.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["a chunk on one slot", "each key its own slot"])
+def test_on_a_cluster_each_node_is_sent_its_own_chunks_ahead(cluster, monkeypatch, grouped: bool) -> None:
+    monkeypatch.setattr(redis_wire, "READ_AHEAD_BYTES", 1 << 30)  # every group out at once
+    opts = StoreOptions(key_prefix=f"ahead-{grouped}", group_of=group_of if grouped else None)
+    with open_store(cluster.url, opts) as s:
+        groups = [chunk_keys(layers=LAYERS - 1, chunk=c) for c in range(8)]
+        blobs = {k: make_blob(SIZES[i % len(SIZES)], i) for g in groups for i, k in enumerate(g)}
+        s.put_many([(k, blobs[k]) for g in groups for k in g])
+        owner = {k: cluster.node_of(s.name_of(k)).port for g in groups for k in g}
+        assert len(set(owner.values())) > 1  # the values lie on several nodes
+        before = {n.port: _getranges(n) for n in cluster.nodes}
+        s.read_ahead(_reads(groups))
+        first = {p: before[p] + 2 * sum(owner[k] == p for k in groups[0]) for p in before}
+        wait_for(  # before any read, each node answers what the first chunk asks of it (Redis paces the rest)
+            lambda: all(_getranges(n) >= first[n.port] for n in cluster.nodes), 10, "nodes read ahead"
+        )
+        trips = s.stats()["round_trips"]
+        for g in groups:
+            assert _read(s, g) == [blobs[k] for k in g]
+        ahead_trips = s.stats()["round_trips"] - trips
+        assert {n.port: _getranges(n) for n in cluster.nodes} == {  # nothing was asked twice
+            p: before[p] + 2 * sum(owner[k] == p for k in owner) for p in before
+        }
+        s.read_ahead([])
+        trips = s.stats()["round_trips"]
+        for g in groups:
+            assert _read(s, g) == [blobs[k] for k in g]
+        assert ahead_trips == s.stats()["round_trips"] - trips == (len(groups) if grouped else len(owner))
