@@ -4,7 +4,9 @@
 per head, where neighbouring values share exponents) and its low-byte plane (near-random mantissa
 bits, stored raw), and codes the high plane and V's FP8 codes one stream per head (``docs/FORMAT.md``,
 "Lossless payload"). ``expand_blob`` gives back the plain blob exactly, so a decode of either is the
-same bits by construction.
+same bits by construction; ``expand_payload`` gives its header and payload without writing or parsing
+a plain header (what ``decode`` reads: into this thread's reused buffer when every byte is copied out
+of it before the thread's next decode).
 
 The coder (schemes LOSSLESS_HUFF / LOSSLESS_HUFF_UNIT, what ``compression="lossless"`` writes) is an
 order-0 canonical Huffman code per stream, lengths of at most 11 bits, the symbols cut in four lanes

@@ -426,3 +426,30 @@ def test_decoding_into_outputs_reuses_the_threads_payload_buffer(monkeypatch, ca
         with pytest.raises(CorruptEncodedKVError) as e:
             kvcodec.decode(bad, out_k=out_k, out_v=out_v)
         assert e.value.reason == Reason.CRC_MISMATCH
+
+
+def test_threads_decode_into_their_own_payload_buffers() -> None:
+    """Two threads decoding different lossless blobs at once each expand into their own reused buffer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    opts = {"scope": "per_page_head", "page_size": 4}
+    jobs = []
+    for seed, shape in [(1, (64, 4, 32)), (2, (32, 2, 64))]:
+        k, v = _kv(shape, torch.bfloat16, seed=seed)
+        coded = kvcodec.encode(k, v, compression="lossless", **opts)
+        want = kvcodec.decode(kvcodec.encode(k, v, **opts), out_v_dtype=torch.float32)
+        jobs.append((coded, want, shape))
+
+    def run(job) -> bool:
+        coded, want, shape = job
+        out_k, out_v = torch.empty_like(want.k), torch.empty(shape, dtype=torch.float32)
+        for _ in range(20):
+            kvcodec.decode(coded, out_k=out_k, out_v=out_v)
+            if not (
+                torch.equal(out_k.view(torch.int16), want.k.view(torch.int16)) and torch.equal(out_v, want.v)
+            ):
+                return False
+        return True
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(run, jobs * 2))
