@@ -327,7 +327,8 @@ def _decode_checked_in_pass(
     the pass: the general path then decodes it, checking the CRC first, so a damaged blob is named
     as damaged whatever else it breaks. A lossless blob's CRC is checked first, over its coded bytes;
     its streams are then decoded into this thread's reused plain payload (no plain blob written or
-    parsed), which the same pass copies out of.
+    parsed), which the same pass copies out of (or, where the host lane does not take it, the general
+    decode of that payload: the CRC already checked, nothing left to decode twice).
     """
     try:
         parsed = parse(blob, verify_crc=False, strict=strict)

@@ -421,6 +421,9 @@ def test_decoding_into_outputs_reuses_the_threads_payload_buffer(monkeypatch, ca
         got = kvcodec.decode(coded, out_k=out_k, out_v=out_v)
         assert got.k is out_k and got.v is out_v
         assert torch.equal(out_k.view(torch.int16), want.k.view(torch.int16)) and torch.equal(out_v, want.v)
+        raw_v = torch.empty(shape, dtype=torch.float8_e4m3fn)  # raw codes: not the host lane
+        kvcodec.decode(coded, out_k=out_k, out_v=raw_v)
+        assert torch.equal(raw_v.view(torch.uint8), kvcodec.decode(plain).v.view(torch.uint8))
         bad = bytearray(coded)
         bad[-1] ^= 1
         with pytest.raises(CorruptEncodedKVError) as e:
