@@ -12,6 +12,10 @@ is true for ``1``, ``true``, ``on``, ``yes`` and ``y``; anything else
 ``wire`` (the default: its own sockets, one buffer, :mod:`kvcodec.store.redis_wire`)
 or ``client`` (redis-py's pipeline, hiredis when installed): the benchmark's
 side-by-side rows, and a way back should a proxy speak RESP oddly.
+
+``KVCODEC_REDIS_READ_AHEAD`` says whether a load's later chunks are asked for ahead of their reads:
+``auto`` (the default: only from a server across a network, not one on this host's loopback or a
+Unix socket, whose work would take the engine's own cores), ``on`` or ``off``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["REDIS_READS", "TRITON_INTERPRET_TRUE", "redis_reads", "triton_interpret"]
+__all__ = [
+    "REDIS_READS",
+    "REDIS_READ_AHEAD",
+    "TRITON_INTERPRET_TRUE",
+    "redis_read_ahead",
+    "redis_reads",
+    "triton_interpret",
+]
 
 TRITON_INTERPRET_TRUE = frozenset({"1", "true", "on", "yes", "y"})
 """Lower-cased values Triton (3.6 to 3.9) reads as "on" for a boolean variable."""
@@ -40,3 +51,14 @@ def redis_reads(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     value = env.get("KVCODEC_REDIS_READS", "").strip().lower()
     return value if value in REDIS_READS else REDIS_READS[0]
+
+
+REDIS_READ_AHEAD = ("auto", "on", "off")
+"""The values of ``KVCODEC_REDIS_READ_AHEAD``, the default first."""
+
+
+def redis_read_ahead(environ: Mapping[str, str] | None = None) -> str:
+    """Whether the Redis store reads ahead: ``KVCODEC_REDIS_READ_AHEAD`` if it names a way, else ``auto``."""
+    env = os.environ if environ is None else environ
+    value = env.get("KVCODEC_REDIS_READ_AHEAD", "").strip().lower()
+    return value if value in REDIS_READ_AHEAD else REDIS_READ_AHEAD[0]

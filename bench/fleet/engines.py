@@ -9,8 +9,8 @@ prompts, then a fresh host B (own process, own empty local directory) runs them 
 * TTFT of B's hits, and of a recompute (an engine without a connector), medians over the prompts;
   the directory's and Redis's default read path each on two hosts B, one early and one late in the
   run (medians over both hosts' prompts: the order of the rows no longer favours one);
-  Redis read three ways (:data:`READ_PATHS`: kvcodec's own socket reads, redis-py with hiredis,
-  redis-py's Python parser), each a fresh host B on the same stored chunks;
+  Redis read four ways (:data:`READ_PATHS`: kvcodec's own socket reads, redis-py with hiredis,
+  redis-py's Python parser, read-ahead forced on), each a fresh host B on the same stored chunks;
   ``directory async`` / ``redis async``: a host B loading asynchronously, the connector's default
   (every other row loads synchronously, so a hit's load is inside its first step);
   ``redis+ram``: a host B with a RAM tier (``host_cache_bytes``) in front of Redis, its second pass
@@ -111,12 +111,14 @@ READ_PATHS = (
     ("redis", {}),
     ("redis client+hiredis", {"KVCODEC_REDIS_READS": "client"}),
     ("redis client, no hiredis", {"KVCODEC_REDIS_READS": "client", "PYTHONPATH": "NO_HIREDIS"}),
+    ("redis read-ahead on", {"KVCODEC_REDIS_READ_AHEAD": "on"}),
     ("redis", {}),
 )
-"""Host B reading from the same Redis three ways: kvcodec's own socket reads (the default), redis-py
-with hiredis, redis-py's Python parser. The default runs first and last (its row pools both hosts'
-prompts): the first host after a save runs while Redis and the machine settle, and rows of one
-engine each swing by 10-20 ms from run to run on this 2-core machine."""
+"""Host B reading from the same Redis four ways: kvcodec's own socket reads (the default; a server on
+loopback is not read ahead), redis-py with hiredis, redis-py's Python parser, and the default with
+read-ahead forced on (what a server across a network gets). The default runs first and last (its
+row pools both hosts' prompts): the first host after a save runs while Redis and the machine
+settle, and rows of one engine each swing by 10-20 ms from run to run on this 2-core machine."""
 
 
 def _redis_rows(work: Path, model: str, url: str, p: Prompts, timeout: float, pythonpath: str) -> dict:
@@ -326,6 +328,7 @@ ROWS = (
     "redis async",
     "redis client+hiredis",
     "redis client, no hiredis",
+    "redis read-ahead on",
     "redis+ram",
     "cluster",
     "redis lossless",
@@ -376,7 +379,7 @@ def table(res: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=3, help="timed prompts per store (medians over them)")
+    ap.add_argument("--prompts", type=int, default=8, help="timed prompts per store (medians over them)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine")
     args = ap.parse_args()

@@ -23,6 +23,7 @@ after a whole pipeline was read; any failure closes it. TLS and RESP3 servers ar
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import select
 import socket
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple
 import redis
 import redis.connection
 
+from ..env import redis_read_ahead
 from .base import ReadBufferPool
 
 __all__ = [
@@ -313,9 +315,10 @@ class Wire:
         """Send the first of ``groups`` now (up to :data:`READ_AHEAD_BYTES` of replies, at least one
         group), the rest as the reads before them are taken: the next :meth:`read` calls of this thread
         that ask for exactly these groups, in order, receive their replies. Drops the thread's
-        earlier read-ahead; empty ``groups``: only that. A failure to send drops it and is raised."""
+        earlier read-ahead; empty ``groups``, or a server this Wire does not read ahead from
+        (:meth:`reads_ahead`): only that. A failure to send drops it and is raised."""
         self.drop_ahead()
-        if not groups:
+        if not groups or not self.reads_ahead():
             return
         ahead = _Ahead(self._take(), deque(), deque(tuple(g) for g in groups))
         with self._lock:
@@ -326,6 +329,28 @@ class Wire:
         except BaseException:
             self.drop_ahead()
             raise
+
+    def reads_ahead(self) -> bool:
+        """Whether :meth:`read_ahead` sends anything (``KVCODEC_REDIS_READ_AHEAD``): ``auto`` only to a
+        server across a network. One on this host (loopback, a Unix socket) would build the replies
+        sent ahead on the cores the caller is checking and writing the chunk before on: measured in
+        the engine on a 2-core host, a hit 8 ms slower with it (docs/fleet.md)."""
+        mode = redis_read_ahead()
+        return mode == "on" or (mode == "auto" and not self.on_this_host)
+
+    @property
+    def on_this_host(self) -> bool:
+        """The server is reached through a Unix socket or a loopback address (by name: localhost)."""
+        k = self._kwargs
+        if k.get("path"):
+            return True
+        host = str(k.get("host", "")).strip("[]").lower()
+        if host == "localhost" or host.endswith(".localhost"):
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
 
     def drop_ahead(self) -> None:
         """Forget this thread's read-ahead; its socket, with replies maybe unread, is closed."""

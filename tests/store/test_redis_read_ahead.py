@@ -10,6 +10,7 @@ node is sent its own chunks ahead (its GETRANGE calls rise before any read)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +26,12 @@ from tests.redis_servers import chunk_keys, make_blob, redis_cluster, redis_miss
 LAYERS, CHUNKS, MAX = 4, 5, 1 << 20
 SIZES = [300, 196_000, 197_200, 787_300]
 """Whole values and values stored in two parts (head and tail)."""
+
+
+@pytest.fixture(autouse=True)
+def read_ahead_on(monkeypatch) -> None:
+    """These servers are on loopback, where ``auto`` sends nothing ahead: the hint's tests ask for it."""
+    monkeypatch.setenv("KVCODEC_REDIS_READ_AHEAD", "on")
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +138,30 @@ def test_a_tiered_store_tells_its_last_tier_only_what_no_faster_tier_holds(store
     tiered = TieredStore([Tier("ram", ram), Tier("remote", s)])
     tiered.read_ahead(_reads(groups[:3]))
     assert told == [[tuple(groups[0]), tuple(groups[2])]]
+
+
+@pytest.mark.parametrize("mode", ["auto", "off", "unknown"])
+def test_a_server_on_this_host_is_not_read_ahead_unless_asked(stored, server, monkeypatch, mode: str) -> None:
+    s, groups, blobs = stored
+    monkeypatch.setenv("KVCODEC_REDIS_READ_AHEAD", mode)
+    before = _getranges(server)
+    trips = s.stats()["round_trips"]
+    s.read_ahead(_reads(groups))
+    time.sleep(0.2)  # what a read-ahead would have sent is answered by now
+    assert _getranges(server) == before
+    for g in groups:
+        assert _read(s, g) == [blobs[k] for k in g]
+    assert s.stats()["round_trips"] - trips == len(groups)
+    assert _getranges(server) == before + 2 * sum(map(len, groups))
+    s.read_ahead([])
+
+
+def test_read_ahead_on_sends_before_the_reads(stored, server) -> None:
+    s, groups, _ = stored
+    before = _getranges(server)
+    s.read_ahead(_reads(groups[:1]))
+    wait_for(lambda: _getranges(server) == before + 2 * len(groups[0]), 10, "the first chunk read ahead")
+    s.read_ahead([])
 
 
 # ---------------------------------------------------------------- a cluster: each node its own groups

@@ -15,6 +15,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcodec.env import redis_read_ahead
 from kvcodec.store import StoreOptions, open_store
 from kvcodec.store.redis_wire import MAX_LINE, BadReply, Command, Part, Wire, receive
 from tests.redis_servers import chunk_keys, make_blob, redis_missing, redis_single
@@ -119,6 +120,33 @@ replies = st.lists(
 def test_replies_do_not_depend_on_how_the_bytes_arrive(rs: list, sizes: list[int]) -> None:
     data = b"".join(r[1] for r in rs)
     assert plain(receive(Pieces(data, sizes), [r[0] for r in rs])) == [r[2] for r in rs]
+
+
+@pytest.mark.parametrize(
+    ("where", "here"),
+    [
+        ({"path": "/run/redis.sock"}, True),
+        ({"host": "127.0.0.1", "port": 6379}, True),
+        ({"host": "127.8.0.3", "port": 6379}, True),
+        ({"host": "::1", "port": 6379}, True),
+        ({"host": "[::1]", "port": 6379}, True),
+        ({"host": "LocalHost", "port": 6379}, True),
+        ({"host": "10.0.0.5", "port": 6379}, False),
+        ({"host": "redis.internal", "port": 6379}, False),
+    ],
+)
+@pytest.mark.parametrize("mode", ["auto", "on", "off", ""])
+def test_read_ahead_by_default_only_across_a_network(monkeypatch, where: dict, here: bool, mode: str) -> None:
+    monkeypatch.setenv("KVCODEC_REDIS_READ_AHEAD", mode)
+    wire = Wire(where)
+    assert wire.on_this_host is here
+    assert wire.reads_ahead() is (mode == "on" or (mode in ("auto", "") and not here))
+
+
+def test_the_read_ahead_switch_is_read_in_one_place() -> None:
+    assert redis_read_ahead({}) == "auto"
+    assert redis_read_ahead({"KVCODEC_REDIS_READ_AHEAD": " ON "}) == "on"
+    assert redis_read_ahead({"KVCODEC_REDIS_READ_AHEAD": "sometimes"}) == "auto"
 
 
 # ---------------------------------------------------------------- on a real redis-server

@@ -34,6 +34,7 @@ def _load(conn: KvcodecConnector) -> set[int]:
 
 @pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
 def test_a_redis_hit_is_read_ahead_into_lent_buffers(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVCODEC_REDIS_READ_AHEAD", "on")  # a loopback server: not read ahead by default
     with redis_single(tmp_path / "redis") as srv:
         saver = _worker(srv.url)
         saves = [SaveSpec("w", c, HASHES[c], HASHES[c - 1] if c else None, BLOCK_IDS) for c in range(2)]
