@@ -12,7 +12,8 @@ prompts, then a fresh host B (own process, own empty local directory) runs them 
   Redis read four ways (:data:`READ_PATHS`: kvcodec's own socket reads, redis-py with hiredis,
   redis-py's Python parser, read-ahead forced on), each a fresh host B on the same stored chunks;
   ``directory async`` / ``redis async``: a host B loading asynchronously, the connector's default
-  (every other row loads synchronously, so a hit's load is inside its first step);
+  (every other row loads synchronously, so a hit's load is inside its first step), each on two
+  hosts too, pooled;
   ``redis+ram``: a host B with a RAM tier (``host_cache_bytes``) in front of Redis, its second pass
   over the prompts (hits from RAM; the first pass filled it from Redis); ``redis lossless``: host A
   and B with ``compression: "lossless"`` (their own key prefix in the same server); vLLM's own
@@ -299,23 +300,23 @@ def run(work: Path, n: int, timeout: float) -> dict[str, Any]:
     with redis_single(work) as srv, redis_cluster(work) as cl:
         stores = [("directory", None, PLAIN), ("redis", srv, PLAIN), ("cluster", cl, PLAIN)]
         stores.append(("redis lossless", srv, LOSSLESS))
+        limits = (timeout, pythonpath)
         for name, deployment, more in stores:
             url = None if deployment is None else deployment.url
-            row = _saved(work, model, name, deployment, p, out["raw_kv_bytes"], (timeout, pythonpath), more)
+            row = _saved(work, model, name, deployment, p, out["raw_kv_bytes"], limits, more)
             if name == "redis":
                 reads = _redis_rows(work, model, url, p, timeout, pythonpath)
                 out[name] = row | reads.pop("redis")
                 out |= reads
                 out["redis+ram"] = _ram_tier_row(work, model, url, p, timeout, pythonpath)
-                out["redis async"] = _host_b(work, model, "redis async", url, p, (timeout, pythonpath), ASYNC)
+                out["redis async"] = _host_b(work, model, "redis async", url, p, limits, ASYNC)
                 continue
-            out[name] = row | _host_b(work, model, name, url, p, (timeout, pythonpath), more)
-        out["directory"] |= _pooled(
-            out["directory"], _host_b(work, model, "directory-again", None, p, (timeout, pythonpath), PLAIN)
-        )
-        out["directory async"] = _host_b(
-            work, model, "directory async", None, p, (timeout, pythonpath), ASYNC
-        )
+            out[name] = row | _host_b(work, model, name, url, p, limits, more)
+            if name == "directory":
+                out["directory async"] = _host_b(work, model, "directory async", None, p, limits, ASYNC)
+        late = {"directory": (None, PLAIN), "directory async": (None, ASYNC), "redis async": (srv.url, ASYNC)}
+        for name, (url, more) in late.items():  # a second host late in the run, pooled with the first
+            out[name] |= _pooled(out[name], _host_b(work, model, f"{name} again", url, p, limits, more))
     out["prefix-cache"] = _prefix_cache_row(work, model, p, timeout, pythonpath)
     out["vllm-offloading"] = _vllm_offloading(model, timeout, pythonpath)
     return out
