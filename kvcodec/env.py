@@ -46,11 +46,15 @@ REDIS_READS = ("wire", "client")
 """The values of ``KVCODEC_REDIS_READS``, the default first."""
 
 
+def _choice(name: str, ways: tuple[str, ...], environ: Mapping[str, str] | None) -> str:
+    """``name``'s value (stripped, lower-cased) if it is one of ``ways``, else the first of them."""
+    value = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    return value if value in ways else ways[0]
+
+
 def redis_reads(environ: Mapping[str, str] | None = None) -> str:
     """How the Redis store receives reads: ``KVCODEC_REDIS_READS`` if it names a way, else ``wire``."""
-    env = os.environ if environ is None else environ
-    value = env.get("KVCODEC_REDIS_READS", "").strip().lower()
-    return value if value in REDIS_READS else REDIS_READS[0]
+    return _choice("KVCODEC_REDIS_READS", REDIS_READS, environ)
 
 
 REDIS_READ_AHEAD = ("auto", "on", "off")
@@ -59,6 +63,4 @@ REDIS_READ_AHEAD = ("auto", "on", "off")
 
 def redis_read_ahead(environ: Mapping[str, str] | None = None) -> str:
     """Whether the Redis store reads ahead: ``KVCODEC_REDIS_READ_AHEAD`` if it names a way, else ``auto``."""
-    env = os.environ if environ is None else environ
-    value = env.get("KVCODEC_REDIS_READ_AHEAD", "").strip().lower()
-    return value if value in REDIS_READ_AHEAD else REDIS_READ_AHEAD[0]
+    return _choice("KVCODEC_REDIS_READ_AHEAD", REDIS_READ_AHEAD, environ)
