@@ -182,7 +182,7 @@ def headline_workloads(quick: bool = False) -> list[Workload]:
         dequant_triton.dequantize(q, s, ScaleScope.PER_PAGE_HEAD, page_size=PS, out_dtype=f16)
 
     out.append(Workload("unfused amax+quantize+dequantize per_page_head", unfused))
-    return out + vllm_workloads()
+    return out + vllm_workloads() + planes_workloads()
 
 
 VLLM_LAYOUTS = ("LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
@@ -247,6 +247,34 @@ def vllm_workloads() -> list[Workload]:
     out += [Workload(f"vllm decode {L}L {lay} per_page_head", dec(lay, PH, PS)) for lay in ("LBNHC", "LHBNC")]
     out.append(Workload(f"vllm decode {L}L LBNHC per_tensor", dec("LBNHC", PT, None)))
     return out
+
+
+def planes_workloads() -> list[Workload]:
+    """The lossless payload's K byte planes split and merged on the device (one headline layer; and a
+    token count that is not a multiple of 16, whose transposed plane cannot take 128-bit accesses)."""
+    import torch
+    from kvcodec.kernels import planes_triton
+
+    T, H, D = (HEADLINE[k] for k in ("tokens", "heads", "dim"))
+
+    def split(t: int) -> Callable[[], None]:
+        return lambda: planes_triton.split_k_planes(torch.empty(t, H, D, dtype=torch.float16))
+
+    def merge(t: int) -> Callable[[], None]:
+        def run() -> None:
+            n = t * H * D
+            hi, lo = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+            planes_triton.merge_k_planes(hi, lo, torch.empty(t, H, D, dtype=torch.bfloat16))
+
+        return run
+
+    odd = T - 6
+    return [
+        Workload(f"planes split 1L {T} tokens", split(T)),
+        Workload(f"planes merge 1L {T} tokens", merge(T)),
+        Workload(f"planes split 1L {odd} tokens", split(odd), vec=False),
+        Workload(f"planes merge 1L {odd} tokens", merge(odd), vec=False),
+    ]
 
 
 # ----------------------------------------------------------------------------
@@ -566,7 +594,7 @@ def analyze(job: CompileJob, ptx: str, sass: str, res: str, shared: int, seconds
 def compile_job(job: CompileJob) -> Record:
     """Compile one job and measure it (never raises: a failed compile is a record)."""
     import triton
-    from kvcodec.kernels import vllm_triton  # noqa: F401  (imports and registers every kernel)
+    from kvcodec.kernels import planes_triton, vllm_triton  # noqa: F401  (imports and registers every kernel)
     from kvcodec.kernels.tiles import JIT_KERNELS
 
     t0 = time.perf_counter()

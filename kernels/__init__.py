@@ -14,6 +14,8 @@ connector's fused path) asks for them:
   ``K ‖ FP8(V) ‖ scales``, one or all layers per launch;
 * :mod:`.vllm_triton`: the fused gather+encode and decode+scatter over
   vLLM 0.33's per-layer cache views (any ``KVCacheLayout``);
+* :mod:`.planes_triton`: K's byte planes of the lossless payload (high
+  plane channel by channel, low plane token-major), split and merged;
 * :mod:`.operands` (argument checks, payload geometry, operand and layer
   addressing), :mod:`.device` (Triton device helpers, the argument naming
   scheme), :mod:`.tiles` (the tile-kernel registry and launch path),

@@ -5,7 +5,8 @@ full, so grep finds every use):
 
 * an operand is a short prefix: ``k``/``v`` (K and V in), ``p``/``pay``
   (payload), ``q`` (FP8 codes in), ``o`` (codes out), ``ko``/``vo`` (K and V
-  out), ``s`` (scales), ``tbl`` (block table), ``amax``/``abits`` (absmax);
+  out), ``s`` (scales), ``tbl`` (block table), ``amax``/``abits`` (absmax),
+  ``hi``/``lo`` (K's byte planes of the lossless payload, contiguous);
 * ``<op>_ptr`` is its base pointer, ``<op>_ltab`` its per-layer offset
   table and ``<OP>_TAB`` that table's constexpr (0: ``layer * <op>_sl``);
 * its element strides are ``<op>_st`` (token), ``<op>_sh`` (head),
