@@ -14,8 +14,9 @@ Beyond the four operations, the interface declares optional lanes (:class:`Lanes
 offered by one backend and named in its :attr:`Backend.lanes` (asked, never probed):
 ``encode_fused`` / ``encode_fused_layers`` / ``empty_payloads`` (Triton: K, codes and
 scales of a blob in one launch), ``encode_host`` / ``decode_host`` (cpu: a host blob's
-payload in one C call, numpy views only, the CRC folded in) and ``scatter_rows`` /
-``scatter_blob_rows_many`` (cpu: rows straight into a paged cache view). A lane returns
+payload in one C call, numpy views only, the CRC folded in), ``scatter_rows`` /
+``scatter_blob_rows_many`` (cpu: rows straight into a paged cache view) and ``split_k_planes`` /
+``merge_k_planes`` (Triton: the lossless payload's K byte planes on K's device). A lane returns
 one typed result (:class:`Served` for the cpu lanes) or raises :class:`Declined`;
 :func:`kvcodec.backends.call` runs it and, when it declines, the caller's own path (its
 ``fallback``), counted as every fallback is. Only :mod:`kvcodec.backends` catches
@@ -144,6 +145,8 @@ LANES = (
     "decode_host",
     "scatter_rows",
     "scatter_blob_rows_many",
+    "split_k_planes",
+    "merge_k_planes",
 )
 """Every optional lane a backend may offer (:attr:`Backend.lanes`)."""
 
@@ -216,6 +219,16 @@ class Lanes:
         of the cache view, one pass over ``runs``; per layer a :class:`Served` (its ``crc`` continued over
         K and the codes from the given seed) or the :class:`Declined` it met (nothing written there)."""
         return [self._none("scatter_blob_rows_many") for _ in writes]
+
+    def split_k_planes(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A 16-bit ``[T, H, D]`` K's byte planes of the lossless payload on K's device: the high plane
+        ``[H, D, T]`` and the low plane ``[T, H, D]``, each flat uint8 (``docs/FORMAT.md``)."""
+        raise self._none("split_k_planes")
+
+    def merge_k_planes(self, hi: torch.Tensor, lo: torch.Tensor, out_k: torch.Tensor) -> torch.Tensor:
+        """``out_k`` (16-bit ``[T, H, D]``) written from K's planes on its device (the reverse of
+        :meth:`split_k_planes`, bit for bit); returns ``out_k``."""
+        raise self._none("merge_k_planes")
 
 
 class TwoPass(Lanes):

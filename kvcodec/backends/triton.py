@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from ..format import ScaleScope
-from ..kernels.launch import is_recording
+from ..kernels.launch import INTERPRET, is_recording
 from ..kernels.operands import PAYLOAD_ALIGN, check_scope, empty_payloads
-from .base import Groups, NonFinitePolicy, TwoPass
+from .base import Declined, Groups, NonFinitePolicy, TwoPass
 
-__all__ = ["BACKEND", "PAYLOAD_ALIGN", "TritonBackend"]
+__all__ = ["BACKEND", "PAYLOAD_ALIGN", "PLANE_DTYPES", "TritonBackend"]
 
 
 def _quant() -> Any:
@@ -48,11 +48,23 @@ def _vllm() -> Any:
     return vllm_triton
 
 
+def _planes() -> Any:
+    from ..kernels import planes_triton
+
+    return planes_triton
+
+
+PLANE_DTYPES = (torch.float16, torch.bfloat16)
+"""K dtypes the planes lane takes (the 16-bit K the lossless payload codes)."""
+
+
 class TritonBackend(TwoPass):
     """Scales, FP8 codes and dequantization as Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
-    lanes = frozenset({"encode_fused", "encode_fused_layers", "empty_payloads"})
+    lanes = frozenset(
+        {"encode_fused", "encode_fused_layers", "empty_payloads", "split_k_planes", "merge_k_planes"}
+    )
 
     def scales(self, v: torch.Tensor, groups: Groups, nonfinite: NonFinitePolicy) -> torch.Tensor:
         """fp32 scales of ``v``."""
@@ -112,6 +124,26 @@ class TritonBackend(TwoPass):
     def gather_encode_layers(self, views: Any, block_ids: Any, **kw: Any) -> torch.Tensor:
         """Every layer's payload of a chunk straight from the views; returns the absmax ``[L, *scale_shape]``."""
         return _vllm().gather_encode_layers(views, block_ids, **kw)
+
+    # Planes lane: the lossless payload's K byte planes (kvcodec.codec.lossless_device).
+
+    def _planes_ok(self, *ts: torch.Tensor) -> None:
+        """Decline unless the kernels can take these tensors (a 16-bit K, one device they run on)."""
+        k = ts[0]
+        if k.dtype not in PLANE_DTYPES or k.dim() != 3:
+            raise Declined(f"K's planes need a [T, H, D] fp16/bf16 K; got {k.dtype} {tuple(k.shape)}")
+        if any(t.device != k.device for t in ts) or (k.device.type == "cpu" and not INTERPRET):
+            raise Declined(f"K's planes on the device: tensors on {sorted({str(t.device) for t in ts})}")
+
+    def split_k_planes(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K's high plane ``[H, D, T]`` and low plane ``[T, H, D]`` (flat uint8) on K's device, one launch."""
+        self._planes_ok(k)
+        return _planes().split_k_planes(k)
+
+    def merge_k_planes(self, hi: torch.Tensor, lo: torch.Tensor, out_k: torch.Tensor) -> torch.Tensor:
+        """``out_k`` written from K's planes (on its device) in one launch; returns ``out_k``."""
+        self._planes_ok(out_k, hi, lo)
+        return _planes().merge_k_planes(hi, lo, out_k)
 
     def writes_host_memory(self, device: torch.device) -> bool:
         """True when launches on ``device`` write host tensors directly (the interpreter; not while recording)."""
