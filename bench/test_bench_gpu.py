@@ -115,7 +115,7 @@ def test_benchmark_harness_on_cpu(tmp_path: Path) -> None:
     timer = gc.Timer(dev, warmup=0, reps=1, flush_mb=1)
     rows, copy_bw, extra = gc.run_benchmarks(dev, sizes, timer)
     kinds = {r.kind for r in rows}
-    assert kinds == {"encode", "decode", "gather"}
+    assert kinds == {"encode", "decode", "gather", "planes"}
     assert all(r.ms > 0 and r.fraction > 0 for r in rows)
     assert len(copy_bw) == 3
     host = extra["host"]
@@ -166,7 +166,7 @@ def test_main_smoke_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "benchmark" in text and "host CPU per 2-layer chunk" in text and "wrote" in text
     summary = json.loads(out.read_text())
     assert summary["checks_ok"] and summary["tests"] == {"ran": False, "reason": "--skip-tests"}
-    assert {r["kind"] for r in summary["bench"]} == {"encode", "decode", "gather"}
+    assert {r["kind"] for r in summary["bench"]} == {"encode", "decode", "gather", "planes"}
     assert "launch_us" in summary["host"] and summary["copy_GBps"]
 
 

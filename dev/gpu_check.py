@@ -13,7 +13,8 @@ It runs, in this order, within about 6 minutes:
    tests/kernels/test_triton_vllm.py (the vLLM connector's fused kernels), tests/integrations/vllm/test_fused.py,
    tests/integrations/vllm/test_fused_async.py (its side-stream save and load), and
    tests/kernels/test_fused_scale_underflow.py, tests/kernels/test_division_proof.py (the
-   one-reciprocal division on the hardware), on CUDA tensors) when pytest is
+   one-reciprocal division on the hardware), tests/kernels/test_triton_planes.py (the lossless
+   payload's K byte planes split and merged on the device), on CUDA tensors) when pytest is
    installed;
 3. benchmarks, each against the device-to-device copy of the same bytes
    (``torch.empty_like(x).copy_(x)``) measured in the same run with CUDA
@@ -24,6 +25,9 @@ It runs, in this order, within about 6 minutes:
    * the same for one 32k-token layer (target >= 85%);
    * the vLLM connector's gather+encode from a 64k-block layer view with
      shuffled block ids (target >= 70%);
+   * the lossless payload's K byte planes split from and merged into the
+     32k-token layer's K (no target: measured; the entropy stage is a CPU
+     stage, see docs/kernels.md);
    * host CPU time per 32-layer chunk: the launch plus packing 32 headers
      with ``kvcodec.format.HeaderPacker`` (target < 100 us).
 
@@ -64,6 +68,7 @@ TEST_FILES = (
     "tests/integrations/vllm/test_fused_async.py",
     "tests/kernels/test_fused_scale_underflow.py",
     "tests/kernels/test_division_proof.py",
+    "tests/kernels/test_triton_planes.py",
 )
 
 
@@ -351,7 +356,36 @@ def builtin_checks(device: str, *, quick: bool = False) -> list[dict[str, Any]]:
             )
     for layout in ("NHD", "HND"):
         check(f"vLLM view gather + fused encode ({layout})", lambda lay=layout: vllm_views(lay))
+    for dt in (torch.float16, torch.bfloat16):
+        check(
+            f"K planes split + merge vs numpy and C ({str(dt).removeprefix('torch.')}, {t + 1}x{h}x{d})",
+            lambda dt=dt: k_planes_roundtrip(device, (t + 1, h, d), dt),
+        )
     return out
+
+
+def k_planes_roundtrip(device: str, shape: tuple[int, int, int], dtype: Any) -> bool:
+    """The lossless payload's K planes split on ``device`` equal numpy's (and the C loops' where built),
+    and merge back to K bit for bit; every 16-bit pattern may occur."""
+    import numpy as np
+    import torch
+    from kvcodec.kernels import planes_triton
+
+    from kvcodec import backends
+
+    t, h, d = shape
+    g = torch.Generator().manual_seed(1)
+    k = torch.randint(-32768, 32768, shape, generator=g, dtype=torch.int32).to(torch.int16).view(dtype)
+    kb = k.view(torch.uint8).numpy().reshape(t, h, d, 2)
+    want_hi, want_lo = kb[..., 1].transpose(1, 2, 0).reshape(-1), kb[..., 0].reshape(-1)
+    hi, lo = planes_triton.split_k_planes(k.to(device))
+    ok = np.array_equal(hi.cpu().numpy(), want_hi) and np.array_equal(lo.cpu().numpy(), want_lo)
+    c_hi, c_lo = np.empty(k.numel(), np.uint8), np.empty(k.numel(), np.uint8)
+    if backends.k_planes(memoryview(kb).cast("B"), c_hi, c_lo, t, h, d, merge=False):
+        ok = ok and np.array_equal(c_hi, want_hi) and np.array_equal(c_lo, want_lo)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    planes_triton.merge_k_planes(hi, lo, out)
+    return ok and torch.equal(out.cpu().view(torch.int16), k.view(torch.int16))
 
 
 # ----------------------------------------------------------------------------
@@ -504,6 +538,20 @@ def run_benchmarks(
                     moved,
                     TARGETS["decode"],
                 )
+
+    # The lossless payload's K byte planes of the large layer, split and merged on the device.
+    if not over_budget("K planes"):
+        from kvcodec.kernels import planes_triton
+
+        kp = torch.randn((sizes.big_tokens, H, D), dtype=torch.float16, device=device, generator=g)
+        hi, lo = planes_triton.split_k_planes(kp)
+        kpo = torch.empty_like(kp)
+        c_ms = _copy_ms(timer, kp.numel() * 2, device)
+        for what, fn in (
+            ("split", lambda: planes_triton.split_k_planes(kp, hi=hi, lo=lo)),
+            ("merge", lambda: planes_triton.merge_k_planes(hi, lo, kpo)),
+        ):
+            measure(f"K planes {what} 1x{sizes.big_tokens}", "planes", fn, c_ms, 2 * kp.numel() * 2, None)
 
     # vLLM connector's gather+encode from one big layer view, shuffled block ids.
     if not over_budget("vllm gather+encode"):
