@@ -247,7 +247,7 @@ def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
     k_len = c.plain.k_payload_len
     _decode_streams(p.v, c.v, raw, mv, hs + k_len, dim, dim, heads * dim, "V")
     if c.k is not None:
-        hi = np.empty(heads * raw, np.uint8)
+        hi = np.frombuffer(_scratch_view(heads * raw, "hi"), np.uint8)  # K's high plane, merged below
         _decode_streams(p.k, c.k, raw, hi, 0, raw, raw, raw, "K")
         _merge_k(mv[hs : hs + k_len], hi, p.k[c.k.raw_at :], c)
 
@@ -355,19 +355,22 @@ def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None
 
 
 SCRATCH_MAX_BYTES = 64 << 20
-"""The largest plain payload :func:`expand_payload` writes into its thread's reused buffer (a larger
-one gets a buffer of its own, freed with it): what a thread keeps between decodes is bounded."""
+"""The largest plain payload (or K high plane) :func:`expand_payload` writes into one of its thread's
+two reused buffers (a larger one gets a buffer of its own, freed with it): what a thread keeps between
+decodes is bounded, at twice this."""
 _scratch = threading.local()
 
 
-def _scratch_view(n: int) -> memoryview:
-    """``n`` bytes of this thread's reused buffer (grown to the largest payload asked for, up to
-    :data:`SCRATCH_MAX_BYTES`), or a new buffer's beyond that."""
+def _scratch_view(n: int, name: str = "payload") -> memoryview:
+    """``n`` bytes of this thread's reused buffer ``name`` (grown to the largest size asked for, up to
+    :data:`SCRATCH_MAX_BYTES`), or a new buffer's beyond that. Two names: the plain payload, and K's high
+    plane before it is merged (a fresh buffer of that size each decode costs its page faults)."""
     if n > SCRATCH_MAX_BYTES:
         return memoryview(new_buffer(n))
-    buf = getattr(_scratch, "buf", None)
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.size < n:
-        buf = _scratch.buf = np.empty(n, np.uint8)
+        buf = np.empty(n, np.uint8)
+        setattr(_scratch, name, buf)
     return memoryview(buf)[:n]
 
 

@@ -151,12 +151,16 @@ void huff_lengths(const uint64_t freq[256], uint8_t len[256]) {
         for (unsigned c = 0; c < count[l]; c++) len[it[i--].s] = (uint8_t)l;
 }
 
-/* Byte b's bits reversed. */
-static inline unsigned rev8(unsigned b) {
-    b = (b & 0xf0u) >> 4 | (b & 0x0fu) << 4;
-    b = (b & 0xccu) >> 2 | (b & 0x33u) << 2;
-    return (b & 0xaau) >> 1 | (b & 0x55u) << 1;
-}
+/* Byte b's bits reversed, for all b (a table: canonical() runs once per stream, its lookups per symbol). */
+static const uint8_t REV8[256] = {
+#define R2(n) n, n + 2 * 64, n + 1 * 64, n + 3 * 64
+#define R4(n) R2(n), R2(n + 2 * 16), R2(n + 1 * 16), R2(n + 3 * 16)
+#define R6(n) R4(n), R4(n + 2 * 4), R4(n + 1 * 4), R4(n + 3 * 4)
+    R6(0), R6(2), R6(1), R6(3)
+#undef R2
+#undef R4
+#undef R6
+};
 
 /* Canonical codes of `len`, bit-reversed for LSB-first packing. */
 static void canonical(const uint8_t len[256], uint16_t code[256]) {
@@ -172,7 +176,7 @@ static void canonical(const uint8_t len[256], uint16_t code[256]) {
             continue;
         }
         unsigned c = next[l]++;
-        code[s] = (uint16_t)((rev8(c & 0xffu) << 8 | rev8(c >> 8)) >> (16 - l));
+        code[s] = (uint16_t)(((unsigned)REV8[c & 0xffu] << 8 | REV8[c >> 8]) >> (16 - l));
     }
 }
 
@@ -549,6 +553,24 @@ typedef struct {
     size_t n, row, stride;
 } Stream;
 
+/* The decoding table of lengths cl and codes code: built by doubling (the entries of the codes of up to
+ * l bits in t[0 .. 2^l), copied to t[2^l .. 2^(l+1)), then the (l+1)-bit codes written), so that each
+ * code is written once and the rest is copying; holes stay 0. */
+static void fill_table(uint16_t *t, const uint8_t cl[256], const uint16_t code[256]) {
+    uint8_t sym[256];
+    unsigned start[HUFF_MAX_LEN + 2] = {0};
+    for (int s = 0; s < 256; s++) start[cl[s] + 1]++;
+    for (int l = 1; l <= HUFF_MAX_LEN + 1; l++) start[l] += start[l - 1];
+    unsigned at[HUFF_MAX_LEN + 1];
+    memcpy(at, start, sizeof at);
+    for (int s = 0; s < 256; s++) sym[at[cl[s]]++] = (uint8_t)s; /* by length; length 0 first, unused */
+    t[0] = t[1] = 0;
+    for (unsigned l = 1; l <= HUFF_MAX_LEN; l++) {
+        if (l > 1) memcpy(t + (1u << (l - 1)), t, sizeof *t << (l - 1));
+        for (unsigned i = start[l]; i < start[l + 1]; i++) t[code[sym[i]]] = (uint16_t)(l | (unsigned)sym[i] << 8);
+    }
+}
+
 /* The stream's head read and checked, its table built and its lanes laid out; nothing written. */
 static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
                    uint8_t *scratch) {
@@ -572,11 +594,8 @@ static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t
         rest -= lane_len[i];
     }
     lane_len[3] = rest;
-    memset(st->t, 0, sizeof st->t);
     canonical(cl, st->code);
-    for (int s = 0; s < 256; s++)
-        if (cl[s])
-            for (unsigned j = st->code[s]; j < TABLE_SIZE; j += 1u << cl[s]) st->t[j] = (uint16_t)(cl[s] | s << 8);
+    fill_table(st->t, cl, st->code);
     st->kraft = kraft, st->mean = mean;
     st->n = n, st->row = row, st->stride = stride, st->out = out;
     st->dst = row < stride && n ? scratch : out;
