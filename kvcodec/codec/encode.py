@@ -490,25 +490,31 @@ def _refuse_overlap(p: EncodePlan, mv: memoryview) -> None:
 
 
 def _write_blob(
-    p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any = None
+    p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any = None, *, crc: bool = True
 ) -> tuple[Any, memoryview]:
-    """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view."""
+    """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view.
+
+    ``crc=False``: the CRC field left 0 and no CRC computed, for a blob only read back here with
+    ``verify_crc=False`` (the plain blob the lossless stage codes: its own CRC is computed anew)."""
     hs = packer.size
     size = hs + p.header.payload_len
     owner = new_buffer(size) if out is None else out  # every byte is written below
     mv = _out_view(owner, size)
     if out is not None:
         _refuse_overlap(p, mv)
-    crc = None
+    value = None if crc else 0  # None: computed from the payload when the header is packed
     if p.v.device.type == "cpu":
         # The header first (its CRC field later): the payload's pass can then carry the CRC on from it.
         packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, crc=0)
-        crc = write_payload(p, mv[hs:], crc_seed=payload_crc(p.header, mv[: hs - 4], ()))
+        if crc:
+            value = write_payload(p, mv[hs:], crc_seed=payload_crc(p.header, mv[: hs - 4], ()))
+        else:
+            write_payload(p, mv[hs:])
     else:
         dev_payload = torch.empty(p.header.payload_len, dtype=torch.uint8, device=p.v.device)
         write_payload(p, dev_payload)
         torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
-    packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, payload=mv[hs:], crc=crc)
+    packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, payload=mv[hs:], crc=value)
     return owner, mv
 
 
@@ -570,7 +576,7 @@ def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, *
     spec = EncodeSpec.of(spec, options)
     lossless = _lossless(spec, out)
     plan, packer = _planned(k, v, spec)
-    owner, mv = _write_blob(plan, packer, spec, out)
+    owner, mv = _write_blob(plan, packer, spec, out, crc=not lossless)
     if lossless:
         return compress_blob(parse(owner, verify_crc=False))
     return owner if out is None else mv
