@@ -38,7 +38,8 @@ from ..hostmem import buffer_address, copy_scale_bytes, copy_tensor, new_buffer,
 from ..numerics import FP8_DTYPES, check_amax, check_layers_amax, check_scales, scale_shape
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
-from .lossless import COMPRESSIONS, compress_blob
+from .lossless import COMPRESSIONS, Planes, compress_blob
+from .lossless_device import split_to_host
 from .spec import EncodeSpec
 
 __all__ = [
@@ -490,12 +491,20 @@ def _refuse_overlap(p: EncodePlan, mv: memoryview) -> None:
 
 
 def _write_blob(
-    p: EncodePlan, packer: HeaderPacker, spec: EncodeSpec, out: Any = None, *, crc: bool = True
+    p: EncodePlan,
+    packer: HeaderPacker,
+    spec: EncodeSpec,
+    out: Any = None,
+    *,
+    crc: bool = True,
+    k_bytes: bool = True,
 ) -> tuple[Any, memoryview]:
     """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view.
 
     ``crc=False``: the CRC field left 0 and no CRC computed, for a blob only read back here with
-    ``verify_crc=False`` (the plain blob the lossless stage codes: its own CRC is computed anew)."""
+    ``verify_crc=False`` (the plain blob the lossless stage codes: its own CRC is computed anew).
+    ``k_bytes=False``: a payload written on a device leaves K's bytes there, uncopied (the lossless
+    stage then codes K's planes, split on the device: K never crosses twice)."""
     hs = packer.size
     size = hs + p.header.payload_len
     owner = new_buffer(size) if out is None else out  # every byte is written below
@@ -513,7 +522,8 @@ def _write_blob(
     else:
         dev_payload = torch.empty(p.header.payload_len, dtype=torch.uint8, device=p.v.device)
         write_payload(p, dev_payload)
-        torch.frombuffer(mv[hs:], dtype=torch.uint8).copy_(dev_payload)
+        skip = 0 if k_bytes else p.header.k_payload_len
+        torch.frombuffer(mv[hs + skip :], dtype=torch.uint8).copy_(dev_payload[skip:])
     packer.pack_into(mv, layer_id=spec.layer_id, chunk_id=spec.chunk_id, payload=mv[hs:], crc=value)
     return owner, mv
 
@@ -576,10 +586,19 @@ def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, *
     spec = EncodeSpec.of(spec, options)
     lossless = _lossless(spec, out)
     plan, packer = _planned(k, v, spec)
-    owner, mv = _write_blob(plan, packer, spec, out, crc=not lossless)
+    planes = _device_planes(plan, spec) if lossless else None
+    owner, mv = _write_blob(plan, packer, spec, out, crc=not lossless, k_bytes=planes is None)
     if lossless:
-        return compress_blob(parse(owner, verify_crc=False))
+        return compress_blob(parse(owner, verify_crc=False), k_planes=planes)
     return owner if out is None else mv
+
+
+def _device_planes(plan: EncodePlan, spec: EncodeSpec) -> Planes | None:
+    """K's byte planes split where K lives (a GPU; Triton's interpreter when named) and copied to the
+    host for the lossless stage, or None: the host splits the plain blob's K (a CPU K, no Triton)."""
+    if plan.k is None or not plan.k.numel():
+        return None
+    return split_to_host(plan.k, backend=spec.backend)
 
 
 def _lossless(spec: EncodeSpec, out: Any) -> bool:

@@ -64,6 +64,7 @@ __all__ = [
     "CODERS",
     "COMPRESSIONS",
     "DEFLATE_CODER",
+    "Planes",
     "compress_blob",
     "expand_blob",
     "expand_payload",
@@ -168,7 +169,26 @@ def _encode_streams(
     return got
 
 
-def _huffman_blob(p: ParsedBlob, tokens: int, heads: int, dim: int) -> bytearray:
+Planes = tuple[np.ndarray, np.ndarray]
+"""K's high plane ``[heads, dim, tokens]`` and low plane ``[tokens, heads, dim]``, flat uint8."""
+
+
+def _planes_of(p: ParsedBlob, tokens: int, heads: int, dim: int, given: Planes | None) -> Planes:
+    """K's planes: those ``given`` (split where K lives: kvcodec.codec.lossless_device), else split here
+    from the plain blob's K."""
+    if given is None:
+        return _split_k(p.k, tokens, heads, dim)
+    n = tokens * heads * dim
+    if len(given) != 2 or any(
+        not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.size != n for a in given
+    ):
+        raise _refuse(f"k_planes must be two uint8 arrays of {n} bytes (K's high and low planes)")
+    return given[0].reshape(-1), given[1].reshape(-1)
+
+
+def _huffman_blob(
+    p: ParsedBlob, tokens: int, heads: int, dim: int, planes: Planes | None = None
+) -> bytearray:
     """The LOSSLESS_HUFF(_UNIT) blob of plain blob ``p``: streams coded in place into one buffer."""
     h, raw, hs = p.header, tokens * dim, p.header_len
     bound = max_stream_len(raw, huffman=True)
@@ -179,7 +199,7 @@ def _huffman_blob(p: ParsedBlob, tokens: int, heads: int, dim: int) -> bytearray
     mv = memoryview(out)
     at = hs
     if h.k_payload_len:
-        hi, lo = _split_k(p.k, tokens, heads, dim)
+        hi, lo = _planes_of(p, tokens, heads, dim, planes)
         lengths = _encode_streams(
             hi, 0, raw, heads, raw, raw, raw, mv[at + table : at + table + heads * bound]
         )
@@ -255,22 +275,24 @@ def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
 # ----------------------------------------------------------------------------- deflate (schemes 3/4)
 
 
-def _deflate_parts(p: ParsedBlob, tokens: int, heads: int, dim: int) -> list[Any]:
+def _deflate_parts(p: ParsedBlob, tokens: int, heads: int, dim: int, planes: Planes | None) -> list[Any]:
     """The deflate payload's parts in order: K's table, streams and low plane; V's table and streams."""
     codes = np.frombuffer(p.v, np.uint8).reshape(tokens, heads, dim)
     v_streams = [_compress(np.ascontiguousarray(codes[:, i, :])) for i in range(heads)]
     parts: list[Any] = []
     if p.header.k_payload_len:
-        hi, lo = _split_k(p.k, tokens, heads, dim)
+        hi, lo = _planes_of(p, tokens, heads, dim, planes)
         per = tokens * dim
         k_streams = [_compress(hi[i * per : (i + 1) * per]) for i in range(heads)]
         parts += [pack_table([len(s) for s in k_streams]), *k_streams, lo]
     return [*parts, pack_table([len(s) for s in v_streams], tokens), *v_streams]
 
 
-def _deflate_blob(p: ParsedBlob, tokens: int, heads: int, dim: int) -> bytearray:
+def _deflate_blob(
+    p: ParsedBlob, tokens: int, heads: int, dim: int, planes: Planes | None = None
+) -> bytearray:
     h = p.header
-    parts = _deflate_parts(p, tokens, heads, dim)
+    parts = _deflate_parts(p, tokens, heads, dim, planes)
     sizes = [memoryview(x).nbytes for x in parts]
     v_len = sum(sizes[-(heads + 1) :])
     coded = h.replace(
@@ -332,17 +354,20 @@ def _expand_deflate(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
 # ----------------------------------------------------------------------------- both
 
 
-def compress_blob(plain: Any, *, coder: str = "huffman") -> bytearray:
+def compress_blob(plain: Any, *, coder: str = "huffman", k_planes: Planes | None = None) -> bytearray:
     """The lossless blob of plain version-2 blob ``plain`` (checked, CRC included): Huffman streams
     (scheme LOSSLESS_HUFF or LOSSLESS_HUFF_UNIT), or raw deflate with ``coder="deflate"`` (LOSSLESS,
-    LOSSLESS_UNIT: what kvcodec wrote before; kept for golden vectors and tests)."""
+    LOSSLESS_UNIT: what kvcodec wrote before; kept for golden vectors and tests).
+
+    ``k_planes``: K's (high, low) planes already split where K lives (an encode of a GPU K), used
+    instead of the plain blob's K bytes, which are then never read."""
     if coder not in CODERS:
         raise _refuse(f"coder={coder!r}; expected one of {CODERS}")
     p = plain if isinstance(plain, ParsedBlob) else parse(plain)
     tokens, heads, dim = _check_plain(p.header)
     if coder == "deflate":
-        return _deflate_blob(p, tokens, heads, dim)
-    return _huffman_blob(p, tokens, heads, dim)
+        return _deflate_blob(p, tokens, heads, dim, k_planes)
+    return _huffman_blob(p, tokens, heads, dim, k_planes)
 
 
 def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None:

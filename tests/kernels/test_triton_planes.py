@@ -20,7 +20,7 @@ from kvcodec.kernels import configs, planes_triton  # noqa: E402
 
 from kvcodec import backends, decode, encode  # noqa: E402
 from kvcodec.backends import Declined  # noqa: E402
-from kvcodec.codec import huffman, lossless_device  # noqa: E402
+from kvcodec.codec import huffman, lossless, lossless_device  # noqa: E402
 from kvcodec.errors import UnsupportedConfigError  # noqa: E402
 from kvcodec.format import parse, read_coding  # noqa: E402
 
@@ -186,3 +186,30 @@ def test_cuda_default_backend_takes_the_planes_lane() -> None:
     out = torch.empty_like(k).cuda()
     assert lossless_device.merge_on_device(*want, out)
     assert torch.equal(bits(out), bits(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope", ["per_page_head", "per_layer_head"])
+def test_lossless_encode_through_device_planes_is_the_host_blob(dtype: torch.dtype, scope: str) -> None:
+    """``encode(..., compression="lossless")`` with Triton splitting K's planes where K lives (the
+    interpreter here, the GPU on one; K's bytes then never copied to the host) writes the blob the host
+    path writes, byte for byte, and it decodes to K exactly."""
+    t, h, d = 40, 3, 64
+    k = torch.randn(t, h, d).to(dtype)
+    v = torch.randn(t, h, d).to(dtype)
+    opts = {"scope": scope, "page_size": 16, "compression": "lossless"}
+    host = encode(k, v, **opts)
+    got = encode(k.to(DEVICE), v.to(DEVICE), backend="triton", **opts)
+    assert bytes(got) == bytes(host)
+    assert torch.equal(bits(decode(got).k), bits(k))
+
+
+def test_compress_blob_refuses_planes_of_the_wrong_size() -> None:
+    k, v = torch.randn(8, 2, 64).half(), torch.randn(8, 2, 64).half()
+    plain = encode(k, v, scope="per_layer_head")
+    hi, lo = oracle(k)
+    assert bytes(lossless.compress_blob(plain, k_planes=(hi, lo))) == bytes(lossless.compress_blob(plain))
+    with pytest.raises(UnsupportedConfigError, match="k_planes"):
+        lossless.compress_blob(plain, k_planes=(hi[:-1], lo))
+    with pytest.raises(UnsupportedConfigError, match="k_planes"):
+        lossless.compress_blob(plain, k_planes=(hi.astype(np.int8), lo))
