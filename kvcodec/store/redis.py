@@ -416,7 +416,9 @@ class RedisStore(RedisCalls):
         """Ask for ``reads`` now (see :class:`~kvcodec.store.BlobStore`) on our own sockets
         (:meth:`~.redis_wire.Wire.read_ahead`; on a cluster, each node its own reads); TLS, or reads
         through redis-py ignore the hint. A server that fails here is an outage, as on any call;
-        nothing is raised."""
+        nothing is raised. Nothing is built for servers it would not send to (:meth:`reads_ahead`)."""
+        if reads and not self.reads_ahead():
+            return
         try:
             groups = []
             for r in reads:

@@ -19,6 +19,7 @@ from kvcodec.errors import StoreUnavailableError
 from kvcodec.integrations.vllm.buffers import ReadBuffers
 from kvcodec.integrations.vllm.chunk_keys import group_of
 from kvcodec.store import GroupRead, StoreOptions, open_store, redis_wire
+from kvcodec.store import redis as redis_store
 from kvcodec.store.memory import MemoryStore
 from kvcodec.store.tiers import Tier, TieredStore
 from tests.redis_servers import chunk_keys, make_blob, redis_cluster, redis_missing, redis_single, wait_for
@@ -153,6 +154,24 @@ def test_a_server_on_this_host_is_not_read_ahead_unless_asked(stored, server, mo
         assert _read(s, g) == [blobs[k] for k in g]
     assert s.stats()["round_trips"] - trips == len(groups)
     assert _getranges(server) == before + 2 * sum(map(len, groups))
+    s.read_ahead([])
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_no_command_is_built_for_a_server_not_read_ahead_from(stored, monkeypatch, mode: str) -> None:
+    """Under ``auto`` (once the loopback server was reached) and ``off`` a hint costs no command built:
+    the connector tells the store every chunk of a hit; under ``on`` each key's commands are built."""
+    s, groups, blobs = stored
+    monkeypatch.setenv("KVCODEC_REDIS_READ_AHEAD", mode)
+    assert _read(s, groups[0]) == [blobs[k] for k in groups[0]]
+    built: list = []
+    real = redis_store.read_commands
+    monkeypatch.setattr(redis_store, "read_commands", lambda *a: built.append(a) or real(*a))
+    s.read_ahead(_reads(groups))
+    assert built == [] and not s.reads_ahead()
+    monkeypatch.setenv("KVCODEC_REDIS_READ_AHEAD", "on")
+    s.read_ahead(_reads(groups[:1]))
+    assert len(built) == len(groups[0]) and s.reads_ahead()
     s.read_ahead([])
 
 
