@@ -417,16 +417,24 @@ def expand_payload(p: ParsedBlob, *, reuse: bool = False) -> tuple[Header, memor
     return c.plain, mv
 
 
-def expand_blob(p: ParsedBlob, *, crc: bool = True) -> bytearray:
-    """The plain blob that lossless blob ``p`` (parsed, CRC checked) codes, byte for byte.
+def expand_blob(p: ParsedBlob, *, crc: bool = True, into: Callable[[int], Any] | None = None) -> Any:
+    """The plain blob that lossless blob ``p`` (parsed, CRC checked) codes, byte for byte: a new
+    bytearray, or with ``into`` a view of the start of ``into(size)``, a writable buffer of at least
+    ``size`` bytes (a read pool's: reused memory costs no page faults, where a fresh buffer per blob
+    faults in every page it writes).
 
     ``crc=False`` leaves the plain header's CRC field 0 instead of computing it over the payload: for
     a caller that parses the result with ``verify_crc=False`` and never hands it on."""
     c = read_coding(p.header, p.k, p.v)
     plain = c.plain
     hs = p.header_len  # the plain header has the same fields and strings: the same size
-    out = new_buffer(hs + plain.payload_len)
+    size = hs + plain.payload_len
+    out = new_buffer(size) if into is None else into(size)
     mv = memoryview(out)
+    if into is not None:
+        if mv.readonly or mv.nbytes < size:
+            raise _refuse(f"into({size}) gave {mv.nbytes} bytes{', read-only' if mv.readonly else ''}")
+        mv = mv.cast("B")[:size]
     _expand_into(c, p, mv, hs)
     mv[:hs] = serialize_header(plain, [mv[hs:]]) if crc else serialize_header(plain, crc=0)
-    return out
+    return out if into is None else mv

@@ -82,6 +82,11 @@ class ReadBufferPool(Protocol):
         """Whether ``buf`` was lent by this pool (the caller gives it back once done with it)."""
         ...
 
+    def give(self, buffers: list[bytearray]) -> None:
+        """Take back buffers no blob views any more (a reader done with them, or a store that read into
+        them and handed out blobs elsewhere)."""
+        ...
+
 
 class StoreFullError(UnsupportedConfigError):
     """``put`` found no room under ``max_bytes`` without evicting the new key's own chunk prefix."""

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from kvcodec.codec.lossless import compress_blob, expand_blob
 from kvcodec.errors import CodecError, Reason, UnsupportedConfigError
 from kvcodec.format import LOSSLESS_OF, MAGIC, PLAIN_OF, ParsedBlob, parse
+from kvcodec.hostmem import new_buffer
 from kvcodec.store import BlobStore, DirectoryStore, StoreOptions, open_store
 from kvcodec.store.auth import load_fleet_key
 from kvcodec.store.base import SEALS_VALUES
@@ -97,6 +99,7 @@ class LosslessTier:
 
     def __init__(self, inner: BlobStore) -> None:
         self.inner = inner
+        self._local = threading.local()  # .spare: the stored bytes of this thread's last get_parsed
 
     def __getattr__(self, name: str) -> Any:  # partial_groups, location, stats, keys, close...
         return getattr(self.inner, name)
@@ -117,12 +120,14 @@ class LosslessTier:
             return blob
 
     @staticmethod
-    def _expand(p: ParsedBlob, checked: bool) -> ParsedBlob:
+    def _expand(p: ParsedBlob, checked: bool, into: Callable[[int], Any] | None = None) -> ParsedBlob:
+        """``p`` as its plain blob (its own CRC checked first unless ``checked``), written into
+        ``into(size)`` when given (a reused buffer: no page faults), else a new one."""
         if p.header.scale_scheme not in PLAIN_OF:
             return p
         if not checked:
             p = parse(p.blob)
-        return parse(expand_blob(p), verify_crc=False)
+        return parse(expand_blob(p, into=into), verify_crc=False)
 
     def put(self, key: str, blob: Any) -> None:
         self.inner.put(key, self._code(key, blob))
@@ -142,15 +147,31 @@ class LosslessTier:
         verify_crc: bool = True,
         max_bytes: int | None = None,
     ) -> ParsedBlob:
-        p = self.inner.get_parsed(key, into, verify_crc=verify_crc, max_bytes=max_bytes)
+        """The inner store's blob, expanded into ``into`` when it is large enough (the caller's reused
+        buffer, as for a plain read), the stored bytes read into this thread's reused buffer."""
+        spare = getattr(self._local, "spare", None)
+        p = self.inner.get_parsed(key, spare, verify_crc=verify_crc, max_bytes=max_bytes)
+        if p.header.scale_scheme not in PLAIN_OF:  # stored plain: it must live in the caller's memory
+            return p if p.buffer.obj is not spare else parse(bytes(p.blob), verify_crc=False)
+        if isinstance(p.buffer.obj, bytearray):
+            self._local.spare = p.buffer.obj  # grown to the largest stored blob read on this thread
+        if isinstance(into, bytearray):
+            return self._expand(p, verify_crc, lambda n: into if len(into) >= n else new_buffer(n))
         return self._expand(p, verify_crc)
 
     def get_parsed_many(
         self, keys: Any, *, verify_crc: bool = True, max_bytes: int | None = None, buffers: Any = None
     ) -> list[ParsedBlob]:
-        """The inner store's blobs, expanded (``buffers`` unused: an expanded blob is a new buffer)."""
-        got = self.inner.get_parsed_many(keys, verify_crc=verify_crc, max_bytes=max_bytes)
-        return [self._expand(p, verify_crc) for p in got]
+        """The inner store's blobs, expanded: with ``buffers`` (the caller's pool) read into buffers it
+        lends and expanded into others it lends, which the caller gives back as for any read; the stored
+        bytes' buffers go back at once. Without, new buffers."""
+        got = self.inner.get_parsed_many(keys, verify_crc=verify_crc, max_bytes=max_bytes, buffers=buffers)
+        out = [self._expand(p, verify_crc, None if buffers is None else buffers.lend) for p in got]
+        if buffers is not None:
+            viewed = {id(p.buffer.obj) for p in out}
+            spent = {id(o): o for p in got if buffers.owns(o := p.buffer.obj) and id(o) not in viewed}
+            buffers.give(list(spent.values()))
+        return out
 
 
 _SOURCE_OF_TIER = {"ram": "HOST", "disk": "DISK", "remote": "EXTERNAL_UNSPECIFIED"}

@@ -11,12 +11,14 @@ import torch
 import kvcodec
 from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from kvcodec.format import ScaleScheme, parse
+from kvcodec.integrations.vllm.buffers import ReadBuffers
 from kvcodec.integrations.vllm.chunk_keys import group_of, is_manifest
 from kvcodec.integrations.vllm.config import DEFAULT_COMPRESSION, KvcodecConfig
 from kvcodec.integrations.vllm.store_tiers import LosslessTier, open_tiers, stores_of
-from kvcodec.store import DirectoryStore, StoreOptions
+from kvcodec.store import DirectoryStore, StoreOptions, open_store
 from kvcodec.store.memory import MemoryStore
 from tests.raises import raises_reason
+from tests.redis_servers import redis_missing, redis_single
 from tests.store.test_contract_memory import prompt_chunk
 
 OPTS = StoreOptions(group_of=group_of, evict_first=is_manifest, timeout_s=0.5)
@@ -127,3 +129,84 @@ def test_a_ram_tier_over_a_lossless_directory(tmp_path: Path) -> None:
     assert parse(stores_of(st)[1].get(key)).header.scale_scheme == ScaleScheme.LOSSLESS_HUFF
     assert bytes(stores_of(st)[0].get(key)) == blob  # RAM holds the plain blob
     st.close()
+
+
+class _Lending(MemoryStore):
+    """A memory store whose ``get_parsed_many`` reads into one buffer lent by the caller's pool, as the
+    Redis store does: the blobs view it."""
+
+    def get_parsed_many(self, keys, *, verify_crc=True, max_bytes=None, buffers=None):  # type: ignore[override]
+        got = super().get_parsed_many(keys, verify_crc=verify_crc, max_bytes=max_bytes)
+        if buffers is None:
+            return got
+        buf = buffers.lend(sum(len(p.blob) for p in got))
+        out, at = [], 0
+        for p in got:
+            n = len(p.blob)
+            buf[at : at + n] = p.blob
+            out.append(parse(memoryview(buf)[at : at + n], verify_crc=verify_crc))
+            at += n
+        return out
+
+
+def test_expanded_blobs_go_into_the_readers_pool_and_the_stored_bytes_go_back() -> None:
+    """With the reader's pool, a chunk is expanded into buffers the pool lends (given back by the reader
+    and reused next time, no fresh memory per blob), the lent buffer of the stored bytes is given back
+    at once, and every blob is still its plain self after the buffers were reused."""
+    st = LosslessTier(_Lending(1 << 22, OPTS))
+    chunk = _chunk()
+    st.put_many(chunk)
+    keys, want = [k for k, _ in chunk[:-1]], [b for _, b in chunk[:-1]]
+    pool = ReadBuffers()
+    first = st.get_parsed_many(keys, buffers=pool)
+    assert [bytes(p.blob) for p in first] == want
+    lent = {id(p.buffer.obj): p.buffer.obj for p in first}
+    assert len(lent) == len(keys) and all(pool.owns(b) for b in lent.values())
+    assert pool.idle_bytes > 0  # the stored bytes' buffer, back already
+    pool.give(list(lent.values()))
+    again = st.get_parsed_many(keys[::-1], buffers=pool)
+    assert [bytes(p.blob) for p in again] == want[::-1]
+    reused = sum(id(p.buffer.obj) in lent for p in again)
+    assert reused >= len(keys) - 1  # at most one taken by the stored bytes' read
+    st.close()
+
+
+def test_get_parsed_expands_into_the_callers_buffer(tmp_path: Path) -> None:
+    """``into`` large enough holds the expanded blob (the reader gives it back and lends it again); too
+    small, a new buffer; a blob stored plain read through the tier's own buffer comes back as a copy
+    that a later read does not overwrite."""
+    st = LosslessTier(DirectoryStore(tmp_path, fsync=False, group_of=group_of))
+    chunk = _chunk()
+    st.put_many(chunk)
+    (k0, b0), (k1, b1) = chunk[0], chunk[1]
+    into = bytearray(2 * len(b0))
+    p = st.get_parsed(k0, into, verify_crc=False)
+    assert bytes(p.blob) == b0 and p.buffer.obj is into
+    small = st.get_parsed(k1, bytearray(8))
+    assert bytes(small.blob) == b1 and len(small.buffer.obj) >= len(b1)
+    manifest = st.get_parsed(chunk[-1][0])
+    st.get_parsed(k1)
+    assert bytes(manifest.blob) == chunk[-1][1]
+    assert bytes(st.get_parsed(k0, into).blob) == b0  # into reused: rewritten whole
+    st.close()
+
+
+def test_a_lossless_redis_tier_reads_and_expands_into_the_pool(tmp_path: Path) -> None:
+    """On a real redis-server: the stored bytes are read into one buffer the pool lends (given back at
+    once), each blob expanded into its own lent buffer, plain byte for byte, twice over reused buffers."""
+    if redis_missing() is not None:
+        pytest.skip(str(redis_missing()))
+    with (
+        redis_single(tmp_path) as srv,
+        open_store(srv.url, StoreOptions(key_prefix="ll", group_of=group_of)) as rs,
+    ):
+        st = LosslessTier(rs)
+        chunk = _chunk()
+        st.put_many(chunk)
+        keys, want = [k for k, _ in chunk[:-1]], [b for _, b in chunk[:-1]]
+        pool = ReadBuffers()
+        for _ in range(2):
+            got = st.get_parsed_many(keys, verify_crc=False, buffers=pool)
+            assert [bytes(p.blob) for p in got] == want
+            assert all(pool.owns(p.buffer.obj) for p in got) and pool.idle_bytes > 0
+            pool.give([p.buffer.obj for p in got])
