@@ -31,6 +31,7 @@ __all__ = [
     "K_ELEM_VIEW",
     "OUT_KIND",
     "PAYLOAD_ALIGN",
+    "PLANE_DTYPES",
     "STRIDE_ARGS",
     "V_DTYPES",
     "Fp8Constants",
@@ -73,6 +74,8 @@ __all__ = [
 
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """V (and decoded V) dtypes the kernels read and write."""
+PLANE_DTYPES = (torch.float16, torch.bfloat16)
+"""K dtypes of the lossless payload's byte planes (16-bit: one high and one low byte per element)."""
 K_ELEM_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 """K moves as same-width integers: its bits pass through unchanged."""
 OUT_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

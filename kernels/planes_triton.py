@@ -25,18 +25,24 @@ import triton.language as tl
 
 from ..errors import Reason, UnsupportedConfigError
 from .launch import launch
-from .operands import check_device, check_tensor3
+from .operands import PLANE_DTYPES, check_device, check_tensor3
 from .tiles import pick_config, register_plain
 
-__all__ = ["K_DTYPES", "merge_k_planes", "split_k_planes"]
-
-K_DTYPES = (torch.float16, torch.bfloat16)
-"""The K dtypes the lossless payload codes (16-bit: one high and one low byte per element)."""
+__all__ = ["merge_k_planes", "split_k_planes"]
 
 
 # ----------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (token tile, head): token, head and channel indices and the tile's mask."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    return t, h, d, (t[:, None] < T) & (d[None, :] < D)
 
 
 @triton.jit
@@ -54,10 +60,7 @@ def _planes_split_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """One (token tile, head) of K's int16 bits into its bytes: high to ``hi[h, d, t]``, low to ``lo[t, h, d]``."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1).to(tl.int64)
-    d = tl.arange(0, BLOCK_D).to(tl.int64)
-    m = (t[:, None] < T) & (d[None, :] < D)
+    t, h, d, m = _tile(T, D, BLOCK_T, BLOCK_D)
     x = tl.load(k_ptr + t[:, None] * k_st + h * k_sh + d[None, :] * k_sd, mask=m, other=0)
     tl.store(lo_ptr + (t[:, None] * H + h) * D + d[None, :], x.to(tl.uint8), mask=m)
     tl.store(hi_ptr + (h * D + d[None, :]) * T + t[:, None], (x >> 8).to(tl.uint8), mask=m)
@@ -78,10 +81,7 @@ def _planes_merge_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """One (token tile, head) of K's int16 bits from ``hi[h, d, t]`` (high byte) and ``lo[t, h, d]`` (low)."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1).to(tl.int64)
-    d = tl.arange(0, BLOCK_D).to(tl.int64)
-    m = (t[:, None] < T) & (d[None, :] < D)
+    t, h, d, m = _tile(T, D, BLOCK_T, BLOCK_D)
     hi = tl.load(hi_ptr + (h * D + d[None, :]) * T + t[:, None], mask=m, other=0)
     lo = tl.load(lo_ptr + (t[:, None] * H + h) * D + d[None, :], mask=m, other=0)
     x = (hi.to(tl.int32) << 8) | lo.to(tl.int32)
@@ -99,7 +99,7 @@ register_plain("_planes_merge_kernel", _planes_merge_kernel)
 
 def _check_k(name: str, k: torch.Tensor) -> None:
     """``k`` is a ``[T, H, D]`` fp16 or bf16 tensor."""
-    check_tensor3(name, k, K_DTYPES)
+    check_tensor3(name, k, PLANE_DTYPES)
 
 
 def _plane(name: str, p: torch.Tensor | None, n: int, dev: torch.device) -> torch.Tensor:

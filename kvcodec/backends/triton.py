@@ -18,7 +18,7 @@ import torch
 
 from ..format import ScaleScope
 from ..kernels.launch import INTERPRET, is_recording
-from ..kernels.operands import PAYLOAD_ALIGN, check_scope, empty_payloads
+from ..kernels.operands import PAYLOAD_ALIGN, PLANE_DTYPES, check_scope, empty_payloads
 from .base import Declined, Groups, NonFinitePolicy, TwoPass
 
 __all__ = ["BACKEND", "PAYLOAD_ALIGN", "PLANE_DTYPES", "TritonBackend"]
@@ -52,10 +52,6 @@ def _planes() -> Any:
     from ..kernels import planes_triton
 
     return planes_triton
-
-
-PLANE_DTYPES = (torch.float16, torch.bfloat16)
-"""K dtypes the planes lane takes (the 16-bit K the lossless payload codes)."""
 
 
 class TritonBackend(TwoPass):

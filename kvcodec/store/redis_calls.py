@@ -32,7 +32,7 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
-from ..env import redis_read_ahead, redis_reads
+from ..env import redis_reads
 from ..errors import Reason, StoreUnavailableError, UnsupportedConfigError
 from . import redis_outage
 from .base import ReadBufferPool, StoreFullError, StoreOptions
@@ -243,12 +243,9 @@ class RedisCalls:
         self._call(send, trips=0)
 
     def reads_ahead(self) -> bool:
-        """Whether a read-ahead may send anything, asked before its commands are built: never with
-        ``KVCODEC_REDIS_READ_AHEAD=off``; under ``auto``, not once every server reached is on this
-        host or read through redis-py (:meth:`.Wire.reads_ahead`; before any is reached, maybe)."""
-        mode = redis_read_ahead()
-        if mode != "auto":
-            return mode == "on"
+        """Whether a read-ahead may send anything, asked before its commands are built: not once no
+        server reached reads ahead (:meth:`.Wire.reads_ahead`: ``KVCODEC_REDIS_READ_AHEAD`` and the
+        server's host) or all are read through redis-py; before any is reached, maybe."""
         with self._lock:
             wires = [w for _, w in self._wires.values()]
         return not wires or any(w is not None and w.reads_ahead() for w in wires)
