@@ -187,9 +187,11 @@ class Lanes:
         scale_dtype: torch.dtype,
         nonfinite: NonFinitePolicy,
         crc: int | None = None,
+        k_copy: bool = True,
     ) -> Served:
         """``K ‖ e4m3(V) ‖ scales`` into a host blob payload in one call; with ``crc`` (the CRC so far) the
-        result's ``crc`` is it continued over the whole payload, or None when not folded in."""
+        result's ``crc`` is it continued over the whole payload, or None when not folded in.
+        ``k_copy=False``: K's bytes left unwritten (the lossless stage codes K from ``k`` itself)."""
         raise self._none("encode_host")
 
     def decode_host(
@@ -202,9 +204,11 @@ class Lanes:
         out_v: torch.Tensor,
         *,
         crc: int | None = None,
+        k_done: bool = False,
     ) -> Served:
         """A host payload's K bytes into ``out_k`` and its codes dequantized into ``out_v`` in one call; with
-        ``crc`` the result's ``crc`` is it continued over K and the codes, or None when not folded in."""
+        ``crc`` the result's ``crc`` is it continued over K and the codes, or None when not folded in.
+        ``k_done``: ``out_k`` already holds K (a lossless blob's planes merged there): the codes alone."""
         raise self._none("decode_host")
 
     def scatter_rows(self, src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> Served:

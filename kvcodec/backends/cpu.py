@@ -343,8 +343,10 @@ class CpuBackend(Lanes):
         scale_dtype: torch.dtype,
         nonfinite: NonFinitePolicy,
         crc: int | None = None,
+        k_copy: bool = True,
     ) -> Served:
-        """``K ‖ e4m3(V) ‖ scales`` straight into a host blob payload, in one C call.
+        """``K ‖ e4m3(V) ‖ scales`` straight into a host blob payload, in one C call (``k_copy=False``: K's
+        bytes left unwritten, for a caller that codes K from ``k`` itself; no CRC then).
 
         The optional host lane of the codec (see :mod:`.base`): no tensor is
         made over the payload (numpy views only), so an encode takes the GIL
@@ -357,6 +359,8 @@ class CpuBackend(Lanes):
         """
         if nonfinite != "error" or scale_dtype not in _HOST_SCALES:
             raise Declined(f"nonfinite={nonfinite!r} / scale_dtype {scale_dtype} take the generic path")
+        if not k_copy and crc is not None:
+            raise Declined("a CRC over the payload needs K's bytes written")
         page = _host_refusal(k, v, groups)
         if isinstance(page, str):
             raise Declined(page)
@@ -366,21 +370,10 @@ class CpuBackend(Lanes):
         if k_len + v_len + s32.size * scale_dtype.itemsize != len(payload):
             raise Declined("the payload does not hold exactly K, V's codes and the scales")
         q = np.frombuffer(payload, np.uint8, v_len, k_len).reshape(v.shape)
-        k_src, k_dst = _buf(k).reshape(-1).view(np.uint8), np.frombuffer(payload, np.uint8, k_len)
-        got = _served(
-            _cpu.encode_v(
-                _buf(v),
-                _DTYPE[v.dtype],
-                _SCOPE[groups.scope],
-                page,
-                _DTYPE[scale_dtype],
-                q,
-                s32,
-                k_src,
-                k_dst,
-                crc,
-            )
-        )
+        args = [_buf(v), _DTYPE[v.dtype], _SCOPE[groups.scope], page, _DTYPE[scale_dtype], q, s32]
+        if k_copy:
+            args += [_buf(k).reshape(-1).view(np.uint8), np.frombuffer(payload, np.uint8, k_len), crc]
+        got = _served(_cpu.encode_v(*args))
         stored = s32 if scale_dtype == torch.float32 else s32.astype(np.float16)
         payload[k_len + v_len :] = stored.reshape(-1).view(np.uint8)
         return got if got.crc is None else Served(crc32(payload[k_len + v_len :], got.crc))
@@ -417,8 +410,10 @@ class CpuBackend(Lanes):
         out_v: torch.Tensor,
         *,
         crc: int | None = None,
+        k_done: bool = False,
     ) -> Served:
-        """A host blob payload's K bytes into ``out_k`` and its codes dequantized into ``out_v``, in one C call.
+        """A host blob payload's K bytes into ``out_k`` and its codes dequantized into ``out_v``, in one C call
+        (``k_done``: the codes alone, ``out_k`` holding K already; no CRC then).
 
         ``payload`` is ``K (k_len bytes) ‖ codes (out_v's elements) ‖ ...``; ``out_k`` is C-contiguous
         and holds exactly ``k_len`` bytes. With ``crc`` (the CRC so far: the header's, or 0) the result's
@@ -434,21 +429,13 @@ class CpuBackend(Lanes):
         )
         if not out_k.is_contiguous() or out_k.numel() * out_k.element_size() != k_len or out_k.requires_grad:
             raise Declined("out_k is not a C-contiguous tensor of K's bytes")
+        if k_done and crc is not None:
+            raise Declined("a CRC over K's bytes needs K copied here")
         codes = np.frombuffer(payload, np.uint8, out_v.numel(), k_len).reshape(out_v.shape)
-        k_src = np.frombuffer(payload, np.uint8, k_len)
-        return _served(
-            _cpu.dequantize(
-                codes,
-                _scales32(scales),
-                _SCOPE[groups.scope],
-                page,
-                _buf(out_v),
-                _DTYPE[out_v.dtype],
-                k_src,
-                _buf(out_k).reshape(-1).view(np.uint8),
-                crc,
-            )
-        )
+        args = [codes, _scales32(scales), _SCOPE[groups.scope], page, _buf(out_v), _DTYPE[out_v.dtype]]
+        if not k_done:
+            args += [np.frombuffer(payload, np.uint8, k_len), _buf(out_k).reshape(-1).view(np.uint8), crc]
+        return _served(_cpu.dequantize(*args))
 
     # The cache lanes: the module's functions below (the vLLM connector's loads).
 

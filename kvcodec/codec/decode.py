@@ -37,7 +37,7 @@ from ..numerics import FP8_DTYPES
 from .dtypes import VDTYPES, to_torch
 from .encode import as_scales, external_scope
 from .layout import check_hashes
-from .lossless import expand_payload, is_lossless
+from .lossless import Expansion, expand_payload, is_lossless
 
 __all__ = ["DecodeRequest", "DecodedKV", "decode", "decode_parsed"]
 
@@ -334,13 +334,17 @@ def _decode_checked_in_pass(
         parsed = parse(blob, verify_crc=False, strict=strict)
         blob_crc = BlobCrc(parsed)
         h, payload, lossless = parsed.header, parsed.payload, is_lossless(parsed.header)
-        if lossless:  # the coded blob's CRC first, then its plain payload, in this thread's reused buffer
+        if lossless:  # the coded blob's CRC first; its plain payload in this thread's reused buffer
             blob_crc.finish(None)
-            h, payload = expand_payload(parsed, reuse=True)
+            expansion = Expansion(parsed, reuse=True)  # the scales written, the streams decoded below
+            h, payload = expansion.header, expansion.payload
         if expected_hashes is not None:
             check_hashes(h.hashes, expected_hashes, strict=strict_hashes)
         req = _request(h, scales=None, backend=backend, **kw)
         lane = _host_lane_inputs(h, payload, req)
+        k_into = _k_bytes(req.out_k, h) if lossless and lane is not None else None
+        if lossless:
+            expansion.fill(k_into=k_into)  # K merged straight into out_k where the lane takes it
     except CodecError:
         return None
     if lane is None:
@@ -356,15 +360,32 @@ def _decode_checked_in_pass(
         req.out_k,
         target,
         crc=None if lossless else blob_crc.seed,
+        k_done=k_into is not None,
         fallback=lambda: None,
     )
     if served is None:  # declined: C wrote nothing, or stopped at NaN codes: rewritten here
         if not lossless:
             blob_crc.finish(None)
+        elif k_into is not None:  # K lies in out_k alone: the general path copies it from the payload
+            payload[: h.k_payload_len] = k_into
         return decode_parsed(h, payload, req)
     if not lossless:
         blob_crc.finish(served.crc, blob_crc.codes_end)
     return DecodedKV(req.out_k, req.out_v, s_t, h)
+
+
+def _k_bytes(out_k: torch.Tensor, h: Header) -> memoryview | None:
+    """``out_k``'s bytes to merge a lossless blob's K into (CPU, C-contiguous, K's dtype and exactly its
+    bytes), or None: K then goes through the payload as a plain blob's does."""
+    if (
+        out_k.device.type != "cpu"
+        or not out_k.is_contiguous()
+        or out_k.requires_grad
+        or out_k.dtype != to_torch(h.k_dtype)
+        or out_k.numel() * out_k.element_size() != h.k_payload_len
+    ):
+        return None
+    return memoryview(out_k.view(torch.uint8).numpy()).cast("B")
 
 
 def _host_lane_inputs(

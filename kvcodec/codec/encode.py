@@ -39,7 +39,7 @@ from ..numerics import FP8_DTYPES, check_amax, check_layers_amax, check_scales, 
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
 from .lossless import COMPRESSIONS, Planes, compress_blob
-from .lossless_device import split_to_host
+from .lossless_device import split_host, split_to_host
 from .spec import EncodeSpec
 
 __all__ = [
@@ -389,7 +389,7 @@ def _host_sections(
     return k_dst, q_dst, torch.from_numpy(np.frombuffer(mv, np.uint8, s_len, k_len + v_len))
 
 
-def _host_lane(p: EncodePlan, payload: Any, crc_seed: int | None) -> backends.Served | None:
+def _host_lane(p: EncodePlan, payload: Any, crc_seed: int | None, k_copy: bool) -> backends.Served | None:
     """The backend's optional host lane: the whole payload (K, codes, scales) written into host memory
     in one call. Returns what it served (its ``crc``: the payload's CRC continued from ``crc_seed`` when
     the lane folded it in), or None when it did not write the payload (the generic path then does;
@@ -413,24 +413,28 @@ def _host_lane(p: EncodePlan, payload: Any, crc_seed: int | None) -> backends.Se
         scale_dtype=sdt,
         nonfinite=p.nonfinite,
         crc=crc_seed,
+        k_copy=k_copy,
         fallback=lambda: None,
     )
 
 
-def write_payload(p: EncodePlan, payload: Any, crc_seed: int | None = None) -> int | None:
+def write_payload(
+    p: EncodePlan, payload: Any, crc_seed: int | None = None, *, k_bytes: bool = True
+) -> int | None:
     """Fill ``payload`` (``header.payload_len`` bytes: a uint8 tensor on V's device, or a writable
     memoryview of host memory for CPU tensors) with K, FP8 V and the scales.
 
     With ``crc_seed`` (the CRC of what precedes the payload) returns the CRC continued over the
     payload when the pass that wrote it computed it too (the cpu backend's host lane), else None
-    (the caller computes it, as :func:`seal` does)."""
+    (the caller computes it, as :func:`seal` does). ``k_bytes=False``: K's bytes may be left unwritten
+    (the lossless stage codes K's planes split from ``p.k``)."""
     if p.fusable:
         if isinstance(payload, memoryview):
             payload = torch.frombuffer(payload, dtype=torch.uint8)
         amax = p.backend.encode_fused(p.k, p.v, p.groups, payload)
         check_amax(amax, p.groups.scope, p.groups.fp8_dtype)
         return None
-    served = _host_lane(p, payload, crc_seed)
+    served = _host_lane(p, payload, crc_seed, k_bytes)
     if served is not None:
         return served.crc if crc_seed is not None else None
     k_dst, q_dst, s_dst = _sections(p, payload)
@@ -503,8 +507,8 @@ def _write_blob(
 
     ``crc=False``: the CRC field left 0 and no CRC computed, for a blob only read back here with
     ``verify_crc=False`` (the plain blob the lossless stage codes: its own CRC is computed anew).
-    ``k_bytes=False``: a payload written on a device leaves K's bytes there, uncopied (the lossless
-    stage then codes K's planes, split on the device: K never crosses twice)."""
+    ``k_bytes=False``: K's bytes may be left out of the blob (the lossless stage then codes K's planes,
+    split where K lives: on a device, K never crosses twice; on the host, K is not copied first)."""
     hs = packer.size
     size = hs + p.header.payload_len
     owner = new_buffer(size) if out is None else out  # every byte is written below
@@ -518,7 +522,7 @@ def _write_blob(
         if crc:
             value = write_payload(p, mv[hs:], crc_seed=payload_crc(p.header, mv[: hs - 4], ()))
         else:
-            write_payload(p, mv[hs:])
+            write_payload(p, mv[hs:], k_bytes=k_bytes)
     else:
         dev_payload = torch.empty(p.header.payload_len, dtype=torch.uint8, device=p.v.device)
         write_payload(p, dev_payload)
@@ -586,19 +590,21 @@ def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, *
     spec = EncodeSpec.of(spec, options)
     lossless = _lossless(spec, out)
     plan, packer = _planned(k, v, spec)
-    planes = _device_planes(plan, spec) if lossless else None
+    planes = _k_planes(plan, spec) if lossless else None
     owner, mv = _write_blob(plan, packer, spec, out, crc=not lossless, k_bytes=planes is None)
     if lossless:
         return compress_blob(parse(owner, verify_crc=False), k_planes=planes)
     return owner if out is None else mv
 
 
-def _device_planes(plan: EncodePlan, spec: EncodeSpec) -> Planes | None:
-    """K's byte planes split where K lives (a GPU; Triton's interpreter when named) and copied to the
-    host for the lossless stage, or None: the host splits the plain blob's K (a CPU K, no Triton)."""
+def _k_planes(plan: EncodePlan, spec: EncodeSpec) -> Planes | None:
+    """K's byte planes for the lossless stage: split where K lives (a GPU; Triton's interpreter when
+    named) and copied to the host, or split from a contiguous CPU K's own bytes (K is then never copied
+    into the plain blob); None: the host splits the plain blob's K (any other K)."""
     if plan.k is None or not plan.k.numel():
         return None
-    return split_to_host(plan.k, backend=spec.backend)
+    got = split_to_host(plan.k, backend=spec.backend)
+    return got if got is not None else split_host(plan.k, to_torch(plan.header.k_dtype))
 
 
 def _lossless(spec: EncodeSpec, out: Any) -> bool:

@@ -64,6 +64,7 @@ __all__ = [
     "CODERS",
     "COMPRESSIONS",
     "DEFLATE_CODER",
+    "Expansion",
     "Planes",
     "compress_blob",
     "expand_blob",
@@ -262,14 +263,13 @@ def _decode_streams(
         )
 
 
-def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
+def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: memoryview) -> None:
     heads, dim, raw = c.heads, c.head_dim, c.stream_raw
-    k_len = c.plain.k_payload_len
-    _decode_streams(p.v, c.v, raw, mv, hs + k_len, dim, dim, heads * dim, "V")
+    _decode_streams(p.v, c.v, raw, mv, hs + c.plain.k_payload_len, dim, dim, heads * dim, "V")
     if c.k is not None:
         hi = np.frombuffer(_scratch_view(heads * raw, "hi"), np.uint8)  # K's high plane, merged below
         _decode_streams(p.k, c.k, raw, hi, 0, raw, raw, raw, "K")
-        _merge_k(mv[hs : hs + k_len], hi, p.k[c.k.raw_at :], c)
+        _merge_k(k_out, hi, p.k[c.k.raw_at :], c)
 
 
 # ----------------------------------------------------------------------------- deflate (schemes 3/4)
@@ -338,7 +338,7 @@ def _streams(sec: Section, src: memoryview, raw: int, what: str) -> list[bytes]:
     return [_inflate(src[at : at + n], raw, f"{what} stream {i}") for i, (at, n) in enumerate(sec.streams)]
 
 
-def _expand_deflate(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
+def _expand_deflate(c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: memoryview) -> None:
     t, heads, dim, raw = c.tokens, c.heads, c.head_dim, c.stream_raw
     k_len = c.plain.k_payload_len
     codes = np.frombuffer(mv, np.uint8, c.plain.v_payload_len, hs + k_len).reshape(t, heads, dim)
@@ -348,7 +348,7 @@ def _expand_deflate(c: Coding, p: ParsedBlob, mv: memoryview, hs: int) -> None:
         hi = np.empty(heads * raw, np.uint8)
         for i, got in enumerate(_streams(c.k, p.k, raw, "K")):
             hi[i * raw : (i + 1) * raw] = np.frombuffer(got, np.uint8)
-        _merge_k(mv[hs : hs + k_len], hi, p.k[c.k.raw_at :], c)
+        _merge_k(k_out, hi, p.k[c.k.raw_at :], c)
 
 
 # ----------------------------------------------------------------------------- both
@@ -401,8 +401,43 @@ def _scratch_view(n: int, name: str = "payload") -> memoryview:
 
 def _expand_into(c: Coding, p: ParsedBlob, mv: memoryview, at: int) -> None:
     """The plain payload of ``p`` (tables ``c``) written at ``mv[at:]``: K, V's codes, the scales."""
-    (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, at)
+    _write_scales(c, p, mv, at)
+    _expand_streams(c, p, mv, at, None)
+
+
+def _write_scales(c: Coding, p: ParsedBlob, mv: memoryview, at: int) -> None:
     mv[at + c.plain.k_payload_len + c.plain.v_payload_len :] = p.scales
+
+
+def _expand_streams(c: Coding, p: ParsedBlob, mv: memoryview, at: int, k_into: memoryview | None) -> None:
+    """K and V's codes of the plain payload at ``mv[at:]``; K into ``k_into`` instead when given."""
+    k_out = mv[at : at + c.plain.k_payload_len] if k_into is None else k_into
+    (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, at, k_out)
+
+
+class Expansion:
+    """A lossless blob's plain payload in two steps, for a decode that wants K merged straight into its
+    ``out_k``: :meth:`open` checks the tables and writes the scales (what a decode reads to plan the
+    pass), :meth:`fill` decodes the streams, K into the payload or into the caller's buffer."""
+
+    def __init__(self, p: ParsedBlob, *, reuse: bool = False) -> None:
+        self.parsed, self.coding = p, read_coding(p.header, p.k, p.v)
+        n = self.coding.plain.payload_len
+        self.payload = _scratch_view(n) if reuse else memoryview(new_buffer(n))
+        _write_scales(self.coding, p, self.payload, 0)
+
+    @property
+    def header(self) -> Header:
+        """The plain header the blob codes (no plain header is written or parsed)."""
+        return self.coding.plain
+
+    def fill(self, *, k_into: memoryview | None = None) -> None:
+        """The payload's K and codes; K's bytes into ``k_into`` (exactly ``k_payload_len`` writable bytes),
+        the payload's K left unwritten then, when given."""
+        k_len = self.coding.plain.k_payload_len
+        if k_into is not None and (k_into.readonly or k_into.nbytes != k_len):
+            raise _refuse(f"k_into must be {k_len} writable bytes; got {k_into.nbytes}")
+        _expand_streams(self.coding, self.parsed, self.payload, 0, k_into)
 
 
 def expand_payload(p: ParsedBlob, *, reuse: bool = False) -> tuple[Header, memoryview]:
@@ -410,11 +445,9 @@ def expand_payload(p: ParsedBlob, *, reuse: bool = False) -> tuple[Header, memor
     plain header written or parsed (decode). ``reuse``: the payload lies in this thread's reused
     buffer (:func:`_scratch_view`), valid until the thread's next ``expand_payload(reuse=True)``: for
     a caller that copies everything out of it before then (a decode into ``out_k`` and ``out_v``)."""
-    c = read_coding(p.header, p.k, p.v)
-    n = c.plain.payload_len
-    mv = _scratch_view(n) if reuse else memoryview(new_buffer(n))
-    _expand_into(c, p, mv, 0)
-    return c.plain, mv
+    e = Expansion(p, reuse=reuse)
+    e.fill()
+    return e.header, e.payload
 
 
 def expand_blob(p: ParsedBlob, *, crc: bool = True, into: Callable[[int], Any] | None = None) -> Any:

@@ -21,7 +21,7 @@ import torch
 
 from .. import backends
 
-__all__ = ["merge_on_device", "split_to_host"]
+__all__ = ["merge_on_device", "split_host", "split_to_host"]
 
 
 def _lane_backend(device: torch.device, backend: str | None, lane: str) -> backends.Backend | None:
@@ -46,6 +46,20 @@ def split_to_host(k: torch.Tensor, *, backend: str | None = None) -> tuple[np.nd
     hi, lo = np.empty(hi_dev.numel(), np.uint8), np.empty(lo_dev.numel(), np.uint8)
     torch.from_numpy(hi).copy_(hi_dev)
     torch.from_numpy(lo).copy_(lo_dev)
+    return hi, lo
+
+
+def split_host(k: torch.Tensor, k_dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray] | None:
+    """A CPU ``k``'s (``[T, H, D]``, C-contiguous, ``k_dtype``: the blob's K) planes split from its own
+    bytes, so an encode need not copy K into the plain blob first; None for any other ``k``."""
+    if k.device.type != "cpu" or k.dtype != k_dtype or k.element_size() != 2 or not k.is_contiguous():
+        return None
+    if k.dim() != 3 or k.requires_grad:
+        return None
+    t, h, d = k.shape
+    hi, lo = np.empty(k.numel(), np.uint8), np.empty(k.numel(), np.uint8)
+    if not backends.k_planes(k.view(torch.uint8).numpy(), hi, lo, t, h, d, merge=False):
+        return None
     return hi, lo
 
 

@@ -46,4 +46,11 @@ ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, u
 int huff_decode(const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
                 uint8_t *scratch);
 
+/* The count streams src[spans[2i] .. spans[2i] + spans[2i + 1]) decoded, stream i's n symbols written as
+ * huff_decode writes them at out + i * out_step, two streams at a time where they allow it (the same
+ * bytes as one at a time). Returns HUFF_OK, or the first refusal in stream order with *failed its stream.
+ * scratch: 2n bytes, used when row < stride. */
+int huff_decode_many(const uint8_t *src, const size_t *spans, size_t count, size_t n, uint8_t *out,
+                     size_t out_step, size_t row, size_t stride, uint8_t *scratch, size_t *failed);
+
 #endif

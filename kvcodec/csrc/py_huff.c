@@ -199,19 +199,18 @@ PyObject *py_huff_decode_many(PyObject *self, PyObject *args) {
     if (!ok) {
         fail("huff_decode_many", "a stream or the symbols' places lie outside their buffers, or overlap");
     } else {
-        uint8_t *scratch = scratch_for(n, row, stride);
+        uint8_t *scratch = row < stride && n ? PyMem_RawMalloc(2 * (size_t)n) : NULL; /* two streams at a time */
         if (row < stride && n && !scratch) {
             PyErr_NoMemory();
         } else {
-            int err = 0;
-            Py_ssize_t i = 0;
+            int err;
+            size_t failed = 0;
             Py_BEGIN_ALLOW_THREADS
-            for (; i < count; i++) {
-                err = huff_decode((const uint8_t *)s.buf + span[2 * i], (size_t)span[2 * i + 1], (size_t)n,
-                                  (uint8_t *)o.buf + out_at + i * out_step, (size_t)row, (size_t)stride, scratch);
-                if (err) break;
-            }
+            err = huff_decode_many((const uint8_t *)s.buf, (const size_t *)span, (size_t)count, (size_t)n,
+                                   (uint8_t *)o.buf + out_at, (size_t)out_step, (size_t)row, (size_t)stride, scratch,
+                                   &failed);
             Py_END_ALLOW_THREADS
+            Py_ssize_t i = (Py_ssize_t)failed;
             ret = err ? Py_BuildValue("(ni)", i, err) : Py_NewRef(Py_None);
         }
         PyMem_RawFree(scratch);

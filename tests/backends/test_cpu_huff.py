@@ -237,6 +237,87 @@ def test_many_streams_in_one_call() -> None:
     )
 
 
+def _section(kinds: list[str], n: int) -> tuple[bytes, list[tuple[int, int]], list[np.ndarray]]:
+    """Streams of n symbols one after another (as a section holds them): each of ``kinds``, and their
+    spans and symbols."""
+    rng = np.random.default_rng(n)
+    syms = {
+        "wide": lambda: rng.normal(128, 30, n).clip(0, 255).astype(np.uint8),  # ~7-bit codes: a pair's
+        "short": lambda: rng.geometric(0.6, n).clip(0, 255).astype(np.uint8),  # runs table: alone
+        "one": lambda: np.full(n, 9, np.uint8),  # an incomplete table: the careful loop, alone
+    }
+    got = [syms[k]() for k in kinds]
+    streams = [huffman.encode(x) for x in got]
+    spans, at = [], 0
+    for x in streams:
+        spans.append((at, len(x)))
+        at += len(x)
+    return b"".join(streams), spans, got
+
+
+def _one_at_a_time(src: bytes, spans, n: int, row: int, stride: int, step: int, size: int):
+    """huff_decode stream by stream: the output and the first refusal, as huff_decode_many's."""
+    out = np.zeros(size, np.uint8)
+    for i, (at, length) in enumerate(spans):
+        code = cpu.huff_decode(src, at, length, n, out, i * step, row, stride)
+        if code:
+            return out, (i, code)
+    return out, True
+
+
+KINDS = [
+    ["wide", "wide"],
+    ["wide", "wide", "wide"],
+    ["wide", "short", "wide", "wide"],
+    ["short", "wide", "wide", "one", "wide"],
+    ["wide", "one", "wide", "wide", "wide", "wide"],
+]
+
+
+@pytest.mark.parametrize("kinds", KINDS, ids=["-".join(k) for k in KINDS])
+@pytest.mark.parametrize("tokens,dim", [(40, 16), (41, 6), (16, 4), (12, 5)])  # n % 4: 0, 2; n = 64, 60
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "planes"])
+def test_streams_decoded_two_at_a_time_are_those_decoded_one_at_a_time(kinds, tokens, dim, rows) -> None:
+    """huff_decode_many runs two streams' eight lanes side by side where both allow it (complete tables
+    of long codes, n a multiple of 4): the same symbols as huff_decode one stream at a time, whatever
+    mix of streams and lengths, into V's rows (strided: through a scratch) or K's plane (in place)."""
+    n, heads = tokens * dim, len(kinds)
+    src, spans, syms = _section(kinds, n)
+    row, stride, step = (dim, heads * dim, dim) if rows else (n, n, n)
+    want, ok = _one_at_a_time(src, spans, n, row, stride, step, heads * n)
+    assert ok is True
+    got = np.zeros(heads * n, np.uint8)
+    assert cpu.huff_decode_many(src, spans, n, got, 0, step, row, stride) is True
+    assert np.array_equal(got, want)
+    laid = np.stack([x.reshape(tokens, dim) for x in syms], 1) if rows else np.stack(syms)
+    assert np.array_equal(got, laid.reshape(-1))
+
+
+@pytest.mark.parametrize("kinds", KINDS[1:3], ids=["-".join(k) for k in KINDS[1:3]])
+@pytest.mark.parametrize("damaged", [(0,), (1,), (2,), (1, 2), (0, 1)])
+@pytest.mark.parametrize("where", ["table", "lanes"])
+def test_two_at_a_time_refuse_the_first_damaged_stream(kinds, damaged, where) -> None:
+    """A damaged stream in a pair (either one, or both) is refused as one at a time refuses it: the first
+    damaged stream in order, with the same code, whether its table (before the pair starts) or its lanes
+    (found after the pair's loop) are damaged."""
+    n = 40 * 16
+    src, spans, _ = _section(kinds, n)
+    bad = bytearray(src)
+    for i in damaged:
+        at = spans[i][0]
+        if where == "table":
+            bad[at] = 0xFF  # a code length of 15 bits
+        else:  # lane 0 a byte shorter: it runs out of bits (and lane 3 holds a byte too many)
+            (lane0,) = struct.unpack_from("<I", bad, at + HUFF_TABLE_BYTES)
+            struct.pack_into("<I", bad, at + HUFF_TABLE_BYTES, lane0 - 1)
+    _, want = _one_at_a_time(bytes(bad), spans, n, 16, 16 * len(kinds), 16, len(kinds) * n)
+    assert want is not True and want[0] == damaged[0]
+    got = cpu.huff_decode_many(
+        bytes(bad), spans, n, np.zeros(len(kinds) * n, np.uint8), 0, 16, 16, 16 * len(kinds)
+    )
+    assert got == want
+
+
 def test_the_encoder_stays_inside_its_capacity() -> None:
     sym = _symbols("uniform", 5000)
     need = len(huffman.encode(sym))

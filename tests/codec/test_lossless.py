@@ -456,3 +456,54 @@ def test_threads_decode_into_their_own_payload_buffers() -> None:
 
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(run, jobs * 2))
+
+
+def test_decode_merges_k_straight_into_out_k(monkeypatch) -> None:
+    """A decode into a contiguous CPU ``out_k`` merges K's planes there (the payload's K never written,
+    nor copied out); a strided ``out_k`` takes K through the payload; NaN codes (the host lane stops,
+    the general path rewrites both outputs from the payload) give the plain blob's result all the same."""
+    from kvcodec.codec import lossless
+
+    seen = []
+    fill = lossless.Expansion.fill
+    monkeypatch.setattr(lossless.Expansion, "fill", lambda self, **kw: seen.append(kw) or fill(self, **kw))
+    opts = {"scope": "per_page_head", "page_size": 4}
+    k, v = _kv((32, 3, 16), torch.bfloat16, seed=3)
+    plain = kvcodec.parse(kvcodec.encode(k, v, **opts))
+    codes = bytearray(plain.v)
+    codes[40] = 0x7F  # an e4m3fn NaN code in token 0, head 2
+    nan_plain = assemble(plain.header, plain.k, codes, plain.scales)
+    for blob in (bytes(assemble(plain.header, plain.k, plain.v, plain.scales)), nan_plain):
+        coded = compress_blob(blob)
+        want = kvcodec.decode(blob, out_v_dtype=torch.float32)
+        for out_k in (torch.empty_like(k), torch.empty(3, 32, 16, dtype=k.dtype).transpose(0, 1)):
+            seen.clear()
+            out_k.fill_(0)
+            lossless._scratch_view(1 << 16)[:] = b"\xaa" * (1 << 16)  # no K left there by a decode before
+            out_v = torch.empty(k.shape, dtype=torch.float32)
+            kvcodec.decode(coded, out_k=out_k, out_v=out_v)
+            assert (seen[0]["k_into"] is not None) == out_k.is_contiguous()
+            assert torch.equal(out_k.view(torch.int16), want.k.view(torch.int16))
+            assert torch.equal(out_v.isnan(), want.v.isnan()) and torch.equal(
+                out_v.nan_to_num(), want.v.nan_to_num()
+            )
+    assert want.v.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_encode_splits_a_cpu_k_from_its_own_bytes(monkeypatch, dtype) -> None:
+    """An encode of a contiguous CPU K splits K's planes from K itself (K never copied into the plain
+    blob); any other K (strided here) through the plain blob: the same blob either way."""
+    import importlib
+
+    enc = importlib.import_module("kvcodec.codec.encode")
+    calls = []
+    split = enc.split_host
+    monkeypatch.setattr(enc, "split_host", lambda k, dt: calls.append(split(k, dt)) or calls[-1])
+    k, v = _kv((48, 4, 16), dtype, seed=4)
+    opts = {"scope": "per_page_head", "page_size": 16}
+    want = bytes(compress_blob(kvcodec.encode(k, v, **opts)))
+    assert bytes(kvcodec.encode(k, v, compression="lossless", **opts)) == want
+    strided = k.transpose(0, 1).contiguous().transpose(0, 1)
+    assert bytes(kvcodec.encode(strided, v, compression="lossless", **opts)) == want
+    assert [c is not None for c in calls] == [True, False]
