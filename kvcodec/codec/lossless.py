@@ -44,6 +44,7 @@ from ..format import (
     ScaleScheme,
     parse,
     read_coding,
+    restamp_header,
     serialize_header,
 )
 from ..format.coding import (
@@ -198,6 +199,7 @@ def _huffman_blob(
     cap = hs + k_cap + TOKENS.size + table + heads * bound + h.scale_payload_len
     out = new_buffer(cap)
     mv = memoryview(out)
+    mv[:hs] = p.buffer[:hs]  # the plain header, restamped below
     at = hs
     if h.k_payload_len:
         hi, lo = _planes_of(p, tokens, heads, dim, planes)
@@ -215,15 +217,8 @@ def _huffman_blob(
     at += sum(lengths)
     end = at + h.scale_payload_len
     mv[at:end] = p.scales
-    coded = h.replace(
-        scale_scheme=LOSSLESS_OF[ScaleScheme(h.scale_scheme)], k_payload_len=k_len, v_payload_len=at - v_at
-    )
-    head = serialize_header(coded, [mv[hs:end]])
-    if len(head) != hs:  # pragma: no cover - a plain header with bytes this writer does not repeat
-        body = bytes(mv[hs:end])
-        mv.release()
-        return bytearray(head + body)
-    mv[:hs] = head  # the same fields and strings as the plain header: the same size
+    scheme = LOSSLESS_OF[ScaleScheme(h.scale_scheme)]
+    restamp_header(mv, h, hs, scale_scheme=scheme, k_payload_len=k_len, v_payload_len=at - v_at)
     mv.release()
     del out[end:]
     return out
@@ -399,6 +394,11 @@ def _scratch_view(n: int, name: str = "payload") -> memoryview:
     return memoryview(buf)[:n]
 
 
+def _coding(p: ParsedBlob) -> Coding:
+    """``p``'s stream tables: as its parse checked them, else checked here."""
+    return p.coding if p.coding is not None else read_coding(p.header, p.k, p.v)
+
+
 def _expand_into(c: Coding, p: ParsedBlob, mv: memoryview, at: int) -> None:
     """The plain payload of ``p`` (tables ``c``) written at ``mv[at:]``: K, V's codes, the scales."""
     _write_scales(c, p, mv, at)
@@ -421,7 +421,7 @@ class Expansion:
     pass), :meth:`fill` decodes the streams, K into the payload or into the caller's buffer."""
 
     def __init__(self, p: ParsedBlob, *, reuse: bool = False) -> None:
-        self.parsed, self.coding = p, read_coding(p.header, p.k, p.v)
+        self.parsed, self.coding = p, _coding(p)
         n = self.coding.plain.payload_len
         self.payload = _scratch_view(n) if reuse else memoryview(new_buffer(n))
         _write_scales(self.coding, p, self.payload, 0)
@@ -458,7 +458,7 @@ def expand_blob(p: ParsedBlob, *, crc: bool = True, into: Callable[[int], Any] |
 
     ``crc=False`` leaves the plain header's CRC field 0 instead of computing it over the payload: for
     a caller that parses the result with ``verify_crc=False`` and never hands it on."""
-    c = read_coding(p.header, p.k, p.v)
+    c = _coding(p)
     plain = c.plain
     hs = p.header_len  # the plain header has the same fields and strings: the same size
     size = hs + plain.payload_len

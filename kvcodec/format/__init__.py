@@ -49,6 +49,7 @@ from .header import (
     header_size,
     pack_header_into,
     payload_crc,
+    restamp_header,
     serialize_header,
 )
 from .parser import (
@@ -109,5 +110,6 @@ __all__ = [
     "parse",
     "payload_crc",
     "read_coding",
+    "restamp_header",
     "serialize_header",
 ]

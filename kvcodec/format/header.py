@@ -48,6 +48,8 @@ __all__ = [
     "PAYLOAD_LENS",
     "PLAIN_OF",
     "SCALE_DIM",
+    "SCHEME",
+    "SCHEME_OFFSET",
     "SCOPE_NAMES",
     "SUPPORTED_VERSIONS",
     "Hashes",
@@ -61,6 +63,7 @@ __all__ = [
     "header_size",
     "pack_header_into",
     "payload_crc",
+    "restamp_header",
     "serialize_header",
 ]
 
@@ -558,6 +561,34 @@ def _pack_prefix(mv: memoryview, h: Header) -> int:
             mv[off : off + len(s)] = s
             off += len(s)
     return off
+
+
+SCHEME = struct.Struct("<H")
+SCHEME_OFFSET = struct.calcsize("<8sHHHHH")  # 18
+"""Where version 2's scale_scheme (version 1's reserved field) lies in the fixed part."""
+
+
+def restamp_header(
+    mv: memoryview, h: Header, header_len: int, *, scale_scheme: int, k_payload_len: int, v_payload_len: int
+) -> None:
+    """Turn version-2 header ``h``, stored in ``mv[:header_len]`` (as parsed: any hash pairs kept) with
+    its payload after it, into the header that differs from it only in its scale scheme and K and V
+    lengths (the lossless stage's coded header over its plain one), with the CRC over the payload now
+    there: three fields patched in place, no serialization (a tenth of :func:`serialize_header`'s cost)."""
+    if h.version < 2:
+        raise UnsupportedConfigError("restamp_header writes version 2 headers", reason=Reason.BAD_VALUE)
+    ScaleScheme(scale_scheme)  # a known scheme, else ValueError (a caller's bug)
+    for name, n in (("k_payload_len", k_payload_len), ("v_payload_len", v_payload_len)):
+        if not 0 <= n <= MAX_PAYLOAD_LEN:
+            raise UnsupportedConfigError(
+                f"{name}={n} outside 0..{MAX_PAYLOAD_LEN}", reason=Reason.FIELD_OUT_OF_RANGE
+            )
+    size = header_len
+    SCHEME.pack_into(mv, SCHEME_OFFSET, int(scale_scheme))
+    lens_at = FIXED_HEADER_LEN + SCALE_DIM.size * len(h.scale_shape)
+    PAYLOAD_LENS.pack_into(mv, lens_at, k_payload_len, v_payload_len, h.scale_payload_len)
+    end = size + k_payload_len + v_payload_len + h.scale_payload_len
+    CRC_FIELD.pack_into(mv, size - CRC_FIELD.size, crc32(mv[size:end], crc32(mv[: size - CRC_FIELD.size])))
 
 
 def payload_crc(h: Header, header_prefix: Any, payload: Iterable[Any]) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..errors import CorruptEncodedKVError, Reason
 from .buffer import as_bytes_view
-from .coding import read_coding
+from .coding import Coding, read_coding
 from .dtypes import FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT_INF_BITS, DType, id_to_dtype
 from .header import (
     COMPUTED_SCOPES,
@@ -93,6 +93,8 @@ class ParsedBlob:
     trailing: int
     """Bytes after the payload (allowed in v1 unless strict)."""
     unknown_hashes: tuple[tuple[str, str], ...] = ()
+    coding: Coding | None = None
+    """A lossless blob's stream tables as the parse checked them (None: a plain blob, or not checked)."""
 
     @property
     def header_bytes(self) -> memoryview:
@@ -546,6 +548,7 @@ def parse(
     if verify_crc:
         payload = mv[header_len : header_len + header.payload_len]
         check_crc(header, crc_stored, payload_crc(header, mv[:crc_off], (payload,)))
+    coded = None
     if consistency:
         if header.scale_scheme in PLAIN_OF:  # the stream tables are payload: checked on every blob
             k_at = header_len + header.k_payload_len
@@ -565,6 +568,7 @@ def parse(
         crc=crc_stored,
         trailing=trailing,
         unknown_hashes=unknown,
+        coding=coded,
     )
     return out
 
