@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcodec.errors import CorruptEncodedKVError, Reason
-from kvcodec.format import MAX_ELEMENTS, Header, ScaleScheme, ScaleScope, read_coding
+from kvcodec.errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
+from kvcodec.format import (
+    MAX_ELEMENTS,
+    MAX_PAYLOAD_LEN,
+    Header,
+    ScaleScheme,
+    ScaleScope,
+    read_coding,
+    restamp_header,
+    serialize_header,
+)
 from kvcodec.format.coding import (
     HUFF_ERRORS,
     HUFF_HEAD_BYTES,
@@ -117,3 +127,35 @@ def test_hostile_tables_read_or_refuse(tokens, count, lengths, body, k_raw, cut,
         assert all(a + n == b for (a, n), (b, _) in zip(sec.streams, sec.streams[1:]))
     if c.k:
         assert len(k) - c.k.raw_at == raw * HEADS
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({"k_payload_len": -1}, Reason.FIELD_OUT_OF_RANGE),
+        ({"v_payload_len": MAX_PAYLOAD_LEN + 1}, Reason.FIELD_OUT_OF_RANGE),
+        ({"version": 1}, Reason.BAD_VALUE),
+    ],
+)
+def test_restamped_header_is_the_serialized_one(change, reason) -> None:
+    """The coded header restamped over the plain one's bytes is byte for byte what serialize_header writes
+    for it (scheme, K and V lengths, CRC over the payload now after it); out-of-range lengths and
+    version 1 are refused, nothing written."""
+    plain = _header(2 * 48, 48, scale_scheme=ScaleScheme.COMPUTED, scale_shape=(1,), scale_payload_len=4)
+    hs = plain.header_len
+    buf = memoryview(bytearray(serialize_header(plain, crc=0) + bytes(range(60))))
+    lens = {"k_payload_len": 30, "v_payload_len": 26}
+    restamp_header(buf, plain, hs, scale_scheme=ScaleScheme.LOSSLESS_HUFF, **lens)
+    coded = plain.replace(scale_scheme=ScaleScheme.LOSSLESS_HUFF, **lens)
+    assert bytes(buf[:hs]) == serialize_header(coded, [buf[hs:]])
+    before = bytes(buf)
+    version = change.pop("version", 2)
+    with pytest.raises(UnsupportedConfigError) as e:
+        restamp_header(
+            buf,
+            plain.replace(version=version),
+            hs,
+            scale_scheme=ScaleScheme.LOSSLESS_HUFF,
+            **{**lens, **change},
+        )
+    assert e.value.reason == reason and bytes(buf) == before
