@@ -18,8 +18,10 @@ coder (kvcodec/csrc/huff.c, schemes 5/6) and the decode that expands the streams
 reused plain payload (no plain blob written or parsed), this bench measured decode 0.104-0.117 and
 encode 0.075-0.084 (2026-12-05, the shared 2-core VM, five runs; plain decode 0.40-0.45, encode
 0.33-0.37 in the same rounds), up from decode 0.091-0.100 through the plain blob, and from 0.044
-each with raw deflate; 2026-12-06, three runs: decode 0.115-0.120, encode 0.082-0.085. What is left is mostly the coder: V's codes decode at ~1 G symbols/s and K's
-exponents at ~1.35, and code at ~0.75 (docs/quality.md says where the rest of the time goes).
+each with raw deflate; 2026-12-06, three runs: decode 0.115-0.120, encode 0.082-0.085; later that day on
+a Xeon host, with V's streams decoded two at a time and K merged into ``out_k``: decode 0.133-0.179,
+encode 0.085-0.125 over eleven runs, the host's load moving the ratios more than the code does
+(docs/quality.md: the builds side by side in one process, and where the time goes).
 """
 
 from __future__ import annotations
