@@ -13,7 +13,18 @@ pytestmark = pytest.mark.skipif(not AVAILABLE, reason="kvcodec._cpu is not built
 
 
 @pytest.mark.parametrize(
-    "shape", [(0, 2, 3), (1, 1, 1), (7, 3, 5), (8, 2, 4), (19, 3, 5), (33, 3, 8), (9, 1, 12), (256, 8, 128)]
+    "shape",
+    [
+        (0, 2, 3),
+        (1, 1, 1),
+        (7, 3, 5),
+        (8, 2, 4),
+        (19, 3, 5),
+        (33, 3, 8),
+        (9, 1, 12),
+        (27, 2, 10),
+        (256, 8, 128),
+    ],
 )
 def test_split_and_merge_match_numpy(shape) -> None:
     t, h, d = shape
