@@ -19,8 +19,8 @@ reused plain payload (no plain blob written or parsed), this bench measured deco
 encode 0.075-0.084 (2026-12-05, the shared 2-core VM, five runs; plain decode 0.40-0.45, encode
 0.33-0.37 in the same rounds), up from decode 0.091-0.100 through the plain blob, and from 0.044
 each with raw deflate; 2026-12-06, three runs: decode 0.115-0.120, encode 0.082-0.085; later that day on
-a Xeon host, with V's streams decoded two at a time and K merged into ``out_k``: decode 0.133-0.179,
-encode 0.085-0.125 over eleven runs, the host's load moving the ratios more than the code does
+a Xeon host, with V's streams decoded two at a time and K merged into ``out_k``: decode 0.126-0.182,
+encode 0.081-0.125 over fourteen runs, the host's load moving the ratios more than the code does
 (docs/quality.md: the builds side by side in one process, and where the time goes).
 """
 

@@ -375,13 +375,12 @@ def _decode_checked_in_pass(
 
 
 def _k_bytes(out_k: torch.Tensor, h: Header) -> memoryview | None:
-    """``out_k``'s bytes to merge a lossless blob's K into (CPU, C-contiguous, K's dtype and exactly its
-    bytes), or None: K then goes through the payload as a plain blob's does."""
+    """``out_k``'s bytes to merge a lossless blob's K into (CPU, C-contiguous, exactly K's bytes; its
+    dtype and grad already checked by ``_request``), or None: K then goes through the payload as a
+    plain blob's does."""
     if (
         out_k.device.type != "cpu"
         or not out_k.is_contiguous()
-        or out_k.requires_grad
-        or out_k.dtype != to_torch(h.k_dtype)
         or out_k.numel() * out_k.element_size() != h.k_payload_len
     ):
         return None

@@ -71,6 +71,7 @@ __all__ = [
     "expand_blob",
     "expand_payload",
     "is_lossless",
+    "split_planes",
 ]
 
 COMPRESSIONS = ("none", "lossless")
@@ -130,8 +131,9 @@ def _check_plain(h: Header) -> tuple[int, int, int]:
     return tokens, heads, dim
 
 
-def _split_k(k: memoryview, tokens: int, heads: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """K's high plane ``[heads, dim, tokens]`` and low plane ``[tokens, heads, dim]`` (C, else numpy)."""
+def split_planes(k: Any, tokens: int, heads: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The high plane ``[heads, dim, tokens]`` and low plane ``[tokens, heads, dim]`` of 16-bit K's bytes
+    ``k`` (any C-contiguous buffer; C, else numpy)."""
     n = tokens * heads * dim
     hi, lo = np.empty(n, np.uint8), np.empty(n, np.uint8)
     if not backends.k_planes(k, hi, lo, tokens, heads, dim, merge=False):
@@ -179,7 +181,7 @@ def _planes_of(p: ParsedBlob, tokens: int, heads: int, dim: int, given: Planes |
     """K's planes: those ``given`` (split where K lives: kvcodec.codec.lossless_device), else split here
     from the plain blob's K."""
     if given is None:
-        return _split_k(p.k, tokens, heads, dim)
+        return split_planes(p.k, tokens, heads, dim)
     n = tokens * heads * dim
     if len(given) != 2 or any(
         not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.size != n for a in given
@@ -417,7 +419,7 @@ def _expand_streams(c: Coding, p: ParsedBlob, mv: memoryview, at: int, k_into: m
 
 class Expansion:
     """A lossless blob's plain payload in two steps, for a decode that wants K merged straight into its
-    ``out_k``: :meth:`open` checks the tables and writes the scales (what a decode reads to plan the
+    ``out_k``: building one takes the tables and writes the scales (what a decode reads to plan the
     pass), :meth:`fill` decodes the streams, K into the payload or into the caller's buffer."""
 
     def __init__(self, p: ParsedBlob, *, reuse: bool = False) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import backends
+from .lossless import split_planes
 
 __all__ = ["merge_on_device", "split_host", "split_to_host"]
 
@@ -56,11 +57,7 @@ def split_host(k: torch.Tensor, k_dtype: torch.dtype) -> tuple[np.ndarray, np.nd
         return None
     if k.dim() != 3 or k.requires_grad:
         return None
-    t, h, d = k.shape
-    hi, lo = np.empty(k.numel(), np.uint8), np.empty(k.numel(), np.uint8)
-    if not backends.k_planes(k.view(torch.uint8).numpy(), hi, lo, t, h, d, merge=False):
-        return None
-    return hi, lo
+    return split_planes(k.view(torch.uint8).numpy(), *k.shape)
 
 
 def _host_bytes(buf: Any, n: int) -> torch.Tensor:

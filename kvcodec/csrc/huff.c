@@ -649,7 +649,7 @@ int huff_decode(const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t r
 
 /* Two streams' eight lanes side by side: one stream's four chains of dependent lookups (shift, mask,
  * load, shift) keep a core waiting on its L1 most of the time; eight keep it busy (measured on V's
- * codes: 1.25x the symbols a second of one stream at a time). For two streams of one length n (a
+ * codes: 1.3x the symbols a second of one stream at a time). For two streams of one length n (a
  * multiple of 4) with complete tables and one symbol a lookup, the second's symbols written right after
  * the first's, so that the eight lanes' outputs lie q apart. A lane's state in a round is its bit
  * buffer alone: 7 bytes loaded with a 1 above them (the sentinel), so the bits a round used are read

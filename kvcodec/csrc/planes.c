@@ -9,6 +9,8 @@
  * one 8-byte run. py_planes.c is the entry. */
 #include "planes.h"
 
+#include "kv.h"
+
 #include <string.h>
 
 #if defined(__SSE2__) && !defined(KV_PORTABLE_ONLY)
@@ -68,6 +70,7 @@ __attribute__((target("avx2"))) static inline __m256i load2x8(const uint8_t *a, 
                                    _mm_loadl_epi64((const __m128i *)b), 1);
 }
 
+/* transpose8 on both 128-bit lanes at once. */
 __attribute__((target("avx2"))) static inline void transpose8x2(const __m256i a[8], __m256i out[4]) {
     __m256i t0 = _mm256_unpacklo_epi8(a[0], a[1]), t1 = _mm256_unpacklo_epi8(a[2], a[3]);
     __m256i t2 = _mm256_unpacklo_epi8(a[4], a[5]), t3 = _mm256_unpacklo_epi8(a[6], a[7]);
@@ -107,9 +110,11 @@ __attribute__((target("avx2"))) static inline void split_block16(const uint8_t *
         a[j] = _mm256_packus_epi16(_mm256_srli_epi16(x, 8), x);
     }
     transpose8x2(a, c);
-    for (int i = 0; i < 8; i++) { /* channel e + i: tokens t .. t + 8 from the low lane, the rest from the high */
-        __m256i r = _mm256_permute4x64_epi64(c[i >> 1], (i & 1) ? 0x0D : 0x08);
-        _mm_storeu_si128((__m128i *)(hi + (e + i) * T + t), _mm256_castsi256_si128(r));
+    for (int j = 0; j < 4; j++) { /* channels e + 2j, e + 2j + 1: tokens t .. t + 8 from the low lane, the
+                                    * rest from the high (immediates constant at any optimization level) */
+        __m256i even = _mm256_permute4x64_epi64(c[j], 0x08), odd = _mm256_permute4x64_epi64(c[j], 0x0D);
+        _mm_storeu_si128((__m128i *)(hi + (e + 2 * j) * T + t), _mm256_castsi256_si128(even));
+        _mm_storeu_si128((__m128i *)(hi + (e + 2 * j + 1) * T + t), _mm256_castsi256_si128(odd));
     }
 }
 
@@ -124,11 +129,6 @@ __attribute__((target("avx2"))) static void split_row16(const uint8_t *k, uint8_
     for (size_t e = 0; e + 8 <= E; e += 8) split_block16(k, hi, lo, T, E, t, e);
 }
 
-static int have_avx2(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") ? 1 : 0;
-    return known;
-}
 #endif
 
 #define RUN 8 /* tokens per pass: one 8-byte run of a channel's high bytes */
@@ -161,7 +161,7 @@ static void merge_tail(const uint8_t *hi, const uint8_t *lo, uint8_t *k, size_t 
 void kv_planes_split(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T, size_t E) {
     size_t t = 0;
 #ifdef PLANES_AVX2
-    if (have_avx2())
+    if (kv_best_simd() >= 1) /* dispatch.c's level: the CPU's, capped by KVCODEC_CPU_LEVEL */
         for (; t + 2 * RUN <= T; t += 2 * RUN) {
             split_row16(k, hi, lo, T, E, t);
             split_tail(k, hi, lo, T, E, t, E - E % 8);
@@ -186,7 +186,7 @@ void kv_planes_split(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T, size_
 void kv_planes_merge(const uint8_t *hi, const uint8_t *lo, uint8_t *k, size_t T, size_t E) {
     size_t t = 0;
 #ifdef PLANES_AVX2
-    if (have_avx2())
+    if (kv_best_simd() >= 1) /* dispatch.c's level: the CPU's, capped by KVCODEC_CPU_LEVEL */
         for (; t + 2 * RUN <= T; t += 2 * RUN) {
             merge_row16(hi, lo, k, T, E, t);
             merge_tail(hi, lo, k, T, E, t, E - E % 8);

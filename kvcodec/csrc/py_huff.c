@@ -30,8 +30,8 @@ static int spans_overlap(const char *a, Py_ssize_t na, const char *b, Py_ssize_t
     return na && nb && a < b + nb && b < a + na;
 }
 
-static uint8_t *scratch_for(Py_ssize_t n, Py_ssize_t row, Py_ssize_t stride) {
-    return row < stride && n ? PyMem_RawMalloc((size_t)n) : NULL;
+static uint8_t *scratch_for(Py_ssize_t n, Py_ssize_t row, Py_ssize_t stride, size_t streams) {
+    return row < stride && n ? PyMem_RawMalloc(streams * (size_t)n) : NULL;
 }
 
 PyObject *py_huff_encode(PyObject *self, PyObject *args) {
@@ -50,7 +50,7 @@ PyObject *py_huff_encode(PyObject *self, PyObject *args) {
     } else if (bufs_overlap(&s, &o)) {
         fail("huff_encode", "the symbols and the output must not share memory");
     } else {
-        uint8_t *scratch = scratch_for(n, row, stride);
+        uint8_t *scratch = scratch_for(n, row, stride, 1);
         if (row < stride && n && !scratch) {
             PyErr_NoMemory();
         } else {
@@ -84,7 +84,7 @@ PyObject *py_huff_decode(PyObject *self, PyObject *args) {
     } else if (spans_overlap((const char *)s.buf + at, length, o.buf, o.len)) {
         fail("huff_decode", "the stream and the output must not share memory");
     } else {
-        uint8_t *scratch = scratch_for(n, row, stride);
+        uint8_t *scratch = scratch_for(n, row, stride, 1);
         if (row < stride && n && !scratch) {
             PyErr_NoMemory();
         } else {
@@ -127,7 +127,7 @@ PyObject *py_huff_encode_many(PyObject *self, PyObject *args) {
     } else if (bufs_overlap(&s, &o)) {
         fail("huff_encode_many", "the symbols and the output must not share memory");
     } else {
-        uint8_t *scratch = scratch_for(n, row, stride);
+        uint8_t *scratch = scratch_for(n, row, stride, 1);
         lens = PyMem_RawMalloc((size_t)(count ? count : 1) * sizeof *lens);
         if ((row < stride && n && !scratch) || !lens) {
             PyErr_NoMemory();
@@ -199,7 +199,7 @@ PyObject *py_huff_decode_many(PyObject *self, PyObject *args) {
     if (!ok) {
         fail("huff_decode_many", "a stream or the symbols' places lie outside their buffers, or overlap");
     } else {
-        uint8_t *scratch = row < stride && n ? PyMem_RawMalloc(2 * (size_t)n) : NULL; /* two streams at a time */
+        uint8_t *scratch = scratch_for(n, row, stride, 2); /* two streams at a time */
         if (row < stride && n && !scratch) {
             PyErr_NoMemory();
         } else {

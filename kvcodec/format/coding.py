@@ -155,18 +155,14 @@ def _section(buf: memoryview, at: int, heads: int, raw: int, what: str, huffman:
 
 
 def plain_header(h: Header, tokens: int, with_k: bool) -> Header:
-    """The header of the plain blob ``h`` decodes to (``tokens`` tokens, K present or not): a field-for-field
-    copy of ``h`` with its scheme and payload lengths (``Header.replace`` would cost ten times as much on
-    every decode; ``Header`` checks no ranges when built, the parser's consistency checks do)."""
+    """The header of the plain blob ``h`` decodes to (``tokens`` tokens, K present or not), derived on
+    every decode (:meth:`Header.derived`)."""
     elems = tokens * h.kv_head_count * h.head_dim
-    out = object.__new__(Header)
-    out.__dict__.update(
-        h.__dict__,
+    return h.derived(
         scale_scheme=PLAIN_OF[ScaleScheme(h.scale_scheme)],
         k_payload_len=elems * CODED_K_ITEMSIZE if with_k else 0,
         v_payload_len=elems,
     )
-    return out
 
 
 def _check_header(h: Header) -> None:

@@ -306,6 +306,14 @@ class Header:
             return self.k_payload_len // (self.k_dtype.itemsize * per_tok)
         return self.chunk_size if self.chunk_size >= 0 else 0
 
+    def derived(self, **changes: Any) -> Header:
+        """A copy with ``changes`` applied field for field, nothing checked or coerced: for values the
+        caller has checked (``replace`` costs ten times as much; ``Header`` checks no ranges when built,
+        the parser's consistency checks do)."""
+        out = object.__new__(Header)
+        out.__dict__.update(self.__dict__, **changes)
+        return out
+
     def replace(self, **changes: Any) -> Header:
         """A copy with ``changes`` applied."""
         return replace(self, **changes)
@@ -583,12 +591,14 @@ def restamp_header(
             raise UnsupportedConfigError(
                 f"{name}={n} outside 0..{MAX_PAYLOAD_LEN}", reason=Reason.FIELD_OUT_OF_RANGE
             )
-    size = header_len
     SCHEME.pack_into(mv, SCHEME_OFFSET, int(scale_scheme))
     lens_at = FIXED_HEADER_LEN + SCALE_DIM.size * len(h.scale_shape)
     PAYLOAD_LENS.pack_into(mv, lens_at, k_payload_len, v_payload_len, h.scale_payload_len)
-    end = size + k_payload_len + v_payload_len + h.scale_payload_len
-    CRC_FIELD.pack_into(mv, size - CRC_FIELD.size, crc32(mv[size:end], crc32(mv[: size - CRC_FIELD.size])))
+    crc_at, end = (
+        header_len - CRC_FIELD.size,
+        header_len + k_payload_len + v_payload_len + h.scale_payload_len,
+    )
+    CRC_FIELD.pack_into(mv, crc_at, payload_crc(h, mv[:crc_at], (mv[header_len:end],)))
 
 
 def payload_crc(h: Header, header_prefix: Any, payload: Iterable[Any]) -> int:

@@ -498,11 +498,8 @@ def clear_header_memo() -> None:
 
 
 def _with_ids(h: Header, layer_id: int, chunk_id: int) -> Header:
-    """``h`` with other (range-checked) ids: a field-for-field copy of a validated header, which
-    ``dataclasses.replace`` would validate again at ten times the cost."""
-    out = object.__new__(Header)
-    out.__dict__.update(h.__dict__, layer_id=layer_id, chunk_id=chunk_id)
-    return out
+    """``h`` with other (range-checked) ids (:meth:`Header.derived`)."""
+    return h.derived(layer_id=layer_id, chunk_id=chunk_id)
 
 
 def parse(
