@@ -49,6 +49,7 @@ __all__ = [
     "scatter_blob_rows_many",
     "scatter_rows",
     "select",
+    "v_nibbles",
 ]
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
@@ -198,6 +199,13 @@ def k_planes(k: Any, hi: Any, lo: Any, tokens: int, heads: int, dim: int, *, mer
     """K's byte planes for the lossless payload, split (``merge=False``) or merged by the C loops
     (:func:`kvcodec.backends.cpu.k_planes`); False when they are not built: the caller's numpy then."""
     return bool(_cpu().k_planes(k, hi, lo, tokens, heads, dim, merge))
+
+
+def v_nibbles(v: Any, exp: Any, nib: Any, tokens: int, heads: int, dim: int, *, merge: bool) -> bool:
+    """V's codes for the split lossless payload, split (``merge=False``) into exponents and sign +
+    mantissa nibbles or merged by the C loops (:func:`kvcodec.backends.cpu.v_nibbles`); False when they
+    are not built: the caller's numpy then."""
+    return bool(_cpu().v_nibbles(v, exp, nib, tokens, heads, dim, merge))
 
 
 def huff_encode_many(

@@ -47,6 +47,7 @@ __all__ = [
     "k_planes",
     "scatter_blob_rows",
     "scatter_dequantize",
+    "v_nibbles",
 ]
 
 
@@ -76,6 +77,16 @@ def k_planes(k: Any, hi: Any, lo: Any, tokens: int, heads: int, dim: int, merge:
     if _cpu is None:
         return False
     _cpu.k_planes(k, hi, lo, tokens, heads, dim, merge)
+    return True
+
+
+def v_nibbles(v: Any, exp: Any, nib: Any, tokens: int, heads: int, dim: int, merge: bool) -> bool:
+    """V's FP8 codes ``[tokens, heads, dim]`` split into (``merge=False``) or merged from (True) each
+    head's exponents ``[heads, tokens x dim]`` and the codes' sign + mantissa nibbles, two a byte in
+    payload order, by nibbles.c, in one pass; False (nothing done) when the C loops are not built."""
+    if _cpu is None:
+        return False
+    _cpu.v_nibbles(v, exp, nib, tokens, heads, dim, merge)
     return True
 
 

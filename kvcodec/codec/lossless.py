@@ -2,25 +2,29 @@
 
 ``compress_blob`` splits K into its high-byte plane (sign and exponent; laid out channel by channel
 per head, where neighbouring values share exponents) and its low-byte plane (near-random mantissa
-bits, stored raw), and codes the high plane and V's FP8 codes one stream per head (``docs/FORMAT.md``,
+bits, stored raw), and V's FP8 codes into their exponents and their sign + mantissa nibbles (stored
+raw, two a byte), and codes K's high plane and V's exponents one stream per head (``docs/FORMAT.md``,
 "Lossless payload"). ``expand_blob`` gives back the plain blob exactly, so a decode of either is the
 same bits by construction; ``expand_payload`` gives its header and payload without writing or parsing
 a plain header (what ``decode`` reads: into this thread's reused buffer when every byte is copied out
 of it before the thread's next decode).
 
-The coder (schemes LOSSLESS_HUFF / LOSSLESS_HUFF_UNIT, what ``compression="lossless"`` writes) is an
+The coder (schemes LOSSLESS_SPLIT / LOSSLESS_SPLIT_UNIT, what ``compression="lossless"`` writes) is an
 order-0 canonical Huffman code per stream, lengths of at most 11 bits, the symbols cut in four lanes
 that decode side by side (``docs/FORMAT.md``, "Huffman stream"): ``kvcodec/csrc/huff.c`` through
 :mod:`kvcodec.backends`, else :mod:`.huffman` (the same bytes, slower). It was chosen by measurement
 (docs/quality.md): on real KV it codes as small as deflate level 1 and decodes several times faster
-than ISA-L's inflate on these planes. The C encoder reads V's codes of a head in place (stride
-heads x head_dim) and the decoder writes them straight into the plain blob's V payload.
+than ISA-L's inflate on these planes. V's exponents (16 symbols, ~2.6 bits a code) decode up to three
+a table lookup where whole codes (~6.6 bits) took one each, for 0.5% more bytes of V: V's streams
+decode about twice as fast (docs/quality.md).
 
-Blobs of schemes LOSSLESS / LOSSLESS_UNIT (raw deflate, written before the Huffman coder) are still
-read: ISA-L's igzip (python-isal, the ``fast`` extra) when installed, else the stdlib's zlib; each
-deflate stream is decoded with at most ``tokens x head_dim + 1`` bytes of output, the size the
-header's geometry gives, so a stream that claims more (a decompression bomb) is refused without being
-expanded. ``compress_blob(coder="deflate")`` still writes them (golden vectors, tests).
+Blobs of schemes LOSSLESS_HUFF / LOSSLESS_HUFF_UNIT (whole V codes in V's streams, written before the
+split; ``compress_blob(coder="huffman")`` still writes them) and LOSSLESS / LOSSLESS_UNIT (raw
+deflate) are still read: deflate through ISA-L's igzip (python-isal, the ``fast`` extra) when
+installed, else the stdlib's zlib; each deflate stream is decoded with at most ``tokens x head_dim +
+1`` bytes of output, the size the header's geometry gives, so a stream that claims more (a
+decompression bomb) is refused without being expanded. ``compress_blob(coder="deflate")`` still
+writes them (golden vectors, tests).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .. import backends
 from ..errors import CorruptEncodedKVError, Reason, UnsupportedConfigError
 from ..format import (
     DEFLATE_OF,
+    HUFF_OF,
     LOSSLESS_OF,
     PLAIN_OF,
     Coding,
@@ -71,13 +76,16 @@ __all__ = [
     "expand_blob",
     "expand_payload",
     "is_lossless",
+    "merge_v",
     "split_planes",
+    "split_v",
 ]
 
 COMPRESSIONS = ("none", "lossless")
 """``encode(compression=...)``: ``none`` writes the plain payload, ``lossless`` the coded one."""
-CODERS = ("huffman", "deflate")
-"""``compress_blob(coder=...)``: Huffman streams (schemes 5/6, the default) or raw deflate (3/4)."""
+CODERS = ("split", "huffman", "deflate")
+"""``compress_blob(coder=...)``: Huffman streams of K's high plane and V's exponents (schemes 7/8, the
+default), of K's high plane and whole V codes (5/6), or raw deflate (3/4)."""
 DEFLATE_LEVEL = 1
 """igzip / zlib level: level 1 codes these planes as small as 2 and 3 (measured), at the best speed."""
 HIST_BITS = 4
@@ -143,7 +151,34 @@ def split_planes(k: Any, tokens: int, heads: int, dim: int) -> tuple[np.ndarray,
     return hi, lo
 
 
-# ----------------------------------------------------------------------------- Huffman (schemes 5/6)
+def split_v(v: Any, tokens: int, heads: int, dim: int, exp: np.ndarray) -> np.ndarray:
+    """V's codes ``v`` (``[tokens, heads, dim]``) split: their exponents (bits 3..6) into ``exp``, each
+    head's ``[tokens, dim]`` one after another; returns their sign (bit 7 as bit 3) and mantissa
+    (bits 0..2) nibbles, two a byte in payload order (low nibble first; an odd count's last high
+    nibble 0). C, else numpy."""
+    n = tokens * heads * dim
+    nib = np.empty((n + 1) // 2, np.uint8)
+    if not backends.v_nibbles(v, exp, nib, tokens, heads, dim, merge=False):
+        x = np.frombuffer(v, np.uint8, n)
+        exp.reshape(heads, tokens, dim)[...] = ((x >> 3) & 15).reshape(tokens, heads, dim).transpose(1, 0, 2)
+        s = np.zeros(2 * nib.size, np.uint8)
+        s[:n] = ((x >> 4) & 8) | (x & 7)
+        nib[...] = s[0::2] | (s[1::2] << 4)
+    return nib
+
+
+def merge_v(out: Any, exp: np.ndarray, nib: Any, tokens: int, heads: int, dim: int) -> None:
+    """V's codes written into ``out`` from their exponents and nibbles (:func:`split_v`'s inverse)."""
+    if not backends.v_nibbles(out, exp, nib, tokens, heads, dim, merge=True):
+        n = tokens * heads * dim
+        b = np.frombuffer(nib, np.uint8)
+        s = np.empty(2 * b.size, np.uint8)
+        s[0::2], s[1::2] = b & 15, b >> 4
+        e = exp.reshape(heads, tokens, dim).transpose(1, 0, 2).reshape(-1) & 15
+        np.frombuffer(out, np.uint8, n)[...] = ((s[:n] & 8) << 4) | (e << 3) | (s[:n] & 7)
+
+
+# ----------------------------------------------------------------------------- Huffman (schemes 5 to 8)
 
 
 def _rows(buf: Any, at: int, n: int, row: int, stride: int) -> np.ndarray:
@@ -191,14 +226,16 @@ def _planes_of(p: ParsedBlob, tokens: int, heads: int, dim: int, given: Planes |
 
 
 def _huffman_blob(
-    p: ParsedBlob, tokens: int, heads: int, dim: int, planes: Planes | None = None
+    p: ParsedBlob, tokens: int, heads: int, dim: int, planes: Planes | None = None, *, split: bool = True
 ) -> bytearray:
-    """The LOSSLESS_HUFF(_UNIT) blob of plain blob ``p``: streams coded in place into one buffer."""
+    """The LOSSLESS_SPLIT(_UNIT) blob of plain blob ``p`` (LOSSLESS_HUFF(_UNIT) when not ``split``):
+    streams coded in place into one buffer."""
     h, raw, hs = p.header, tokens * dim, p.header_len
     bound = max_stream_len(raw, huffman=True)
     table = STREAM_COUNT.size + heads * STREAM_LEN.size
     k_cap = table + heads * (bound + raw) if h.k_payload_len else 0
-    cap = hs + k_cap + TOKENS.size + table + heads * bound + h.scale_payload_len
+    nib_len = (raw * heads + 1) // 2 if split else 0
+    cap = hs + k_cap + TOKENS.size + table + heads * bound + nib_len + h.scale_payload_len
     out = new_buffer(cap)
     mv = memoryview(out)
     mv[:hs] = p.buffer[:hs]  # the plain header, restamped below
@@ -214,12 +251,22 @@ def _huffman_blob(
         at += lo.size
     k_len, v_at = at - hs, at
     at += TOKENS.size + table
-    lengths = _encode_streams(p.v, 0, dim, heads, raw, dim, heads * dim, mv[at : at + heads * bound])
+    streams = mv[at : at + heads * bound]
+    if split:
+        exp = np.frombuffer(_scratch_view(heads * raw, "plane"), np.uint8)
+        nib = split_v(p.v, tokens, heads, dim, exp)
+        lengths = _encode_streams(exp, 0, raw, heads, raw, raw, raw, streams)
+    else:
+        lengths = _encode_streams(p.v, 0, dim, heads, raw, dim, heads * dim, streams)
+    streams.release()
     mv[v_at:at] = pack_table(lengths, tokens)
     at += sum(lengths)
+    if split:
+        mv[at : at + nib_len] = nib
+        at += nib_len
     end = at + h.scale_payload_len
     mv[at:end] = p.scales
-    scheme = LOSSLESS_OF[ScaleScheme(h.scale_scheme)]
+    scheme = (LOSSLESS_OF if split else HUFF_OF)[ScaleScheme(h.scale_scheme)]
     restamp_header(mv, h, hs, scale_scheme=scheme, k_payload_len=k_len, v_payload_len=at - v_at)
     mv.release()
     del out[end:]
@@ -262,9 +309,15 @@ def _decode_streams(
 
 def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: memoryview) -> None:
     heads, dim, raw = c.heads, c.head_dim, c.stream_raw
-    _decode_streams(p.v, c.v, raw, mv, hs + c.plain.k_payload_len, dim, dim, heads * dim, "V")
+    v_at = hs + c.plain.k_payload_len
+    if c.v_split:  # the exponents into the plane scratch, merged with the nibbles before K uses it
+        exp = np.frombuffer(_scratch_view(heads * raw, "plane"), np.uint8)
+        _decode_streams(p.v, c.v, raw, exp, 0, raw, raw, raw, "V")
+        merge_v(mv[v_at : v_at + c.plain.v_payload_len], exp, p.v[c.v.raw_at :], c.tokens, heads, dim)
+    else:
+        _decode_streams(p.v, c.v, raw, mv, v_at, dim, dim, heads * dim, "V")
     if c.k is not None:
-        hi = np.frombuffer(_scratch_view(heads * raw, "hi"), np.uint8)  # K's high plane, merged below
+        hi = np.frombuffer(_scratch_view(heads * raw, "plane"), np.uint8)  # K's high plane, merged below
         _decode_streams(p.k, c.k, raw, hi, 0, raw, raw, raw, "K")
         _merge_k(k_out, hi, p.k[c.k.raw_at :], c)
 
@@ -351,10 +404,11 @@ def _expand_deflate(c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: me
 # ----------------------------------------------------------------------------- both
 
 
-def compress_blob(plain: Any, *, coder: str = "huffman", k_planes: Planes | None = None) -> bytearray:
-    """The lossless blob of plain version-2 blob ``plain`` (checked, CRC included): Huffman streams
-    (scheme LOSSLESS_HUFF or LOSSLESS_HUFF_UNIT), or raw deflate with ``coder="deflate"`` (LOSSLESS,
-    LOSSLESS_UNIT: what kvcodec wrote before; kept for golden vectors and tests).
+def compress_blob(plain: Any, *, coder: str = "split", k_planes: Planes | None = None) -> bytearray:
+    """The lossless blob of plain version-2 blob ``plain`` (checked, CRC included): Huffman streams of
+    V's exponents (scheme LOSSLESS_SPLIT or LOSSLESS_SPLIT_UNIT), of whole V codes with
+    ``coder="huffman"`` (LOSSLESS_HUFF(_UNIT)), or raw deflate with ``coder="deflate"`` (LOSSLESS,
+    LOSSLESS_UNIT): the last two what kvcodec wrote before, kept for golden vectors and tests.
 
     ``k_planes``: K's (high, low) planes already split where K lives (an encode of a GPU K), used
     instead of the plain blob's K bytes, which are then never read."""
@@ -364,7 +418,7 @@ def compress_blob(plain: Any, *, coder: str = "huffman", k_planes: Planes | None
     tokens, heads, dim = _check_plain(p.header)
     if coder == "deflate":
         return _deflate_blob(p, tokens, heads, dim, k_planes)
-    return _huffman_blob(p, tokens, heads, dim, k_planes)
+    return _huffman_blob(p, tokens, heads, dim, k_planes, split=coder == "split")
 
 
 def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None:
@@ -377,16 +431,17 @@ def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None
 
 
 SCRATCH_MAX_BYTES = 64 << 20
-"""The largest plain payload (or K high plane) :func:`expand_payload` writes into one of its thread's
-two reused buffers (a larger one gets a buffer of its own, freed with it): what a thread keeps between
+"""The largest plain payload (or plane: K's high bytes, V's exponents) :func:`expand_payload` writes into
+one of its thread's two reused buffers (a larger one gets a buffer of its own, freed with it): what a thread keeps between
 decodes is bounded, at twice this."""
 _scratch = threading.local()
 
 
 def _scratch_view(n: int, name: str = "payload") -> memoryview:
     """``n`` bytes of this thread's reused buffer ``name`` (grown to the largest size asked for, up to
-    :data:`SCRATCH_MAX_BYTES`), or a new buffer's beyond that. Two names: the plain payload, and K's high
-    plane before it is merged (a fresh buffer of that size each decode costs its page faults)."""
+    :data:`SCRATCH_MAX_BYTES`), or a new buffer's beyond that. Two names: the plain payload, and a plane
+    before it is merged (V's exponents, then K's high bytes: a fresh buffer of that size each decode
+    costs its page faults; an encode splits V's exponents into it too)."""
     if n > SCRATCH_MAX_BYTES:
         return memoryview(new_buffer(n))
     buf = getattr(_scratch, name, None)

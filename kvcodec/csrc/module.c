@@ -149,6 +149,9 @@ static PyMethodDef methods[] = {
     {"empty_bytearray", py_empty_bytearray, METH_VARARGS, "empty_bytearray(n): an uninitialised bytearray."},
     {"k_planes", py_k_planes, METH_VARARGS,
      "k_planes(k, hi, lo, tokens, heads, dim, merge): 16-bit K's byte planes split (merge=0) or merged."},
+    {"v_nibbles", py_v_nibbles, METH_VARARGS,
+     "v_nibbles(v, exp, nib, tokens, heads, dim, merge): V's codes split into exponents and sign + mantissa "
+     "nibbles (merge=0) or merged."},
     {"huff_encode", py_huff_encode, METH_VARARGS,
      "huff_encode(src, at, n, row, stride, out, out_at) -> bytes written or -1: one Huffman stream."},
     {"huff_decode", py_huff_decode, METH_VARARGS,

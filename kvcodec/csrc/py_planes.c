@@ -1,21 +1,34 @@
-/* k_planes(k, hi, lo, tokens, heads, dim, merge) -> None: the entry point of planes.c. Every buffer
- * C-contiguous bytes of exactly its plane's length (checked), none overlapping another; merge=0 splits
- * k into hi and lo, merge=1 writes k from them. The GIL is released around the pass. */
+/* k_planes(k, hi, lo, tokens, heads, dim, merge) -> None: the entry point of planes.c; v_nibbles(v, exp,
+ * nib, tokens, heads, dim, merge) -> None: nibbles.c's. Every buffer C-contiguous bytes of exactly its
+ * plane's length (checked), none overlapping another; merge=0 splits into the planes, merge=1 writes
+ * from them. The GIL is released around the pass. */
 #include "buffers.h"
+#include "nibbles.h"
 #include "planes.h"
 
 /* One buffer of exactly `len` bytes, C-contiguous, writable if asked. -1: error raised. */
-static int take(PyObject *obj, Py_ssize_t len, int writable, const char *name, Py_buffer *b) {
+static int take_for(const char *fn, PyObject *obj, Py_ssize_t len, int writable, const char *name, Py_buffer *b) {
     if (PyObject_GetBuffer(obj, b, writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS) < 0) {
-        rethrow("k_planes");
+        rethrow(fn);
         return -1;
     }
     if (b->len != len) {
         PyBuffer_Release(b);
         char msg[160];
         snprintf(msg, sizeof msg, "%s is %zd bytes; the geometry needs %zd", name, b->len, len);
-        return fail("k_planes", msg);
+        return fail(fn, msg);
     }
+    return 0;
+}
+
+static int take(PyObject *obj, Py_ssize_t len, int writable, const char *name, Py_buffer *b) {
+    return take_for("k_planes", obj, len, writable, name, b);
+}
+
+/* tokens, heads, head_dim >= 0 with n = their product, and 2n, within a Py_ssize_t. -1: error raised. */
+static int geometry(const char *fn, Py_ssize_t T, Py_ssize_t H, Py_ssize_t D) {
+    if (T < 0 || H < 0 || D < 0 || (H && D > PY_SSIZE_T_MAX / H) || (H * D != 0 && T > PY_SSIZE_T_MAX / 2 / (H * D)))
+        return fail(fn, "tokens, heads and head_dim must be >= 0 and their bytes fit a Py_ssize_t");
     return 0;
 }
 
@@ -25,10 +38,7 @@ PyObject *py_k_planes(PyObject *self, PyObject *args) {
     Py_ssize_t T, H, D;
     int m;
     if (parse(args, "k_planes", "OOOnnnp", &ko, &ho, &lo_o, &T, &H, &D, &m)) return NULL;
-    if (T < 0 || H < 0 || D < 0 || (H && D > PY_SSIZE_T_MAX / H) || (H * D != 0 && T > PY_SSIZE_T_MAX / 2 / (H * D))) {
-        fail("k_planes", "tokens, heads and head_dim must be >= 0 and their bytes fit a Py_ssize_t");
-        return NULL;
-    }
+    if (geometry("k_planes", T, H, D) < 0) return NULL;
     Py_ssize_t n = T * H * D;
     Py_buffer k, hi, lo;
     if (take(ko, 2 * n, m, "k", &k) < 0) return NULL;
@@ -49,5 +59,35 @@ PyObject *py_k_planes(PyObject *self, PyObject *args) {
     PyBuffer_Release(&k);
     PyBuffer_Release(&hi);
     PyBuffer_Release(&lo);
+    return ret;
+}
+
+PyObject *py_v_nibbles(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *vo, *eo, *so;
+    Py_ssize_t T, H, D;
+    int m;
+    if (parse(args, "v_nibbles", "OOOnnnp", &vo, &eo, &so, &T, &H, &D, &m)) return NULL;
+    if (geometry("v_nibbles", T, H, D) < 0) return NULL;
+    Py_ssize_t n = T * H * D;
+    Py_buffer v, e, s;
+    if (take_for("v_nibbles", vo, n, m, "v", &v) < 0) return NULL;
+    if (take_for("v_nibbles", eo, n, !m, "exp", &e) < 0) return PyBuffer_Release(&v), NULL;
+    if (take_for("v_nibbles", so, (n + 1) / 2, !m, "nib", &s) < 0) return PyBuffer_Release(&v), PyBuffer_Release(&e), NULL;
+    PyObject *ret = NULL;
+    if (bufs_overlap(&v, &e) || bufs_overlap(&v, &s) || bufs_overlap(&e, &s)) {
+        fail("v_nibbles", "V and its planes must not share memory");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        if (m)
+            kv_nibbles_merge(e.buf, s.buf, v.buf, (size_t)T, (size_t)H, (size_t)D);
+        else
+            kv_nibbles_split(v.buf, e.buf, s.buf, (size_t)T, (size_t)H, (size_t)D);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&e);
+    PyBuffer_Release(&s);
     return ret;
 }

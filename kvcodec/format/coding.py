@@ -1,11 +1,12 @@
-"""The lossless payload of schemes LOSSLESS(_UNIT) and LOSSLESS_HUFF(_UNIT): its stream tables, read and written.
+"""The lossless payload of schemes LOSSLESS(_UNIT), LOSSLESS_HUFF(_UNIT) and LOSSLESS_SPLIT(_UNIT): its stream tables, read and written.
 
 A lossless blob stores the same K, V codes and scales as its plain blob (scheme COMPUTED / UNIT),
 coded so that each head decodes on its own (``docs/FORMAT.md``, "Lossless payload"):
 
 * V section: ``tokens`` (i64), a stream count (u32, = heads), each stream's stored length (u32),
   then the streams: head h's codes ``[tokens, head_dim]``, coded (raw deflate for schemes 3/4, a
-  Huffman stream for 5/6);
+  Huffman stream for 5/6); for schemes 7/8 each stream codes the codes' exponents (bits 3..6) alone,
+  and the streams are followed by every code's sign and mantissa, two a byte in payload order;
 * K section (empty when the blob has no K): a stream count (u32, = heads), each stream's stored
   length (u32), the streams: head h's high bytes laid out channel by channel ``[head_dim, tokens]``,
   coded alike; then K's low bytes ``[tokens, heads, head_dim]``, stored as they are;
@@ -24,7 +25,7 @@ import struct
 from dataclasses import dataclass
 
 from ..errors import CorruptEncodedKVError, Reason
-from .header import HUFFMAN_SCHEMES, MAX_ELEMENTS, PLAIN_OF, Header, ScaleScheme
+from .header import HUFFMAN_SCHEMES, MAX_ELEMENTS, PLAIN_OF, SPLIT_SCHEMES, Header, ScaleScheme
 
 __all__ = [
     "CODED_K_ITEMSIZE",
@@ -34,6 +35,7 @@ __all__ = [
     "HUFF_LANE_LENS",
     "HUFF_MAX_LEN",
     "HUFF_TABLE_BYTES",
+    "SPLIT_EXP_SYMBOLS",
     "STREAM_COUNT",
     "STREAM_LEN",
     "TOKENS",
@@ -80,6 +82,10 @@ HUFF_ERRORS: dict[int, str] = {
     9: "has a lane whose padding bits are not zero",
 }
 """Why a Huffman stream is refused, by the code both coders return (``kvcodec/csrc/huff.h``)."""
+SPLIT_EXP_SYMBOLS = 16
+"""Symbols a V stream of schemes 7/8 may code (an e4m3 exponent's 4 bits): its code-length table gives
+the rest length 0, or the blob is refused before a stream is decoded."""
+_NO_CODES = bytes((256 - SPLIT_EXP_SYMBOLS) // 2)
 
 
 def max_stream_len(raw: int, huffman: bool = False) -> int:
@@ -97,7 +103,8 @@ class Section:
     streams: tuple[tuple[int, int], ...]
     """(offset, stored length) of each head's stream."""
     raw_at: int
-    """Where the bytes stored raw start (K's low plane; the section's end for V)."""
+    """Where the bytes stored raw start (K's low plane; V's sign and mantissa nibbles for schemes 7/8,
+    else the section's end for V)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,9 @@ class Coding:
     v: Section
     plain: Header
     huffman: bool
-    """Whether the streams are Huffman streams (schemes 5/6), else raw deflate (3/4)."""
+    """Whether the streams are Huffman streams (schemes 5 to 8), else raw deflate (3/4)."""
+    v_split: bool = False
+    """Whether V's streams code its exponents, its signs and mantissas stored raw (schemes 7/8)."""
 
     @property
     def stream_raw(self) -> int:
@@ -190,11 +199,30 @@ def read_coding(h: Header, k: memoryview, v: memoryview) -> Coding:
         raise _bad(f"tokens={tokens}: expected 1..{MAX_ELEMENTS // (heads * dim)} at {heads} x {dim}")
     raw, huffman = tokens * dim, h.scale_scheme in HUFFMAN_SCHEMES
     vs = _section(v, TOKENS.size, heads, raw, "V", huffman)
-    if vs.raw_at != len(v):
+    split = h.scale_scheme in SPLIT_SCHEMES
+    if split:
+        _check_split_v(v, vs, raw * heads)
+    elif vs.raw_at != len(v):
         raise _bad(f"V section has {len(v) - vs.raw_at} bytes after its streams")
     ks = None
     if len(k):
         ks = _section(k, 0, heads, raw, "K", huffman)
         if len(k) - ks.raw_at != raw * heads:
             raise _bad(f"K's low plane is {len(k) - ks.raw_at} bytes; {tokens} tokens need {raw * heads}")
-    return Coding(tokens, heads, dim, ks, vs, plain_header(h, tokens, ks is not None), huffman)
+    return Coding(tokens, heads, dim, ks, vs, plain_header(h, tokens, ks is not None), huffman, split)
+
+
+def _check_split_v(v: memoryview, vs: Section, codes: int) -> None:
+    """Schemes 7/8: each V stream codes exponents only (no code for a symbol over 15), and the sign and
+    mantissa nibbles after the streams are exactly ``codes`` nibbles, an odd count's last one padded with 0."""
+    for i, (at, n) in enumerate(vs.streams):
+        table = v[at + SPLIT_EXP_SYMBOLS // 2 : at + min(n, HUFF_TABLE_BYTES)]
+        if table != _NO_CODES[: len(table)]:
+            raise _bad(
+                f"V stream {i} gives a code to a symbol over {SPLIT_EXP_SYMBOLS - 1} (exponents have 4 bits)"
+            )
+    nib = (codes + 1) // 2
+    if len(v) - vs.raw_at != nib:
+        raise _bad(f"V's sign and mantissa plane is {len(v) - vs.raw_at} bytes; {codes} codes need {nib}")
+    if codes % 2 and v[len(v) - 1] >> 4:
+        raise _bad("V's sign and mantissa plane pads its last byte with a nonzero nibble")

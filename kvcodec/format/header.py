@@ -34,6 +34,7 @@ __all__ = [
     "HASH_LEN",
     "HASH_PAIR_COUNT",
     "HUFFMAN_SCHEMES",
+    "HUFF_OF",
     "IDS",
     "IDS_OFFSET",
     "LATENT_DTYPES",
@@ -51,6 +52,7 @@ __all__ = [
     "SCHEME",
     "SCHEME_OFFSET",
     "SCOPE_NAMES",
+    "SPLIT_SCHEMES",
     "SUPPORTED_VERSIONS",
     "Hashes",
     "Header",
@@ -177,14 +179,22 @@ class ScaleScheme(IntEnum):
     LOSSLESS = 3
     """COMPUTED's scales with a lossless payload (version 2, :mod:`~.coding`): K's high-byte plane and
     V's codes deflate-coded per head, K's low-byte plane raw. Decodes to COMPUTED's blob byte for byte.
-    Read, no longer written: ``compression="lossless"`` writes :attr:`LOSSLESS_HUFF`."""
+    Read, no longer written: ``compression="lossless"`` writes :attr:`LOSSLESS_SPLIT`."""
     LOSSLESS_UNIT = 4
     """UNIT (raw FP8 at unit scale, no scales) with the same deflate-coded lossless payload."""
     LOSSLESS_HUFF = 5
     """COMPUTED's scales with the lossless payload's layout, each stream a four-lane canonical Huffman
-    stream (:mod:`~.coding`, ``docs/FORMAT.md`` "Huffman stream"). Decodes to COMPUTED's blob byte for byte."""
+    stream (:mod:`~.coding`, ``docs/FORMAT.md`` "Huffman stream"). Decodes to COMPUTED's blob byte for byte.
+    Read, no longer written (``compress_blob(coder="huffman")`` on request)."""
     LOSSLESS_HUFF_UNIT = 6
     """UNIT with the same Huffman-coded lossless payload."""
+    LOSSLESS_SPLIT = 7
+    """COMPUTED's scales with LOSSLESS_HUFF's payload but for V: each head's stream codes V's exponents
+    (bits 3..6 of a code, 16 symbols) and every code's sign and mantissa follow the streams, stored raw
+    two a byte (``docs/FORMAT.md``, "Split V codes"): as small, and a decode's V takes up to three
+    exponents a table lookup instead of one code. What ``compression="lossless"`` writes."""
+    LOSSLESS_SPLIT_UNIT = 8
+    """UNIT with the same split lossless payload."""
     COMPUTED_PER_TENSOR = 0
     """LMCache's name for COMPUTED (an alias)."""
     RAW_UNIT = 1
@@ -192,20 +202,29 @@ class ScaleScheme(IntEnum):
 
 
 LOSSLESS_OF: dict[ScaleScheme, ScaleScheme] = {
-    ScaleScheme.COMPUTED: ScaleScheme.LOSSLESS_HUFF,
-    ScaleScheme.UNIT: ScaleScheme.LOSSLESS_HUFF_UNIT,
+    ScaleScheme.COMPUTED: ScaleScheme.LOSSLESS_SPLIT,
+    ScaleScheme.UNIT: ScaleScheme.LOSSLESS_SPLIT_UNIT,
 }
 """Each plain scheme's lossless id as written today (a new id per scheme and coder, so that older
 readers refuse it by its id)."""
+HUFF_OF: dict[ScaleScheme, ScaleScheme] = {
+    ScaleScheme.COMPUTED: ScaleScheme.LOSSLESS_HUFF,
+    ScaleScheme.UNIT: ScaleScheme.LOSSLESS_HUFF_UNIT,
+}
+"""Each plain scheme's lossless id with whole V codes in its streams (schemes 5 and 6: still read;
+written on request only)."""
 DEFLATE_OF: dict[ScaleScheme, ScaleScheme] = {
     ScaleScheme.COMPUTED: ScaleScheme.LOSSLESS,
     ScaleScheme.UNIT: ScaleScheme.LOSSLESS_UNIT,
 }
 """Each plain scheme's deflate-coded lossless id (schemes 3 and 4: still read; written on request only)."""
-HUFFMAN_SCHEMES = frozenset(LOSSLESS_OF.values())
+SPLIT_SCHEMES = frozenset(LOSSLESS_OF.values())
+"""The lossless schemes whose V streams code V's exponents, its signs and mantissas stored raw."""
+HUFFMAN_SCHEMES = SPLIT_SCHEMES | frozenset(HUFF_OF.values())
 """The lossless schemes whose streams are Huffman streams (the others' are raw deflate)."""
 PLAIN_OF: dict[ScaleScheme, ScaleScheme] = {
     **{v: k for k, v in DEFLATE_OF.items()},
+    **{v: k for k, v in HUFF_OF.items()},
     **{v: k for k, v in LOSSLESS_OF.items()},
 }
 """Each lossless scheme's plain scheme: the blob it decodes to, byte for byte."""

@@ -1,6 +1,11 @@
-"""planes.c (the lossless payload's K byte planes) against numpy, and its argument checks."""
+"""planes.c (the lossless payload's K byte planes) and nibbles.c (its split V codes) against numpy and
+the format, and their argument checks."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -52,3 +57,66 @@ def test_wrong_lengths_overlap_and_read_only_are_refused() -> None:
         backends.k_planes(k, hi, lo, -4, 2, 3, merge=False)
     with pytest.raises(UnsupportedConfigError, match="fit"):
         backends.k_planes(k, hi, lo, 1 << 62, 1 << 30, 1 << 30, merge=False)
+
+
+def _nibbles_oracle(v: np.ndarray, t: int, h: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """docs/FORMAT.md's "Split V codes" in plain numpy: each head's exponents, then the nibble plane."""
+    exp = ((v.reshape(t, h, d) >> 3) & 15).transpose(1, 0, 2).reshape(-1)
+    s = [*(((v >> 4) & 8) | (v & 7)).tolist(), 0]
+    return exp, np.array([s[i] | s[i + 1] << 4 for i in range(0, v.size, 2)], np.uint8)
+
+
+# head_dim 32 and 64: the AVX2 rows (where the CPU has them); 8, 24: 8 codes a word; 5, 3, 1: one at a time
+NIBBLE_SHAPES = [(0, 2, 8), (1, 1, 1), (7, 3, 5), (5, 1, 3), (4, 2, 8), (3, 3, 24), (9, 2, 32), (16, 8, 128)]
+
+
+@pytest.mark.parametrize("shape", NIBBLE_SHAPES)
+def test_v_nibbles_split_and_merge_match_the_format(shape) -> None:
+    t, h, d = shape
+    n = t * h * d
+    v = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    exp, nib = np.empty(n, np.uint8), np.full((n + 1) // 2, 0xEE, np.uint8)
+    assert backends.v_nibbles(v, exp, nib, t, h, d, merge=False)
+    want_exp, want_nib = _nibbles_oracle(v, t, h, d)
+    np.testing.assert_array_equal(exp, want_exp)
+    np.testing.assert_array_equal(nib, want_nib)
+    back = np.zeros_like(v)
+    assert backends.v_nibbles(back, exp, nib, t, h, d, merge=True)
+    np.testing.assert_array_equal(back, v)
+
+
+def test_v_nibbles_merge_keeps_an_exponent_to_its_4_bits() -> None:
+    """Exponents are at most 15 in a blob the parser took; a larger byte still touches no other code."""
+    exp, nib = np.full(32, 0xFF, np.uint8), np.zeros(16, np.uint8)
+    v = np.empty(32, np.uint8)
+    assert backends.v_nibbles(v, exp, nib, 1, 1, 32, merge=True)
+    np.testing.assert_array_equal(v, np.full(32, 15 << 3, np.uint8))
+
+
+def test_v_nibbles_at_the_scalar_level_match_the_format() -> None:
+    """KVCODEC_CPU_LEVEL=scalar: the rows of 32 go 8 codes a word instead of through AVX2; the same bytes."""
+    code = (
+        "import numpy as np; from kvcodec import backends; "
+        "v = np.arange(4 * 2 * 64, dtype=np.uint32).astype(np.uint8) * 37; "
+        "e = np.empty(v.size, np.uint8); s = np.empty(v.size // 2, np.uint8); "
+        "backends.v_nibbles(v, e, s, 4, 2, 64, merge=False); b = np.empty_like(v); "
+        "backends.v_nibbles(b, e, s, 4, 2, 64, merge=True); print(e.tobytes().hex(), s.tobytes().hex(), (b == v).all())"
+    )
+    env = {**os.environ, "KVCODEC_CPU_LEVEL": "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    exp, nib, same = out.stdout.split()
+    v = (np.arange(4 * 2 * 64, dtype=np.uint32).astype(np.uint8) * 37).astype(np.uint8)
+    want_exp, want_nib = _nibbles_oracle(v, 4, 2, 64)
+    assert (exp, nib, same) == (want_exp.tobytes().hex(), want_nib.tobytes().hex(), "True")
+
+
+def test_v_nibbles_refuses_wrong_lengths_and_overlap() -> None:
+    v, exp, nib = np.zeros(24, np.uint8), np.empty(24, np.uint8), np.empty(12, np.uint8)
+    with pytest.raises(UnsupportedConfigError, match="nib is 11 bytes"):
+        backends.v_nibbles(v, exp, nib[:11], 4, 2, 3, merge=False)
+    with pytest.raises(UnsupportedConfigError, match="share memory"):
+        backends.v_nibbles(v, v, nib, 4, 2, 3, merge=False)
+    with pytest.raises(UnsupportedConfigError):
+        backends.v_nibbles(bytes(24), exp, nib, 4, 2, 3, merge=True)  # V read-only
+    with pytest.raises(UnsupportedConfigError, match=">= 0"):
+        backends.v_nibbles(v, exp, nib, 4, -2, 3, merge=False)

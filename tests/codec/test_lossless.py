@@ -1,5 +1,5 @@
-"""The lossless stage (issue 38): a lossless blob (Huffman streams, schemes 5/6; raw deflate, the
-schemes 3/4 still read) decodes to its plain blob's bits by construction, and hostile coded payloads
+"""The lossless stage (issue 38): a lossless blob (Huffman streams of V's exponents, schemes 7/8; of whole
+V codes, schemes 5/6, and raw deflate, schemes 3/4, still read) decodes to its plain blob's bits by construction, and hostile coded payloads
 are refused by reason with bounded memory. The Huffman coder itself (C against its Python oracle, each
 refusal): tests/backends/test_cpu_huff.py."""
 
@@ -45,11 +45,17 @@ def test_decodes_to_the_plain_blobs_bits(dtype, scope, shape) -> None:
     k, v = _kv(shape, dtype)
     plain = kvcodec.encode(k, v, scope=scope, **SCOPES[scope])
     coded = kvcodec.encode(k, v, scope=scope, compression="lossless", **SCOPES[scope])
-    assert parse(coded).header.scale_scheme in (ScaleScheme.LOSSLESS_HUFF, ScaleScheme.LOSSLESS_HUFF_UNIT)
+    assert parse(coded).header.scale_scheme in (ScaleScheme.LOSSLESS_SPLIT, ScaleScheme.LOSSLESS_SPLIT_UNIT)
     assert bytes(expand_blob(parse(coded))) == bytes(plain)
     deflated = compress_blob(plain, coder="deflate")  # schemes 3/4: still read
     assert parse(deflated).header.scale_scheme in (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT)
     assert bytes(expand_blob(parse(deflated))) == bytes(plain)
+    whole = compress_blob(plain, coder="huffman")  # schemes 5/6: still read
+    assert parse(whole).header.scale_scheme in (ScaleScheme.LOSSLESS_HUFF, ScaleScheme.LOSSLESS_HUFF_UNIT)
+    assert bytes(expand_blob(parse(whole))) == bytes(plain)
+    for other in (deflated, whole):
+        b = kvcodec.decode(other, out_v_dtype=torch.float32)
+        assert torch.equal(b.v, kvcodec.decode(plain, out_v_dtype=torch.float32).v)
     nocrc, hl = bytes(expand_blob(parse(coded), crc=False)), parse(plain).header_len
     assert nocrc[: hl - 4] == bytes(plain)[: hl - 4] and nocrc[hl:] == bytes(plain)[hl:]  # all but the CRC
     for out in (None, torch.float32, dtype):
@@ -170,14 +176,15 @@ def test_garbage_and_trailing_bytes_in_a_stream_are_refused() -> None:
         "extra_bytes",
     ],
 )
-@pytest.mark.parametrize("coder", ["deflate", "huffman"])
+@pytest.mark.parametrize("coder", ["deflate", "huffman", "split"])
 def test_lying_tables_are_refused_at_parse(lie, coder) -> None:
     b, _ = _coded(coder=coder)
     h, k, v, s = _sections(b)
     c = read_coding(h, memoryview(k), memoryview(v))
+    assert c.v_split == (coder == "split")
     streams = [v[a : a + m] for a, m in c.v.streams]
     lengths = [len(x) for x in streams]
-    tokens, body = 8, b"".join(streams)
+    tokens, body = 8, b"".join(streams) + v[c.v.raw_at :]  # the split's sign and mantissa plane too
     if lie == "tokens_zero":
         tokens = 0
     elif lie == "tokens_huge":
@@ -186,11 +193,11 @@ def test_lying_tables_are_refused_at_parse(lie, coder) -> None:
         tokens = 9  # K's low plane then disagrees
     elif lie == "count":
         lengths = lengths[:1]
-        body = streams[0]
+        body = streams[0] + v[c.v.raw_at :]
     elif lie == "length_past_end":
         lengths[1] += 5
     elif lie == "length_over_bound":
-        lengths = [max_stream_len(32, huffman=coder == "huffman") + 1, 1]
+        lengths = [max_stream_len(32, huffman=coder != "deflate") + 1, 1]
         body = bytes(sum(lengths))
     elif lie == "extra_bytes":
         body += b"\x00"
@@ -213,7 +220,7 @@ def test_damage_is_a_crc_mismatch_first() -> None:
 def test_older_schemes_do_not_claim_the_new_ids() -> None:
     b, _ = _coded()
     bad = bytearray(b)
-    bad[18:20] = struct.pack("<H", 7)  # the next unused id
+    bad[18:20] = struct.pack("<H", max(ScaleScheme) + 1)  # the next unused id
     with pytest.raises(CorruptEncodedKVError) as e:
         parse(bad, verify_crc=False)
     assert e.value.reason == Reason.UNKNOWN_SCHEME
@@ -257,7 +264,7 @@ GOLDEN = {
     ),
     "lossless_fp16_plh.blob": ((16, 2, 8), torch.float16, {"scope": "per_layer_head"}, "deflate"),
     "lossless_bf16_raw.blob": ((5, 1, 4), torch.bfloat16, {"scope": "raw"}, "deflate"),
-    # Huffman streams (schemes 5/6): what compression="lossless" writes
+    # Huffman streams of whole V codes (schemes 5/6, written before the split): read forever
     "lossless_huff_bf16_pph.blob": (
         (37, 3, 16),
         torch.bfloat16,
@@ -272,12 +279,34 @@ GOLDEN = {
         {"scope": "per_page_head", "page_size": 16},
         "huffman",
     ),
+    # Huffman streams of V's exponents, its signs and mantissas raw (schemes 7/8): what
+    # compression="lossless" writes; head_dim 16, 8, 4, 3 and 64 take every path of nibbles.c
+    "lossless_split_bf16_pph.blob": (
+        (37, 3, 16),
+        torch.bfloat16,
+        {"scope": "per_page_head", "page_size": 16},
+        "split",
+    ),
+    "lossless_split_fp16_plh.blob": ((16, 2, 8), torch.float16, {"scope": "per_layer_head"}, "split"),
+    "lossless_split_bf16_raw.blob": ((5, 1, 4), torch.bfloat16, {"scope": "raw"}, "split"),
+    "lossless_split_bf16_odd.blob": ((5, 1, 3), torch.bfloat16, {"scope": "per_tensor"}, "split"),
+    "lossless_split_bf16_long.blob": (
+        (300, 2, 64),
+        torch.bfloat16,
+        {"scope": "per_page_head", "page_size": 16},
+        "split",
+    ),
+}
+SCHEMES_OF_CODER = {
+    "deflate": (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT),
+    "huffman": (ScaleScheme.LOSSLESS_HUFF, ScaleScheme.LOSSLESS_HUFF_UNIT),
+    "split": (ScaleScheme.LOSSLESS_SPLIT, ScaleScheme.LOSSLESS_SPLIT_UNIT),
 }
 
 
 def _golden_plain(name: str) -> bytearray:
     shape, dtype, kw, _ = GOLDEN[name]
-    k, v = _golden_kv(shape, dtype, len(name.replace("_huff", "")))
+    k, v = _golden_kv(shape, dtype, len(name.replace("_huff", "").replace("_split", "")))
     return kvcodec.encode(k, v, layer_id=2, chunk_id=7, hashes={"model_id": "golden-lossless"}, **kw)
 
 
@@ -293,13 +322,9 @@ def test_golden_vectors(name) -> None:
     stored = (LOSSLESS / name).read_bytes()
     plain = _golden_plain(name)
     coder = GOLDEN[name][3]
-    assert parse(stored).header.scale_scheme in (
-        (ScaleScheme.LOSSLESS_HUFF, ScaleScheme.LOSSLESS_HUFF_UNIT)
-        if coder == "huffman"
-        else (ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_UNIT)
-    )
+    assert parse(stored).header.scale_scheme in SCHEMES_OF_CODER[coder]
     assert bytes(expand_blob(parse(stored))) == bytes(plain)
-    if coder == "huffman" or DEFLATE_CODER == "isal":  # zlib's deflate codes the same bytes differently
+    if coder != "deflate" or DEFLATE_CODER == "isal":  # zlib's deflate codes the same bytes differently
         assert bytes(compress_blob(plain, coder=coder)) == stored
 
 
@@ -307,15 +332,18 @@ def test_manifest_lists_the_vectors() -> None:
     assert json.loads((LOSSLESS / "manifest.json").read_text()) == sorted(GOLDEN)
 
 
-@pytest.mark.parametrize("without", ["k_planes", "huff", "both"])
-def test_numpy_planes_and_the_python_coder_give_the_same_bytes(monkeypatch, without) -> None:
+@pytest.mark.parametrize("shape", [(19, 3, 8), (7, 1, 5)])
+@pytest.mark.parametrize("without", ["k_planes", "v_nibbles", "huff", "both"])
+def test_numpy_planes_and_the_python_coder_give_the_same_bytes(monkeypatch, without, shape) -> None:
     """Without the C loops the planes are split and merged by numpy and the streams coded by
     kvcodec.codec.huffman: the same blobs both ways."""
-    k, v = _kv((19, 3, 8), torch.bfloat16)
+    k, v = _kv(shape, torch.bfloat16)
     coded = kvcodec.encode(k, v, scope="per_tensor", compression="lossless")
     plain = kvcodec.encode(k, v, scope="per_tensor")
     if without in ("k_planes", "both"):
         monkeypatch.setattr(kvcodec.backends, "k_planes", lambda *a, **kw: False)
+    if without in ("v_nibbles", "both"):
+        monkeypatch.setattr(kvcodec.backends, "v_nibbles", lambda *a, **kw: False)
     if without in ("huff", "both"):
         monkeypatch.setattr(kvcodec.backends, "huff_encode_many", lambda *a, **kw: None)
         monkeypatch.setattr(kvcodec.backends, "huff_decode_many", lambda *a, **kw: None)
@@ -382,15 +410,16 @@ def test_the_header_memo_does_not_skip_a_blobs_tables() -> None:
     ),
     flip=st.integers(0, 1),
 )
-@pytest.mark.parametrize("coder", ["deflate", "huffman"])
+@pytest.mark.parametrize("coder", ["deflate", "huffman", "split"])
 def test_random_streams_decode_or_are_refused_by_reason(streams, flip, coder) -> None:
-    """Any bytes in the streams (tables and CRC valid): decoded to exactly the geometry, or BAD_STREAM."""
+    """Any bytes in the streams (tables and CRC valid): decoded to exactly the geometry, or BAD_STREAM
+    (INCONSISTENT_PAYLOAD: a split V stream's table with codes for symbols over 15)."""
     b, _ = _coded(coder=coder)
     h, k, v, s = _sections(b)
+    c = read_coding(h, memoryview(k), memoryview(v))
     if flip:  # keep one real stream, so the other is the only hostile one
-        c = read_coding(h, memoryview(k), memoryview(v))
         streams[0] = v[c.v.streams[0][0] : c.v.streams[0][0] + c.v.streams[0][1]]
-    hostile = _rebuild(h, k, _v_with_streams(8, streams), s)
+    hostile = _rebuild(h, k, _v_with_streams(8, streams) + v[c.v.raw_at :], s)
     try:
         got = kvcodec.decode(hostile)
     except CorruptEncodedKVError as e:

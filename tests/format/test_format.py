@@ -145,11 +145,11 @@ def test_nonzero_reserved_in_v1(reserved: int) -> None:
         parse(raw_blob(reserved=reserved))
 
 
-@pytest.mark.parametrize("scheme", [7, 8, 0xFFFF])
+@pytest.mark.parametrize("scheme", [9, 10, 0xFFFF])
 def test_unknown_scale_scheme_in_v2(scheme: int) -> None:
     with pytest.raises(
         CorruptEncodedKVError,
-        match=_rx(f"unknown scale scheme {scheme}; expected one of [0, 1, 2, 3, 4, 5, 6]"),
+        match=_rx(f"unknown scale scheme {scheme}; expected one of [0, 1, 2, 3, 4, 5, 6, 7, 8]"),
     ):
         parse(raw_blob(version=2, reserved=scheme))
 
@@ -666,7 +666,7 @@ def test_writer_refuses_v2_only_features_in_v1(h: Header) -> None:
     [
         ({"version": 3}, "header version 3 unsupported; expected 1 or 2"),
         ({"scale_scope": 9}, "scale_scope 9 unknown"),
-        ({"scale_scheme": 7, "version": 2}, "scale_scheme 7 unknown"),
+        ({"scale_scheme": 9, "version": 2}, "scale_scheme 9 unknown"),
         ({"layer_id": -2}, "layer_id=-2 out of range"),
         ({"chunk_id": 1 << 63}, "chunk_id=9223372036854775808 out of range"),
         ({"head_dim": -5}, "head_dim=-5 out of range: expected -1 (unset) or 1.."),

@@ -92,7 +92,7 @@ def test_the_writer_refuses_a_latent_blob_breaking_its_rules(over: dict) -> None
 
 
 @pytest.mark.parametrize(
-    ("offset", "value", "reason"), [(10, 0, Reason.INCONSISTENT_PAYLOAD), (18, 7, Reason.UNKNOWN_SCHEME)]
+    ("offset", "value", "reason"), [(10, 0, Reason.INCONSISTENT_PAYLOAD), (18, 9, Reason.UNKNOWN_SCHEME)]
 )
 def test_the_reader_refuses_a_latent_blob_breaking_its_rules(offset: int, value: int, reason: Reason) -> None:
     """Scope PER_TENSOR under scheme LATENT; an unknown scheme id (CRC left aside: not what is tested)."""

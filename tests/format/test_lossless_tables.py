@@ -27,6 +27,7 @@ from kvcodec.format.coding import (
     HUFF_LANES,
     HUFF_MAX_LEN,
     HUFF_TABLE_BYTES,
+    SPLIT_EXP_SYMBOLS,
     STREAM_COUNT,
     STREAM_LEN,
     TOKENS,
@@ -58,7 +59,8 @@ def test_the_doc_states_the_table_layouts_and_bounds() -> None:
     text = DOC.read_text()
     sections = _tables(text)
     (rows,) = sections[
-        "Lossless payload (schemes LOSSLESS, LOSSLESS_UNIT, LOSSLESS_HUFF, LOSSLESS_HUFF_UNIT)"
+        "Lossless payload (schemes LOSSLESS, LOSSLESS_UNIT, LOSSLESS_HUFF, LOSSLESS_HUFF_UNIT, "
+        "LOSSLESS_SPLIT, LOSSLESS_SPLIT_UNIT)"
     ][1:2]
     assert {r["name"] for r in rows} == {"tokens", "stream count", "stream length", "section length"}
     assert (TOKENS.format, STREAM_COUNT.format, STREAM_LEN.format) == ("<q", "<I", "<I")
@@ -67,7 +69,7 @@ def test_the_doc_states_the_table_layouts_and_bounds() -> None:
     assert (
         max_stream_len(1000, huffman=True) == 140 + -(-1000 * 11 // 8) + 4
     )  # "140 + ceil(raw x 11 / 8) + 4"
-    fields, refusals = sections["Huffman stream (schemes 5, 6)"]
+    fields, refusals = sections["Huffman stream (schemes 5 to 8)"]
     assert [(r["field"], r["bytes"]) for r in fields][:2] == [
         ("code lengths", str(HUFF_TABLE_BYTES)),
         ("lane lengths", str(HUFF_LANE_LENS.size)),
@@ -85,6 +87,59 @@ def test_a_written_table_reads_back() -> None:
     assert c.v.streams == ((20, 5), (25, 7)) and c.k.streams == ((12, 1), (13, 2))
     assert c.plain.scale_scheme == ScaleScheme.COMPUTED
     assert (c.plain.k_payload_len, c.plain.v_payload_len) == (2 * tokens * HEADS * DIM, tokens * HEADS * DIM)
+
+
+def _split_v(
+    tokens: int,
+    heads: int,
+    dim: int,
+    *,
+    table: bytes = bytes(HUFF_TABLE_BYTES),
+    extra: int = 0,
+    last: int = 0,
+) -> bytes:
+    """A scheme-7 V section: ``heads`` streams (a code-length table and zero lanes each), then the sign
+    and mantissa plane of ``tokens x heads x dim`` codes (``extra`` bytes more, ``last`` its last byte)."""
+    stream = table + bytes(HUFF_HEAD_BYTES - HUFF_TABLE_BYTES)
+    plane = bytearray((tokens * heads * dim + 1) // 2 + extra)
+    plane[-1:] = bytes([last])
+    return pack_table([len(stream)] * heads, tokens) + stream * heads + plane
+
+
+@pytest.mark.parametrize("scheme", [ScaleScheme.LOSSLESS_SPLIT, ScaleScheme.LOSSLESS_SPLIT_UNIT])
+@pytest.mark.parametrize("shape", [(3, 2, 4), (3, 1, 3)])
+def test_split_v_section_reads_back(scheme, shape) -> None:
+    tokens, heads, dim = shape
+    table = bytes([0x21, 0x43]) + bytes(HUFF_TABLE_BYTES - 2)  # symbols 0..3 given lengths 1..4
+    v = _split_v(tokens, heads, dim, table=table, last=0x0F)
+    c = read_coding(
+        _header(0, len(v), scale_scheme=scheme, kv_head_count=heads, head_dim=dim),
+        memoryview(b""),
+        memoryview(v),
+    )
+    assert c.v_split and c.huffman and c.tokens == tokens
+    assert len(v) - c.v.raw_at == (tokens * heads * dim + 1) // 2
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"table": bytes(8) + b"\x01" + bytes(HUFF_TABLE_BYTES - 9)}, "symbol over 15"),
+        ({"table": bytes(HUFF_TABLE_BYTES - 1) + b"\x30"}, "symbol over 15"),
+        ({"extra": 1}, "plane is 6 bytes; 9 codes need 5"),
+        ({"extra": -1}, "plane is 4 bytes; 9 codes need 5"),
+        ({"last": 0x10}, "nonzero nibble"),
+    ],
+)
+def test_split_v_section_refusals(kw, match) -> None:
+    """A V stream of scheme 7 with a code for a symbol over 15 (no 4-bit exponent), a sign and mantissa
+    plane of the wrong length, or an odd count's padding nibble set: refused before any stream is decoded."""
+    v = _split_v(3, 1, 3, **kw)
+    h = _header(0, len(v), scale_scheme=ScaleScheme.LOSSLESS_SPLIT, kv_head_count=1, head_dim=3)
+    with pytest.raises(CorruptEncodedKVError, match=match) as e:
+        read_coding(h, memoryview(b""), memoryview(v))
+    assert e.value.reason == Reason.INCONSISTENT_PAYLOAD
+    assert SPLIT_EXP_SYMBOLS == 16
 
 
 def test_token_bound_is_overflow_safe() -> None:
@@ -106,7 +161,9 @@ def test_token_bound_is_overflow_safe() -> None:
     body=st.binary(max_size=200),
     k_raw=st.binary(max_size=300),
     cut=st.integers(0, 40),
-    scheme=st.sampled_from([ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_HUFF_UNIT]),
+    scheme=st.sampled_from(
+        [ScaleScheme.LOSSLESS, ScaleScheme.LOSSLESS_HUFF_UNIT, ScaleScheme.LOSSLESS_SPLIT]
+    ),
 )
 def test_hostile_tables_read_or_refuse(tokens, count, lengths, body, k_raw, cut, scheme) -> None:
     v = TOKENS.pack(tokens) + STREAM_COUNT.pack(count) + struct.pack(f"<{len(lengths)}I", *lengths) + body
@@ -117,10 +174,12 @@ def test_hostile_tables_read_or_refuse(tokens, count, lengths, body, k_raw, cut,
     except CorruptEncodedKVError as e:
         assert e.reason == Reason.INCONSISTENT_PAYLOAD
         return
-    assert c.huffman == (scheme == ScaleScheme.LOSSLESS_HUFF_UNIT)
+    assert c.huffman == (scheme != ScaleScheme.LOSSLESS) and c.v_split == (
+        scheme == ScaleScheme.LOSSLESS_SPLIT
+    )
     # Accepted: the tables tile each section exactly, every stream within its bound.
     raw = c.tokens * DIM
-    assert c.v.raw_at == len(v) and 0 < c.tokens
+    assert len(v) - c.v.raw_at == ((raw * HEADS + 1) // 2 if c.v_split else 0) and 0 < c.tokens
     for sec in (c.v, c.k) if c.k else (c.v,):
         assert len(sec.streams) == HEADS
         assert all(0 < n <= max_stream_len(raw, c.huffman) for _, n in sec.streams)

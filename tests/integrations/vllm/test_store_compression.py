@@ -79,7 +79,7 @@ def test_a_lossless_tier_stores_coded_blobs_and_gives_back_plain_ones() -> None:
     keys = [k for k, _ in chunk]
     for key, blob in chunk[:-1]:
         stored = inner.get(key)
-        assert parse(stored).header.scale_scheme == ScaleScheme.LOSSLESS_HUFF and len(stored) < len(blob)
+        assert parse(stored).header.scale_scheme == ScaleScheme.LOSSLESS_SPLIT and len(stored) < len(blob)
         assert bytes(st.get(key)) == blob
         assert bytes(st.get_parsed(key, verify_crc=False).blob) == blob
     assert bytes(inner.get(keys[-1])) == chunk[-1][1] == bytes(st.get(keys[-1]))  # a manifest: as given
@@ -126,7 +126,7 @@ def test_a_ram_tier_over_a_lossless_directory(tmp_path: Path) -> None:
     chunk = _chunk()
     st.put_many(chunk)
     key, blob = chunk[0]
-    assert parse(stores_of(st)[1].get(key)).header.scale_scheme == ScaleScheme.LOSSLESS_HUFF
+    assert parse(stores_of(st)[1].get(key)).header.scale_scheme == ScaleScheme.LOSSLESS_SPLIT
     assert bytes(stores_of(st)[0].get(key)) == blob  # RAM holds the plain blob
     st.close()
 
