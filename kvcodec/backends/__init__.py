@@ -44,12 +44,14 @@ __all__ = [
     "call",
     "huff_decode_many",
     "huff_encode_many",
+    "huff_encode_pairs_many",
     "k_planes",
     "reference_backend",
     "scatter_blob_rows_many",
     "scatter_rows",
     "select",
     "v_nibbles",
+    "v_nibbles_pairs",
 ]
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
@@ -206,6 +208,20 @@ def v_nibbles(v: Any, exp: Any, nib: Any, tokens: int, heads: int, dim: int, *, 
     mantissa nibbles or merged by the C loops (:func:`kvcodec.backends.cpu.v_nibbles`); False when they
     are not built: the caller's numpy then."""
     return bool(_cpu().v_nibbles(v, exp, nib, tokens, heads, dim, merge))
+
+
+def v_nibbles_pairs(v: Any, exp2: Any, nib: Any, tokens: int, heads: int, dim: int) -> bool:
+    """:func:`v_nibbles`' split with each head's exponents two a byte, for :func:`huff_encode_pairs_many`
+    (:func:`kvcodec.backends.cpu.v_nibbles_pairs`); False when the C loops are not built."""
+    return bool(_cpu().v_nibbles_pairs(v, exp2, nib, tokens, heads, dim))
+
+
+def huff_encode_pairs_many(
+    src: Any, at: int, step: int, count: int, n: int, out: Any, out_at: int
+) -> list[int] | None:
+    """Streams of ``n`` symbols below 16 given two a byte, coded by the C loops
+    (:func:`kvcodec.backends.cpu.huff_encode_pairs_many`): their lengths; None when they are not built."""
+    return _cpu().huff_encode_pairs_many(src, at, step, count, n, out, out_at)
 
 
 def huff_encode_many(

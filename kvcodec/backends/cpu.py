@@ -44,10 +44,12 @@ __all__ = [
     "huff_decode_many",
     "huff_encode",
     "huff_encode_many",
+    "huff_encode_pairs_many",
     "k_planes",
     "scatter_blob_rows",
     "scatter_dequantize",
     "v_nibbles",
+    "v_nibbles_pairs",
 ]
 
 
@@ -90,6 +92,15 @@ def v_nibbles(v: Any, exp: Any, nib: Any, tokens: int, heads: int, dim: int, mer
     return True
 
 
+def v_nibbles_pairs(v: Any, exp2: Any, nib: Any, tokens: int, heads: int, dim: int) -> bool:
+    """:func:`v_nibbles`' split with each head's exponents two a byte (``exp2``: half the codes' bytes),
+    what :func:`huff_encode_pairs_many` codes; False when the C loops are not built."""
+    if _cpu is None:
+        return False
+    _cpu.v_nibbles_pairs(v, exp2, nib, tokens, heads, dim)
+    return True
+
+
 def huff_encode(src: Any, at: int, n: int, row: int, stride: int, out: Any, out_at: int) -> int | None:
     """The Huffman stream (huff.c) of the ``n`` symbols ``src[at + (j // row) * stride + j % row]``
     written at ``out[out_at:]``: its length, -1 when it does not fit there, None when the C loops are
@@ -118,6 +129,17 @@ def huff_encode_many(
     if _cpu is None:
         return None
     return list(_cpu.huff_encode_many(src, at, step, count, n, row, stride, out, out_at))
+
+
+def huff_encode_pairs_many(
+    src: Any, at: int, step: int, count: int, n: int, out: Any, out_at: int
+) -> list[int] | None:
+    """:func:`huff_encode_many` of ``count`` streams of ``n`` symbols below 16 (``n`` a multiple of 8), stream
+    i's two a byte in the ``n / 2`` bytes from ``at + i * step``: the same bytes, coded two symbols a
+    lookup; None when the C loops are not built."""
+    if _cpu is None:
+        return None
+    return list(_cpu.huff_encode_pairs_many(src, at, step, count, n, out, out_at))
 
 
 def huff_decode_many(

@@ -202,10 +202,33 @@ def _encode_streams(
             out[pos : pos + len(stream)] = stream
             got.append(len(stream))
             pos += len(stream)
+    return _within_bound(got, n)
+
+
+def _within_bound(got: list[int], n: int) -> list[int]:
     cap = max_stream_len(n, huffman=True)
     if not all(0 < x <= cap for x in got):  # pragma: no cover - the bound is the coder's worst case
         raise AssertionError(f"Huffman streams of {n} symbols took {got} bytes; the bound is {cap}")
     return got
+
+
+def _encode_split_v(
+    v: Any, tokens: int, heads: int, dim: int, out: memoryview
+) -> tuple[list[int], np.ndarray]:
+    """V's exponents coded one stream per head at the start of ``out``, and its sign and mantissa nibbles:
+    (the streams' lengths, the nibbles). Where each head's count is a multiple of 8 the C loops take the
+    exponents two a byte (split and coded a pair at a time: the same bytes, half the lookups)."""
+    raw = tokens * dim
+    n = raw * heads
+    if raw % 8 == 0:
+        exp2, nib = np.frombuffer(_scratch_view(n // 2, "plane"), np.uint8), np.empty(n // 2, np.uint8)
+        if backends.v_nibbles_pairs(v, exp2, nib, tokens, heads, dim):
+            return _within_bound(
+                backends.huff_encode_pairs_many(exp2, 0, raw // 2, heads, raw, out, 0), raw
+            ), nib
+    exp = np.frombuffer(_scratch_view(n, "plane"), np.uint8)
+    nib = split_v(v, tokens, heads, dim, exp)
+    return _encode_streams(exp, 0, raw, heads, raw, raw, raw, out), nib
 
 
 Planes = tuple[np.ndarray, np.ndarray]
@@ -253,9 +276,7 @@ def _huffman_blob(
     at += TOKENS.size + table
     streams = mv[at : at + heads * bound]
     if split:
-        exp = np.frombuffer(_scratch_view(heads * raw, "plane"), np.uint8)
-        nib = split_v(p.v, tokens, heads, dim, exp)
-        lengths = _encode_streams(exp, 0, raw, heads, raw, raw, raw, streams)
+        lengths, nib = _encode_split_v(p.v, tokens, heads, dim, streams)
     else:
         lengths = _encode_streams(p.v, 0, dim, heads, raw, dim, heads * dim, streams)
     streams.release()
@@ -431,9 +452,9 @@ def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None
 
 
 SCRATCH_MAX_BYTES = 64 << 20
-"""The largest plain payload (or plane: K's high bytes, V's exponents) :func:`expand_payload` writes into
-one of its thread's two reused buffers (a larger one gets a buffer of its own, freed with it): what a thread keeps between
-decodes is bounded, at twice this."""
+"""The largest plain payload (or plane: K's high bytes, V's exponents) the lossless stage writes into one
+of its thread's two reused buffers (a larger one gets a buffer of its own, freed with it): what a thread
+keeps between calls is bounded, at twice this."""
 _scratch = threading.local()
 
 

@@ -90,9 +90,11 @@ PyObject *py_scatter_rows(PyObject *self, PyObject *args);
 PyObject *py_scatter_dequant(PyObject *self, PyObject *args);
 PyObject *py_k_planes(PyObject *self, PyObject *args); /* py_planes.c */
 PyObject *py_v_nibbles(PyObject *self, PyObject *args); /* py_planes.c */
+PyObject *py_v_nibbles_pairs(PyObject *self, PyObject *args); /* py_planes.c */
 PyObject *py_huff_encode(PyObject *self, PyObject *args); /* py_huff.c */
 PyObject *py_huff_decode(PyObject *self, PyObject *args);
 PyObject *py_huff_encode_many(PyObject *self, PyObject *args);
+PyObject *py_huff_encode_pairs_many(PyObject *self, PyObject *args); /* py_huff.c */
 PyObject *py_huff_decode_many(PyObject *self, PyObject *args);
 
 #endif

@@ -206,17 +206,17 @@ typedef struct {
 } Codes;
 
 static inline __attribute__((always_inline)) void finish_out(Out *o, const uint8_t *sym, size_t k, size_t cnt,
-                                                             const Codes *cl) {
+                                                             const Codes *cl, int g) {
     uint64_t buf = o->buf;
     unsigned bits = o->bits;
     uint8_t *p = o->p;
-    while (k + 4 <= cnt && o->end - p >= 8) {
-        for (int j = 0; j < 4; j++) {
+    while (k + (size_t)g <= cnt && o->end - p >= 8) {
+        for (int j = 0; j < g; j++) {
             unsigned x = sym[k + j];
             buf |= cl->code[x] << bits;
             bits += cl->len[x];
         }
-        k += 4;
+        k += (size_t)g;
         store64(p, buf);
         p += bits >> 3;
         buf >>= bits & ~7u;
@@ -236,11 +236,12 @@ static inline __attribute__((always_inline)) void finish_out(Out *o, const uint8
 }
 
 /* Two lanes' symbols coded side by side (two independent bit buffers: twice the work per dependency
- * step, few enough registers that nothing spills) while each has four symbols left and 8 bytes of its
+ * step, few enough registers that nothing spills) while each has g symbols left and 8 bytes of its
  * own room, then each one's rest; the counts and bytes are exact (from the histograms), so no store
- * leaves its lane. */
+ * leaves its lane. g = 4 symbols of up to 11 bits a round, or 2 pair symbols of up to 22 (44 bits either
+ * way, under 6 bytes with the 7 left over). */
 static inline __attribute__((always_inline)) void encode_two(const uint8_t *s0, const uint8_t *s1, size_t c0, size_t c1,
-                                                             const Codes *cl, Out *o0, Out *o1) {
+                                                             const Codes *cl, Out *o0, Out *o1, int g) {
     uint64_t b0 = 0, b1 = 0;
     unsigned n0 = 0, n1 = 0;
     uint8_t *p0 = o0->p, *p1 = o1->p;
@@ -248,11 +249,11 @@ static inline __attribute__((always_inline)) void encode_two(const uint8_t *s0, 
     for (;;) {
         /* a round writes at most 6 bytes a lane (7 bits left + 44): rounds that keep 8 bytes of room */
         ptrdiff_t r0 = o0->end - p0 - 8, r1 = o1->end - p1 - 8;
-        size_t run = (c1 - k) / 4;
+        size_t run = (c1 - k) / (size_t)g;
         if (r0 < 0 || r1 < 0 || !run) break;
         if ((size_t)r0 / 6 + 1 < run) run = (size_t)r0 / 6 + 1;
         if ((size_t)r1 / 6 + 1 < run) run = (size_t)r1 / 6 + 1;
-        for (size_t end = k + 4 * run; k < end; k += 4) {
+        for (size_t end = k + (size_t)g * run; k < end; k += (size_t)g) {
 #define E(b, n, s)                                      \
     {                                                   \
         unsigned x_ = s;                                \
@@ -265,7 +266,9 @@ static inline __attribute__((always_inline)) void encode_two(const uint8_t *s0, 
     b >>= n & ~7u;                                      \
     n &= 7;
             E(b0, n0, s0[k]) E(b1, n1, s1[k]) E(b0, n0, s0[k + 1]) E(b1, n1, s1[k + 1])
-            E(b0, n0, s0[k + 2]) E(b1, n1, s1[k + 2]) E(b0, n0, s0[k + 3]) E(b1, n1, s1[k + 3])
+            if (g == 4) {
+                E(b0, n0, s0[k + 2]) E(b1, n1, s1[k + 2]) E(b0, n0, s0[k + 3]) E(b1, n1, s1[k + 3])
+            }
             F(b0, n0, p0) F(b1, n1, p1)
 #undef E
 #undef F
@@ -273,27 +276,56 @@ static inline __attribute__((always_inline)) void encode_two(const uint8_t *s0, 
     }
     o0->buf = b0, o0->bits = n0, o0->p = p0;
     o1->buf = b1, o1->bits = n1, o1->p = p1;
-    finish_out(o0, s0, k, c0, cl);
-    finish_out(o1, s1, k, c1, cl);
+    finish_out(o0, s0, k, c0, cl, g);
+    finish_out(o1, s1, k, c1, cl, g);
 }
 
 /* The four lanes: 0 beside 1, then 2 beside 3 (a lane's count is at least the next one's). Inlined into a
  * generic and a BMI2 copy. */
 static inline __attribute__((always_inline)) void encode_body(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES],
-                                                              const Codes *cl, Out o[HUFF_LANES]) {
-    encode_two(sym, sym + q, cnt[0], cnt[1], cl, &o[0], &o[1]);
-    encode_two(sym + 2 * q, sym + 3 * q, cnt[2], cnt[3], cl, &o[2], &o[3]);
+                                                              const Codes *cl, Out o[HUFF_LANES], int g) {
+    encode_two(sym, sym + q, cnt[0], cnt[1], cl, &o[0], &o[1], g);
+    encode_two(sym + 2 * q, sym + 3 * q, cnt[2], cnt[3], cl, &o[2], &o[3], g);
 }
 
 static void encode_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], const Codes *cl, Out o[HUFF_LANES]) {
-    encode_body(sym, q, cnt, cl, o);
+    encode_body(sym, q, cnt, cl, o, 4);
+}
+static void encode_pair_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], const Codes *cl,
+                              Out o[HUFF_LANES]) {
+    encode_body(sym, q, cnt, cl, o, 2);
 }
 #if KV_X86
 __attribute__((target("bmi2"))) static void encode_lanes_bmi2(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES],
                                                               const Codes *cl, Out o[HUFF_LANES]) {
-    encode_body(sym, q, cnt, cl, o);
+    encode_body(sym, q, cnt, cl, o, 4);
+}
+__attribute__((target("bmi2"))) static void encode_pair_lanes_bmi2(const uint8_t *sym, size_t q,
+                                                                   const size_t cnt[HUFF_LANES], const Codes *cl,
+                                                                   Out o[HUFF_LANES]) {
+    encode_body(sym, q, cnt, cl, o, 2);
 }
 #endif
+
+/* A stream's head (code lengths, lanes 0..2's bytes) written and its lanes laid out after it, for lanes of
+ * bits[i] bits: the stream's bytes, or -1 (nothing written) when they exceed cap. */
+static ptrdiff_t write_head(const uint8_t len[256], const uint64_t bits[HUFF_LANES], uint8_t *out, size_t cap,
+                            Out o[HUFF_LANES]) {
+    size_t total = HUFF_HEAD_BYTES, bytes[HUFF_LANES];
+    for (int i = 0; i < HUFF_LANES; i++) {
+        bytes[i] = (size_t)((bits[i] + 7) / 8);
+        total += bytes[i];
+    }
+    if (total > cap) return -1;
+    for (int i = 0; i < HUFF_TABLE_BYTES; i++) out[i] = (uint8_t)(len[2 * i] | len[2 * i + 1] << 4);
+    for (int i = 0; i < HUFF_LANES - 1; i++) store32(out + HUFF_TABLE_BYTES + 4 * i, (uint32_t)bytes[i]);
+    uint8_t *p = out + HUFF_HEAD_BYTES;
+    for (int i = 0; i < HUFF_LANES; i++) {
+        o[i] = (Out){0, 0, p, p + bytes[i]};
+        p += bytes[i];
+    }
+    return (ptrdiff_t)total;
+}
 
 ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, uint8_t *out, size_t cap,
                       uint8_t *scratch) {
@@ -322,30 +354,73 @@ ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, u
     canonical(len, code);
     Codes cl;
     for (int s = 0; s < 256; s++) cl.code[s] = code[s], cl.len[s] = len[s];
-    size_t total = HUFF_HEAD_BYTES, bytes[HUFF_LANES];
+    uint64_t bits[HUFF_LANES];
     for (int i = 0; i < HUFF_LANES; i++) {
-        uint64_t b = 0;
-        for (int s = 0; s < 256; s++) b += lane[i][s] * len[s];
-        bytes[i] = (size_t)((b + 7) / 8);
-        total += bytes[i];
+        bits[i] = 0;
+        for (int s = 0; s < 256; s++) bits[i] += lane[i][s] * len[s];
     }
-    if (total > cap) return -1;
-    for (int i = 0; i < HUFF_TABLE_BYTES; i++) out[i] = (uint8_t)(len[2 * i] | len[2 * i + 1] << 4);
-    for (int i = 0; i < HUFF_LANES - 1; i++) store32(out + HUFF_TABLE_BYTES + 4 * i, (uint32_t)bytes[i]);
     Out o[HUFF_LANES];
-    uint8_t *p = out + HUFF_HEAD_BYTES;
-    for (int i = 0; i < HUFF_LANES; i++) {
-        o[i] = (Out){0, 0, p, p + bytes[i]};
-        p += bytes[i];
-    }
+    ptrdiff_t total = write_head(len, bits, out, cap, o);
+    if (total < 0) return -1;
 #if KV_X86
     if (__builtin_cpu_supports("bmi2")) {
         encode_lanes_bmi2(sym, q, cnt, &cl, o);
-        return (ptrdiff_t)total;
+        return total;
     }
 #endif
     encode_lanes(sym, q, cnt, &cl, o);
-    return (ptrdiff_t)total;
+    return total;
+}
+
+/* Exponent pairs: n symbols below 16 given two a byte (symbol 2i in the low nibble of byte i), n a
+ * multiple of 8 so that each lane holds whole pairs. Each lane's pairs counted once per two symbols,
+ * the symbol counts read off the pair counts, and each pair coded by one lookup of its two codes
+ * joined (up to 22 bits): the same lengths, codes and bytes as huff_encode of the n symbols. */
+ptrdiff_t huff_encode_pairs(const uint8_t *pairs, size_t n, uint8_t *out, size_t cap) {
+    size_t q = n / HUFF_LANES / 2, cnt[HUFF_LANES]; /* pairs a lane */
+    for (int i = 0; i < HUFF_LANES; i++) cnt[i] = q;
+    uint64_t h[2 * HUFF_LANES][256], freq[256], lane[HUFF_LANES][256];
+    memset(h, 0, sizeof h);
+    const uint8_t *s0 = pairs, *s1 = pairs + q, *s2 = pairs + 2 * q, *s3 = pairs + 3 * q;
+    size_t k = 0;
+    for (; k + 2 <= q; k += 2) {
+        h[0][s0[k]]++, h[2][s1[k]]++, h[4][s2[k]]++, h[6][s3[k]]++;
+        h[1][s0[k + 1]]++, h[3][s1[k + 1]]++, h[5][s2[k + 1]]++, h[7][s3[k + 1]]++;
+    }
+    for (int i = 0; i < HUFF_LANES; i++)
+        for (size_t j = k; j < q; j++) h[2 * i][pairs[q * (size_t)i + j]]++;
+    memset(freq, 0, sizeof freq);
+    for (int i = 0; i < HUFF_LANES; i++)
+        for (int p = 0; p < 256; p++) {
+            lane[i][p] = h[2 * i][p] + h[2 * i + 1][p];
+            freq[p & 15] += lane[i][p], freq[p >> 4] += lane[i][p];
+        }
+    uint8_t len[256];
+    uint16_t code[256];
+    huff_lengths(freq, len);
+    canonical(len, code);
+    Codes cl;
+    for (int p = 0; p < 256; p++) {
+        unsigned a = p & 15, b = (unsigned)p >> 4;
+        cl.code[p] = (uint64_t)code[a] | (uint64_t)code[b] << len[a];
+        cl.len[p] = (uint8_t)(len[a] + len[b]);
+    }
+    uint64_t bits[HUFF_LANES];
+    for (int i = 0; i < HUFF_LANES; i++) {
+        bits[i] = 0;
+        for (int p = 0; p < 256; p++) bits[i] += lane[i][p] * cl.len[p];
+    }
+    Out o[HUFF_LANES];
+    ptrdiff_t total = write_head(len, bits, out, cap, o);
+    if (total < 0) return -1;
+#if KV_X86
+    if (__builtin_cpu_supports("bmi2")) {
+        encode_pair_lanes_bmi2(pairs, q, cnt, &cl, o);
+        return total;
+    }
+#endif
+    encode_pair_lanes(pairs, q, cnt, &cl, o);
+    return total;
 }
 
 /* ------------------------------------------------------------------ decode */

@@ -39,6 +39,10 @@ void huff_lengths(const uint64_t freq[256], uint8_t len[256]);
 ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, uint8_t *out, size_t cap,
                       uint8_t *scratch);
 
+/* huff_encode's stream of n symbols below 16 (n a multiple of 8) given as pairs, symbol 2i in the low
+ * nibble of pairs[i] (n / 2 bytes): the same bytes, each lane's symbols counted and coded two at a time. */
+ptrdiff_t huff_encode_pairs(const uint8_t *pairs, size_t n, uint8_t *out, size_t cap);
+
 /* Decode stream src[0 .. len) to exactly n symbols written as huff_encode reads them from out. Returns
  * HUFF_OK or the first refusal (the first lane in order that fails; the first failure in a lane). Reads
  * only src[0 .. len); writes only the n symbols' places (possibly some of them before a refusal).

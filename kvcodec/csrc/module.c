@@ -152,6 +152,11 @@ static PyMethodDef methods[] = {
     {"v_nibbles", py_v_nibbles, METH_VARARGS,
      "v_nibbles(v, exp, nib, tokens, heads, dim, merge): V's codes split into exponents and sign + mantissa "
      "nibbles (merge=0) or merged."},
+    {"v_nibbles_pairs", py_v_nibbles_pairs, METH_VARARGS,
+     "v_nibbles_pairs(v, exp2, nib, tokens, heads, dim): v_nibbles' split, each head's exponents two a byte."},
+    {"huff_encode_pairs_many", py_huff_encode_pairs_many, METH_VARARGS,
+     "huff_encode_pairs_many(src, at, step, count, n, out, out_at) -> [length, ...]: streams of n symbols "
+     "below 16 given two a byte."},
     {"huff_encode", py_huff_encode, METH_VARARGS,
      "huff_encode(src, at, n, row, stride, out, out_at) -> bytes written or -1: one Huffman stream."},
     {"huff_decode", py_huff_decode, METH_VARARGS,

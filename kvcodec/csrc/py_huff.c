@@ -157,6 +157,54 @@ PyObject *py_huff_encode_many(PyObject *self, PyObject *args) {
     return ret;
 }
 
+/* huff_encode_pairs_many(src, at, step, count, n, out, out_at) -> [length, ...]: huff_encode_many of
+ * `count` streams of n symbols below 16 (n a multiple of 8), stream i's given two a byte in the n / 2
+ * bytes from src offset at + i * step (huff_encode_pairs: the same bytes, coded two at a time). */
+PyObject *py_huff_encode_pairs_many(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *so, *oo;
+    Py_ssize_t at, step, count, n, out_at, last;
+    if (parse(args, "huff_encode_pairs_many", "OnnnnOn", &so, &at, &step, &count, &n, &oo, &out_at)) return NULL;
+    if (n < 0 || n % 8 || count < 0 || step < 0 || count > (1 << 24))
+        return fail("huff_encode_pairs_many", "need n >= 0 a multiple of 8, 0 <= count <= 2^24 and step >= 0"), NULL;
+    Py_buffer s, o;
+    if (PyObject_GetBuffer(so, &s, PyBUF_C_CONTIGUOUS) < 0) return rethrow("huff_encode_pairs_many"), NULL;
+    if (PyObject_GetBuffer(oo, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return PyBuffer_Release(&s), rethrow("huff_encode_pairs_many"), NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t *lens = NULL, half = n / 2;
+    if (out_at < 0 || out_at > o.len || !span_ok(s.len, at, half, half ? half : 1, half ? half : 1) ||
+        (count && (__builtin_mul_overflow(count - 1, step, &last) || __builtin_add_overflow(last, at, &last) ||
+                   !span_ok(s.len, last, half, half ? half : 1, half ? half : 1)))) {
+        fail("huff_encode_pairs_many", "the symbols or the output's offset lie outside their buffers");
+    } else if (bufs_overlap(&s, &o)) {
+        fail("huff_encode_pairs_many", "the symbols and the output must not share memory");
+    } else if (!(lens = PyMem_RawMalloc((size_t)(count ? count : 1) * sizeof *lens))) {
+        PyErr_NoMemory();
+    } else {
+        ptrdiff_t got = 0;
+        Py_ssize_t pos = out_at;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++) {
+            got = huff_encode_pairs((const uint8_t *)s.buf + at + i * step, (size_t)n, (uint8_t *)o.buf + pos,
+                                    (size_t)(o.len - pos));
+            if (got < 0) break;
+            lens[i] = got;
+            pos += got;
+        }
+        Py_END_ALLOW_THREADS
+        if (got < 0) {
+            fail("huff_encode_pairs_many", "the streams do not fit the output");
+        } else if ((ret = PyList_New(count))) {
+            for (Py_ssize_t i = 0; i < count; i++) PyList_SET_ITEM(ret, i, PyLong_FromSsize_t(lens[i]));
+        }
+    }
+    PyMem_RawFree(lens);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&o);
+    return ret;
+}
+
 /* huff_decode_many(src, streams, n, out, out_at, out_step, row, stride) -> None or (i, code): each
  * (at, length) of `streams` (a sequence) decoded to n symbols written from out offset out_at + i * out_step
  * (at row, stride); the first refusal stops it. One call for a section's heads. */

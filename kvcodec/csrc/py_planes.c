@@ -1,5 +1,6 @@
 /* k_planes(k, hi, lo, tokens, heads, dim, merge) -> None: the entry point of planes.c; v_nibbles(v, exp,
- * nib, tokens, heads, dim, merge) -> None: nibbles.c's. Every buffer C-contiguous bytes of exactly its
+ * nib, tokens, heads, dim, merge) -> None and v_nibbles_pairs(v, exp2, nib, tokens, heads, dim) -> None
+ * (a split, the exponents two a byte): nibbles.c's. Every buffer C-contiguous bytes of exactly its
  * plane's length (checked), none overlapping another; merge=0 splits into the planes, merge=1 writes
  * from them. The GIL is released around the pass. */
 #include "buffers.h"
@@ -83,6 +84,33 @@ PyObject *py_v_nibbles(PyObject *self, PyObject *args) {
             kv_nibbles_merge(e.buf, s.buf, v.buf, (size_t)T, (size_t)H, (size_t)D);
         else
             kv_nibbles_split(v.buf, e.buf, s.buf, (size_t)T, (size_t)H, (size_t)D);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&e);
+    PyBuffer_Release(&s);
+    return ret;
+}
+
+PyObject *py_v_nibbles_pairs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *vo, *eo, *so;
+    Py_ssize_t T, H, D;
+    if (parse(args, "v_nibbles_pairs", "OOOnnn", &vo, &eo, &so, &T, &H, &D)) return NULL;
+    if (geometry("v_nibbles_pairs", T, H, D) < 0) return NULL;
+    Py_ssize_t n = T * H * D;
+    if (n % 2) return fail("v_nibbles_pairs", "needs an even count of codes"), NULL;
+    Py_buffer v, e, s;
+    if (take_for("v_nibbles_pairs", vo, n, 0, "v", &v) < 0) return NULL;
+    if (take_for("v_nibbles_pairs", eo, n / 2, 1, "exp2", &e) < 0) return PyBuffer_Release(&v), NULL;
+    if (take_for("v_nibbles_pairs", so, n / 2, 1, "nib", &s) < 0) return PyBuffer_Release(&v), PyBuffer_Release(&e), NULL;
+    PyObject *ret = NULL;
+    if (bufs_overlap(&v, &e) || bufs_overlap(&v, &s) || bufs_overlap(&e, &s)) {
+        fail("v_nibbles_pairs", "V and its planes must not share memory");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        kv_nibbles_split_pairs(v.buf, e.buf, s.buf, (size_t)T, (size_t)H, (size_t)D);
         Py_END_ALLOW_THREADS
         ret = Py_NewRef(Py_None);
     }

@@ -216,7 +216,7 @@ def _check_split_v(v: memoryview, vs: Section, codes: int) -> None:
     """Schemes 7/8: each V stream codes exponents only (no code for a symbol over 15), and the sign and
     mantissa nibbles after the streams are exactly ``codes`` nibbles, an odd count's last one padded with 0."""
     for i, (at, n) in enumerate(vs.streams):
-        table = v[at + SPLIT_EXP_SYMBOLS // 2 : at + min(n, HUFF_TABLE_BYTES)]
+        table = v[at + SPLIT_EXP_SYMBOLS // 2 : at + min(n, HUFF_TABLE_BYTES)].tobytes()
         if table != _NO_CODES[: len(table)]:
             raise _bad(
                 f"V stream {i} gives a code to a symbol over {SPLIT_EXP_SYMBOLS - 1} (exponents have 4 bits)"

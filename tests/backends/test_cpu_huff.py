@@ -423,3 +423,47 @@ def _hostile_for(code: int, n: int) -> bytes:
         last = bytes([1 << pad])
         return _stream(ones, [full[0][:-1] + last, *full[1:]])
     raise AssertionError(code)
+
+
+def _exponents(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    """Symbols below 16, as V's exponents are: skewed like real ones, uniform, one or two of them."""
+    rng = np.random.default_rng(seed)
+    if kind == "skewed":
+        return (15 - rng.geometric(0.4, n)).clip(0, 15).astype(np.uint8)
+    if kind == "uniform":
+        return rng.integers(0, 16, n, dtype=np.uint8)
+    if kind == "one":
+        return np.full(n, 9, np.uint8)
+    if kind == "fib":  # lengths the 11-bit limit cuts: pair codes of up to 22 bits
+        return np.resize(_fib_freqs(16), n)
+    return rng.integers(3, 5, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "uniform", "one", "fib", "two"])
+@pytest.mark.parametrize("n", [0, 8, 16, 64, 200, 4096, 40000])
+def test_pairs_code_the_bytes_of_one_symbol_at_a_time(kind, n) -> None:
+    """huff_encode_pairs (two exponents a byte, counted and coded a pair at a time): byte for byte the
+    oracle's stream of the same symbols, each of two streams in one call, into an output of exactly
+    their size."""
+    a, b = _exponents(kind, n, seed=n), _exponents(kind, n, seed=n + 1)
+    pairs = np.concatenate([s[0::2] | (s[1::2] << 4) for s in (a, b)]).astype(np.uint8)
+    want = [huffman.encode(a), huffman.encode(b)]
+    out = np.empty(sum(map(len, want)), np.uint8)
+    assert cpu.huff_encode_pairs_many(pairs, 0, n // 2, 2, n, out, 0) == [len(w) for w in want]
+    assert out.tobytes() == b"".join(want)
+    with pytest.raises(UnsupportedConfigError, match="do not fit"):
+        cpu.huff_encode_pairs_many(pairs, 0, n // 2, 2, n, out[:-1], 0)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((bytes(6), 0, 6, 2, 12, bytearray(400), 0), "multiple of 8"),
+        ((bytes(8), 0, 4, 2, 16, bytearray(400), 0), "outside"),  # the second stream past the symbols
+        ((bytes(8), 0, 8, 1, 16, bytearray(4), 5), "outside"),  # the output's offset past it
+        ((bytes(8), 0, 8, -1, 16, bytearray(400), 0), "count"),
+    ],
+)
+def test_pairs_spans_are_checked(args, match) -> None:
+    with pytest.raises(UnsupportedConfigError, match=match):
+        cpu.huff_encode_pairs_many(*args)

@@ -120,3 +120,26 @@ def test_v_nibbles_refuses_wrong_lengths_and_overlap() -> None:
         backends.v_nibbles(bytes(24), exp, nib, 4, 2, 3, merge=True)  # V read-only
     with pytest.raises(UnsupportedConfigError, match=">= 0"):
         backends.v_nibbles(v, exp, nib, 4, -2, 3, merge=False)
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 8), (3, 3, 24), (9, 2, 32), (16, 8, 128), (5, 1, 6), (7, 3, 2)])
+def test_v_nibbles_pairs_split_the_same_exponents_two_a_byte(shape) -> None:
+    """The encode's split (each head's exponents two a byte, for huff_encode_pairs): the same nibbles, and
+    the exponents of the plain split packed low nibble first."""
+    t, h, d = shape
+    n = t * h * d
+    v = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    want_exp, want_nib = _nibbles_oracle(v, t, h, d)
+    exp2, nib = np.full(n // 2, 0xEE, np.uint8), np.full(n // 2, 0xEE, np.uint8)
+    assert backends.v_nibbles_pairs(v, exp2, nib, t, h, d)
+    np.testing.assert_array_equal(nib, want_nib)
+    np.testing.assert_array_equal(exp2, want_exp[0::2] | (want_exp[1::2] << 4))
+
+
+def test_v_nibbles_pairs_refuses_an_odd_count_and_wrong_lengths() -> None:
+    v = np.zeros(15, np.uint8)
+    with pytest.raises(UnsupportedConfigError, match="even count"):
+        backends.v_nibbles_pairs(v, np.empty(8, np.uint8), np.empty(8, np.uint8), 5, 1, 3)
+    v = np.zeros(16, np.uint8)
+    with pytest.raises(UnsupportedConfigError, match="exp2 is 16 bytes"):
+        backends.v_nibbles_pairs(v, np.empty(16, np.uint8), np.empty(8, np.uint8), 4, 1, 4)

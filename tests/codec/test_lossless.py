@@ -344,6 +344,7 @@ def test_numpy_planes_and_the_python_coder_give_the_same_bytes(monkeypatch, with
         monkeypatch.setattr(kvcodec.backends, "k_planes", lambda *a, **kw: False)
     if without in ("v_nibbles", "both"):
         monkeypatch.setattr(kvcodec.backends, "v_nibbles", lambda *a, **kw: False)
+        monkeypatch.setattr(kvcodec.backends, "v_nibbles_pairs", lambda *a, **kw: False)
     if without in ("huff", "both"):
         monkeypatch.setattr(kvcodec.backends, "huff_encode_many", lambda *a, **kw: None)
         monkeypatch.setattr(kvcodec.backends, "huff_decode_many", lambda *a, **kw: None)
