@@ -307,6 +307,33 @@ __attribute__((target("bmi2"))) static void encode_pair_lanes_bmi2(const uint8_t
 }
 #endif
 
+#ifndef HUFF_COUNT_CHUNK /* rounds counted in 32-bit counters before they are added up (make test-asan: 6) */
+#define HUFF_COUNT_CHUNK ((size_t)1 << 30)
+#endif
+
+/* Each lane's count of each byte value: lane i's cnt[i] symbols from sym + i x q. Two histograms per
+ * lane, counted side by side (a run of one symbol, as K's exponents make, alternates between two
+ * counters instead of waiting on one), in 32-bit counters added into the 64-bit counts every
+ * HUFF_COUNT_CHUNK rounds: half the bytes of 64-bit counters in L1 (K's streams: a histogram 18 -> 10 us). */
+static void count_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], uint64_t lane[HUFF_LANES][256]) {
+    uint32_t h[2 * HUFF_LANES][256];
+    const uint8_t *s0 = sym, *s1 = sym + q, *s2 = sym + 2 * q, *s3 = sym + 3 * q;
+    memset(lane, 0, sizeof(uint64_t) * HUFF_LANES * 256);
+    size_t k = 0;
+    do {
+        memset(h, 0, sizeof h);
+        size_t end = cnt[3] - k > HUFF_COUNT_CHUNK ? k + HUFF_COUNT_CHUNK : cnt[3];
+        for (; k + 2 <= end; k += 2) {
+            h[0][s0[k]]++, h[2][s1[k]]++, h[4][s2[k]]++, h[6][s3[k]]++;
+            h[1][s0[k + 1]]++, h[3][s1[k + 1]]++, h[5][s2[k + 1]]++, h[7][s3[k + 1]]++;
+        }
+        for (int i = 0; i < HUFF_LANES; i++)
+            for (int v = 0; v < 256; v++) lane[i][v] += (uint64_t)h[2 * i][v] + h[2 * i + 1][v];
+    } while (k + 2 <= cnt[3]);
+    for (int i = 0; i < HUFF_LANES; i++) /* each lane's symbols past those */
+        for (size_t j = k; j < cnt[i]; j++) lane[i][sym[q * (size_t)i + j]]++;
+}
+
 /* A stream's head (code lengths, lanes 0..2's bytes) written and its lanes laid out after it, for lanes of
  * bits[i] bits: the stream's bytes, or -1 (nothing written) when they exceed cap. */
 static ptrdiff_t write_head(const uint8_t len[256], const uint64_t bits[HUFF_LANES], uint8_t *out, size_t cap,
@@ -332,21 +359,11 @@ ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, u
     const uint8_t *sym = gather(src, n, row, stride, scratch);
     size_t q = (n + HUFF_LANES - 1) / HUFF_LANES, cnt[HUFF_LANES];
     for (int i = 0; i < HUFF_LANES; i++) cnt[i] = lane_count(n, q, i);
-    /* two histograms per lane, counted side by side: a run of one symbol (K's exponents) alternates
-     * between two counters instead of waiting on one */
-    uint64_t h[2 * HUFF_LANES][256], freq[256], lane[HUFF_LANES][256];
-    memset(h, 0, sizeof h);
-    const uint8_t *s0 = sym, *s1 = sym + q, *s2 = sym + 2 * q, *s3 = sym + 3 * q;
-    size_t k = 0;
-    for (; k + 2 <= cnt[3]; k += 2) {
-        h[0][s0[k]]++, h[2][s1[k]]++, h[4][s2[k]]++, h[6][s3[k]]++;
-        h[1][s0[k + 1]]++, h[3][s1[k + 1]]++, h[5][s2[k + 1]]++, h[7][s3[k + 1]]++;
-    }
-    for (int i = 0; i < HUFF_LANES; i++) /* each lane's symbols past those */
-        for (size_t j = k; j < cnt[i]; j++) h[2 * i][sym[q * (size_t)i + j]]++;
+    uint64_t freq[256], lane[HUFF_LANES][256];
+    count_lanes(sym, q, cnt, lane);
     for (int s = 0; s < 256; s++) {
         freq[s] = 0;
-        for (int i = 0; i < HUFF_LANES; i++) freq[s] += lane[i][s] = h[2 * i][s] + h[2 * i + 1][s];
+        for (int i = 0; i < HUFF_LANES; i++) freq[s] += lane[i][s];
     }
     uint8_t len[256];
     uint16_t code[256];
@@ -379,22 +396,11 @@ ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, u
 ptrdiff_t huff_encode_pairs(const uint8_t *pairs, size_t n, uint8_t *out, size_t cap) {
     size_t q = n / HUFF_LANES / 2, cnt[HUFF_LANES]; /* pairs a lane */
     for (int i = 0; i < HUFF_LANES; i++) cnt[i] = q;
-    uint64_t h[2 * HUFF_LANES][256], freq[256], lane[HUFF_LANES][256];
-    memset(h, 0, sizeof h);
-    const uint8_t *s0 = pairs, *s1 = pairs + q, *s2 = pairs + 2 * q, *s3 = pairs + 3 * q;
-    size_t k = 0;
-    for (; k + 2 <= q; k += 2) {
-        h[0][s0[k]]++, h[2][s1[k]]++, h[4][s2[k]]++, h[6][s3[k]]++;
-        h[1][s0[k + 1]]++, h[3][s1[k + 1]]++, h[5][s2[k + 1]]++, h[7][s3[k + 1]]++;
-    }
-    for (int i = 0; i < HUFF_LANES; i++)
-        for (size_t j = k; j < q; j++) h[2 * i][pairs[q * (size_t)i + j]]++;
+    uint64_t freq[256], lane[HUFF_LANES][256];
+    count_lanes(pairs, q, cnt, lane);
     memset(freq, 0, sizeof freq);
     for (int i = 0; i < HUFF_LANES; i++)
-        for (int p = 0; p < 256; p++) {
-            lane[i][p] = h[2 * i][p] + h[2 * i + 1][p];
-            freq[p & 15] += lane[i][p], freq[p >> 4] += lane[i][p];
-        }
+        for (int p = 0; p < 256; p++) freq[p & 15] += lane[i][p], freq[p >> 4] += lane[i][p];
     uint8_t len[256];
     uint16_t code[256];
     huff_lengths(freq, len);
