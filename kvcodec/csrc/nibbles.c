@@ -8,6 +8,14 @@
 
 #include <string.h>
 
+/* The 64-bit word path reads code i from byte i of a little-endian word; a big-endian CPU takes the
+ * scalar loop. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define NIBBLES_WORDS 0
+#else
+#define NIBBLES_WORDS 1
+#endif
+
 #define EXP_MASK 0x0F0F0F0F0F0F0F0Full
 #define MANT_MASK 0x0707070707070707ull
 #define SIGN_MASK 0x0808080808080808ull
@@ -107,7 +115,7 @@ static void split(const uint8_t *v, uint8_t *exp, uint8_t *nib, size_t T, size_t
         return;
     }
 #endif
-    if (D % 8 == 0) {
+    if (D % 8 == 0 && NIBBLES_WORDS) {
         for (size_t t = 0; t < T; t++)
             for (size_t h = 0; h < H; h++) {
                 const uint8_t *src = v + (t * H + h) * D;
@@ -151,7 +159,7 @@ void kv_nibbles_merge(const uint8_t *exp, const uint8_t *nib, uint8_t *v, size_t
         return;
     }
 #endif
-    if (D % 8 == 0) {
+    if (D % 8 == 0 && NIBBLES_WORDS) {
         for (size_t t = 0; t < T; t++)
             for (size_t h = 0; h < H; h++) {
                 const uint8_t *e = exp + (h * T + t) * D, *s = nib + (t * H + h) * D / 2;

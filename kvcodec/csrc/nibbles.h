@@ -12,7 +12,8 @@
 
 void kv_nibbles_split(const uint8_t *v, uint8_t *exp, uint8_t *nib, size_t T, size_t H, size_t D);
 /* kv_nibbles_split with each head's exponents two a byte (exponent 2i of a head in the low nibble of
- * its byte i; T x H x D / 2 bytes): what huff_encode_pairs codes. D even. */
+ * its byte i; T x H x D / 2 bytes): what huff_encode_pairs codes. T x D even (a byte never holds two
+ * heads' exponents). */
 void kv_nibbles_split_pairs(const uint8_t *v, uint8_t *exp2, uint8_t *nib, size_t T, size_t H, size_t D);
 void kv_nibbles_merge(const uint8_t *exp, const uint8_t *nib, uint8_t *v, size_t T, size_t H, size_t D);
 

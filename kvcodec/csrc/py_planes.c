@@ -100,7 +100,7 @@ PyObject *py_v_nibbles_pairs(PyObject *self, PyObject *args) {
     if (parse(args, "v_nibbles_pairs", "OOOnnn", &vo, &eo, &so, &T, &H, &D)) return NULL;
     if (geometry("v_nibbles_pairs", T, H, D) < 0) return NULL;
     Py_ssize_t n = T * H * D;
-    if (n % 2) return fail("v_nibbles_pairs", "needs an even count of codes"), NULL;
+    if ((T * D) % 2) return fail("v_nibbles_pairs", "needs an even count of codes a head"), NULL;
     Py_buffer v, e, s;
     if (take_for("v_nibbles_pairs", vo, n, 0, "v", &v) < 0) return NULL;
     if (take_for("v_nibbles_pairs", eo, n / 2, 1, "exp2", &e) < 0) return PyBuffer_Release(&v), NULL;

@@ -140,6 +140,9 @@ def test_v_nibbles_pairs_refuses_an_odd_count_and_wrong_lengths() -> None:
     v = np.zeros(15, np.uint8)
     with pytest.raises(UnsupportedConfigError, match="even count"):
         backends.v_nibbles_pairs(v, np.empty(8, np.uint8), np.empty(8, np.uint8), 5, 1, 3)
+    v = np.zeros(6, np.uint8)  # an even count, but each head's 3 codes odd: a byte would hold two heads
+    with pytest.raises(UnsupportedConfigError, match="even count of codes a head"):
+        backends.v_nibbles_pairs(v, np.empty(3, np.uint8), np.empty(3, np.uint8), 3, 2, 1)
     v = np.zeros(16, np.uint8)
     with pytest.raises(UnsupportedConfigError, match="exp2 is 16 bytes"):
         backends.v_nibbles_pairs(v, np.empty(16, np.uint8), np.empty(8, np.uint8), 4, 1, 4)
