@@ -162,22 +162,28 @@ static const uint8_t REV8[256] = {
 #undef R6
 };
 
-/* Canonical codes of `len`, bit-reversed for LSB-first packing. */
-static void canonical(const uint8_t len[256], uint16_t code[256]) {
-    unsigned count[HUFF_MAX_LEN + 1] = {0}, next[HUFF_MAX_LEN + 2];
-    for (int s = 0; s < 256; s++) count[len[s]]++;
-    count[0] = 0;
+/* Canonical codes of the present symbols sym[0 .. m) (in symbol order) of lengths len, count[l] of each
+ * length: bit-reversed for LSB-first packing. code[] of absent symbols is left as it is. */
+static void assign_codes(const uint8_t len[256], const uint8_t *sym, int m, const unsigned count[HUFF_MAX_LEN + 1],
+                         uint16_t code[256]) {
+    unsigned next[HUFF_MAX_LEN + 2];
     next[1] = 0;
     for (int l = 1; l <= HUFF_MAX_LEN; l++) next[l + 1] = (next[l] + count[l]) << 1;
-    for (int s = 0; s < 256; s++) {
-        unsigned l = len[s];
-        if (!l) {
-            code[s] = 0;
-            continue;
-        }
-        unsigned c = next[l]++;
-        code[s] = (uint16_t)(((unsigned)REV8[c & 0xffu] << 8 | REV8[c >> 8]) >> (16 - l));
+    for (int i = 0; i < m; i++) {
+        unsigned l = len[sym[i]], c = next[l]++;
+        code[sym[i]] = (uint16_t)(((unsigned)REV8[c & 0xffu] << 8 | REV8[c >> 8]) >> (16 - l));
     }
+}
+
+/* Canonical codes of `len` (0 for absent symbols), bit-reversed for LSB-first packing. */
+static void canonical(const uint8_t len[256], uint16_t code[256]) {
+    unsigned count[HUFF_MAX_LEN + 1] = {0};
+    uint8_t sym[256];
+    int m = 0;
+    memset(code, 0, 256 * sizeof *code);
+    for (int s = 0; s < 256; s++)
+        if (len[s]) count[len[s]]++, sym[m++] = (uint8_t)s;
+    assign_codes(len, sym, m, count, code);
 }
 
 /* ------------------------------------------------------------------ encode */
@@ -334,23 +340,34 @@ static void count_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANE
         for (size_t j = k; j < cnt[i]; j++) lane[i][sym[q * (size_t)i + j]]++;
 }
 
-/* A stream's head (code lengths, lanes 0..2's bytes) written and its lanes laid out after it, for lanes of
- * bits[i] bits: the stream's bytes, or -1 (nothing written) when they exceed cap. */
-static ptrdiff_t write_head(const uint8_t len[256], const uint64_t bits[HUFF_LANES], uint8_t *out, size_t cap,
-                            Out o[HUFF_LANES]) {
+/* A stream written: its head (code lengths `len`, lanes 0..2's bytes), then each lane's symbols (lane i's
+ * cnt[i] from sym + i x q) coded by cl, g a round (4 byte symbols, or 2 pairs), lane i's bits being its
+ * counts lane[i] times cl's lengths. Its bytes, or -1 (nothing written) when they exceed cap. */
+static ptrdiff_t write_stream(const uint8_t len[256], const uint64_t lane[HUFF_LANES][256], const Codes *cl,
+                              const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], uint8_t *out, size_t cap,
+                              int g) {
     size_t total = HUFF_HEAD_BYTES, bytes[HUFF_LANES];
     for (int i = 0; i < HUFF_LANES; i++) {
-        bytes[i] = (size_t)((bits[i] + 7) / 8);
+        uint64_t bits = 0;
+        for (int s = 0; s < 256; s++) bits += lane[i][s] * cl->len[s];
+        bytes[i] = (size_t)((bits + 7) / 8);
         total += bytes[i];
     }
     if (total > cap) return -1;
     for (int i = 0; i < HUFF_TABLE_BYTES; i++) out[i] = (uint8_t)(len[2 * i] | len[2 * i + 1] << 4);
     for (int i = 0; i < HUFF_LANES - 1; i++) store32(out + HUFF_TABLE_BYTES + 4 * i, (uint32_t)bytes[i]);
+    Out o[HUFF_LANES];
     uint8_t *p = out + HUFF_HEAD_BYTES;
     for (int i = 0; i < HUFF_LANES; i++) {
         o[i] = (Out){0, 0, p, p + bytes[i]};
         p += bytes[i];
     }
+    void (*lanes)(const uint8_t *, size_t, const size_t *, const Codes *, Out *) =
+        g == 4 ? encode_lanes : encode_pair_lanes;
+#if KV_X86
+    if (__builtin_cpu_supports("bmi2")) lanes = g == 4 ? encode_lanes_bmi2 : encode_pair_lanes_bmi2;
+#endif
+    lanes(sym, q, cnt, cl, o);
     return (ptrdiff_t)total;
 }
 
@@ -371,22 +388,7 @@ ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, u
     canonical(len, code);
     Codes cl;
     for (int s = 0; s < 256; s++) cl.code[s] = code[s], cl.len[s] = len[s];
-    uint64_t bits[HUFF_LANES];
-    for (int i = 0; i < HUFF_LANES; i++) {
-        bits[i] = 0;
-        for (int s = 0; s < 256; s++) bits[i] += lane[i][s] * len[s];
-    }
-    Out o[HUFF_LANES];
-    ptrdiff_t total = write_head(len, bits, out, cap, o);
-    if (total < 0) return -1;
-#if KV_X86
-    if (__builtin_cpu_supports("bmi2")) {
-        encode_lanes_bmi2(sym, q, cnt, &cl, o);
-        return total;
-    }
-#endif
-    encode_lanes(sym, q, cnt, &cl, o);
-    return total;
+    return write_stream(len, lane, &cl, sym, q, cnt, out, cap, 4);
 }
 
 /* Exponent pairs: n symbols below 16 given two a byte (symbol 2i in the low nibble of byte i), n a
@@ -411,22 +413,7 @@ ptrdiff_t huff_encode_pairs(const uint8_t *pairs, size_t n, uint8_t *out, size_t
         cl.code[p] = (uint64_t)code[a] | (uint64_t)code[b] << len[a];
         cl.len[p] = (uint8_t)(len[a] + len[b]);
     }
-    uint64_t bits[HUFF_LANES];
-    for (int i = 0; i < HUFF_LANES; i++) {
-        bits[i] = 0;
-        for (int p = 0; p < 256; p++) bits[i] += lane[i][p] * cl.len[p];
-    }
-    Out o[HUFF_LANES];
-    ptrdiff_t total = write_head(len, bits, out, cap, o);
-    if (total < 0) return -1;
-#if KV_X86
-    if (__builtin_cpu_supports("bmi2")) {
-        encode_pair_lanes_bmi2(pairs, q, cnt, &cl, o);
-        return total;
-    }
-#endif
-    encode_pair_lanes(pairs, q, cnt, &cl, o);
-    return total;
+    return write_stream(len, lane, &cl, pairs, q, cnt, out, cap, 2);
 }
 
 /* ------------------------------------------------------------------ decode */
@@ -647,26 +634,19 @@ typedef struct {
     size_t n, row, stride;
 } Stream;
 
-/* A stream's canonical codes (bit-reversed, as canonical() gives them) and decoding table, from its
+/* A stream's canonical codes (assign_codes, as the encoder's) and decoding table, from its
  * present symbols sym[0 .. m) in symbol order and the count of each length: the table built by doubling
  * (the entries of the codes of up to l bits in t[0 .. 2^l), copied to t[2^l .. 2^(l+1)), then the
  * (l+1)-bit codes written), so that each code is written once and the rest is copying; holes stay 0.
  * Only present symbols are visited (V's exponents: 16 of 256), and code[] is set for them alone. */
 static void decode_tables(Stream *st, const uint8_t *sym, int m, const unsigned count[HUFF_MAX_LEN + 1]) {
-    unsigned next[HUFF_MAX_LEN + 2], start[HUFF_MAX_LEN + 2];
-    next[1] = 0, start[1] = 0;
-    for (int l = 1; l <= HUFF_MAX_LEN; l++) {
-        next[l + 1] = (next[l] + count[l]) << 1;
-        start[l + 1] = start[l] + count[l];
-    }
-    uint8_t by_len[256];
-    unsigned at[HUFF_MAX_LEN + 2];
+    assign_codes(st->cl, sym, m, count, st->code);
+    unsigned start[HUFF_MAX_LEN + 2], at[HUFF_MAX_LEN + 2];
+    start[1] = 0;
+    for (int l = 1; l <= HUFF_MAX_LEN; l++) start[l + 1] = start[l] + count[l];
     memcpy(at, start, sizeof at);
-    for (int i = 0; i < m; i++) {
-        unsigned x = sym[i], l = st->cl[x], c = next[l]++;
-        st->code[x] = (uint16_t)(((unsigned)REV8[c & 0xffu] << 8 | REV8[c >> 8]) >> (16 - l));
-        by_len[at[l]++] = (uint8_t)x;
-    }
+    uint8_t by_len[256];
+    for (int i = 0; i < m; i++) by_len[at[st->cl[sym[i]]]++] = sym[i];
     uint16_t *t = st->t;
     t[0] = t[1] = 0;
     for (unsigned l = 1; l <= HUFF_MAX_LEN; l++) {

@@ -102,51 +102,53 @@ PyObject *py_huff_decode(PyObject *self, PyObject *args) {
     return ret;
 }
 
-/* huff_encode_many(src, at, step, count, n, row, stride, out, out_at) -> [length, ...]: `count` streams,
- * stream i of the n symbols from src offset at + i * step (each at row, stride), written one after
- * another from out[out_at:]; raises when they do not fit. One call for a section's heads. */
-PyObject *py_huff_encode_many(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *so, *oo;
-    Py_ssize_t at, step, count, n, row, stride, out_at, last;
-    if (parse(args, "huff_encode_many", "OnnnnnnOn", &so, &at, &step, &count, &n, &row, &stride, &oo, &out_at))
-        return NULL;
-    if (check_rows("huff_encode_many", n, row, stride) < 0) return NULL;
-    if (count < 0 || step < 0 || count > (1 << 24))
-        return fail("huff_encode_many", "need 0 <= count <= 2^24 and step >= 0"), NULL;
+/* `count` streams of n symbols each, stream i's from src offset at + i * step, coded one after another
+ * from out[out_at:]: by huff_encode at (row, stride), or with `pairs` by huff_encode_pairs from n / 2
+ * contiguous bytes. Their lengths as a list; raises when a span lies outside its buffer or they do not
+ * fit. The one body of huff_encode_many and huff_encode_pairs_many. */
+typedef struct {
+    Py_ssize_t at, step, count, n, row, stride, out_at;
+    int pairs;
+} Many;
+
+static PyObject *encode_many(const char *fn, PyObject *so, PyObject *oo, Many m) {
+    if (m.count < 0 || m.step < 0 || m.count > (1 << 24)) return fail(fn, "need 0 <= count <= 2^24 and step >= 0"), NULL;
     Py_buffer s, o;
-    if (PyObject_GetBuffer(so, &s, PyBUF_C_CONTIGUOUS) < 0) return rethrow("huff_encode_many"), NULL;
+    if (PyObject_GetBuffer(so, &s, PyBUF_C_CONTIGUOUS) < 0) return rethrow(fn), NULL;
     if (PyObject_GetBuffer(oo, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        return PyBuffer_Release(&s), rethrow("huff_encode_many"), NULL;
+        return PyBuffer_Release(&s), rethrow(fn), NULL;
     PyObject *ret = NULL;
-    Py_ssize_t *lens = NULL;
-    if (out_at < 0 || out_at > o.len || !span_ok(s.len, at, n, row, stride) ||
-        (count && (__builtin_mul_overflow(count - 1, step, &last) || __builtin_add_overflow(last, at, &last) ||
-                   !span_ok(s.len, last, n, row, stride)))) {
-        fail("huff_encode_many", "the symbols or the output's offset lie outside their buffers");
+    Py_ssize_t *lens = NULL, last, bytes = m.pairs ? m.n / 2 : m.n; /* a stream's symbol bytes */
+    if (m.out_at < 0 || m.out_at > o.len || !span_ok(s.len, m.at, bytes, m.row, m.stride) ||
+        (m.count && (__builtin_mul_overflow(m.count - 1, m.step, &last) || __builtin_add_overflow(last, m.at, &last) ||
+                     !span_ok(s.len, last, bytes, m.row, m.stride)))) {
+        fail(fn, "the symbols or the output's offset lie outside their buffers");
     } else if (bufs_overlap(&s, &o)) {
-        fail("huff_encode_many", "the symbols and the output must not share memory");
+        fail(fn, "the symbols and the output must not share memory");
     } else {
-        uint8_t *scratch = scratch_for(n, row, stride, 1);
-        lens = PyMem_RawMalloc((size_t)(count ? count : 1) * sizeof *lens);
-        if ((row < stride && n && !scratch) || !lens) {
+        uint8_t *scratch = m.pairs ? NULL : scratch_for(m.n, m.row, m.stride, 1);
+        lens = PyMem_RawMalloc((size_t)(m.count ? m.count : 1) * sizeof *lens);
+        if ((!m.pairs && m.row < m.stride && m.n && !scratch) || !lens) {
             PyErr_NoMemory();
         } else {
             ptrdiff_t got = 0;
-            Py_ssize_t pos = out_at;
+            Py_ssize_t pos = m.out_at;
             Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < count; i++) {
-                got = huff_encode((const uint8_t *)s.buf + at + i * step, (size_t)n, (size_t)row, (size_t)stride,
-                                  (uint8_t *)o.buf + pos, (size_t)(o.len - pos), scratch);
+            for (Py_ssize_t i = 0; i < m.count; i++) {
+                const uint8_t *src = (const uint8_t *)s.buf + m.at + i * m.step;
+                uint8_t *dst = (uint8_t *)o.buf + pos;
+                got = m.pairs ? huff_encode_pairs(src, (size_t)m.n, dst, (size_t)(o.len - pos))
+                              : huff_encode(src, (size_t)m.n, (size_t)m.row, (size_t)m.stride, dst,
+                                            (size_t)(o.len - pos), scratch);
                 if (got < 0) break;
                 lens[i] = got;
                 pos += got;
             }
             Py_END_ALLOW_THREADS
             if (got < 0) {
-                fail("huff_encode_many", "the streams do not fit the output");
-            } else if ((ret = PyList_New(count))) {
-                for (Py_ssize_t i = 0; i < count; i++) PyList_SET_ITEM(ret, i, PyLong_FromSsize_t(lens[i]));
+                fail(fn, "the streams do not fit the output");
+            } else if ((ret = PyList_New(m.count))) {
+                for (Py_ssize_t i = 0; i < m.count; i++) PyList_SET_ITEM(ret, i, PyLong_FromSsize_t(lens[i]));
             }
         }
         PyMem_RawFree(scratch);
@@ -157,52 +159,32 @@ PyObject *py_huff_encode_many(PyObject *self, PyObject *args) {
     return ret;
 }
 
+/* huff_encode_many(src, at, step, count, n, row, stride, out, out_at) -> [length, ...]: `count` streams,
+ * stream i of the n symbols from src offset at + i * step (each at row, stride), written one after
+ * another from out[out_at:]; raises when they do not fit. One call for a section's heads. */
+PyObject *py_huff_encode_many(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *so, *oo;
+    Many m = {.pairs = 0};
+    if (parse(args, "huff_encode_many", "OnnnnnnOn", &so, &m.at, &m.step, &m.count, &m.n, &m.row, &m.stride, &oo,
+              &m.out_at))
+        return NULL;
+    if (check_rows("huff_encode_many", m.n, m.row, m.stride) < 0) return NULL;
+    return encode_many("huff_encode_many", so, oo, m);
+}
+
 /* huff_encode_pairs_many(src, at, step, count, n, out, out_at) -> [length, ...]: huff_encode_many of
  * `count` streams of n symbols below 16 (n a multiple of 8), stream i's given two a byte in the n / 2
  * bytes from src offset at + i * step (huff_encode_pairs: the same bytes, coded two at a time). */
 PyObject *py_huff_encode_pairs_many(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *so, *oo;
-    Py_ssize_t at, step, count, n, out_at, last;
-    if (parse(args, "huff_encode_pairs_many", "OnnnnOn", &so, &at, &step, &count, &n, &oo, &out_at)) return NULL;
-    if (n < 0 || n % 8 || count < 0 || step < 0 || count > (1 << 24))
-        return fail("huff_encode_pairs_many", "need n >= 0 a multiple of 8, 0 <= count <= 2^24 and step >= 0"), NULL;
-    Py_buffer s, o;
-    if (PyObject_GetBuffer(so, &s, PyBUF_C_CONTIGUOUS) < 0) return rethrow("huff_encode_pairs_many"), NULL;
-    if (PyObject_GetBuffer(oo, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        return PyBuffer_Release(&s), rethrow("huff_encode_pairs_many"), NULL;
-    PyObject *ret = NULL;
-    Py_ssize_t *lens = NULL, half = n / 2;
-    if (out_at < 0 || out_at > o.len || !span_ok(s.len, at, half, half ? half : 1, half ? half : 1) ||
-        (count && (__builtin_mul_overflow(count - 1, step, &last) || __builtin_add_overflow(last, at, &last) ||
-                   !span_ok(s.len, last, half, half ? half : 1, half ? half : 1)))) {
-        fail("huff_encode_pairs_many", "the symbols or the output's offset lie outside their buffers");
-    } else if (bufs_overlap(&s, &o)) {
-        fail("huff_encode_pairs_many", "the symbols and the output must not share memory");
-    } else if (!(lens = PyMem_RawMalloc((size_t)(count ? count : 1) * sizeof *lens))) {
-        PyErr_NoMemory();
-    } else {
-        ptrdiff_t got = 0;
-        Py_ssize_t pos = out_at;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++) {
-            got = huff_encode_pairs((const uint8_t *)s.buf + at + i * step, (size_t)n, (uint8_t *)o.buf + pos,
-                                    (size_t)(o.len - pos));
-            if (got < 0) break;
-            lens[i] = got;
-            pos += got;
-        }
-        Py_END_ALLOW_THREADS
-        if (got < 0) {
-            fail("huff_encode_pairs_many", "the streams do not fit the output");
-        } else if ((ret = PyList_New(count))) {
-            for (Py_ssize_t i = 0; i < count; i++) PyList_SET_ITEM(ret, i, PyLong_FromSsize_t(lens[i]));
-        }
-    }
-    PyMem_RawFree(lens);
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&o);
-    return ret;
+    Many m = {.pairs = 1};
+    if (parse(args, "huff_encode_pairs_many", "OnnnnOn", &so, &m.at, &m.step, &m.count, &m.n, &oo, &m.out_at))
+        return NULL;
+    if (m.n < 0 || m.n % 8) return fail("huff_encode_pairs_many", "need n >= 0 a multiple of 8"), NULL;
+    m.row = m.stride = m.n ? m.n / 2 : 1; /* contiguous bytes */
+    return encode_many("huff_encode_pairs_many", so, oo, m);
 }
 
 /* huff_decode_many(src, streams, n, out, out_at, out_step, row, stride) -> None or (i, code): each

@@ -7,23 +7,43 @@
 #include "nibbles.h"
 #include "planes.h"
 
-/* One buffer of exactly `len` bytes, C-contiguous, writable if asked. -1: error raised. */
-static int take_for(const char *fn, PyObject *obj, Py_ssize_t len, int writable, const char *name, Py_buffer *b) {
-    if (PyObject_GetBuffer(obj, b, writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS) < 0) {
-        rethrow(fn);
-        return -1;
+/* One buffer a pass reads or writes: its name (for messages), object, exact length and whether written. */
+typedef struct {
+    const char *name;
+    PyObject *obj;
+    Py_ssize_t len;
+    int writable;
+} Want;
+
+/* The three buffers of a pass, each C-contiguous bytes of exactly its length, writable where it is
+ * written, none sharing memory with another (`overlap`: the refusal's message). -1: error raised, none
+ * held. */
+static int take3(const char *fn, const Want w[3], const char *overlap, Py_buffer b[3]) {
+    for (int i = 0; i < 3; i++) {
+        int flags = w[i].writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS;
+        int bad = PyObject_GetBuffer(w[i].obj, &b[i], flags) < 0 ? (rethrow(fn), 1) : 0;
+        if (!bad && b[i].len != w[i].len) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "%s is %zd bytes; the geometry needs %zd", w[i].name, b[i].len, w[i].len);
+            PyBuffer_Release(&b[i]);
+            fail(fn, msg);
+            bad = 1;
+        }
+        if (bad) {
+            while (i--) PyBuffer_Release(&b[i]);
+            return -1;
+        }
     }
-    if (b->len != len) {
-        PyBuffer_Release(b);
-        char msg[160];
-        snprintf(msg, sizeof msg, "%s is %zd bytes; the geometry needs %zd", name, b->len, len);
-        return fail(fn, msg);
+    if (bufs_overlap(&b[0], &b[1]) || bufs_overlap(&b[0], &b[2]) || bufs_overlap(&b[1], &b[2])) {
+        for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+        return fail(fn, overlap);
     }
     return 0;
 }
 
-static int take(PyObject *obj, Py_ssize_t len, int writable, const char *name, Py_buffer *b) {
-    return take_for("k_planes", obj, len, writable, name, b);
+static PyObject *release3(Py_buffer b[3]) {
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+    return Py_NewRef(Py_None);
 }
 
 /* tokens, heads, head_dim >= 0 with n = their product, and 2n, within a Py_ssize_t. -1: error raised. */
@@ -41,26 +61,16 @@ PyObject *py_k_planes(PyObject *self, PyObject *args) {
     if (parse(args, "k_planes", "OOOnnnp", &ko, &ho, &lo_o, &T, &H, &D, &m)) return NULL;
     if (geometry("k_planes", T, H, D) < 0) return NULL;
     Py_ssize_t n = T * H * D;
-    Py_buffer k, hi, lo;
-    if (take(ko, 2 * n, m, "k", &k) < 0) return NULL;
-    if (take(ho, n, !m, "hi", &hi) < 0) return PyBuffer_Release(&k), NULL;
-    if (take(lo_o, n, !m, "lo", &lo) < 0) return PyBuffer_Release(&k), PyBuffer_Release(&hi), NULL;
-    PyObject *ret = NULL;
-    if (bufs_overlap(&k, &hi) || bufs_overlap(&k, &lo) || bufs_overlap(&hi, &lo)) {
-        fail("k_planes", "K and its planes must not share memory");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        if (m)
-            kv_planes_merge(hi.buf, lo.buf, k.buf, (size_t)T, (size_t)(H * D));
-        else
-            kv_planes_split(k.buf, hi.buf, lo.buf, (size_t)T, (size_t)(H * D));
-        Py_END_ALLOW_THREADS
-        ret = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&k);
-    PyBuffer_Release(&hi);
-    PyBuffer_Release(&lo);
-    return ret;
+    const Want w[3] = {{"k", ko, 2 * n, m}, {"hi", ho, n, !m}, {"lo", lo_o, n, !m}};
+    Py_buffer b[3];
+    if (take3("k_planes", w, "K and its planes must not share memory", b) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (m)
+        kv_planes_merge(b[1].buf, b[2].buf, b[0].buf, (size_t)T, (size_t)(H * D));
+    else
+        kv_planes_split(b[0].buf, b[1].buf, b[2].buf, (size_t)T, (size_t)(H * D));
+    Py_END_ALLOW_THREADS
+    return release3(b);
 }
 
 PyObject *py_v_nibbles(PyObject *self, PyObject *args) {
@@ -71,26 +81,16 @@ PyObject *py_v_nibbles(PyObject *self, PyObject *args) {
     if (parse(args, "v_nibbles", "OOOnnnp", &vo, &eo, &so, &T, &H, &D, &m)) return NULL;
     if (geometry("v_nibbles", T, H, D) < 0) return NULL;
     Py_ssize_t n = T * H * D;
-    Py_buffer v, e, s;
-    if (take_for("v_nibbles", vo, n, m, "v", &v) < 0) return NULL;
-    if (take_for("v_nibbles", eo, n, !m, "exp", &e) < 0) return PyBuffer_Release(&v), NULL;
-    if (take_for("v_nibbles", so, (n + 1) / 2, !m, "nib", &s) < 0) return PyBuffer_Release(&v), PyBuffer_Release(&e), NULL;
-    PyObject *ret = NULL;
-    if (bufs_overlap(&v, &e) || bufs_overlap(&v, &s) || bufs_overlap(&e, &s)) {
-        fail("v_nibbles", "V and its planes must not share memory");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        if (m)
-            kv_nibbles_merge(e.buf, s.buf, v.buf, (size_t)T, (size_t)H, (size_t)D);
-        else
-            kv_nibbles_split(v.buf, e.buf, s.buf, (size_t)T, (size_t)H, (size_t)D);
-        Py_END_ALLOW_THREADS
-        ret = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&v);
-    PyBuffer_Release(&e);
-    PyBuffer_Release(&s);
-    return ret;
+    const Want w[3] = {{"v", vo, n, m}, {"exp", eo, n, !m}, {"nib", so, (n + 1) / 2, !m}};
+    Py_buffer b[3];
+    if (take3("v_nibbles", w, "V and its planes must not share memory", b) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (m)
+        kv_nibbles_merge(b[1].buf, b[2].buf, b[0].buf, (size_t)T, (size_t)H, (size_t)D);
+    else
+        kv_nibbles_split(b[0].buf, b[1].buf, b[2].buf, (size_t)T, (size_t)H, (size_t)D);
+    Py_END_ALLOW_THREADS
+    return release3(b);
 }
 
 PyObject *py_v_nibbles_pairs(PyObject *self, PyObject *args) {
@@ -101,21 +101,11 @@ PyObject *py_v_nibbles_pairs(PyObject *self, PyObject *args) {
     if (geometry("v_nibbles_pairs", T, H, D) < 0) return NULL;
     Py_ssize_t n = T * H * D;
     if ((T * D) % 2) return fail("v_nibbles_pairs", "needs an even count of codes a head"), NULL;
-    Py_buffer v, e, s;
-    if (take_for("v_nibbles_pairs", vo, n, 0, "v", &v) < 0) return NULL;
-    if (take_for("v_nibbles_pairs", eo, n / 2, 1, "exp2", &e) < 0) return PyBuffer_Release(&v), NULL;
-    if (take_for("v_nibbles_pairs", so, n / 2, 1, "nib", &s) < 0) return PyBuffer_Release(&v), PyBuffer_Release(&e), NULL;
-    PyObject *ret = NULL;
-    if (bufs_overlap(&v, &e) || bufs_overlap(&v, &s) || bufs_overlap(&e, &s)) {
-        fail("v_nibbles_pairs", "V and its planes must not share memory");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        kv_nibbles_split_pairs(v.buf, e.buf, s.buf, (size_t)T, (size_t)H, (size_t)D);
-        Py_END_ALLOW_THREADS
-        ret = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&v);
-    PyBuffer_Release(&e);
-    PyBuffer_Release(&s);
-    return ret;
+    const Want w[3] = {{"v", vo, n, 0}, {"exp2", eo, n / 2, 1}, {"nib", so, n / 2, 1}};
+    Py_buffer b[3];
+    if (take3("v_nibbles_pairs", w, "V and its planes must not share memory", b) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    kv_nibbles_split_pairs(b[0].buf, b[1].buf, b[2].buf, (size_t)T, (size_t)H, (size_t)D);
+    Py_END_ALLOW_THREADS
+    return release3(b);
 }
