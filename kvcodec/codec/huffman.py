@@ -14,7 +14,9 @@ Lengths come from Huffman's two-queue construction over the symbols sorted by (c
 taking the leaf first; lengths over 11 are cut to 11 and the Kraft excess is given back by splitting the
 longest shorter code, once per 11-bit code dropped (deflate's classic fix); then the most frequent
 symbols take the shortest lengths. One distinct symbol takes length 1. Codes are canonical (by length,
-then symbol).
+then symbol). A section's streams (:func:`encode_section`) take the lengths of all their symbols together
+where those cost a stream at most 1 / SHARE_SLACK more bits than its own (a decoder builds one table for
+them), else their own.
 
 Encoding is numpy (vectorised bit packing); decoding a loop per symbol (about a microsecond each):
 the fallback is for correctness, not speed.
@@ -35,9 +37,21 @@ from ..format.coding import (
     HUFF_TABLE_BYTES,
 )
 
-__all__ = ["HuffmanError", "code_lengths", "decode", "encode", "lane_counts"]
+__all__ = [
+    "SHARE_SLACK",
+    "HuffmanError",
+    "code_lengths",
+    "decode",
+    "encode",
+    "encode_section",
+    "lane_counts",
+    "section_lengths",
+]
 
 _TABLE = 1 << HUFF_MAX_LEN
+SHARE_SLACK = 32
+"""A stream takes its section's shared code lengths at a cost of at most 1 / SHARE_SLACK more bits (huff.h's
+HUFF_SHARE_SLACK: keep them in step)."""
 _HOLE = 0x8000
 
 
@@ -133,10 +147,11 @@ def _pack(sym: np.ndarray, code: np.ndarray, length: np.ndarray) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def encode(symbols: Any) -> bytes:
-    """The Huffman stream of ``symbols`` (a 1-D uint8 array or bytes-like)."""
-    sym = np.frombuffer(symbols, np.uint8) if not isinstance(symbols, np.ndarray) else symbols.reshape(-1)
-    lens = code_lengths(np.bincount(sym, minlength=256))
+def encode(symbols: Any, lens: list[int] | None = None) -> bytes:
+    """The Huffman stream of ``symbols`` (a 1-D uint8 array or bytes-like): with its own code lengths, or
+    ``lens`` (which must give every present symbol a code)."""
+    sym = _flat(symbols)
+    lens = code_lengths(np.bincount(sym, minlength=256)) if lens is None else lens
     code, length = np.array(_codes(lens), np.int64), np.array(lens, np.int64)
     lanes, at = [], 0
     for c in lane_counts(sym.size):
@@ -144,6 +159,31 @@ def encode(symbols: Any) -> bytes:
         at += c
     table = bytes(lens[2 * i] | lens[2 * i + 1] << 4 for i in range(HUFF_TABLE_BYTES))
     return table + HUFF_LANE_LENS.pack(*(len(x) for x in lanes[:-1])) + b"".join(lanes)
+
+
+def _flat(symbols: Any) -> np.ndarray:
+    return np.frombuffer(symbols, np.uint8) if not isinstance(symbols, np.ndarray) else symbols.reshape(-1)
+
+
+def section_lengths(freqs: list[Any]) -> list[list[int]]:
+    """Each stream's code lengths in a section of streams with symbol counts ``freqs``: the section's
+    shared lengths (of all its symbols together) where they cost the stream at most 1 / SHARE_SLACK more
+    bits than its own, else its own (huff.c's huff_encode_section: a decoder builds shared tables once)."""
+    shared = code_lengths(np.sum(freqs, axis=0, dtype=np.int64) if freqs else np.zeros(256, np.int64))
+    out = []
+    for f in freqs:
+        own = code_lengths(f)
+        bits = [sum(int(c) * n for c, n in zip(f, lens, strict=True)) for lens in (shared, own)]
+        out.append(shared if bits[0] * SHARE_SLACK <= bits[1] * (SHARE_SLACK + 1) else own)
+    return out
+
+
+def encode_section(streams: list[Any]) -> list[bytes]:
+    """The Huffman streams of a section's ``streams`` (each a 1-D uint8 array or bytes-like), with the
+    lengths of :func:`section_lengths`: huff.c's bytes."""
+    syms = [_flat(x) for x in streams]
+    lens = section_lengths([np.bincount(x, minlength=256) for x in syms])
+    return [encode(x, n) for x, n in zip(syms, lens, strict=True)]
 
 
 def _lane(data: bytes, start: int, end: int, t: list[int], out: np.ndarray) -> None:

@@ -195,10 +195,8 @@ def _encode_streams(
     got = backends.huff_encode_many(src, at, step, heads, n, row, stride, out, 0)
     if got is None:
         got, pos = [], 0
-        for i in range(heads):
-            stream = huffman.encode(
-                np.ascontiguousarray(_rows(src, at + i * step, n, row, stride)).reshape(-1)
-            )
+        rows = [np.ascontiguousarray(_rows(src, at + i * step, n, row, stride)) for i in range(heads)]
+        for stream in huffman.encode_section(rows):
             out[pos : pos + len(stream)] = stream
             got.append(len(stream))
             pos += len(stream)

@@ -4,6 +4,10 @@
  * (huff0's design). kvcodec/codec/huffman.py is the same coder in Python: the fallback and the oracle;
  * both write the same bytes and refuse with the same code.
  *
+ * Encoding a section's streams: each one's symbols counted per lane, the section's shared lengths taken
+ * where they cost little (huff.h, HUFF_SHARE_SLACK), then each lane packed LSB first through 64-bit bit
+ * buffers, two lanes side by side; byte symbols two a lookup where they are few (WIDE).
+ *
  * Decoding: one 2^11-entry table of uint16 (length | symbol << 8; 0 where no code lands). Where the
  * table is complete (no holes: every table a Huffman encoder writes but one of a single symbol), the
  * four lanes run side by side with no check per symbol: a round loads 8 bytes at each lane's bit
@@ -201,9 +205,6 @@ typedef struct {
     uint8_t *p, *end;
 } Out;
 
-/* One lane's symbols sym[k .. cnt) from state o: 8-byte stores while they stay inside the lane (the bits
- * above the buffer's count are zero, so a store's spill is the lane's own zero padding), then a byte at
- * a time; the last byte's unused high bits zero. */
 /* A symbol's code (bit-reversed, in a 64-bit word ready to shift) and its length: two tables, so that
  * coding a symbol is two loads, a shift, an or and an add (measured faster than one packed table). */
 typedef struct {
@@ -211,6 +212,24 @@ typedef struct {
     uint8_t len[256];
 } Codes;
 
+/* The codes of two byte symbols side by side (the first's code, then the second's: up to 22 bits), indexed
+ * by the two bytes as a little-endian 16-bit word: one lookup codes two symbols. Only the pairs of the
+ * coder's present symbols are written (the others are never read: a stream holds only those), so a fill
+ * costs m^2 for m present symbols. */
+struct HuffWide {
+    uint32_t code[1 << 16];
+    uint8_t len[1 << 16];
+};
+
+/* How a stream's lanes are coded, a round being four symbols: BYTES one lookup a symbol; PAIRS one a byte
+ * of two symbols below 16 (two bytes a round); WIDE one a two-byte word (HuffWide). */
+enum { BYTES, PAIRS, WIDE };
+
+static inline uint16_t load16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* One lane's symbols sym[k .. cnt) from state o (single symbols, or pair bytes with PAIRS): 8-byte stores
+ * while they stay inside the lane (the bits above the buffer's count are zero, so a store's spill is the
+ * lane's own zero padding), then a byte at a time; the last byte's unused high bits zero. */
 static inline __attribute__((always_inline)) void finish_out(Out *o, const uint8_t *sym, size_t k, size_t cnt,
                                                              const Codes *cl, int g) {
     uint64_t buf = o->buf;
@@ -242,12 +261,14 @@ static inline __attribute__((always_inline)) void finish_out(Out *o, const uint8
 }
 
 /* Two lanes' symbols coded side by side (two independent bit buffers: twice the work per dependency
- * step, few enough registers that nothing spills) while each has g symbols left and 8 bytes of its
- * own room, then each one's rest; the counts and bytes are exact (from the histograms), so no store
- * leaves its lane. g = 4 symbols of up to 11 bits a round, or 2 pair symbols of up to 22 (44 bits either
- * way, under 6 bytes with the 7 left over). */
+ * step, few enough registers that nothing spills) while each has a round left and 8 bytes of its own
+ * room, then each one's rest; the counts and bytes are exact (from the histograms), so no store leaves
+ * its lane. A round codes four symbols of up to 11 bits a lane (44 bits: under 6 bytes with the 7 left
+ * over), in four lookups (BYTES), or two (PAIRS, WIDE); k counts symbols, or pair bytes with PAIRS. */
 static inline __attribute__((always_inline)) void encode_two(const uint8_t *s0, const uint8_t *s1, size_t c0, size_t c1,
-                                                             const Codes *cl, Out *o0, Out *o1, int g) {
+                                                             const Codes *cl, const HuffWide *w, Out *o0, Out *o1,
+                                                             int mode) {
+    const size_t g = mode == PAIRS ? 2 : 4; /* symbols (pair bytes) a round */
     uint64_t b0 = 0, b1 = 0;
     unsigned n0 = 0, n1 = 0;
     uint8_t *p0 = o0->p, *p1 = o1->p;
@@ -255,63 +276,80 @@ static inline __attribute__((always_inline)) void encode_two(const uint8_t *s0, 
     for (;;) {
         /* a round writes at most 6 bytes a lane (7 bits left + 44): rounds that keep 8 bytes of room */
         ptrdiff_t r0 = o0->end - p0 - 8, r1 = o1->end - p1 - 8;
-        size_t run = (c1 - k) / (size_t)g;
+        size_t run = (c1 - k) / g;
         if (r0 < 0 || r1 < 0 || !run) break;
         if ((size_t)r0 / 6 + 1 < run) run = (size_t)r0 / 6 + 1;
         if ((size_t)r1 / 6 + 1 < run) run = (size_t)r1 / 6 + 1;
-        for (size_t end = k + (size_t)g * run; k < end; k += (size_t)g) {
+        for (size_t end = k + g * run; k < end; k += g) {
 #define E(b, n, s)                                      \
     {                                                   \
         unsigned x_ = s;                                \
         b |= cl->code[x_] << n;                         \
         n += cl->len[x_];                               \
     }
+#define W(b, n, s)                                      \
+    {                                                   \
+        unsigned x_ = load16(s);                        \
+        b |= (uint64_t)w->code[x_] << n;                \
+        n += w->len[x_];                                \
+    }
 #define F(b, n, p)                                      \
     store64(p, b);                                      \
     p += n >> 3;                                        \
     b >>= n & ~7u;                                      \
     n &= 7;
-            E(b0, n0, s0[k]) E(b1, n1, s1[k]) E(b0, n0, s0[k + 1]) E(b1, n1, s1[k + 1])
-            if (g == 4) {
-                E(b0, n0, s0[k + 2]) E(b1, n1, s1[k + 2]) E(b0, n0, s0[k + 3]) E(b1, n1, s1[k + 3])
+            if (mode == WIDE) {
+                W(b0, n0, s0 + k) W(b1, n1, s1 + k) W(b0, n0, s0 + k + 2) W(b1, n1, s1 + k + 2)
+            } else {
+                E(b0, n0, s0[k]) E(b1, n1, s1[k]) E(b0, n0, s0[k + 1]) E(b1, n1, s1[k + 1])
+                if (mode == BYTES) {
+                    E(b0, n0, s0[k + 2]) E(b1, n1, s1[k + 2]) E(b0, n0, s0[k + 3]) E(b1, n1, s1[k + 3])
+                }
             }
             F(b0, n0, p0) F(b1, n1, p1)
 #undef E
+#undef W
 #undef F
         }
     }
     o0->buf = b0, o0->bits = n0, o0->p = p0;
     o1->buf = b1, o1->bits = n1, o1->p = p1;
-    finish_out(o0, s0, k, c0, cl, g);
-    finish_out(o1, s1, k, c1, cl, g);
+    finish_out(o0, s0, k, c0, cl, (int)g);
+    finish_out(o1, s1, k, c1, cl, (int)g);
 }
 
 /* The four lanes: 0 beside 1, then 2 beside 3 (a lane's count is at least the next one's). Inlined into a
- * generic and a BMI2 copy. */
+ * copy per mode, generic and BMI2. */
 static inline __attribute__((always_inline)) void encode_body(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES],
-                                                              const Codes *cl, Out o[HUFF_LANES], int g) {
-    encode_two(sym, sym + q, cnt[0], cnt[1], cl, &o[0], &o[1], g);
-    encode_two(sym + 2 * q, sym + 3 * q, cnt[2], cnt[3], cl, &o[2], &o[3], g);
+                                                              const Codes *cl, const HuffWide *w, Out o[HUFF_LANES],
+                                                              int mode) {
+    encode_two(sym, sym + q, cnt[0], cnt[1], cl, w, &o[0], &o[1], mode);
+    encode_two(sym + 2 * q, sym + 3 * q, cnt[2], cnt[3], cl, w, &o[2], &o[3], mode);
 }
 
-static void encode_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], const Codes *cl, Out o[HUFF_LANES]) {
-    encode_body(sym, q, cnt, cl, o, 4);
-}
-static void encode_pair_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], const Codes *cl,
-                              Out o[HUFF_LANES]) {
-    encode_body(sym, q, cnt, cl, o, 2);
-}
+typedef void (*EncodeFn)(const uint8_t *, size_t, const size_t *, const Codes *, const HuffWide *, Out *);
+#define ENCODE_FN(name, mode, attr)                                                                          \
+    attr static void name(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], const Codes *cl,       \
+                          const HuffWide *w, Out o[HUFF_LANES]) {                                            \
+        encode_body(sym, q, cnt, cl, w, o, mode);                                                            \
+    }
+ENCODE_FN(encode_bytes, BYTES, )
+ENCODE_FN(encode_pairs, PAIRS, )
+ENCODE_FN(encode_wide, WIDE, )
 #if KV_X86
-__attribute__((target("bmi2"))) static void encode_lanes_bmi2(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES],
-                                                              const Codes *cl, Out o[HUFF_LANES]) {
-    encode_body(sym, q, cnt, cl, o, 4);
-}
-__attribute__((target("bmi2"))) static void encode_pair_lanes_bmi2(const uint8_t *sym, size_t q,
-                                                                   const size_t cnt[HUFF_LANES], const Codes *cl,
-                                                                   Out o[HUFF_LANES]) {
-    encode_body(sym, q, cnt, cl, o, 2);
-}
+ENCODE_FN(encode_bytes_bmi2, BYTES, __attribute__((target("bmi2"))))
+ENCODE_FN(encode_pairs_bmi2, PAIRS, __attribute__((target("bmi2"))))
+ENCODE_FN(encode_wide_bmi2, WIDE, __attribute__((target("bmi2"))))
 #endif
+#undef ENCODE_FN
+
+/* The lanes' loop of each mode this CPU runs. */
+static EncodeFn encode_fn(int mode) {
+#if KV_X86
+    if (__builtin_cpu_supports("bmi2")) return mode == WIDE ? encode_wide_bmi2 : mode == PAIRS ? encode_pairs_bmi2 : encode_bytes_bmi2;
+#endif
+    return mode == WIDE ? encode_wide : mode == PAIRS ? encode_pairs : encode_bytes;
+}
 
 #ifndef HUFF_COUNT_CHUNK /* rounds counted in 32-bit counters before they are added up (make test-asan: 6) */
 #define HUFF_COUNT_CHUNK ((size_t)1 << 30)
@@ -340,21 +378,66 @@ static void count_lanes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANE
         for (size_t j = k; j < cnt[i]; j++) lane[i][sym[q * (size_t)i + j]]++;
 }
 
-/* A stream written: its head (code lengths `len`, lanes 0..2's bytes), then each lane's symbols (lane i's
- * cnt[i] from sym + i x q) coded by cl, g a round (4 byte symbols, or 2 pairs), lane i's bits being its
- * counts lane[i] times cl's lengths. Its bytes, or -1 (nothing written) when they exceed cap. */
-static ptrdiff_t write_stream(const uint8_t len[256], const uint64_t lane[HUFF_LANES][256], const Codes *cl,
-                              const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], uint8_t *out, size_t cap,
-                              int g) {
+/* What codes a stream: its code lengths as stored, its codes (per symbol, or per pair byte), the mode of
+ * its lanes' loop, and with WIDE the two-symbol table it needs filled. */
+typedef struct {
+    uint8_t len[256];
+    Codes cl;
+    int mode;
+} Coder;
+
+/* bits: a stream's byte symbols are coded two a lookup (WIDE) where at most this many are present (their
+ * pairs' codes stay in L1 and L2: measured on K's exponents of ~20-30 symbols 1.4x faster, on fp16 K's
+ * ~110 slower), and the pairs are few beside its symbols. */
+#define WIDE_MAX_SYMBOLS 64
+
+/* A coder of lengths len: per symbol, or per pair byte (pairs); WIDE where a HuffWide is at hand and the
+ * present symbols are few (m^2 <= n / 4: filling their pairs costs little beside n symbols). */
+static void coder_of(const uint8_t len[256], int pairs, int wide_ok, size_t n, Coder *c) {
+    uint16_t code[256];
+    unsigned m = 0;
+    canonical(len, code);
+    memcpy(c->len, len, sizeof c->len);
+    for (int p = 0; p < 256; p++) {
+        unsigned a = pairs ? p & 15 : (unsigned)p, b = (unsigned)p >> 4;
+        c->cl.code[p] = pairs ? (uint64_t)code[a] | (uint64_t)code[b] << len[a] : code[p];
+        c->cl.len[p] = (uint8_t)(pairs ? len[a] + len[b] : len[p]);
+        m += len[p] != 0;
+    }
+    c->mode = pairs ? PAIRS : wide_ok && m <= WIDE_MAX_SYMBOLS && (size_t)m * m <= n / 4 ? WIDE : BYTES;
+}
+
+/* w filled for coder c: the codes of every two of its present symbols. */
+static void fill_wide(const Coder *c, HuffWide *w) {
+    uint8_t sym[256];
+    int m = 0;
+    for (int s = 0; s < 256; s++)
+        if (c->len[s]) sym[m++] = (uint8_t)s;
+    for (int j = 0; j < m; j++) {
+        unsigned b = sym[j];
+        uint64_t cb = c->cl.code[b];
+        for (int i = 0; i < m; i++) {
+            unsigned a = sym[i], x = a | b << 8;
+            w->code[x] = (uint32_t)(c->cl.code[a] | cb << c->len[a]);
+            w->len[x] = (uint8_t)(c->len[a] + c->len[b]);
+        }
+    }
+}
+
+/* A stream written: its head (code lengths, lanes 0..2's bytes), then each lane's symbols (lane i's cnt[i]
+ * from sym + i x q) coded by c (w: its two-symbol table with WIDE), lane i's bits being its counts lane[i]
+ * times c's lengths. Its bytes, or -1 (nothing written) when they exceed cap. */
+static ptrdiff_t write_stream(const Coder *c, const HuffWide *w, const uint64_t lane[HUFF_LANES][256],
+                              const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], uint8_t *out, size_t cap) {
     size_t total = HUFF_HEAD_BYTES, bytes[HUFF_LANES];
     for (int i = 0; i < HUFF_LANES; i++) {
         uint64_t bits = 0;
-        for (int s = 0; s < 256; s++) bits += lane[i][s] * cl->len[s];
+        for (int s = 0; s < 256; s++) bits += lane[i][s] * c->cl.len[s];
         bytes[i] = (size_t)((bits + 7) / 8);
         total += bytes[i];
     }
     if (total > cap) return -1;
-    for (int i = 0; i < HUFF_TABLE_BYTES; i++) out[i] = (uint8_t)(len[2 * i] | len[2 * i + 1] << 4);
+    for (int i = 0; i < HUFF_TABLE_BYTES; i++) out[i] = (uint8_t)(c->len[2 * i] | c->len[2 * i + 1] << 4);
     for (int i = 0; i < HUFF_LANES - 1; i++) store32(out + HUFF_TABLE_BYTES + 4 * i, (uint32_t)bytes[i]);
     Out o[HUFF_LANES];
     uint8_t *p = out + HUFF_HEAD_BYTES;
@@ -362,58 +445,100 @@ static ptrdiff_t write_stream(const uint8_t len[256], const uint64_t lane[HUFF_L
         o[i] = (Out){0, 0, p, p + bytes[i]};
         p += bytes[i];
     }
-    void (*lanes)(const uint8_t *, size_t, const size_t *, const Codes *, Out *) =
-        g == 4 ? encode_lanes : encode_pair_lanes;
-#if KV_X86
-    if (__builtin_cpu_supports("bmi2")) lanes = g == 4 ? encode_lanes_bmi2 : encode_pair_lanes_bmi2;
-#endif
-    lanes(sym, q, cnt, cl, o);
+    encode_fn(c->mode)(sym, q, cnt, &c->cl, w, o);
     return (ptrdiff_t)total;
+}
+
+/* Stream i of a section counted: its symbols (gathered where its rows are strided), each lane's count of
+ * each byte value (symbols, or pairs), the symbol counts, and its lanes (cnt[j] from sym + j x q). */
+struct HuffCounted {
+    uint64_t lane[HUFF_LANES][256], freq[256];
+    const uint8_t *sym;
+    size_t q, cnt[HUFF_LANES];
+};
+
+static void count_stream(const HuffSection *s, size_t i, uint8_t *scratch, HuffCounted *c) {
+    const uint8_t *src = s->src + i * s->step;
+    memset(c->freq, 0, sizeof c->freq);
+    if (s->pairs) { /* pair counts per lane; each symbol count read off them */
+        c->sym = src, c->q = s->n / HUFF_LANES / 2;
+        for (int j = 0; j < HUFF_LANES; j++) c->cnt[j] = c->q;
+        count_lanes(c->sym, c->q, c->cnt, c->lane);
+        for (int j = 0; j < HUFF_LANES; j++)
+            for (int p = 0; p < 256; p++) c->freq[p & 15] += c->lane[j][p], c->freq[p >> 4] += c->lane[j][p];
+        return;
+    }
+    c->sym = gather(src, s->n, s->row, s->stride, scratch ? scratch + i * s->n : NULL);
+    c->q = (s->n + HUFF_LANES - 1) / HUFF_LANES;
+    for (int j = 0; j < HUFF_LANES; j++) c->cnt[j] = lane_count(s->n, c->q, j);
+    count_lanes(c->sym, c->q, c->cnt, c->lane);
+    for (int j = 0; j < HUFF_LANES; j++)
+        for (int v = 0; v < 256; v++) c->freq[v] += c->lane[j][v];
+}
+
+static uint64_t cost(const uint64_t freq[256], const uint8_t len[256]) {
+    uint64_t bits = 0;
+    for (int v = 0; v < 256; v++) bits += freq[v] * len[v];
+    return bits;
+}
+
+size_t huff_section_work(size_t count, int pairs) {
+    return count * sizeof(HuffCounted) + (pairs ? 0 : sizeof(HuffWide));
+}
+
+/* The section's streams (huff_encode_section), counted into counted[0 .. count), WIDE where w is given. */
+static ptrdiff_t encode_section(const HuffSection *s, uint8_t *out, size_t cap, size_t *lens, HuffCounted *counted,
+                                HuffWide *w, uint8_t *scratch) {
+    const Coder *in_w = NULL; /* whose pairs w holds */
+    uint64_t all[256] = {0};
+    for (size_t i = 0; i < s->count; i++) {
+        count_stream(s, i, scratch, &counted[i]);
+        for (int v = 0; v < 256; v++) all[v] += counted[i].freq[v];
+    }
+    uint8_t len[256];
+    Coder shared, own;
+    huff_lengths(all, len);
+    coder_of(len, s->pairs, w != NULL, s->n, &shared);
+    size_t pos = 0;
+    for (size_t i = 0; i < s->count; i++) {
+        const HuffCounted *c = &counted[i];
+        huff_lengths(c->freq, len);
+        /* the shared lengths where they cost the stream at most 1/HUFF_SHARE_SLACK more bits than its own */
+        const Coder *use = &shared;
+        if (cost(c->freq, shared.len) * HUFF_SHARE_SLACK > cost(c->freq, len) * (HUFF_SHARE_SLACK + 1)) {
+            coder_of(len, s->pairs, w != NULL, s->n, &own);
+            use = &own, in_w = in_w == &own ? NULL : in_w; /* w held another stream's own pairs */
+        }
+        if (use->mode == WIDE && in_w != use) fill_wide(use, w), in_w = use;
+        ptrdiff_t got = write_stream(use, w, c->lane, c->sym, c->q, c->cnt, out + pos, cap - pos);
+        if (got < 0) return -1;
+        lens[i] = (size_t)got;
+        pos += (size_t)got;
+    }
+    return (ptrdiff_t)pos;
+}
+
+ptrdiff_t huff_encode_section(const HuffSection *s, uint8_t *out, size_t cap, size_t *lens, void *work,
+                              uint8_t *scratch) {
+    HuffCounted *counted = work;
+    return encode_section(s, out, cap, lens, counted, s->pairs ? NULL : (HuffWide *)(counted + s->count), scratch);
+}
+
+/* One stream: a section of one (its own lengths, as any stream alone), counted on the stack, one lookup a
+ * symbol or pair byte. */
+static ptrdiff_t encode_one(HuffSection s, uint8_t *out, size_t cap, uint8_t *scratch) {
+    HuffCounted counted;
+    size_t len;
+    return encode_section(&s, out, cap, &len, &counted, NULL, scratch);
 }
 
 ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, uint8_t *out, size_t cap,
                       uint8_t *scratch) {
-    const uint8_t *sym = gather(src, n, row, stride, scratch);
-    size_t q = (n + HUFF_LANES - 1) / HUFF_LANES, cnt[HUFF_LANES];
-    for (int i = 0; i < HUFF_LANES; i++) cnt[i] = lane_count(n, q, i);
-    uint64_t freq[256], lane[HUFF_LANES][256];
-    count_lanes(sym, q, cnt, lane);
-    for (int s = 0; s < 256; s++) {
-        freq[s] = 0;
-        for (int i = 0; i < HUFF_LANES; i++) freq[s] += lane[i][s];
-    }
-    uint8_t len[256];
-    uint16_t code[256];
-    huff_lengths(freq, len);
-    canonical(len, code);
-    Codes cl;
-    for (int s = 0; s < 256; s++) cl.code[s] = code[s], cl.len[s] = len[s];
-    return write_stream(len, lane, &cl, sym, q, cnt, out, cap, 4);
+    return encode_one((HuffSection){src, 0, 1, n, row, stride, 0}, out, cap, scratch);
 }
 
-/* Exponent pairs: n symbols below 16 given two a byte (symbol 2i in the low nibble of byte i), n a
- * multiple of 8 so that each lane holds whole pairs. Each lane's pairs counted once per two symbols,
- * the symbol counts read off the pair counts, and each pair coded by one lookup of its two codes
- * joined (up to 22 bits): the same lengths, codes and bytes as huff_encode of the n symbols. */
 ptrdiff_t huff_encode_pairs(const uint8_t *pairs, size_t n, uint8_t *out, size_t cap) {
-    size_t q = n / HUFF_LANES / 2, cnt[HUFF_LANES]; /* pairs a lane */
-    for (int i = 0; i < HUFF_LANES; i++) cnt[i] = q;
-    uint64_t freq[256], lane[HUFF_LANES][256];
-    count_lanes(pairs, q, cnt, lane);
-    memset(freq, 0, sizeof freq);
-    for (int i = 0; i < HUFF_LANES; i++)
-        for (int p = 0; p < 256; p++) freq[p & 15] += lane[i][p], freq[p >> 4] += lane[i][p];
-    uint8_t len[256];
-    uint16_t code[256];
-    huff_lengths(freq, len);
-    canonical(len, code);
-    Codes cl;
-    for (int p = 0; p < 256; p++) {
-        unsigned a = p & 15, b = (unsigned)p >> 4;
-        cl.code[p] = (uint64_t)code[a] | (uint64_t)code[b] << len[a];
-        cl.len[p] = (uint8_t)(len[a] + len[b]);
-    }
-    return write_stream(len, lane, &cl, pairs, q, cnt, out, cap, 2);
+    return encode_one((HuffSection){pairs, 0, 1, n, 1, 1, 1}, out, cap, NULL);
 }
 
 /* ------------------------------------------------------------------ decode */
@@ -623,13 +748,25 @@ static void lane_init(Lane *L, const uint8_t *start, size_t len, size_t cnt, uin
     L->dst = dst;
 }
 
-/* One stream being decoded: its table, lanes and where its symbols go. */
+/* A stream's decoding tables, from its code lengths (the head's first 128 bytes, kept as stored). A
+ * decode keeps the last two built and a stream whose lengths are the same bytes takes them as they are:
+ * kvcodec's encoder gives a section's heads one set of lengths where that costs little
+ * (huff_encode_many), so their tables are built once a section instead of once a stream. */
 typedef struct {
+    uint8_t head[HUFF_TABLE_BYTES];
+    int built; /* head and the tables hold a checked stream's */
+    int runs;  /* t2 (pair_table) built too */
     uint16_t t[TABLE_SIZE];
     uint16_t code[256];
     uint8_t cl[256];
-    Lane L[HUFF_LANES];
     uint32_t kraft, mean; /* the lengths' Kraft sum and own mean (sum l 2^-l), both x 2^11 */
+    uint32_t t2[TABLE_SIZE];
+} Tables;
+
+/* One stream being decoded: its tables, lanes and where its symbols go. */
+typedef struct {
+    Tables *tab;
+    Lane L[HUFF_LANES];
     uint8_t *dst, *out;
     size_t n, row, stride;
 } Stream;
@@ -639,31 +776,31 @@ typedef struct {
  * (the entries of the codes of up to l bits in t[0 .. 2^l), copied to t[2^l .. 2^(l+1)), then the
  * (l+1)-bit codes written), so that each code is written once and the rest is copying; holes stay 0.
  * Only present symbols are visited (V's exponents: 16 of 256), and code[] is set for them alone. */
-static void decode_tables(Stream *st, const uint8_t *sym, int m, const unsigned count[HUFF_MAX_LEN + 1]) {
-    assign_codes(st->cl, sym, m, count, st->code);
+static void decode_tables(Tables *tb, const uint8_t *sym, int m, const unsigned count[HUFF_MAX_LEN + 1]) {
+    assign_codes(tb->cl, sym, m, count, tb->code);
     unsigned start[HUFF_MAX_LEN + 2], at[HUFF_MAX_LEN + 2];
     start[1] = 0;
     for (int l = 1; l <= HUFF_MAX_LEN; l++) start[l + 1] = start[l] + count[l];
     memcpy(at, start, sizeof at);
     uint8_t by_len[256];
-    for (int i = 0; i < m; i++) by_len[at[st->cl[sym[i]]]++] = sym[i];
-    uint16_t *t = st->t;
+    for (int i = 0; i < m; i++) by_len[at[tb->cl[sym[i]]]++] = sym[i];
+    uint16_t *t = tb->t;
     t[0] = t[1] = 0;
     for (unsigned l = 1; l <= HUFF_MAX_LEN; l++) {
         if (l > 1) memcpy(t + (1u << (l - 1)), t, sizeof *t << (l - 1));
         for (unsigned i = start[l]; i < start[l + 1]; i++)
-            t[st->code[by_len[i]]] = (uint16_t)(l | (unsigned)by_len[i] << 8);
+            t[tb->code[by_len[i]]] = (uint16_t)(l | (unsigned)by_len[i] << 8);
     }
 }
 
-/* The stream's head read and checked, its table built and its lanes laid out; nothing written. */
-static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
-                   uint8_t *scratch) {
-    if (len < HUFF_HEAD_BYTES) return HUFF_SHORT_HEAD;
-    uint8_t *cl = st->cl, sym[256];
+/* The code lengths of head src (HUFF_TABLE_BYTES) read and checked for n symbols, and tb's tables built
+ * from them (tb not built on a refusal). */
+static int build_tables(Tables *tb, const uint8_t *src, size_t n) {
+    uint8_t *cl = tb->cl, sym[256];
     uint32_t kraft = 0, mean = 0;
     unsigned count[HUFF_MAX_LEN + 1] = {0};
     int m = 0;
+    tb->built = tb->runs = 0;
     for (int i = 0; i < HUFF_TABLE_BYTES; i++) {
         cl[2 * i] = src[i] & 15;
         cl[2 * i + 1] = src[i] >> 4;
@@ -678,6 +815,32 @@ static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t
     }
     if (kraft > TABLE_SIZE) return HUFF_OVERSUBSCRIBED;
     if (!kraft && n) return HUFF_NO_SYMBOLS;
+    decode_tables(tb, sym, m, count);
+    tb->kraft = kraft, tb->mean = mean;
+    memcpy(tb->head, src, HUFF_TABLE_BYTES);
+    tb->built = 1;
+    return HUFF_OK;
+}
+
+/* The tables of head src: pool[0] or pool[1] where built from the same lengths, else built into the one
+ * that is not `busy` (another stream's, still to be decoded). */
+static int tables_for(Tables **tab, const uint8_t *src, size_t n, Tables pool[2], const Tables *busy) {
+    for (int j = 0; j < 2; j++)
+        if (pool[j].built && !memcmp(pool[j].head, src, HUFF_TABLE_BYTES)) {
+            *tab = &pool[j];
+            return HUFF_OK; /* n is the same for every stream of a call: the same checks pass */
+        }
+    *tab = busy == &pool[0] ? &pool[1] : &pool[0];
+    return build_tables(*tab, src, n);
+}
+
+/* The stream's head read and checked, its tables found or built and its lanes laid out; nothing
+ * written. */
+static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
+                   uint8_t *scratch, Tables pool[2], const Tables *busy) {
+    if (len < HUFF_HEAD_BYTES) return HUFF_SHORT_HEAD;
+    int err = tables_for(&st->tab, src, n, pool, busy);
+    if (err) return err;
     size_t lane_len[HUFF_LANES], rest = len - HUFF_HEAD_BYTES;
     for (int i = 0; i < HUFF_LANES - 1; i++) {
         lane_len[i] = load32(src + HUFF_TABLE_BYTES + 4 * i);
@@ -685,8 +848,6 @@ static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t
         rest -= lane_len[i];
     }
     lane_len[3] = rest;
-    decode_tables(st, sym, m, count);
-    st->kraft = kraft, st->mean = mean;
     st->n = n, st->row = row, st->stride = stride, st->out = out;
     st->dst = row < stride && n ? scratch : out;
     size_t q = (n + HUFF_LANES - 1) / HUFF_LANES;
@@ -699,13 +860,13 @@ static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t
 }
 
 /* Whether the fast loops take the stream (a complete table, enough symbols), and with runs. */
-static inline int fast(const Stream *st) { return st->kraft == TABLE_SIZE && st->n >= 64; }
-static inline int with_pairs(const Stream *st) { return st->mean <= PAIR_MEAN * TABLE_SIZE; }
+static inline int fast(const Stream *st) { return st->tab->kraft == TABLE_SIZE && st->n >= 64; }
+static inline int with_pairs(const Stream *st) { return st->tab->mean <= PAIR_MEAN * TABLE_SIZE; }
 
 /* Each lane's rest, in lane order (the first refusal returned), then the symbols into their rows. */
 static int finish(Stream *st) {
     for (int i = 0; i < HUFF_LANES; i++) {
-        int err = finish_lane(&st->L[i], st->t);
+        int err = finish_lane(&st->L[i], st->tab->t);
         if (err) return err;
     }
     if (st->dst != st->out)
@@ -713,23 +874,26 @@ static int finish(Stream *st) {
     return HUFF_OK;
 }
 
-/* One stream's four lanes side by side (runs where its codes are short). */
+/* One stream's four lanes side by side (runs where its codes are short: their table built once for
+ * its tables). */
 static void run_fast(Stream *st, const uint8_t *src) {
     LanesFn fn[2];
     lanes_fns(fn);
+    Tables *tb = st->tab;
     if (with_pairs(st)) {
-        uint32_t t2[TABLE_SIZE];
-        pair_table(st->cl, st->code, st->t, t2);
-        fn[1](src, st->L, t2);
+        if (!tb->runs) pair_table(tb->cl, tb->code, tb->t, tb->t2), tb->runs = 1;
+        fn[1](src, st->L, tb->t2);
     } else {
-        fn[0](src, st->L, st->t);
+        fn[0](src, st->L, tb->t);
     }
 }
 
 int huff_decode(const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
                 uint8_t *scratch) {
     Stream st;
-    int err = prepare(&st, src, len, n, out, row, stride, scratch);
+    Tables pool[2];
+    pool[0].built = pool[1].built = 0;
+    int err = prepare(&st, src, len, n, out, row, stride, scratch, pool, NULL);
     if (err) return err;
     if (fast(&st)) run_fast(&st, src);
     return finish(&st);
@@ -743,9 +907,7 @@ int huff_decode(const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t r
  * multiple of 4) with complete tables and one symbol a lookup, the second's symbols written right after
  * the first's, so that the eight lanes' outputs lie q apart. A lane's state in a round is its bit
  * buffer alone: 7 bytes loaded with a 1 above them (the sentinel), so the bits a round used are read
- * off the sentinel's place (count of leading zeros) and no position is added up per symbol. Both
- * tables sit in one array of two Streams, a constant distance apart. */
-#define PAIR_T2 (sizeof(Stream) / sizeof(uint16_t)) /* st[1].t - st[0].t, in entries */
+ * off the sentinel's place (count of leading zeros) and no position is added up per symbol. */
 
 static inline __attribute__((always_inline)) void pair_body(const uint8_t *src, Stream st[2]) {
     Lane *L[8] = {&st[0].L[0], &st[0].L[1], &st[0].L[2], &st[0].L[3],
@@ -754,7 +916,7 @@ static inline __attribute__((always_inline)) void pair_body(const uint8_t *src, 
     for (int i = 0; i < 8; i++) pos[i] = (int64_t)(L[i]->p - src) * 8;
     uint8_t *o = L[0]->dst, *const base = o;
     const size_t q = (size_t)(L[1]->dst - L[0]->dst);
-    const uint16_t *t = st[0].t;
+    const uint16_t *t = st[0].tab->t, *u = st[1].tab->t; /* the same table when they share lengths */
     const uint64_t low56 = 0x00FFFFFFFFFFFFFFull, sentinel = 1ull << 56;
     for (;;) {
         size_t done = (size_t)(o - base), run = SIZE_MAX; /* rounds every lane can run (as safe_rounds) */
@@ -771,13 +933,13 @@ static inline __attribute__((always_inline)) void pair_body(const uint8_t *src, 
             uint64_t x0 = LD(0), x1 = LD(1), x2 = LD(2), x3 = LD(3), y0 = LD(4), y1 = LD(5), y2 = LD(6), y3 = LD(7);
 #define S(tab, b, d)                                \
     {                                               \
-        uint32_t e_ = t[(tab) + (b & TABLE_MASK)];  \
+        uint32_t e_ = (tab)[b & TABLE_MASK];        \
         d = ENTRY_SYM(e_);                          \
         b >>= e_ & 63;                              \
     }
 #define R(j)                                                                                          \
-    S(0, x0, o[j]) S(0, x1, o[q + j]) S(0, x2, o[2 * q + j]) S(0, x3, o3[j])                          \
-    S(PAIR_T2, y0, o3[q + j]) S(PAIR_T2, y1, o3[2 * q + j]) S(PAIR_T2, y2, o6[j]) S(PAIR_T2, y3, o6[q + j])
+    S(t, x0, o[j]) S(t, x1, o[q + j]) S(t, x2, o[2 * q + j]) S(t, x3, o3[j])                          \
+    S(u, y0, o3[q + j]) S(u, y1, o3[2 * q + j]) S(u, y2, o6[j]) S(u, y3, o6[q + j])
             R(0) R(1) R(2) R(3)
 #define UP(i, b) pos[i] = (pos[i] & ~(int64_t)7) + (int64_t)__builtin_clzll(b) - 7;
             UP(0, x0) UP(1, x1) UP(2, x2) UP(3, x3) UP(4, y0) UP(5, y1) UP(6, y2) UP(7, y3)
@@ -811,6 +973,8 @@ static inline int pair_follows(const Stream *a, const Stream *b) {
 int huff_decode_many(const uint8_t *src, const size_t *spans, size_t count, size_t n, uint8_t *out,
                      size_t out_step, size_t row, size_t stride, uint8_t *scratch, size_t *failed) {
     Stream st[2];
+    Tables pool[2]; /* the last tables built (st[0]'s and st[1]'s, or kept for a next stream) */
+    pool[0].built = pool[1].built = 0;
     int have_next = 0, err;
     void (*pair_fn)(const uint8_t *, Stream *) = pair_lanes;
 #if KV_X86
@@ -822,13 +986,13 @@ int huff_decode_many(const uint8_t *src, const size_t *spans, size_t count, size
             memcpy(&st[0], &st[1], sizeof st[0]);
             have_next = 0;
         } else if ((err = prepare(&st[0], src + spans[2 * i], spans[2 * i + 1], n, out + i * out_step, row, stride,
-                                  scratch))) {
+                                  scratch, pool, NULL))) {
             return err;
         }
         if (i + 1 < count && pair_lead(&st[0])) {
             uint8_t *room = scratch && st[0].dst == scratch ? scratch + n : scratch; /* each its own scratch */
             if (prepare(&st[1], src + spans[2 * i + 2], spans[2 * i + 3], n, out + (i + 1) * out_step, row, stride,
-                        room) == HUFF_OK) {
+                        room, pool, st[0].tab) == HUFF_OK) {
                 if (pair_follows(&st[0], &st[1])) {
                     pair_fn(src, st);
                     if ((err = finish(&st[0]))) return err;

@@ -43,6 +43,35 @@ ptrdiff_t huff_encode(const uint8_t *src, size_t n, size_t row, size_t stride, u
  * nibble of pairs[i] (n / 2 bytes): the same bytes, each lane's symbols counted and coded two at a time. */
 ptrdiff_t huff_encode_pairs(const uint8_t *pairs, size_t n, uint8_t *out, size_t cap);
 
+/* A section's streams: count streams of n symbols, stream i's src[i x step + (j / row) x stride + j % row]
+ * (n a multiple of row, row <= stride), or with `pairs` symbols below 16 given two a byte in the n / 2
+ * contiguous bytes from src + i x step (n a multiple of 8; row and stride unused). */
+typedef struct {
+    const uint8_t *src;
+    size_t step, count, n, row, stride;
+    int pairs;
+} HuffSection;
+
+/* A stream takes its section's shared code lengths (those of all its streams' symbols together) where they
+ * cost it at most 1 / HUFF_SHARE_SLACK more bits than its own: a decoder then builds their tables once a
+ * section (SmolLM2's KV, make lossless-ratio: K's streams 0.8% more bits, V's 0.4%, blobs 0.5555 -> 0.5566
+ * of raw bf16). kvcodec/codec/huffman.py's SHARE_SLACK: keep them in step. */
+#define HUFF_SHARE_SLACK 32
+
+typedef struct HuffCounted HuffCounted;
+typedef struct HuffWide HuffWide;
+
+/* The bytes of work huff_encode_section needs for count streams (of byte symbols, or pairs): their counts,
+ * and for byte symbols a table of two symbols' codes (320 KiB: a caller that encodes often keeps it). */
+size_t huff_section_work(size_t count, int pairs);
+
+/* The section's streams coded one after another into out (cap bytes), stream i's bytes in lens[i], each with
+ * the section's shared lengths or its own (HUFF_SHARE_SLACK): the same bytes as huff_encode of each with
+ * those lengths. Returns the bytes written, or -1 when they do not fit. work: huff_section_work(count,
+ * pairs) bytes, aligned for uint64_t; scratch: count x n bytes where row < stride (else NULL). */
+ptrdiff_t huff_encode_section(const HuffSection *s, uint8_t *out, size_t cap, size_t *lens, void *work,
+                              uint8_t *scratch);
+
 /* Decode stream src[0 .. len) to exactly n symbols written as huff_encode reads them from out. Returns
  * HUFF_OK or the first refusal (the first lane in order that fails; the first failure in a lane). Reads
  * only src[0 .. len); writes only the n symbols' places (possibly some of them before a refusal).

@@ -103,9 +103,9 @@ PyObject *py_huff_decode(PyObject *self, PyObject *args) {
 }
 
 /* `count` streams of n symbols each, stream i's from src offset at + i * step, coded one after another
- * from out[out_at:]: by huff_encode at (row, stride), or with `pairs` by huff_encode_pairs from n / 2
- * contiguous bytes. Their lengths as a list; raises when a span lies outside its buffer or they do not
- * fit. The one body of huff_encode_many and huff_encode_pairs_many. */
+ * from out[out_at:] by huff_encode_section (a section's shared lengths where they cost little): at (row,
+ * stride), or with `pairs` from n / 2 contiguous bytes. Their lengths as a list; raises when a span lies
+ * outside its buffer or they do not fit. The one body of huff_encode_many and huff_encode_pairs_many. */
 typedef struct {
     Py_ssize_t at, step, count, n, row, stride, out_at;
     int pairs;
@@ -118,7 +118,7 @@ static PyObject *encode_many(const char *fn, PyObject *so, PyObject *oo, Many m)
     if (PyObject_GetBuffer(oo, &o, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         return PyBuffer_Release(&s), rethrow(fn), NULL;
     PyObject *ret = NULL;
-    Py_ssize_t *lens = NULL, last, bytes = m.pairs ? m.n / 2 : m.n; /* a stream's symbol bytes */
+    Py_ssize_t last, bytes = m.pairs ? m.n / 2 : m.n; /* a stream's symbol bytes */
     if (m.out_at < 0 || m.out_at > o.len || !span_ok(s.len, m.at, bytes, m.row, m.stride) ||
         (m.count && (__builtin_mul_overflow(m.count - 1, m.step, &last) || __builtin_add_overflow(last, m.at, &last) ||
                      !span_ok(s.len, last, bytes, m.row, m.stride)))) {
@@ -126,34 +126,29 @@ static PyObject *encode_many(const char *fn, PyObject *so, PyObject *oo, Many m)
     } else if (bufs_overlap(&s, &o)) {
         fail(fn, "the symbols and the output must not share memory");
     } else {
-        uint8_t *scratch = m.pairs ? NULL : scratch_for(m.n, m.row, m.stride, 1);
-        lens = PyMem_RawMalloc((size_t)(m.count ? m.count : 1) * sizeof *lens);
-        if ((!m.pairs && m.row < m.stride && m.n && !scratch) || !lens) {
+        size_t count = (size_t)m.count;
+        uint8_t *scratch = m.pairs ? NULL : scratch_for(m.n, m.row, m.stride, count ? count : 1);
+        size_t *lens = PyMem_RawMalloc((count ? count : 1) * sizeof *lens);
+        void *work = PyMem_RawMalloc(huff_section_work(count ? count : 1, m.pairs));
+        if ((!m.pairs && m.row < m.stride && m.n && !scratch) || !lens || !work) {
             PyErr_NoMemory();
         } else {
-            ptrdiff_t got = 0;
-            Py_ssize_t pos = m.out_at;
+            HuffSection sec = {(const uint8_t *)s.buf + m.at, (size_t)m.step, count, (size_t)m.n,
+                               (size_t)m.row, (size_t)m.stride, m.pairs};
+            ptrdiff_t got;
             Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < m.count; i++) {
-                const uint8_t *src = (const uint8_t *)s.buf + m.at + i * m.step;
-                uint8_t *dst = (uint8_t *)o.buf + pos;
-                got = m.pairs ? huff_encode_pairs(src, (size_t)m.n, dst, (size_t)(o.len - pos))
-                              : huff_encode(src, (size_t)m.n, (size_t)m.row, (size_t)m.stride, dst,
-                                            (size_t)(o.len - pos), scratch);
-                if (got < 0) break;
-                lens[i] = got;
-                pos += got;
-            }
+            got = huff_encode_section(&sec, (uint8_t *)o.buf + m.out_at, (size_t)(o.len - m.out_at), lens, work, scratch);
             Py_END_ALLOW_THREADS
             if (got < 0) {
                 fail(fn, "the streams do not fit the output");
             } else if ((ret = PyList_New(m.count))) {
-                for (Py_ssize_t i = 0; i < m.count; i++) PyList_SET_ITEM(ret, i, PyLong_FromSsize_t(lens[i]));
+                for (Py_ssize_t i = 0; i < m.count; i++) PyList_SET_ITEM(ret, i, PyLong_FromSize_t(lens[i]));
             }
         }
         PyMem_RawFree(scratch);
+        PyMem_RawFree(lens);
+        PyMem_RawFree(work);
     }
-    PyMem_RawFree(lens);
     PyBuffer_Release(&s);
     PyBuffer_Release(&o);
     return ret;

@@ -219,9 +219,10 @@ def test_many_streams_in_one_call() -> None:
     codes = np.random.default_rng(2).normal(0, 9, (t, heads, dim)).astype(np.int8).view(np.uint8)
     out = bytearray(heads * max_stream_len(t * dim, huffman=True))
     lens = cpu.huff_encode_many(codes.reshape(-1), 0, dim, heads, t * dim, dim, heads * dim, out, 0)
+    want = huffman.encode_section([np.ascontiguousarray(codes[:, h, :]) for h in range(heads)])
     at, spans = 0, []
     for h, n in enumerate(lens):
-        assert bytes(out[at : at + n]) == huffman.encode(np.ascontiguousarray(codes[:, h, :]))
+        assert bytes(out[at : at + n]) == want[h]
         spans.append((at, n))
         at += n
     back = np.zeros_like(codes)
@@ -316,6 +317,114 @@ def test_two_at_a_time_refuse_the_first_damaged_stream(kinds, damaged, where) ->
         bytes(bad), spans, n, np.zeros(len(kinds) * n, np.uint8), 0, 16, 16, 16 * len(kinds)
     )
     assert got == want
+
+
+def _tables_section(pattern: str, n: int) -> tuple[bytes, list[tuple[int, int]]]:
+    """Streams of n symbols coded with the lengths ``pattern`` names, one letter a stream: A and C two
+    tables of long codes (the two-at-a-time loop), B one of short codes (the runs table)."""
+    rng = np.random.default_rng(len(pattern))
+    draw = {
+        "A": lambda: rng.normal(128, 30, n).clip(0, 255).astype(np.uint8),
+        "C": lambda: rng.normal(100, 20, n).clip(0, 255).astype(np.uint8),
+        "B": lambda: rng.geometric(0.6, n).clip(0, 255).astype(np.uint8),
+    }
+    syms = [draw[t]() for t in pattern]
+    freq = {
+        t: sum(np.bincount(x, minlength=256) for x, u in zip(syms, pattern) if u == t) for t in set(pattern)
+    }
+    lens = {t: huffman.code_lengths(f) for t, f in freq.items()}
+    streams = [huffman.encode(x, lens[t]) for x, t in zip(syms, pattern)]
+    spans, at = [], 0
+    for x in streams:
+        spans.append((at, len(x)))
+        at += len(x)
+    return b"".join(streams), spans
+
+
+PATTERNS = ["AAAA", "ACAC", "AACC", "ABAC", "CABAC", "ABBA", "BBAB"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "planes"])
+@pytest.mark.parametrize("damaged", [None, 1, 3])
+def test_streams_that_share_lengths_decode_as_one_at_a_time(pattern, rows, damaged) -> None:
+    """huff_decode_many keeps the last two tables built and hands them to a stream whose lengths are the
+    same bytes: the same symbols and refusals as huff_decode stream by stream, whichever order the
+    tables come back in (a pair sharing one table, or two; the runs table reused), a lane damaged in a
+    stream that reuses a table included."""
+    tokens, dim = 40, 16
+    n, heads = tokens * dim, len(pattern)
+    src, spans = _tables_section(pattern, n)
+    if damaged is not None:
+        bad = bytearray(src)
+        at = spans[damaged][0] + HUFF_TABLE_BYTES
+        struct.pack_into("<I", bad, at, struct.unpack_from("<I", bad, at)[0] - 1)  # lane 0 runs short
+        src = bytes(bad)
+    row, stride, step = (dim, heads * dim, dim) if rows else (n, n, n)
+    want, ok = _one_at_a_time(src, spans, n, row, stride, step, heads * n)
+    assert (ok is True) == (damaged is None)
+    got = np.zeros(heads * n, np.uint8)
+    assert cpu.huff_decode_many(src, spans, n, got, 0, step, row, stride) == ok
+    if damaged is None:
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "kinds", [["wide", "wide", "wide"], ["wide", "short", "wide"], ["short", "one", "short"]]
+)
+def test_a_section_shares_lengths_where_they_cost_little(kinds) -> None:
+    """huff_encode_many gives a section's streams its shared lengths where they cost a stream at most
+    1/32 more bits than its own (so a decoder builds the table once), else the stream's own: the
+    oracle's choice and bytes, and no stream over the bound."""
+    n, rng = 40 * 16, np.random.default_rng(3)
+    pick = {
+        "wide": lambda: rng.normal(128, 30, n).clip(0, 255).astype(np.uint8),
+        "short": lambda: rng.geometric(0.6, n).clip(0, 255).astype(np.uint8),
+        "one": lambda: np.full(n, 9, np.uint8),
+    }
+    syms = [pick[k]() for k in kinds]
+    freqs = [np.bincount(x, minlength=256) for x in syms]
+    lens = huffman.section_lengths(freqs)
+    shared = huffman.code_lengths(sum(freqs))
+    for f, chosen in zip(freqs, lens, strict=True):
+        own = huffman.code_lengths(f)
+        bits = [int(np.dot(f, x)) for x in (chosen, own, shared)]
+        assert bits[0] * 32 <= bits[1] * 33
+        assert chosen == (shared if bits[2] * 32 <= bits[1] * 33 else own)
+    if kinds == ["wide", "wide", "wide"]:
+        assert lens[0] == lens[1] == lens[2] == shared  # like streams: one table
+    if kinds == ["short", "one", "short"]:
+        assert lens[1] != shared  # one symbol alone: its own one-bit code
+    out = bytearray(sum(map(len, huffman.encode_section(syms))))
+    flat = np.concatenate(syms)
+    got = cpu.huff_encode_many(flat, 0, n, len(kinds), n, n, n, out, 0)
+    assert bytes(out) == b"".join(huffman.encode_section(syms)) and sum(got) == len(out)
+
+
+def _few(kind: str, n: int, rng) -> np.ndarray:
+    """Symbols from a few dozen, skewed as K's exponents are (a table of their pairs): A and B the same
+    symbols, B's spread wider (it keeps its own lengths beside A's), C others."""
+    low, p = {"A": (0, 0.35), "B": (0, 0.15), "C": (100, 0.35)}[kind]
+    return (low + rng.geometric(p, n).clip(1, 30)).astype(np.uint8)
+
+
+@pytest.mark.parametrize("n", [4096, 4097, 4098, 4099, 4102, 40000])
+@pytest.mark.parametrize("pattern", ["AAAA", "AABA", "ABAB", "CAAC"])
+def test_few_symbols_are_coded_two_a_lookup_as_one_at_a_time(n, pattern) -> None:
+    """Where a section's streams hold few byte symbols huff_encode_many codes two a lookup (a table of
+    their pairs, filled for the shared lengths and again for each stream's own): byte for byte the
+    oracle's streams, whatever mix of shared and own lengths and lane tails (n % 4 and lane counts odd
+    and even)."""
+    rng = np.random.default_rng(n)
+    syms = [_few(t, n, rng) for t in pattern]
+    freqs = [np.bincount(x, minlength=256) for x in syms]
+    shared = huffman.code_lengths(sum(freqs))
+    took = [x == shared for x in huffman.section_lengths(freqs)]
+    assert pattern != "AABA" or took == [True, True, False, True]  # shared, own, shared again
+    want = huffman.encode_section(syms)
+    out = bytearray(sum(map(len, want)))
+    got = cpu.huff_encode_many(np.concatenate(syms), 0, n, len(syms), n, n, n, out, 0)
+    assert got == [len(w) for w in want] and bytes(out) == b"".join(want)
 
 
 def test_the_encoder_stays_inside_its_capacity() -> None:
@@ -443,11 +552,14 @@ def _exponents(kind: str, n: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("n", [0, 8, 16, 64, 200, 4096, 40000])
 def test_pairs_code_the_bytes_of_one_symbol_at_a_time(kind, n) -> None:
     """huff_encode_pairs (two exponents a byte, counted and coded a pair at a time): byte for byte the
-    oracle's stream of the same symbols, each of two streams in one call, into an output of exactly
-    their size."""
+    oracle's streams of the same symbols (a section of two: shared lengths or each its own), into an
+    output of exactly their size; one stream alone, its own lengths."""
     a, b = _exponents(kind, n, seed=n), _exponents(kind, n, seed=n + 1)
     pairs = np.concatenate([s[0::2] | (s[1::2] << 4) for s in (a, b)]).astype(np.uint8)
-    want = [huffman.encode(a), huffman.encode(b)]
+    want = huffman.encode_section([a, b])
+    one = np.empty(len(huffman.encode(a)), np.uint8)
+    assert cpu.huff_encode_pairs_many(pairs, 0, n // 2, 1, n, one, 0) == [one.size]
+    assert one.tobytes() == huffman.encode(a)
     out = np.empty(sum(map(len, want)), np.uint8)
     assert cpu.huff_encode_pairs_many(pairs, 0, n // 2, 2, n, out, 0) == [len(w) for w in want]
     assert out.tobytes() == b"".join(want)
