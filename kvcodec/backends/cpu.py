@@ -124,8 +124,10 @@ def huff_decode(
 def huff_encode_many(
     src: Any, at: int, step: int, count: int, n: int, row: int, stride: int, out: Any, out_at: int
 ) -> list[int] | None:
-    """``count`` streams (stream i: :func:`huff_encode` of the symbols from ``at + i * step``) written one
-    after another from ``out[out_at:]`` in one call: their lengths; None when the C loops are not built."""
+    """``count`` streams, stream i of the symbols from ``at + i * step``, written one after another from
+    ``out[out_at:]`` in one call: their lengths; None when the C loops are not built. A section: the
+    streams share code lengths where that costs each little (``kvcodec.codec.huffman.encode_section``'s
+    bytes; one stream alone is :func:`huff_encode`'s)."""
     if _cpu is None:
         return None
     return list(_cpu.huff_encode_many(src, at, step, count, n, row, stride, out, out_at))

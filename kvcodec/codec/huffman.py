@@ -151,7 +151,10 @@ def encode(symbols: Any, lens: list[int] | None = None) -> bytes:
     """The Huffman stream of ``symbols`` (a 1-D uint8 array or bytes-like): with its own code lengths, or
     ``lens`` (which must give every present symbol a code)."""
     sym = _flat(symbols)
-    lens = code_lengths(np.bincount(sym, minlength=256)) if lens is None else lens
+    freq = np.bincount(sym, minlength=256)
+    lens = code_lengths(freq) if lens is None else lens
+    if any(f and not n for f, n in zip(freq, lens, strict=True)):
+        raise ValueError("the lengths give no code to a symbol the stream holds")
     code, length = np.array(_codes(lens), np.int64), np.array(lens, np.int64)
     lanes, at = [], 0
     for c in lane_counts(sym.size):

@@ -58,6 +58,14 @@ static inline void store64(uint8_t *p, uint64_t v) {
     memcpy(p, &v, 8);
 }
 
+/* 4 bytes stored least significant first, as one store (the symbols of a run in their order). */
+static inline void store32le(uint8_t *p, uint32_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap32(v);
+#endif
+    memcpy(p, &v, 4);
+}
+
 static inline uint32_t load32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
 static inline void store32(uint8_t *p, uint32_t v) {
@@ -483,7 +491,11 @@ static uint64_t cost(const uint64_t freq[256], const uint8_t len[256]) {
 }
 
 size_t huff_section_work(size_t count, int pairs) {
-    return count * sizeof(HuffCounted) + (pairs ? 0 : sizeof(HuffWide));
+    size_t bytes;
+    if (__builtin_mul_overflow(count, sizeof(HuffCounted), &bytes) ||
+        __builtin_add_overflow(bytes, pairs ? 0 : sizeof(HuffWide), &bytes))
+        return 0;
+    return bytes;
 }
 
 /* The section's streams (huff_encode_section), counted into counted[0 .. count), WIDE where w is given. */
@@ -672,7 +684,7 @@ static inline __attribute__((always_inline)) void lanes_body(const uint8_t *src,
     {                                               \
         uint32_t e_ = t2[b & TABLE_MASK];           \
         uint32_t s_ = e_ >> 8;                      \
-        memcpy(d, &s_, 4);                          \
+        store32le(d, s_);                           \
         d += (e_ >> 6) & 3;                         \
         b >>= e_ & 63;                              \
         p += e_ & 15;                               \
@@ -822,24 +834,24 @@ static int build_tables(Tables *tb, const uint8_t *src, size_t n) {
     return HUFF_OK;
 }
 
-/* The tables of head src: pool[0] or pool[1] where built from the same lengths, else built into the one
- * that is not `busy` (another stream's, still to be decoded). */
-static int tables_for(Tables **tab, const uint8_t *src, size_t n, Tables pool[2], const Tables *busy) {
-    for (int j = 0; j < 2; j++)
+/* The tables of head src: a slot of pool's where built from the same lengths, else built into one that is
+ * not `busy` (another stream's, still to be decoded; two slots then). */
+static int tables_for(Tables **tab, const uint8_t *src, size_t n, Tables *pool, int slots, const Tables *busy) {
+    for (int j = 0; j < slots; j++)
         if (pool[j].built && !memcmp(pool[j].head, src, HUFF_TABLE_BYTES)) {
             *tab = &pool[j];
             return HUFF_OK; /* n is the same for every stream of a call: the same checks pass */
         }
-    *tab = busy == &pool[0] ? &pool[1] : &pool[0];
+    *tab = busy == &pool[0] && slots > 1 ? &pool[1] : &pool[0];
     return build_tables(*tab, src, n);
 }
 
 /* The stream's head read and checked, its tables found or built and its lanes laid out; nothing
  * written. */
 static int prepare(Stream *st, const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
-                   uint8_t *scratch, Tables pool[2], const Tables *busy) {
+                   uint8_t *scratch, Tables *pool, int slots, const Tables *busy) {
     if (len < HUFF_HEAD_BYTES) return HUFF_SHORT_HEAD;
-    int err = tables_for(&st->tab, src, n, pool, busy);
+    int err = tables_for(&st->tab, src, n, pool, slots, busy);
     if (err) return err;
     size_t lane_len[HUFF_LANES], rest = len - HUFF_HEAD_BYTES;
     for (int i = 0; i < HUFF_LANES - 1; i++) {
@@ -891,9 +903,9 @@ static void run_fast(Stream *st, const uint8_t *src) {
 int huff_decode(const uint8_t *src, size_t len, size_t n, uint8_t *out, size_t row, size_t stride,
                 uint8_t *scratch) {
     Stream st;
-    Tables pool[2];
-    pool[0].built = pool[1].built = 0;
-    int err = prepare(&st, src, len, n, out, row, stride, scratch, pool, NULL);
+    Tables tab;
+    tab.built = 0;
+    int err = prepare(&st, src, len, n, out, row, stride, scratch, &tab, 1, NULL);
     if (err) return err;
     if (fast(&st)) run_fast(&st, src);
     return finish(&st);
@@ -986,13 +998,13 @@ int huff_decode_many(const uint8_t *src, const size_t *spans, size_t count, size
             memcpy(&st[0], &st[1], sizeof st[0]);
             have_next = 0;
         } else if ((err = prepare(&st[0], src + spans[2 * i], spans[2 * i + 1], n, out + i * out_step, row, stride,
-                                  scratch, pool, NULL))) {
+                                  scratch, pool, 2, NULL))) {
             return err;
         }
         if (i + 1 < count && pair_lead(&st[0])) {
             uint8_t *room = scratch && st[0].dst == scratch ? scratch + n : scratch; /* each its own scratch */
             if (prepare(&st[1], src + spans[2 * i + 2], spans[2 * i + 3], n, out + (i + 1) * out_step, row, stride,
-                        room, pool, st[0].tab) == HUFF_OK) {
+                        room, pool, 2, st[0].tab) == HUFF_OK) {
                 if (pair_follows(&st[0], &st[1])) {
                     pair_fn(src, st);
                     if ((err = finish(&st[0]))) return err;

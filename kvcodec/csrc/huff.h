@@ -61,8 +61,9 @@ typedef struct {
 typedef struct HuffCounted HuffCounted;
 typedef struct HuffWide HuffWide;
 
-/* The bytes of work huff_encode_section needs for count streams (of byte symbols, or pairs): their counts,
- * and for byte symbols a table of two symbols' codes (320 KiB: a caller that encodes often keeps it). */
+/* The bytes of work huff_encode_section needs for count streams (of byte symbols, or pairs): their counts
+ * (~10 KiB a stream), and for byte symbols a table of two symbols' codes (320 KiB); 0 when the size
+ * overflows. */
 size_t huff_section_work(size_t count, int pairs);
 
 /* The section's streams coded one after another into out (cap bytes), stream i's bytes in lens[i], each with

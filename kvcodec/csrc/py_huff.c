@@ -30,8 +30,12 @@ static int spans_overlap(const char *a, Py_ssize_t na, const char *b, Py_ssize_t
     return na && nb && a < b + nb && b < a + na;
 }
 
+/* streams x n bytes where the rows are strided (NULL otherwise, or when the size overflows: the caller
+ * reports no memory). */
 static uint8_t *scratch_for(Py_ssize_t n, Py_ssize_t row, Py_ssize_t stride, size_t streams) {
-    return row < stride && n ? PyMem_RawMalloc(streams * (size_t)n) : NULL;
+    size_t bytes;
+    if (row >= stride || !n || __builtin_mul_overflow(streams, (size_t)n, &bytes)) return NULL;
+    return PyMem_RawMalloc(bytes);
 }
 
 PyObject *py_huff_encode(PyObject *self, PyObject *args) {
@@ -125,11 +129,14 @@ static PyObject *encode_many(const char *fn, PyObject *so, PyObject *oo, Many m)
         fail(fn, "the symbols or the output's offset lie outside their buffers");
     } else if (bufs_overlap(&s, &o)) {
         fail(fn, "the symbols and the output must not share memory");
+    } else if (m.count > (o.len - m.out_at) / HUFF_HEAD_BYTES) { /* before any work is sized by the count */
+        fail(fn, "the streams do not fit the output");
     } else {
         size_t count = (size_t)m.count;
         uint8_t *scratch = m.pairs ? NULL : scratch_for(m.n, m.row, m.stride, count ? count : 1);
         size_t *lens = PyMem_RawMalloc((count ? count : 1) * sizeof *lens);
-        void *work = PyMem_RawMalloc(huff_section_work(count ? count : 1, m.pairs));
+        size_t work_bytes = huff_section_work(count ? count : 1, m.pairs);
+        void *work = work_bytes ? PyMem_RawMalloc(work_bytes) : NULL;
         if ((!m.pairs && m.row < m.stride && m.n && !scratch) || !lens || !work) {
             PyErr_NoMemory();
         } else {

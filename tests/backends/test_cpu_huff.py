@@ -427,6 +427,24 @@ def test_few_symbols_are_coded_two_a_lookup_as_one_at_a_time(n, pattern) -> None
     assert got == [len(w) for w in want] and bytes(out) == b"".join(want)
 
 
+def test_a_section_that_cannot_fit_its_output_is_refused_before_its_work_is_sized() -> None:
+    """A count of streams whose heads alone overflow the output: "do not fit", with no work allocated for
+    each of 2^24 streams (a section's counts take ~10 KiB a stream)."""
+    with pytest.raises(UnsupportedConfigError, match="do not fit"):
+        cpu.huff_encode_many(np.zeros(16, np.uint8), 0, 0, 2**24, 0, 1, 1, bytearray(1 << 20), 0)
+    with pytest.raises(UnsupportedConfigError, match="do not fit"):
+        cpu.huff_encode_pairs_many(np.zeros(16, np.uint8), 0, 0, 2**24, 8, bytearray(1 << 20), 0)
+
+
+def test_the_oracle_refuses_lengths_that_leave_a_symbol_without_a_code() -> None:
+    sym = np.array([1, 2, 2, 3], np.uint8)
+    lens = huffman.code_lengths(np.bincount(sym, minlength=256))
+    assert huffman.encode(sym, lens) == huffman.encode(sym)
+    lens[3] = 0
+    with pytest.raises(ValueError, match="no code"):
+        huffman.encode(sym, lens)
+
+
 def test_the_encoder_stays_inside_its_capacity() -> None:
     sym = _symbols("uniform", 5000)
     need = len(huffman.encode(sym))
