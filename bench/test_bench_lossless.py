@@ -27,7 +27,8 @@ decode 0.140-0.158, encode 0.080-0.086 (0.102-0.110 and 0.070-0.076 before, same
 with V's exponents coded two at a time, three runs: decode 0.141-0.148, encode 0.091-0.095; with the
 decode tables built for less and 32-bit histograms, five runs (one the gate's): decode 0.147-0.172,
 encode 0.091-0.107; with a section's streams sharing code lengths (tables built once a section) and K's
-symbols coded two a lookup, three runs: decode 0.162-0.174, encode 0.104-0.112.
+symbols coded two a lookup, nine runs: decode 0.147-0.174, encode 0.095-0.112 (the low ends where the
+plain ratios fell too: the host's slower phases).
 """
 
 from __future__ import annotations
