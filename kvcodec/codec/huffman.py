@@ -176,7 +176,7 @@ def section_lengths(freqs: list[Any]) -> list[list[int]]:
     out = []
     for f in freqs:
         own = code_lengths(f)
-        bits = [sum(int(c) * n for c, n in zip(f, lens, strict=True)) for lens in (shared, own)]
+        bits = [int(np.dot(np.asarray(f, np.int64), lens)) for lens in (shared, own)]
         out.append(shared if bits[0] * SHARE_SLACK <= bits[1] * (SHARE_SLACK + 1) else own)
     return out
 

@@ -432,6 +432,13 @@ static void fill_wide(const Coder *c, HuffWide *w) {
     }
 }
 
+/* The bits of the symbols counted in freq at code lengths len. */
+static uint64_t cost(const uint64_t freq[256], const uint8_t len[256]) {
+    uint64_t bits = 0;
+    for (int v = 0; v < 256; v++) bits += freq[v] * len[v];
+    return bits;
+}
+
 /* A stream written: its head (code lengths, lanes 0..2's bytes), then each lane's symbols (lane i's cnt[i]
  * from sym + i x q) coded by c (w: its two-symbol table with WIDE), lane i's bits being its counts lane[i]
  * times c's lengths. Its bytes, or -1 (nothing written) when they exceed cap. */
@@ -439,9 +446,7 @@ static ptrdiff_t write_stream(const Coder *c, const HuffWide *w, const uint64_t 
                               const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], uint8_t *out, size_t cap) {
     size_t total = HUFF_HEAD_BYTES, bytes[HUFF_LANES];
     for (int i = 0; i < HUFF_LANES; i++) {
-        uint64_t bits = 0;
-        for (int s = 0; s < 256; s++) bits += lane[i][s] * c->cl.len[s];
-        bytes[i] = (size_t)((bits + 7) / 8);
+        bytes[i] = (size_t)((cost(lane[i], c->cl.len) + 7) / 8);
         total += bytes[i];
     }
     if (total > cap) return -1;
@@ -482,12 +487,6 @@ static void count_stream(const HuffSection *s, size_t i, uint8_t *scratch, HuffC
     count_lanes(c->sym, c->q, c->cnt, c->lane);
     for (int j = 0; j < HUFF_LANES; j++)
         for (int v = 0; v < 256; v++) c->freq[v] += c->lane[j][v];
-}
-
-static uint64_t cost(const uint64_t freq[256], const uint8_t len[256]) {
-    uint64_t bits = 0;
-    for (int v = 0; v < 256; v++) bits += freq[v] * len[v];
-    return bits;
 }
 
 size_t huff_section_work(size_t count, int pairs) {
