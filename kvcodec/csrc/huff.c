@@ -637,13 +637,13 @@ static void pair_table(const uint8_t cl[256], const uint16_t code[256], const ui
     }
 }
 
-/* Rounds the four lanes can all run: an 8-byte load inside each lane's bytes (a round moves a lane at
+/* Rounds the first nl lanes can all run: an 8-byte load inside each lane's bytes (a round moves a lane at
  * most 44 bits, under 6 bytes) and room for sixteen symbols in each lane's output (a round's four
  * lookups write 4 bytes each, of which up to three symbols). */
-static size_t safe_rounds(const uint8_t *src, const size_t pos[HUFF_LANES], const uint8_t *const end[HUFF_LANES],
-                          uint8_t *const d[HUFF_LANES], uint8_t *const stop[HUFF_LANES]) {
+static inline size_t safe_rounds(const uint8_t *src, const size_t *pos, const uint8_t *const *end, uint8_t *const *d,
+                                 uint8_t *const *stop, int nl) {
     size_t safe = SIZE_MAX;
-    for (int i = 0; i < HUFF_LANES; i++) {
+    for (int i = 0; i < nl; i++) {
         const uint8_t *p = src + (pos[i] >> 3);
         if (end[i] - p < 8 || stop[i] - d[i] < 16) return 0;
         size_t r = (size_t)(end[i] - 8 - p) / 6 + 1, w = (size_t)(stop[i] - d[i] - 4) / 12;
@@ -651,6 +651,72 @@ static size_t safe_rounds(const uint8_t *src, const size_t pos[HUFF_LANES], cons
         if (w < safe) safe = w;
     }
     return safe;
+}
+
+/* One lookup of the table of runs (pair_table): up to three symbols stored (4 bytes written), the output
+ * and the bit position moved on. */
+#define RUN_STEP(t2, b, p, d)                       \
+    {                                               \
+        uint32_t e_ = (t2)[b & TABLE_MASK];         \
+        store32le(d, e_ >> 8);                      \
+        d += (e_ >> 6) & 3;                         \
+        b >>= e_ & 63;                              \
+        p += e_ & 15;                               \
+    }
+
+/* A lane's bit position from src, and its state set back from one (a byte pointer and the bits left of
+ * its byte, as finish_lane reads it). */
+static inline size_t lane_pos(const Lane *L, const uint8_t *src) { return (size_t)(L->p - src) * 8 - L->bits; }
+static inline void lane_set(Lane *L, const uint8_t *src, size_t pos, const uint8_t *d) {
+    const uint8_t *p = src + (pos >> 3);
+    unsigned skip = pos & 7;
+    L->k = (size_t)(d - L->dst);
+    L->p = p + (skip != 0);
+    L->buf = skip ? (uint64_t)(*p >> skip) : 0;
+    L->bits = skip ? 8 - skip : 0;
+}
+
+/* Runs for nl (1 or 2) lanes on their own: what is left once the four no longer all can run. A lookup
+ * gives one to three symbols, so the lanes drift apart: when the first is near its end another may have
+ * hundreds of symbols left (the bench's K: ~370 a lane of 8192), which one symbol a lookup (finish_lane)
+ * took 13% of the streams' decode. */
+static inline __attribute__((always_inline)) void runs_apart(const uint8_t *src, Lane *const *L, int nl,
+                                                             const uint32_t *t2) {
+    size_t pos[2];
+    uint8_t *d[2], *stop[2];
+    const uint8_t *end[2];
+    for (int i = 0; i < nl; i++)
+        pos[i] = lane_pos(L[i], src), d[i] = L[i]->dst + L[i]->k, stop[i] = L[i]->dst + L[i]->cnt, end[i] = L[i]->end;
+    for (size_t run; (run = safe_rounds(src, pos, end, d, stop, nl));)
+        for (; run; run--)
+            for (int i = 0; i < nl; i++) {
+                uint64_t b = load64(src + (pos[i] >> 3)) >> (pos[i] & 7);
+                RUN_STEP(t2, b, pos[i], d[i]) RUN_STEP(t2, b, pos[i], d[i])
+                RUN_STEP(t2, b, pos[i], d[i]) RUN_STEP(t2, b, pos[i], d[i])
+            }
+    for (int i = 0; i < nl; i++) lane_set(L[i], src, pos[i], d[i]);
+}
+
+/* After the four lanes side by side: the two with the most symbols left side by side while both can
+ * run, then each alone; finish_lane does the last few. */
+static inline __attribute__((always_inline)) void runs_tail(const uint8_t *src, Lane L[HUFF_LANES], const uint32_t *t2) {
+    for (;;) {
+        int a = 0, b = 1;
+        for (int i = 1; i < HUFF_LANES; i++) {
+            size_t left = L[i].cnt - L[i].k;
+            if (left > L[a].cnt - L[a].k) b = a, a = i;
+            else if (i != b && (b == a || left > L[b].cnt - L[b].k)) b = i;
+        }
+        if (L[b].cnt - L[b].k < 32) break; /* little left: each alone */
+        size_t before = L[a].k + L[b].k;
+        Lane *two[2] = {&L[a], &L[b]};
+        runs_apart(src, two, 2, t2);
+        if (L[a].k + L[b].k == before) break; /* one of them cannot run */
+    }
+    for (int i = 0; i < HUFF_LANES; i++) {
+        Lane *one = &L[i];
+        runs_apart(src, &one, 1, t2);
+    }
 }
 
 /* Four lanes side by side, for a complete table (nothing to test per symbol). Each lane's state is one
@@ -673,21 +739,13 @@ static inline __attribute__((always_inline)) void lanes_body(const uint8_t *src,
     for (;;) {
         const size_t pos[HUFF_LANES] = {p0, p1, p2, p3};
         uint8_t *const d[HUFF_LANES] = {d0, d1, d2, d3};
-        size_t run = safe_rounds(src, pos, end, d, stop);
+        size_t run = safe_rounds(src, pos, end, d, stop, HUFF_LANES);
         if (!run) break;
         if (pairs) {
             for (; run; run--) {
                 uint64_t b0 = load64(src + (p0 >> 3)) >> (p0 & 7), b1 = load64(src + (p1 >> 3)) >> (p1 & 7);
                 uint64_t b2 = load64(src + (p2 >> 3)) >> (p2 & 7), b3 = load64(src + (p3 >> 3)) >> (p3 & 7);
-#define S(b, p, d)                                  \
-    {                                               \
-        uint32_t e_ = t2[b & TABLE_MASK];           \
-        uint32_t s_ = e_ >> 8;                      \
-        store32le(d, s_);                           \
-        d += (e_ >> 6) & 3;                         \
-        b >>= e_ & 63;                              \
-        p += e_ & 15;                               \
-    }
+#define S(b, p, d) RUN_STEP(t2, b, p, d)
                 S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
                 S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
                 S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
@@ -718,14 +776,8 @@ static inline __attribute__((always_inline)) void lanes_body(const uint8_t *src,
     }
     const size_t pos[HUFF_LANES] = {p0, p1, p2, p3};
     uint8_t *const d[HUFF_LANES] = {d0, d1, d2, d3};
-    for (int i = 0; i < HUFF_LANES; i++) { /* back to a byte pointer and the bits left of its byte */
-        const uint8_t *p = src + (pos[i] >> 3);
-        unsigned skip = pos[i] & 7;
-        L[i].k = (size_t)(d[i] - L[i].dst);
-        L[i].p = p + (skip != 0);
-        L[i].buf = skip ? (uint64_t)(*p >> skip) : 0;
-        L[i].bits = skip ? 8 - skip : 0;
-    }
+    for (int i = 0; i < HUFF_LANES; i++) lane_set(&L[i], src, pos[i], d[i]);
+    if (pairs) runs_tail(src, L, t2);
 }
 
 static void lanes_1(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, 0); }

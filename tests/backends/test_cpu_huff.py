@@ -196,6 +196,51 @@ def test_hostile_streams_refused_alike(kind, n, edits, cut, extra, lane, n_delta
         assert got[1] == want[1]
 
 
+def _drifting(n: int, seed: int, long_lane: int) -> np.ndarray:
+    """Symbols whose four lanes decode at different paces in the runs table: every lane but
+    ``long_lane`` mostly one symbol (a 1-bit code: three a lookup), ``long_lane`` spread over forty
+    (one a lookup), so the lanes side by side stop with that one hundreds of symbols short."""
+    rng = np.random.default_rng(seed)
+    sym = np.where(rng.random(n) < 0.97, 120, rng.integers(100, 140, n)).astype(np.uint8)
+    q = (n + 3) // 4
+    sym[long_lane * q : (long_lane + 1) * q] = rng.integers(
+        100, 140, len(sym[long_lane * q : (long_lane + 1) * q])
+    )
+    return sym
+
+
+@pytest.mark.parametrize("long_lane", range(4))
+@pytest.mark.parametrize("n", [4096, 4099, 40000, 40003])
+def test_lanes_that_drift_apart_decode_as_the_oracle(long_lane, n) -> None:
+    """The lanes' tails once they no longer all run side by side (two, then one at a time): the same
+    symbols as the oracle, alone and in a section."""
+    sym = _drifting(n, n + long_lane, long_lane)
+    stream = huffman.encode(sym)
+    assert c_decode(stream, n) == (0, sym.tobytes())
+    src, spans, got = _section_of([sym, _drifting(n, 7, 3 - long_lane)])
+    out = np.zeros(2 * n, np.uint8)
+    assert cpu.huff_decode_many(src, spans, n, out, 0, n, n, n) is True
+    assert out.tobytes() == b"".join(x.tobytes() for x in got)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    long_lane=st.integers(0, 3),
+    edits=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=3),
+)
+def test_drifting_lanes_damaged_are_refused_alike(long_lane, edits) -> None:
+    """Bytes changed anywhere in drifting lanes (the tails' loops included): C and Python refuse with the
+    same code, or decode the same symbols."""
+    n = 4099
+    s = bytearray(huffman.encode(_drifting(n, 3, long_lane)))
+    for at, b in edits:
+        s[HUFF_HEAD_BYTES + int(at * (len(s) - HUFF_HEAD_BYTES - 1))] = b
+    got, want = c_decode(bytes(s), n), py_decode(bytes(s), n)
+    assert got[0] == want[0]
+    if not got[0]:
+        assert got[1] == want[1]
+
+
 def test_strided_rows_in_and_out() -> None:
     """A head's codes read from and written to [tokens, heads, dim] rows in place."""
     t, heads, dim = 33, 3, 8
@@ -238,6 +283,16 @@ def test_many_streams_in_one_call() -> None:
     )
 
 
+def _section_of(syms: list[np.ndarray]) -> tuple[bytes, list[tuple[int, int]], list[np.ndarray]]:
+    """The oracle's streams of ``syms`` one after another, their spans, and the symbols."""
+    streams = [huffman.encode(x) for x in syms]
+    spans, at = [], 0
+    for x in streams:
+        spans.append((at, len(x)))
+        at += len(x)
+    return b"".join(streams), spans, syms
+
+
 def _section(kinds: list[str], n: int) -> tuple[bytes, list[tuple[int, int]], list[np.ndarray]]:
     """Streams of n symbols one after another (as a section holds them): each of ``kinds``, and their
     spans and symbols."""
@@ -247,13 +302,7 @@ def _section(kinds: list[str], n: int) -> tuple[bytes, list[tuple[int, int]], li
         "short": lambda: rng.geometric(0.6, n).clip(0, 255).astype(np.uint8),  # runs table: alone
         "one": lambda: np.full(n, 9, np.uint8),  # an incomplete table: the careful loop, alone
     }
-    got = [syms[k]() for k in kinds]
-    streams = [huffman.encode(x) for x in got]
-    spans, at = [], 0
-    for x in streams:
-        spans.append((at, len(x)))
-        at += len(x)
-    return b"".join(streams), spans, got
+    return _section_of([syms[k]() for k in kinds])
 
 
 def _one_at_a_time(src: bytes, spans, n: int, row: int, stride: int, step: int, size: int):
