@@ -61,11 +61,18 @@ _fallbacks: Counter[tuple[str, str, str]] = Counter()
 _lock = threading.Lock()
 
 
-def _cpu() -> Any:
-    """The C-loops module (imported on first use: it loads the extension)."""
-    from . import cpu
+_cpu_module: Any = None
 
-    return cpu
+
+def _cpu() -> Any:
+    """The C-loops module (imported on first use: it loads the extension; kept after that, since the
+    lossless stage asks for it several times a blob and an import statement costs a microsecond)."""
+    global _cpu_module
+    if _cpu_module is None:
+        from . import cpu
+
+        _cpu_module = cpu
+    return _cpu_module
 
 
 def reference_backend() -> Backend:

@@ -26,6 +26,7 @@ from ..format import (
     Hashes,
     Header,
     HeaderPacker,
+    ParsedBlob,
     ScaleScheme,
     ScaleScope,
     as_bytes_view,
@@ -592,8 +593,9 @@ def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, *
     plan, packer = _planned(k, v, spec)
     planes = _k_planes(plan, spec) if lossless else None
     owner, mv = _write_blob(plan, packer, spec, out, crc=not lossless, k_bytes=planes is None)
-    if lossless:
-        return compress_blob(parse(owner, verify_crc=False), k_planes=planes)
+    if lossless:  # the plain blob just written, as parsed (its header is the plan's, ids aside): no parse
+        plain = ParsedBlob(plan.header, mv, packer.size, crc=0, trailing=0)
+        return compress_blob(plain, k_planes=planes)
     return owner if out is None else mv
 
 
