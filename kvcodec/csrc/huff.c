@@ -470,6 +470,21 @@ struct HuffCounted {
     size_t q, cnt[HUFF_LANES];
 };
 
+/* Each symbol's count from the lanes' counts of pair bytes (low symbol | high << 4): the lanes added up
+ * first, then each row of 16 pair values summed for its high symbol and added across for its low ones, in
+ * locals (adding into freq[p >> 4] pair by pair waited on the store before it: ~1.4 us a V stream). */
+static void pair_freq(const uint64_t lane[HUFF_LANES][256], uint64_t freq[256]) {
+    uint64_t tot[256] = {0}, low[16] = {0};
+    for (int j = 0; j < HUFF_LANES; j++)
+        for (int p = 0; p < 256; p++) tot[p] += lane[j][p];
+    for (int a = 0; a < 16; a++) {
+        uint64_t row = 0;
+        for (int b = 0; b < 16; b++) row += tot[a << 4 | b], low[b] += tot[a << 4 | b];
+        freq[a] += row;
+    }
+    for (int b = 0; b < 16; b++) freq[b] += low[b];
+}
+
 static void count_stream(const HuffSection *s, size_t i, uint8_t *scratch, HuffCounted *c) {
     const uint8_t *src = s->src + i * s->step;
     memset(c->freq, 0, sizeof c->freq);
@@ -477,8 +492,7 @@ static void count_stream(const HuffSection *s, size_t i, uint8_t *scratch, HuffC
         c->sym = src, c->q = s->n / HUFF_LANES / 2;
         for (int j = 0; j < HUFF_LANES; j++) c->cnt[j] = c->q;
         count_lanes(c->sym, c->q, c->cnt, c->lane);
-        for (int j = 0; j < HUFF_LANES; j++)
-            for (int p = 0; p < 256; p++) c->freq[p & 15] += c->lane[j][p], c->freq[p >> 4] += c->lane[j][p];
+        pair_freq(c->lane, c->freq);
         return;
     }
     c->sym = gather(src, s->n, s->row, s->stride, scratch ? scratch + i * s->n : NULL);
