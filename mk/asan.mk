@@ -31,7 +31,8 @@ test-asan:
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(ASAN_DIR)" in m.__file__ else "not the sanitized build: " + m.__file__)'
 	cd $(ASAN_DIR) && $(ASAN_ENV) $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests/backends/test_cpu_backend.py \
 	  tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py tests/backends/test_cpu_levels.py \
-	  tests/backends/test_cpu_planes.py tests/backends/test_cpu_huff.py tests/codec/test_lossless.py
+	  tests/backends/test_cpu_planes.py tests/backends/test_cpu_huff.py tests/codec/test_lossless.py \
+	  tests/backends/test_cpu_lossless_expand.py
 
 # `make test-portable`: the same C tests against kvcodec._cpu built with -DKV_PORTABLE_ONLY (the scalar
 # tier alone, as on a CPU without x86 vector extensions or another architecture: the x86 tiers' files
@@ -53,7 +54,8 @@ test-portable:
 	  'import kvcodec._cpu as m, sys; sys.exit(0 if "$(PORTABLE_DIR)" in m.__file__ and m.BEST_SIMD == 0 and m.BEST_CRC == 0 else "not the portable build")'
 	cd $(PORTABLE_DIR) && PYTHONPATH=. $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider \
 	  tests/backends/test_cpu_backend.py tests/backends/test_cpu_scatter.py tests/backends/test_cpu_crc.py tests/backends/test_cpu_levels.py \
-	  tests/backends/test_cpu_planes.py tests/backends/test_cpu_huff.py tests/codec/test_lossless.py
+	  tests/backends/test_cpu_planes.py tests/backends/test_cpu_huff.py tests/codec/test_lossless.py \
+	  tests/backends/test_cpu_lossless_expand.py
 
 # `make test-cross`: the C library without Python (tests/backends/c_selftest.c: fixed inputs through every
 # driver, outputs hashed) built natively and run at every row and CRC level (each capped at what the CPU
@@ -62,7 +64,7 @@ test-portable:
 CROSS_DIR := build/cross
 CROSS_CC ?= aarch64-linux-gnu-gcc
 CROSS_RUN ?= qemu-aarch64
-CPU_C_SOURCES = $(filter-out %/module.c %/buffers.c %/py_codec.c %/py_scatter.c %/py_planes.c %/py_huff.c,$(CPU_SOURCES))
+CPU_C_SOURCES = $(filter-out %/module.c %/buffers.c %/py_codec.c %/py_scatter.c %/py_planes.c %/py_huff.c %/py_lossless.c,$(CPU_SOURCES))
 CROSS_FLAGS = $(CPU_CFLAGS) -Wall -Wextra -Wno-missing-field-initializers -Werror -Ikvcodec/csrc
 
 .PHONY: test-cross

@@ -46,6 +46,7 @@ __all__ = [
     "huff_encode_many",
     "huff_encode_pairs_many",
     "k_planes",
+    "lossless_expand",
     "reference_backend",
     "scatter_blob_rows_many",
     "scatter_rows",
@@ -238,6 +239,28 @@ def huff_encode_many(
     (:func:`kvcodec.backends.cpu.huff_encode_many`): their lengths; None when they are not built: the
     caller's Python coder then."""
     return _cpu().huff_encode_many(src, at, step, count, n, row, stride, out, out_at)
+
+
+def lossless_expand(
+    payload: Any,
+    k_len: int,
+    v_len: int,
+    k_streams: Sequence[tuple[int, int]],
+    k_raw_at: int,
+    v_streams: Sequence[tuple[int, int]],
+    v_raw_at: int,
+    shape: tuple[int, int, int],
+    k_out: Any,
+    v_out: Any,
+    plane: Any,
+    crc: tuple[Any, int] | None,
+) -> bool | tuple[Any, ...]:
+    """A split lossless payload expanded by the C loops in one call
+    (:func:`kvcodec.backends.cpu.lossless_expand`): True, ``("crc", got)``, or ``("V" | "K", i, code)``;
+    False when they are not built: the caller's stage by stage path then."""
+    return _cpu().lossless_expand(
+        payload, k_len, v_len, k_streams, k_raw_at, v_streams, v_raw_at, shape, k_out, v_out, plane, crc
+    )
 
 
 def huff_decode_many(

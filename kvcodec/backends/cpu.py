@@ -46,6 +46,7 @@ __all__ = [
     "huff_encode_many",
     "huff_encode_pairs_many",
     "k_planes",
+    "lossless_expand",
     "scatter_blob_rows",
     "scatter_dequantize",
     "v_nibbles",
@@ -99,6 +100,46 @@ def v_nibbles_pairs(v: Any, exp2: Any, nib: Any, tokens: int, heads: int, dim: i
         return False
     _cpu.v_nibbles_pairs(v, exp2, nib, tokens, heads, dim)
     return True
+
+
+def lossless_expand(
+    payload: Any,
+    k_len: int,
+    v_len: int,
+    k_streams: Sequence[tuple[int, int]],
+    k_raw_at: int,
+    v_streams: Sequence[tuple[int, int]],
+    v_raw_at: int,
+    shape: tuple[int, int, int],
+    k_out: Any,
+    v_out: Any,
+    plane: Any,
+    crc: tuple[Any, int] | None,
+) -> bool | tuple[Any, ...]:
+    """A split lossless payload's K bytes and V codes in one C call (py_lossless.c: one GIL hand-over a
+    blob): True when written, ``("crc", got)`` when ``crc`` (the header prefix and the stored CRC) does not
+    match (nothing decoded), ``("V" | "K", i, code)`` for the first stream refused; False when the C
+    loops are not built."""
+    if _cpu is None:
+        return False
+    tokens, heads, dim = shape
+    got = _cpu.lossless_expand(
+        payload,
+        k_len,
+        v_len,
+        k_streams,
+        k_raw_at,
+        v_streams,
+        v_raw_at,
+        tokens,
+        heads,
+        dim,
+        k_out,
+        v_out,
+        plane,
+        crc,
+    )
+    return True if got is None else tuple(got)
 
 
 def huff_encode(src: Any, at: int, n: int, row: int, stride: int, out: Any, out_at: int) -> int | None:

@@ -129,7 +129,9 @@ def _check_out(name: str, t: Any, dtype: torch.dtype | None) -> torch.Tensor | N
             f"{name} is {t.dtype}; the blob holds {dtype} (K is copied bit-exact, never converted)",
             reason=Reason.BAD_OUTPUT,
         )
-    if torch._debug_has_internal_overlap(t) == 1:  # 1: certainly overlapping (2: too hard to tell)
+    # 1: certainly overlapping (2: too hard to tell); a contiguous tensor cannot overlap itself, and the
+    # check is a torch op that hands the GIL over (a busy Python thread beside may then keep it)
+    if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
         raise UnsupportedConfigError(
             f"{name} has elements sharing memory (e.g. made by expand); it cannot be written",
             reason=Reason.OVERLAP,
@@ -325,26 +327,27 @@ def _decode_checked_in_pass(
     The outputs are written before the CRC is known: a mismatch raises ``CRC_MISMATCH`` with them
     overwritten. Returns None (nothing written) for anything else, including every error met before
     the pass: the general path then decodes it, checking the CRC first, so a damaged blob is named
-    as damaged whatever else it breaks. A lossless blob's CRC is checked first, over its coded bytes;
+    as damaged whatever else it breaks. A lossless blob's CRC is checked over its coded bytes before
+    any stream is decoded (in the C call that decodes them, where the C loops take it: one GIL hand-over);
     its streams are then decoded into this thread's reused plain payload (no plain blob written or
     parsed), which the same pass copies out of (or, where the host lane does not take it, the general
     decode of that payload: the CRC already checked, nothing left to decode twice).
     """
     try:
         parsed = parse(blob, verify_crc=False, strict=strict)
-        blob_crc = BlobCrc(parsed)
         h, payload, lossless = parsed.header, parsed.payload, is_lossless(parsed.header)
-        if lossless:  # the coded blob's CRC first; its plain payload in this thread's reused buffer
-            blob_crc.finish(None)
+        if lossless:  # its plain payload in this thread's reused buffer; the coded CRC checked by fill
             expansion = Expansion(parsed, reuse=True)  # the scales written, the streams decoded below
             h, payload = expansion.header, expansion.payload
+        else:
+            blob_crc = BlobCrc(parsed)
         if expected_hashes is not None:
             check_hashes(h.hashes, expected_hashes, strict=strict_hashes)
         req = _request(h, scales=None, backend=backend, **kw)
         lane = _host_lane_inputs(h, payload, req)
         k_into = _k_bytes(req.out_k, h) if lossless and lane is not None else None
-        if lossless:
-            expansion.fill(k_into=k_into)  # K merged straight into out_k where the lane takes it
+        if lossless:  # the coded blob's CRC, then K merged straight into out_k where the lane takes it
+            expansion.fill(k_into=k_into, crc=True)
     except CodecError:
         return None
     if lane is None:
@@ -482,7 +485,9 @@ def _scale_tensor(h: Header, payload: memoryview, req: DecodeRequest) -> torch.T
         return torch.ones((), dtype=torch.float32, device=dev)
     if h.scale_payload_len:
         off = h.k_payload_len + h.v_payload_len
-        s_t = _stored_scales(payload, off, h.scale_payload_len, s_dt, h.scale_shape).to(dev)
+        s_t = _stored_scales(payload, off, h.scale_payload_len, s_dt, h.scale_shape)
+        if s_t.device != dev:  # a torch op even where it moves nothing, and each hands the GIL over
+            s_t = s_t.to(dev)
         if req.scales is not None:
             given = as_scales(req.scales, dev, s_dt)
             if given.numel() != s_t.numel() or not torch.equal(given.reshape(s_t.shape), s_t):

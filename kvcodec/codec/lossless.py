@@ -43,10 +43,12 @@ from ..format import (
     HUFF_OF,
     LOSSLESS_OF,
     PLAIN_OF,
+    BlobCrc,
     Coding,
     Header,
     ParsedBlob,
     ScaleScheme,
+    check_crc,
     parse,
     read_coding,
     restamp_header,
@@ -318,17 +320,55 @@ def _decode_streams(
             view = np.lib.stride_tricks.as_strided(flat[out_at + i * step :], (raw // row, row), (stride, 1))
             view[...] = syms.reshape(-1, row)
     if got is not True:
-        i, code = got
-        raise CorruptEncodedKVError(
-            f"{what} stream {i} (a Huffman stream of {sec.streams[i][1]} bytes for {raw} symbols) "
-            f"{HUFF_ERRORS[code]}",
-            reason=Reason.BAD_STREAM,
-        )
+        raise _stream_error(what, sec, raw, *got)
 
 
-def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: memoryview) -> None:
+def _stream_error(what: str, sec: Section, raw: int, i: int, code: int) -> CorruptEncodedKVError:
+    return CorruptEncodedKVError(
+        f"{what} stream {i} (a Huffman stream of {sec.streams[i][1]} bytes for {raw} symbols) {HUFF_ERRORS[code]}",
+        reason=Reason.BAD_STREAM,
+    )
+
+
+def _expand_in_one_call(c: Coding, p: ParsedBlob, v_out: memoryview, k_out: memoryview, crc: bool) -> bool:
+    """A split payload's K bytes and V codes by one C call (``crc``: the coded blob's CRC checked in it
+    first): one GIL hand-over a blob where the stages take five (the CRC, and each section's streams and
+    merge), each of which a busy Python thread beside this one (an engine's loop) may hold on to for its
+    switch interval. False when the C loops are not built (nothing done)."""
+    n = c.heads * c.stream_raw
+    plane = _scratch_view(n, "plane")  # V's exponents, then K's high bytes
+    k, v = c.k, c.v
+    got = backends.lossless_expand(
+        p.payload,
+        len(p.k),
+        len(p.v),
+        () if k is None else k.streams,
+        0 if k is None else k.raw_at,
+        v.streams,
+        v.raw_at,
+        (c.tokens, c.heads, c.head_dim),
+        None if k is None else k_out,
+        v_out,
+        plane,
+        (p.crc_prefix, p.crc) if crc else None,
+    )
+    if got is True or got is False:
+        return got
+    if got[0] == "crc":
+        check_crc(p.header, p.crc, got[1])
+    what, i, code = got
+    raise _stream_error(what, v if what == "V" else k, c.stream_raw, i, code)
+
+
+def _expand_huffman(
+    c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: memoryview, crc: bool = False
+) -> None:
     heads, dim, raw = c.heads, c.head_dim, c.stream_raw
     v_at = hs + c.plain.k_payload_len
+    if c.v_split and _expand_in_one_call(c, p, mv[v_at : v_at + c.plain.v_payload_len], k_out, crc):
+        return
+    if crc:  # the stages' way: the coded blob's CRC first
+        BlobCrc(p).finish(None)
     if c.v_split:  # the exponents into the plane scratch, merged with the nibbles before K uses it
         exp = np.frombuffer(_scratch_view(heads * raw, "plane"), np.uint8)
         _decode_streams(p.v, c.v, raw, exp, 0, raw, raw, raw, "V")
@@ -485,10 +525,18 @@ def _write_scales(c: Coding, p: ParsedBlob, mv: memoryview, at: int) -> None:
     mv[at + c.plain.k_payload_len + c.plain.v_payload_len :] = p.scales
 
 
-def _expand_streams(c: Coding, p: ParsedBlob, mv: memoryview, at: int, k_into: memoryview | None) -> None:
-    """K and V's codes of the plain payload at ``mv[at:]``; K into ``k_into`` instead when given."""
+def _expand_streams(
+    c: Coding, p: ParsedBlob, mv: memoryview, at: int, k_into: memoryview | None, crc: bool = False
+) -> None:
+    """K and V's codes of the plain payload at ``mv[at:]``; K into ``k_into`` instead when given.
+    ``crc``: the coded blob's CRC checked first (CorruptEncodedKVError, CRC_MISMATCH; nothing decoded)."""
     k_out = mv[at : at + c.plain.k_payload_len] if k_into is None else k_into
-    (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, at, k_out)
+    if c.huffman:
+        _expand_huffman(c, p, mv, at, k_out, crc)
+        return
+    if crc:
+        BlobCrc(p).finish(None)
+    _expand_deflate(c, p, mv, at, k_out)
 
 
 class Expansion:
@@ -507,13 +555,15 @@ class Expansion:
         """The plain header the blob codes (no plain header is written or parsed)."""
         return self.coding.plain
 
-    def fill(self, *, k_into: memoryview | None = None) -> None:
+    def fill(self, *, k_into: memoryview | None = None, crc: bool = False) -> None:
         """The payload's K and codes; K's bytes into ``k_into`` (exactly ``k_payload_len`` writable bytes),
-        the payload's K left unwritten then, when given."""
+        the payload's K left unwritten then, when given. ``crc``: the coded blob's CRC checked first, in
+        the same C call where the C loops take the blob (a blob parsed with ``verify_crc=False``):
+        CorruptEncodedKVError (CRC_MISMATCH) before any stream is decoded."""
         k_len = self.coding.plain.k_payload_len
         if k_into is not None and (k_into.readonly or k_into.nbytes != k_len):
             raise _refuse(f"k_into must be {k_len} writable bytes; got {k_into.nbytes}")
-        _expand_streams(self.coding, self.parsed, self.payload, 0, k_into)
+        _expand_streams(self.coding, self.parsed, self.payload, 0, k_into, crc)
 
 
 def expand_payload(p: ParsedBlob, *, reuse: bool = False) -> tuple[Header, memoryview]:

@@ -51,6 +51,28 @@ typedef struct {
     int held;
 } Copy;
 
+/* bytes: a call whose buffers move fewer (read and written, roughly) keeps the GIL. A release is a hand-over:
+ * a Python thread waiting for the GIL takes it, and one that is busy keeps it until its switch interval ends
+ * (5 ms by default). Beside a busy thread, a 256 x 4 x 64 blob's decode (two C calls of 15-40 us) spent most
+ * of its wall time waiting to get the GIL back (96 blobs: 18 ms of CPU, over a second of wall time); calls
+ * this large (~100 us and more) take long enough that work beside them pays for the hand-over, as a
+ * caller's thread pool of them does (docs/kernels.md, "Threads"). */
+#ifndef KV_GIL_FREE_BYTES /* -DKV_GIL_FREE_BYTES=0: every call releases it, as before (bench/gil_handover.py) */
+#define KV_GIL_FREE_BYTES ((size_t)1 << 20)
+#endif
+
+static inline size_t kv_add(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+static inline PyThreadState *kv_release_gil(size_t bytes) {
+    return bytes >= KV_GIL_FREE_BYTES ? PyEval_SaveThread() : NULL;
+}
+/* Py_BEGIN_ALLOW_THREADS / Py_END_ALLOW_THREADS for a call that moves `bytes`: the GIL released only where
+ * they are at least KV_GIL_FREE_BYTES. */
+#define KV_BEGIN_WORK(bytes) {                                                                              \
+        PyThreadState *kv_save_ = kv_release_gil(bytes);
+#define KV_END_WORK                                                                                         \
+        if (kv_save_) PyEval_RestoreThread(kv_save_);                                                       \
+    }
+
 int fail(const char *fn, const char *what);
 void rethrow(const char *fn);
 int parse(PyObject *args, const char *fn, const char *fmt, ...);
@@ -96,5 +118,6 @@ PyObject *py_huff_decode(PyObject *self, PyObject *args);
 PyObject *py_huff_encode_many(PyObject *self, PyObject *args);
 PyObject *py_huff_encode_pairs_many(PyObject *self, PyObject *args); /* py_huff.c */
 PyObject *py_huff_decode_many(PyObject *self, PyObject *args);
+PyObject *py_lossless_expand(PyObject *self, PyObject *args); /* py_lossless.c */
 
 #endif

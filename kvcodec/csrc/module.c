@@ -71,9 +71,9 @@ static PyObject *py_crc32(PyObject *self, PyObject *args) {
     if (vo && take_crc("crc32", vo, &want, &value)) return PyBuffer_Release(&b), NULL;
     uint32_t got;
     const KvLevel lv = *level_of(self);
-    Py_BEGIN_ALLOW_THREADS
+    KV_BEGIN_WORK((size_t)b.len)
     got = kv_crc32(lv.crc, value, b.buf, (size_t)b.len);
-    Py_END_ALLOW_THREADS
+    KV_END_WORK
     PyBuffer_Release(&b);
     return PyLong_FromUnsignedLong(got);
 }
@@ -142,7 +142,10 @@ static PyObject *py_set_error(PyObject *self, PyObject *args) {
          "scatter_dequant(q, scales, scope, page, cache, col, out_dtype, runs[, k, k_col[, crc]]) -> None, CRC " \
          "or reason: dequantized rows (and K's rows) into a cache view."},                                      \
         {"crc32", py_crc32, METH_VARARGS,                                                                       \
-         "crc32(data[, value]) -> int: zlib's CRC-32, with the loops the codec folds in."}
+         "crc32(data[, value]) -> int: zlib's CRC-32, with the loops the codec folds in."},                      \
+        {"lossless_expand", py_lossless_expand, METH_VARARGS,                                                   \
+         "lossless_expand(payload, k_len, v_len, k_spans, k_raw_at, v_spans, v_raw_at, T, H, D, k_out, v_out, " \
+         "plane, crc) -> None, ('crc', got) or (section, i, code): a split lossless payload, one call."}
 
 static PyMethodDef methods[] = {
     CODEC_METHODS,

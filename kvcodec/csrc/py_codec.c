@@ -16,6 +16,11 @@
  * e.g. of the header) the result is that CRC continued over the copy's destination, then over q's
  * bytes (a blob's K and codes, in order); None when the CRC could not be folded in (no carry-less
  * multiply, q not dense, or a copy overlapping itself): the caller computes it. */
+/* The bytes a call's rows and scales span: what it reads and writes, for KV_BEGIN_WORK. */
+static size_t moved(const Bufs *b) {
+    return kv_add(kv_add((size_t)b->in.view.len, (size_t)b->out.view.len), (size_t)b->s.view.len);
+}
+
 PyObject *py_encode_v(PyObject *self, PyObject *args) {
     static const char *fn = "encode_v";
     PyObject *vo, *qo, *so, *cs = Py_None, *cd = Py_None, *co = Py_None;
@@ -41,10 +46,10 @@ PyObject *py_encode_v(PyObject *self, PyObject *args) {
     KvCrc crc = {.ops = lv.crc, .state = ~seed};
     KvCopy copy = copy_of(&c);
     const char *why;
-    Py_BEGIN_ALLOW_THREADS
+    KV_BEGIN_WORK(kv_add(moved(&b), c.held ? 2 * (size_t)c.src.len : 0))
     why = kv_encode_v(&lv, &b.in.r, &b.out.r, vdt, scope, page, sdt, (float *)b.s.r.base, b.ng, &copy,
                       fold ? &crc : NULL);
-    Py_END_ALLOW_THREADS
+    KV_END_WORK
     release_copy(&c);
     if (why || !want) return result(&b, why);
     return crc_result(&b, fold, crc.state);
@@ -65,9 +70,9 @@ PyObject *py_quantize(PyObject *self, PyObject *args) {
     if (b.why) return result(&b, b.why);
     const KvLevel lv = *level_of(self);
     const char *why;
-    Py_BEGIN_ALLOW_THREADS
+    KV_BEGIN_WORK(moved(&b))
     why = kv_quantize(&lv, &b.in.r, &b.out.r, vdt, scope, page, (const float *)b.s.r.base, b.ng);
-    Py_END_ALLOW_THREADS
+    KV_END_WORK
     return result(&b, why);
 }
 
@@ -101,10 +106,10 @@ PyObject *py_dequantize(PyObject *self, PyObject *args) {
     KvCrc crc = {.ops = lv.crc, .state = ~seed};
     KvCopy copy = copy_of(&c);
     const char *why;
-    Py_BEGIN_ALLOW_THREADS
+    KV_BEGIN_WORK(kv_add(moved(&b), c.held ? 2 * (size_t)c.src.len : 0))
     why = kv_dequantize(&lv, &b.in.r, &b.out.r, odt, scope, page, (const float *)b.s.r.base, b.ng, &copy,
                         fold ? &crc : NULL);
-    Py_END_ALLOW_THREADS
+    KV_END_WORK
     release_copy(&c);
     if (why || !want) return result(&b, why);
     return crc_result(&b, fold, crc.state);

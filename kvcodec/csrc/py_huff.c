@@ -59,10 +59,10 @@ PyObject *py_huff_encode(PyObject *self, PyObject *args) {
             PyErr_NoMemory();
         } else {
             ptrdiff_t got;
-            Py_BEGIN_ALLOW_THREADS
+            KV_BEGIN_WORK(2 * (size_t)n)
             got = huff_encode((const uint8_t *)s.buf + at, (size_t)n, (size_t)row, (size_t)stride,
                               (uint8_t *)o.buf + out_at, (size_t)(o.len - out_at), scratch);
-            Py_END_ALLOW_THREADS
+            KV_END_WORK
             PyMem_RawFree(scratch);
             ret = PyLong_FromSsize_t((Py_ssize_t)got);
         }
@@ -93,10 +93,10 @@ PyObject *py_huff_decode(PyObject *self, PyObject *args) {
             PyErr_NoMemory();
         } else {
             int err;
-            Py_BEGIN_ALLOW_THREADS
+            KV_BEGIN_WORK(kv_add((size_t)n, (size_t)length))
             err = huff_decode((const uint8_t *)s.buf + at, (size_t)length, (size_t)n, (uint8_t *)o.buf + out_at,
                               (size_t)row, (size_t)stride, scratch);
-            Py_END_ALLOW_THREADS
+            KV_END_WORK
             PyMem_RawFree(scratch);
             ret = PyLong_FromLong(err);
         }
@@ -143,9 +143,9 @@ static PyObject *encode_many(const char *fn, PyObject *so, PyObject *oo, Many m)
             HuffSection sec = {(const uint8_t *)s.buf + m.at, (size_t)m.step, count, (size_t)m.n,
                                (size_t)m.row, (size_t)m.stride, m.pairs};
             ptrdiff_t got;
-            Py_BEGIN_ALLOW_THREADS
+            KV_BEGIN_WORK(2 * (size_t)bytes * count)
             got = huff_encode_section(&sec, (uint8_t *)o.buf + m.out_at, (size_t)(o.len - m.out_at), lens, work, scratch);
-            Py_END_ALLOW_THREADS
+            KV_END_WORK
             if (got < 0) {
                 fail(fn, "the streams do not fit the output");
             } else if ((ret = PyList_New(m.count))) {
@@ -237,11 +237,11 @@ PyObject *py_huff_decode_many(PyObject *self, PyObject *args) {
         } else {
             int err;
             size_t failed = 0;
-            Py_BEGIN_ALLOW_THREADS
+            KV_BEGIN_WORK(2 * (size_t)n * (size_t)count)
             err = huff_decode_many((const uint8_t *)s.buf, (const size_t *)span, (size_t)count, (size_t)n,
                                    (uint8_t *)o.buf + out_at, (size_t)out_step, (size_t)row, (size_t)stride, scratch,
                                    &failed);
-            Py_END_ALLOW_THREADS
+            KV_END_WORK
             Py_ssize_t i = (Py_ssize_t)failed;
             ret = err ? Py_BuildValue("(ni)", i, err) : Py_NewRef(Py_None);
         }

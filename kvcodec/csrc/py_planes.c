@@ -64,12 +64,12 @@ PyObject *py_k_planes(PyObject *self, PyObject *args) {
     const Want w[3] = {{"k", ko, 2 * n, m}, {"hi", ho, n, !m}, {"lo", lo_o, n, !m}};
     Py_buffer b[3];
     if (take3("k_planes", w, "K and its planes must not share memory", b) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
+    KV_BEGIN_WORK(kv_add(kv_add((size_t)b[0].len, (size_t)b[1].len), (size_t)b[2].len))
     if (m)
         kv_planes_merge(b[1].buf, b[2].buf, b[0].buf, (size_t)T, (size_t)(H * D));
     else
         kv_planes_split(b[0].buf, b[1].buf, b[2].buf, (size_t)T, (size_t)(H * D));
-    Py_END_ALLOW_THREADS
+    KV_END_WORK
     return release3(b);
 }
 
@@ -84,12 +84,12 @@ PyObject *py_v_nibbles(PyObject *self, PyObject *args) {
     const Want w[3] = {{"v", vo, n, m}, {"exp", eo, n, !m}, {"nib", so, (n + 1) / 2, !m}};
     Py_buffer b[3];
     if (take3("v_nibbles", w, "V and its planes must not share memory", b) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
+    KV_BEGIN_WORK(kv_add(kv_add((size_t)b[0].len, (size_t)b[1].len), (size_t)b[2].len))
     if (m)
         kv_nibbles_merge(b[1].buf, b[2].buf, b[0].buf, (size_t)T, (size_t)H, (size_t)D);
     else
         kv_nibbles_split(b[0].buf, b[1].buf, b[2].buf, (size_t)T, (size_t)H, (size_t)D);
-    Py_END_ALLOW_THREADS
+    KV_END_WORK
     return release3(b);
 }
 
@@ -104,8 +104,8 @@ PyObject *py_v_nibbles_pairs(PyObject *self, PyObject *args) {
     const Want w[3] = {{"v", vo, n, 0}, {"exp2", eo, n / 2, 1}, {"nib", so, n / 2, 1}};
     Py_buffer b[3];
     if (take3("v_nibbles_pairs", w, "V and its planes must not share memory", b) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
+    KV_BEGIN_WORK(kv_add(kv_add((size_t)b[0].len, (size_t)b[1].len), (size_t)b[2].len))
     kv_nibbles_split_pairs(b[0].buf, b[1].buf, b[2].buf, (size_t)T, (size_t)H, (size_t)D);
-    Py_END_ALLOW_THREADS
+    KV_END_WORK
     return release3(b);
 }

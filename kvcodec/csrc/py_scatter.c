@@ -27,9 +27,9 @@ PyObject *py_scatter_rows(PyObject *self, PyObject *args) {
     if (take_runs(ro, fn, src.r.T, src.r.H, src.r.D, &c, col, &r) < 0) goto done;
     if (!why && cache_overlaps(&c, &src)) why = "the cache overlaps the rows";
     if (!why) {
-        Py_BEGIN_ALLOW_THREADS
+        KV_BEGIN_WORK(2 * (size_t)src.view.len)
         kv_copy_runs(&src.r, &c.c, col, (const int64_t *)r.buf, r.len / 8);
-        Py_END_ALLOW_THREADS
+        KV_END_WORK
     }
     PyBuffer_Release(&r);
     ret = why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
@@ -93,9 +93,9 @@ PyObject *py_scatter_dequant(PyObject *self, PyObject *args) {
         KvCrc crc = {.ops = lv.crc, .state = ~seed};
         ScatterJob job = {&q.r, k.held ? &k.r : NULL, &c.c, (const float *)s.r.base, scope, page,
                           c.c.base + col * c.view.itemsize, c.c.base + k_col * c.view.itemsize, (size_t)k.r.D};
-        Py_BEGIN_ALLOW_THREADS
+        KV_BEGIN_WORK(kv_add((size_t)q.view.len * (1 + (size_t)DT_SIZE[odt]), k.held ? 2 * (size_t)k.view.len : 0))
         why = kv_scatter_dequant(&lv, &job, odt, (const int64_t *)r.buf, r.len / 8, ng, fold ? &crc : NULL);
-        Py_END_ALLOW_THREADS
+        KV_END_WORK
         state = crc.state;
     }
     if (why || !want || !fold)

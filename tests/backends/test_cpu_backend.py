@@ -799,24 +799,10 @@ def _tasks() -> int:
     )
 
 
-def test_calls_release_the_gil_and_start_no_threads() -> None:
-    """While the main thread is inside a C call, another thread runs Python; no OS thread appears.
-
-    The switch interval is made huge, so the main thread never hands over the
-    GIL on its own: the other thread's counter can only move while a C call
-    has released it. Held GIL: the counter stays put and the test fails.
-    """
-    from kvcodec import _cpu
-
-    v = np.asarray(np.random.default_rng(0).standard_normal((8192, 8, 128)), np.float32).view(np.int32)
-    q = np.empty(v.shape, np.uint8)
-    out = np.empty(v.shape, np.float32).view(np.int32)
-    s_head, s_page = np.ones(8, np.float32), np.empty(512 * 8, np.float32)
-    calls = {
-        "encode_v": lambda: _cpu.encode_v(v, 2, 2, 16, 2, q, s_page),
-        "quantize": lambda: _cpu.quantize(v, 2, s_head, 1, 1, q),
-        "dequantize": lambda: _cpu.dequantize(q, s_head, 1, 1, out, 2),
-    }
+def _python_beside(calls: dict[str, Callable[[], Any]]) -> tuple[dict[str, int], list[int], int]:
+    """How far another Python thread's counter moved during each of ``calls`` (8 times each), the OS
+    thread counts it saw, and the count before. The switch interval is made huge, so the calling thread
+    never hands over the GIL on its own: the counter moves only while a call has released it."""
     count, tasks, stop = [0], [], threading.Event()
 
     def other() -> None:
@@ -837,14 +823,53 @@ def test_calls_release_the_gil_and_start_no_threads() -> None:
         for _ in range(8):
             for name, call in calls.items():
                 before = count[0]
-                assert call() is None
+                call()
                 moved[name] += count[0] - before
     finally:
         sys.setswitchinterval(old)
         stop.set()
         th.join()
+    return moved, tasks, baseline
+
+
+def test_calls_release_the_gil_and_start_no_threads() -> None:
+    """While the main thread is inside a large C call, another thread runs Python; no OS thread appears.
+    Held GIL: the other thread's counter stays put and the test fails."""
+    from kvcodec import _cpu
+
+    v = np.asarray(np.random.default_rng(0).standard_normal((8192, 8, 128)), np.float32).view(np.int32)
+    q = np.empty(v.shape, np.uint8)
+    out = np.empty(v.shape, np.float32).view(np.int32)
+    s_head, s_page = np.ones(8, np.float32), np.empty(512 * 8, np.float32)
+    calls = {
+        "encode_v": lambda: _cpu.encode_v(v, 2, 2, 16, 2, q, s_page),
+        "quantize": lambda: _cpu.quantize(v, 2, s_head, 1, 1, q),
+        "dequantize": lambda: _cpu.dequantize(q, s_head, 1, 1, out, 2),
+    }
+    moved, tasks, baseline = _python_beside(calls)
     assert all(moved.values()), f"no Python ran beside these C calls (GIL held): {moved}"
     assert max(tasks) == baseline, "a thread appeared during the calls"
+
+
+def test_small_calls_keep_the_gil() -> None:
+    """A call that moves under KV_GIL_FREE_BYTES (1 MiB) keeps the GIL: a release is a hand-over, and a busy
+    Python thread beside it would keep the GIL until its switch interval ends. Above it, it releases."""
+    from kvcodec import _cpu
+
+    def dequantize(tokens: int) -> Callable[[], Any]:  # codes in, fp32 out: 5 bytes an element
+        q = np.zeros((tokens, 4, 64), np.uint8)
+        out, s = np.empty(q.shape, np.int32), np.ones(4, np.float32)
+        return lambda: _cpu.dequantize(q, s, 1, 1, out, 2)
+
+    data = np.zeros(1 << 19, np.uint8)
+    small = {
+        "dequantize, 320 KiB": dequantize(256),
+        "crc32, 512 KiB": lambda: _cpu.crc32(data),
+    }
+    moved, _, _ = _python_beside(small)
+    assert not any(moved.values()), f"Python ran beside these small C calls (GIL released): {moved}"
+    moved, _, _ = _python_beside({"dequantize, 2.5 MiB": dequantize(2048)})
+    assert all(moved.values()), f"no Python ran beside a call over the threshold: {moved}"
 
 
 def test_pool_of_threads_gets_right_answers() -> None:
