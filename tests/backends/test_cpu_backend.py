@@ -868,7 +868,7 @@ def test_small_calls_keep_the_gil() -> None:
     }
     moved, _, _ = _python_beside(small)
     assert not any(moved.values()), f"Python ran beside these small C calls (GIL released): {moved}"
-    moved, _, _ = _python_beside({"dequantize, 2.5 MiB": dequantize(2048)})
+    moved, _, _ = _python_beside({"dequantize, 20 MiB": dequantize(16384)})
     assert all(moved.values()), f"no Python ran beside a call over the threshold: {moved}"
 
 

@@ -10,6 +10,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvcodec
 from kvcodec import backends
@@ -192,3 +194,34 @@ def test_every_crc_level_expands_and_checks_alike(crc_level) -> None:
     args, _ = _call(p, check=True)
     want = zlib.crc32(bytes(p.payload), zlib.crc32(bytes(p.crc_prefix)))
     assert level.lossless_expand(*args.values()) == ("crc", want)
+
+
+_FUZZ_BLOB = _coded((10, 3, 8), seed=5)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=6),
+    spans=st.lists(st.tuples(st.integers(-2, 600), st.integers(-2, 600)), min_size=6, max_size=6),
+    raw_at=st.tuples(st.integers(-2, 2000), st.integers(-2, 2000)),
+    lens=st.tuples(st.integers(-2, 3000), st.integers(-2, 3000)),
+)
+def test_hostile_arguments_are_refused_or_decoded(flips, spans, raw_at, lens) -> None:
+    """Any payload bytes, spans, planes' offsets and section lengths: a result or UnsupportedConfigError
+    (BAD_BUFFER), nothing read or written outside the buffers (make test-asan runs this too)."""
+    p = parse(_FUZZ_BLOB)  # the tables as parsed; the bytes the call reads changed below
+    payload = bytearray(p.payload)
+    for at, b in flips:
+        payload[at % len(payload)] = b
+    over = {"payload": payload}
+    if spans[0][0] % 2:  # else the blob's own layout: the damaged bytes reach the decoder
+        over.update(
+            k_spans=tuple(spans[:3]), v_spans=tuple(spans[3:]), k_raw_at=raw_at[0], v_raw_at=raw_at[1]
+        )
+    over.update({"k_len": lens[0], "v_len": lens[1]} if lens[0] % 5 == 0 else {})
+    try:
+        _, got = _call(p, check=bool(lens[1] % 2), **over)
+    except UnsupportedConfigError as e:
+        assert e.reason == Reason.BAD_BUFFER
+    else:
+        assert got is None or got[0] in ("crc", "K", "V")
