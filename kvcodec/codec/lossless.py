@@ -360,15 +360,9 @@ def _expand_in_one_call(c: Coding, p: ParsedBlob, v_out: memoryview, k_out: memo
     raise _stream_error(what, v if what == "V" else k, c.stream_raw, i, code)
 
 
-def _expand_huffman(
-    c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: memoryview, crc: bool = False
-) -> None:
+def _expand_huffman(c: Coding, p: ParsedBlob, mv: memoryview, hs: int, k_out: memoryview) -> None:
     heads, dim, raw = c.heads, c.head_dim, c.stream_raw
     v_at = hs + c.plain.k_payload_len
-    if c.v_split and _expand_in_one_call(c, p, mv[v_at : v_at + c.plain.v_payload_len], k_out, crc):
-        return
-    if crc:  # the stages' way: the coded blob's CRC first
-        BlobCrc(p).finish(None)
     if c.v_split:  # the exponents into the plane scratch, merged with the nibbles before K uses it
         exp = np.frombuffer(_scratch_view(heads * raw, "plane"), np.uint8)
         _decode_streams(p.v, c.v, raw, exp, 0, raw, raw, raw, "V")
@@ -530,13 +524,13 @@ def _expand_streams(
 ) -> None:
     """K and V's codes of the plain payload at ``mv[at:]``; K into ``k_into`` instead when given.
     ``crc``: the coded blob's CRC checked first (CorruptEncodedKVError, CRC_MISMATCH; nothing decoded)."""
-    k_out = mv[at : at + c.plain.k_payload_len] if k_into is None else k_into
-    if c.huffman:
-        _expand_huffman(c, p, mv, at, k_out, crc)
+    k_len, v_len = c.plain.k_payload_len, c.plain.v_payload_len
+    k_out = mv[at : at + k_len] if k_into is None else k_into
+    if c.huffman and c.v_split and _expand_in_one_call(c, p, mv[at + k_len : at + k_len + v_len], k_out, crc):
         return
-    if crc:
+    if crc:  # the stages' way: the coded blob's CRC first
         BlobCrc(p).finish(None)
-    _expand_deflate(c, p, mv, at, k_out)
+    (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, at, k_out)
 
 
 class Expansion:

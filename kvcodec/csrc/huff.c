@@ -470,13 +470,17 @@ struct HuffCounted {
     size_t q, cnt[HUFF_LANES];
 };
 
-/* Each symbol's count from the lanes' counts of pair bytes (low symbol | high << 4): the lanes added up
- * first, then each row of 16 pair values summed for its high symbol and added across for its low ones, in
- * locals (adding into freq[p >> 4] pair by pair waited on the store before it: ~1.4 us a V stream). */
-static void pair_freq(const uint64_t lane[HUFF_LANES][256], uint64_t freq[256]) {
-    uint64_t tot[256] = {0}, low[16] = {0};
+/* The lanes' counts added into tot. */
+static void lanes_total(const uint64_t lane[HUFF_LANES][256], uint64_t tot[256]) {
     for (int j = 0; j < HUFF_LANES; j++)
-        for (int p = 0; p < 256; p++) tot[p] += lane[j][p];
+        for (int v = 0; v < 256; v++) tot[v] += lane[j][v];
+}
+
+/* Each symbol's count added into freq from the counts tot of pair bytes (low symbol | high << 4): each row
+ * of 16 pair values summed for its high symbol and added across for its low ones, in locals (adding into
+ * freq[p >> 4] pair by pair waited on the store before it: ~1.4 us a V stream). */
+static void pair_freq(const uint64_t tot[256], uint64_t freq[256]) {
+    uint64_t low[16] = {0};
     for (int a = 0; a < 16; a++) {
         uint64_t row = 0;
         for (int b = 0; b < 16; b++) row += tot[a << 4 | b], low[b] += tot[a << 4 | b];
@@ -492,15 +496,16 @@ static void count_stream(const HuffSection *s, size_t i, uint8_t *scratch, HuffC
         c->sym = src, c->q = s->n / HUFF_LANES / 2;
         for (int j = 0; j < HUFF_LANES; j++) c->cnt[j] = c->q;
         count_lanes(c->sym, c->q, c->cnt, c->lane);
-        pair_freq(c->lane, c->freq);
+        uint64_t tot[256] = {0};
+        lanes_total(c->lane, tot);
+        pair_freq(tot, c->freq);
         return;
     }
     c->sym = gather(src, s->n, s->row, s->stride, scratch ? scratch + i * s->n : NULL);
     c->q = (s->n + HUFF_LANES - 1) / HUFF_LANES;
     for (int j = 0; j < HUFF_LANES; j++) c->cnt[j] = lane_count(s->n, c->q, j);
     count_lanes(c->sym, c->q, c->cnt, c->lane);
-    for (int j = 0; j < HUFF_LANES; j++)
-        for (int v = 0; v < 256; v++) c->freq[v] += c->lane[j][v];
+    lanes_total(c->lane, c->freq);
 }
 
 size_t huff_section_work(size_t count, int pairs) {

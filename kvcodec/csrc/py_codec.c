@@ -9,6 +9,11 @@
 #include "buffers.h"
 #include "kv_layout.h"
 
+/* The bytes a call's rows and scales span: what it reads and writes, for KV_BEGIN_WORK. */
+static size_t moved(const Bufs *b) {
+    return kv_add(kv_add((size_t)b->in.view.len, (size_t)b->out.view.len), (size_t)b->s.view.len);
+}
+
 /* encode_v(v, v_dtype, scope, page, scale_dtype, q, scales[, copy_src, copy_dst[, crc]]) -> None, an
  * int, or why the reference must take it. V's group scales (fp32 values of the stored scale dtype)
  * into `scales`, and its e4m3 codes into `q` (encode.c). The optional copy (K's bytes into the blob) is
@@ -16,11 +21,6 @@
  * e.g. of the header) the result is that CRC continued over the copy's destination, then over q's
  * bytes (a blob's K and codes, in order); None when the CRC could not be folded in (no carry-less
  * multiply, q not dense, or a copy overlapping itself): the caller computes it. */
-/* The bytes a call's rows and scales span: what it reads and writes, for KV_BEGIN_WORK. */
-static size_t moved(const Bufs *b) {
-    return kv_add(kv_add((size_t)b->in.view.len, (size_t)b->out.view.len), (size_t)b->s.view.len);
-}
-
 PyObject *py_encode_v(PyObject *self, PyObject *args) {
     static const char *fn = "encode_v";
     PyObject *vo, *qo, *so, *cs = Py_None, *cd = Py_None, *co = Py_None;
