@@ -39,7 +39,7 @@ from ..hostmem import buffer_address, copy_scale_bytes, copy_tensor, new_buffer,
 from ..numerics import FP8_DTYPES, check_amax, check_layers_amax, check_scales, scale_shape
 from .dtypes import KDTYPES, SCALE_DTYPES, VDTYPES, to_torch
 from .layout import normalize_layout, resolve_scope
-from .lossless import COMPRESSIONS, Planes, compress_blob
+from .lossless import COMPRESSIONS, Planes, compress_blob, plain_scratch
 from .lossless_device import split_host, split_to_host
 from .spec import EncodeSpec
 
@@ -503,16 +503,21 @@ def _write_blob(
     *,
     crc: bool = True,
     k_bytes: bool = True,
+    reuse: bool = False,
 ) -> tuple[Any, memoryview]:
     """Write the planned blob into ``out`` (or a new bytearray); return the owner and the blob's view.
 
     ``crc=False``: the CRC field left 0 and no CRC computed, for a blob only read back here with
     ``verify_crc=False`` (the plain blob the lossless stage codes: its own CRC is computed anew).
     ``k_bytes=False``: K's bytes may be left out of the blob (the lossless stage then codes K's planes,
-    split where K lives: on a device, K never crosses twice; on the host, K is not copied first)."""
+    split where K lives: on a device, K never crosses twice; on the host, K is not copied first).
+    ``reuse`` (with no ``out``): the blob written into this thread's reused payload buffer, for a plain
+    blob the lossless stage reads once and drops (a fresh one per blob cost its page faults)."""
     hs = packer.size
     size = hs + p.header.payload_len
-    owner = new_buffer(size) if out is None else out  # every byte is written below
+    owner = (
+        out if out is not None else plain_scratch(size) if reuse else new_buffer(size)
+    )  # all written below
     mv = _out_view(owner, size)
     if out is not None:
         _refuse_overlap(p, mv)
@@ -592,7 +597,7 @@ def encode(k: Any, v: Any, spec: EncodeSpec | None = None, *, out: Any = None, *
     lossless = _lossless(spec, out)
     plan, packer = _planned(k, v, spec)
     planes = _k_planes(plan, spec) if lossless else None
-    owner, mv = _write_blob(plan, packer, spec, out, crc=not lossless, k_bytes=planes is None)
+    owner, mv = _write_blob(plan, packer, spec, out, crc=not lossless, k_bytes=planes is None, reuse=lossless)
     if lossless:  # the plain blob just written, as parsed (its header is the plan's, ids aside): no parse
         plain = ParsedBlob(plan.header, mv, packer.size, crc=0, trailing=0)
         return compress_blob(plain, k_planes=planes)

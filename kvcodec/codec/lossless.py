@@ -75,10 +75,12 @@ __all__ = [
     "Expansion",
     "Planes",
     "compress_blob",
+    "encode_planes",
     "expand_blob",
     "expand_payload",
     "is_lossless",
     "merge_v",
+    "plain_scratch",
     "split_planes",
     "split_v",
 ]
@@ -141,11 +143,14 @@ def _check_plain(h: Header) -> tuple[int, int, int]:
     return tokens, heads, dim
 
 
-def split_planes(k: Any, tokens: int, heads: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+def split_planes(
+    k: Any, tokens: int, heads: int, dim: int, *, reuse: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """The high plane ``[heads, dim, tokens]`` and low plane ``[tokens, heads, dim]`` of 16-bit K's bytes
-    ``k`` (any C-contiguous buffer; C, else numpy)."""
+    ``k`` (any C-contiguous buffer; C, else numpy). ``reuse``: both in this thread's plane buffer
+    (:func:`encode_planes`), for an encode that codes them before its next use of that buffer."""
     n = tokens * heads * dim
-    hi, lo = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    hi, lo = encode_planes(n) if reuse else (np.empty(n, np.uint8), np.empty(n, np.uint8))
     if not backends.k_planes(k, hi, lo, tokens, heads, dim, merge=False):
         kb = np.frombuffer(k, np.uint8).reshape(tokens, heads, dim, CODED_K_ITEMSIZE)
         hi.reshape(heads, dim, tokens)[...] = kb[..., 1].transpose(1, 2, 0)
@@ -220,8 +225,9 @@ def _encode_split_v(
     exponents two a byte (split and coded a pair at a time: the same bytes, half the lookups)."""
     raw = tokens * dim
     n = raw * heads
-    if raw % 8 == 0:
-        exp2, nib = np.frombuffer(_scratch_view(n // 2, "plane"), np.uint8), np.empty(n // 2, np.uint8)
+    if raw % 8 == 0:  # both halves of the plane buffer's first n bytes: K's high plane, coded by now
+        pair = np.frombuffer(_scratch_view(n, "plane"), np.uint8)
+        exp2, nib = pair[: n // 2], pair[n // 2 :]
         if backends.v_nibbles_pairs(v, exp2, nib, tokens, heads, dim):
             return _within_bound(
                 backends.huff_encode_pairs_many(exp2, 0, raw // 2, heads, raw, out, 0), raw
@@ -235,11 +241,13 @@ Planes = tuple[np.ndarray, np.ndarray]
 """K's high plane ``[heads, dim, tokens]`` and low plane ``[tokens, heads, dim]``, flat uint8."""
 
 
-def _planes_of(p: ParsedBlob, tokens: int, heads: int, dim: int, given: Planes | None) -> Planes:
+def _planes_of(
+    p: ParsedBlob, tokens: int, heads: int, dim: int, given: Planes | None, *, reuse: bool = False
+) -> Planes:
     """K's planes: those ``given`` (split where K lives: kvcodec.codec.lossless_device), else split here
-    from the plain blob's K."""
+    from the plain blob's K (``reuse``: into this thread's plane buffer)."""
     if given is None:
-        return split_planes(p.k, tokens, heads, dim)
+        return split_planes(p.k, tokens, heads, dim, reuse=reuse)
     n = tokens * heads * dim
     if len(given) != 2 or any(
         not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.size != n for a in given
@@ -264,7 +272,7 @@ def _huffman_blob(
     mv[:hs] = p.buffer[:hs]  # the plain header, restamped below
     at = hs
     if h.k_payload_len:
-        hi, lo = _planes_of(p, tokens, heads, dim, planes)
+        hi, lo = _planes_of(p, tokens, heads, dim, planes, reuse=True)
         lengths = _encode_streams(
             hi, 0, raw, heads, raw, raw, raw, mv[at + table : at + table + heads * bound]
         )
@@ -484,17 +492,33 @@ def _merge_k(out: memoryview, hi: np.ndarray, lo: memoryview, c: Coding) -> None
 
 
 SCRATCH_MAX_BYTES = 64 << 20
-"""The largest plain payload (or plane: K's high bytes, V's exponents) the lossless stage writes into one
+"""The largest plain payload (or planes: an encode's two of K, a decode's one) the lossless stage writes into one
 of its thread's two reused buffers (a larger one gets a buffer of its own, freed with it): what a thread
 keeps between calls is bounded, at twice this."""
 _scratch = threading.local()
 
 
+def plain_scratch(n: int) -> memoryview:
+    """``n`` bytes of this thread's reused payload buffer, for the plain blob an encode writes only for
+    :func:`compress_blob` to code (the lossless blob is a new buffer; nothing keeps the plain one)."""
+    return _scratch_view(n)
+
+
+def encode_planes(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two ``n``-byte planes for an encode's K (high, then low), one after another in this thread's plane
+    buffer: a fresh pair per blob cost its page faults (a 256-token blob of 8 x 128: 54 -> 41 us a split).
+    V's exponents and nibbles then reuse the first ``n`` bytes, once K's high plane is coded and its low
+    plane copied into the blob."""
+    buf = np.frombuffer(_scratch_view(2 * n, "plane"), np.uint8)
+    return buf[:n], buf[n:]
+
+
 def _scratch_view(n: int, name: str = "payload") -> memoryview:
     """``n`` bytes of this thread's reused buffer ``name`` (grown to the largest size asked for, up to
-    :data:`SCRATCH_MAX_BYTES`), or a new buffer's beyond that. Two names: the plain payload, and a plane
-    before it is merged (V's exponents, then K's high bytes: a fresh buffer of that size each decode
-    costs its page faults; an encode splits V's exponents into it too)."""
+    :data:`SCRATCH_MAX_BYTES`), or a new buffer's beyond that. Two names: the plain payload (a decode's,
+    or the plain blob a lossless encode codes), and the planes (a decode's V exponents, then K's high
+    bytes before they are merged; an encode's K planes, then V's exponents and nibbles): a fresh buffer
+    of that size each call costs its page faults."""
     if n > SCRATCH_MAX_BYTES:
         return memoryview(new_buffer(n))
     buf = getattr(_scratch, name, None)
@@ -563,8 +587,9 @@ class Expansion:
 def expand_payload(p: ParsedBlob, *, reuse: bool = False) -> tuple[Header, memoryview]:
     """The plain header and payload that lossless blob ``p`` (parsed, CRC checked) codes, with no
     plain header written or parsed (decode). ``reuse``: the payload lies in this thread's reused
-    buffer (:func:`_scratch_view`), valid until the thread's next ``expand_payload(reuse=True)``: for
-    a caller that copies everything out of it before then (a decode into ``out_k`` and ``out_v``)."""
+    buffer (:func:`_scratch_view`), valid until the thread's next ``expand_payload(reuse=True)`` or
+    lossless encode: for a caller that copies everything out of it before then (a decode into ``out_k``
+    and ``out_v``)."""
     e = Expansion(p, reuse=reuse)
     e.fill()
     return e.header, e.payload

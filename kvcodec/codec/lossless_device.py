@@ -52,12 +52,14 @@ def split_to_host(k: torch.Tensor, *, backend: str | None = None) -> tuple[np.nd
 
 def split_host(k: torch.Tensor, k_dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray] | None:
     """A CPU ``k``'s (``[T, H, D]``, C-contiguous, ``k_dtype``: the blob's K) planes split from its own
-    bytes, so an encode need not copy K into the plain blob first; None for any other ``k``."""
+    bytes, so an encode need not copy K into the plain blob first; None for any other ``k``. The planes lie
+    in this thread's reused plane buffer (:func:`~.lossless.encode_planes`): code them before anything
+    else in this thread uses it."""
     if k.device.type != "cpu" or k.dtype != k_dtype or k.element_size() != 2 or not k.is_contiguous():
         return None
     if k.dim() != 3 or k.requires_grad:
         return None
-    return split_planes(k.view(torch.uint8).numpy(), *k.shape)
+    return split_planes(k.view(torch.uint8).numpy(), *k.shape, reuse=True)
 
 
 def _host_bytes(buf: Any, n: int) -> torch.Tensor:

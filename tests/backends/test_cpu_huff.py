@@ -4,7 +4,11 @@ skewed and hostile inputs; every refusal by its code, and through a blob as BAD_
 
 from __future__ import annotations
 
+import os
+import pathlib
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -632,6 +636,33 @@ def test_pairs_code_the_bytes_of_one_symbol_at_a_time(kind, n) -> None:
     assert out.tobytes() == b"".join(want)
     with pytest.raises(UnsupportedConfigError, match="do not fit"):
         cpu.huff_encode_pairs_many(pairs, 0, n // 2, 2, n, out[:-1], 0)
+
+
+def test_pairs_at_the_scalar_level_code_the_same_bytes() -> None:
+    """KVCODEC_CPU_LEVEL=scalar: a pairs stream's symbols counted from its pair bytes' counts instead of by
+    AVX2's nibble counters (a lane's tail, a whole chunk of 127 blocks and one past it); the same bytes."""
+    sizes, kinds = (200, 33000, 40000), ("skewed", "one", "fib")
+    code = (
+        "import numpy as np, sys; sys.path.insert(0, 'tests/backends'); from kvcodec.backends import cpu; "
+        "from test_cpu_huff import _exponents, _pairs_stream; "
+        f"print(' '.join(_pairs_stream(_exponents(k, n, seed=n)).hex() for k in {kinds!r} for n in {sizes!r}))"
+    )
+    env = {**os.environ, "KVCODEC_CPU_LEVEL": "scalar"}
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
+    )
+    want = [huffman.encode(_exponents(k, n, seed=n)).hex() for k in kinds for n in sizes]
+    assert out.stdout.split() == want
+    assert [_pairs_stream(_exponents(k, n, seed=n)).hex() for k in kinds for n in sizes] == want
+
+
+def _pairs_stream(sym: np.ndarray) -> bytes:
+    """huff_encode_pairs_many's stream of the exponents ``sym`` (a count that is a multiple of 8), alone."""
+    pairs = (sym[0::2] | (sym[1::2] << 4)).astype(np.uint8)
+    out = np.empty(max_stream_len(sym.size, huffman=True), np.uint8)
+    (got,) = cpu.huff_encode_pairs_many(pairs, 0, pairs.size, 1, sym.size, out, 0)
+    return out[:got].tobytes()
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import zlib
 
 import pytest
@@ -484,6 +485,48 @@ def test_decoding_into_outputs_reuses_the_threads_payload_buffer(monkeypatch, ca
         with pytest.raises(CorruptEncodedKVError) as e:
             kvcodec.decode(bad, out_k=out_k, out_v=out_v)
         assert e.value.reason == Reason.CRC_MISMATCH
+
+
+@pytest.mark.parametrize("cap", [None, 0])
+def test_lossless_encodes_reuse_the_threads_buffers(monkeypatch, cap) -> None:
+    """A lossless encode writes its plain blob and K's planes into this thread's reused buffers (or
+    buffers of their own past SCRATCH_MAX_BYTES), between decodes that use them too: blobs of other
+    sizes one after another, each what compress_blob makes of the plain blob."""
+    from kvcodec.codec import lossless
+
+    monkeypatch.setattr(lossless, "_scratch", threading.local())  # none kept from an earlier test
+    if cap is not None:
+        monkeypatch.setattr(lossless, "SCRATCH_MAX_BYTES", cap)
+    opts = {"scope": "per_page_head", "page_size": 4}
+    shapes = [((64, 4, 32), torch.bfloat16), ((5, 3, 7), torch.float16), ((64, 4, 32), torch.float16)]
+    for shape, dtype in shapes * 2:
+        k, v = _kv(shape, dtype, seed=shape[0] + shape[2])
+        plain = kvcodec.encode(k, v, **opts)
+        coded = kvcodec.encode(k, v, compression="lossless", **opts)
+        assert coded == compress_blob(bytes(plain))
+        out_k, out_v = torch.empty_like(k), torch.empty(shape, dtype=torch.float32)
+        kvcodec.decode(coded, out_k=out_k, out_v=out_v)
+        assert torch.equal(out_k.view(torch.int16), k.view(torch.int16))
+    planes = getattr(lossless._scratch, "plane", None)
+    assert (planes is not None and planes.size >= 2 * 64 * 4 * 32) == (cap is None)
+
+
+def test_threads_encode_into_their_own_buffers() -> None:
+    """Two threads' lossless encodes at once each write into their own reused buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    opts = {"scope": "per_page_head", "page_size": 4}
+    jobs = []
+    for seed, shape in [(1, (64, 4, 32)), (2, (32, 2, 64))]:
+        k, v = _kv(shape, torch.bfloat16, seed=seed)
+        jobs.append((k, v, bytes(compress_blob(kvcodec.encode(k, v, **opts)))))
+
+    def run(job) -> bool:
+        k, v, want = job
+        return all(kvcodec.encode(k, v, compression="lossless", **opts) == want for _ in range(20))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(run, jobs * 2))
 
 
 def test_threads_decode_into_their_own_payload_buffers() -> None:
