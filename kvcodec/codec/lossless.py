@@ -14,7 +14,7 @@ order-0 canonical Huffman code per stream, lengths of at most 11 bits, the symbo
 that decode side by side (``docs/FORMAT.md``, "Huffman stream"): ``kvcodec/csrc/huff.c`` through
 :mod:`kvcodec.backends`, else :mod:`.huffman` (the same bytes, slower). It was chosen by measurement
 (docs/quality.md): on real KV it codes as small as deflate level 1 and decodes several times faster
-than ISA-L's inflate on these planes. V's exponents (16 symbols, ~2.6 bits a code) decode up to three
+than ISA-L's inflate on these planes. V's exponents (16 symbols, ~2.6 bits a code) decode up to five
 a table lookup where whole codes (~6.6 bits) took one each, for 0.5% more bytes of V: V's streams
 decode about twice as fast (docs/quality.md).
 

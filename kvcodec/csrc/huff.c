@@ -12,7 +12,7 @@
  * table is complete (no holes: every table a Huffman encoder writes but one of a single symbol), the
  * four lanes run side by side with no check per symbol: a round loads 8 bytes at each lane's bit
  * position and makes four lookups per lane (of one symbol each, or of runs of up to three where the
- * codes are short); then each lane's tail, one symbol at a time with every check, in lane order. An
+ * codes are short, up to five where the shortest has 2 bits); then each lane's tail, one symbol at a time with every check, in lane order. An
  * incomplete table takes that careful loop throughout. Either way the code returned is the first
  * failure in lane order (within a lane, the first symbol that fails), as kvcodec/codec/huffman.py's. */
 #include "huff.h"
@@ -29,8 +29,8 @@
 #define ENTRY_LEN(e) ((e) & 15u)
 #define ENTRY_SYM(e) ((uint8_t)((e) >> 8))
 #ifndef PAIR_MEAN
-/* bits: the mean code length up to which the decoder looks up runs of up to three symbols (measured:
- * K's exponents, ~3 bits, decode 1.3x faster; V's codes, ~6.5 bits, no faster) */
+/* bits: the mean code length up to which the decoder looks up runs of symbols (measured: K's exponents,
+ * ~3 bits, decode 1.3x faster; V's codes, ~6.5 bits, no faster) */
 #define PAIR_MEAN 5
 #endif
 
@@ -714,31 +714,83 @@ static void pair_table(const uint8_t cl[256], const uint16_t code[256], const ui
     }
 }
 
+/* The fast loop's table of long runs, for a complete table whose shortest code has 2 bits (V's exponents):
+ * for each 11-bit window up to five symbols, each next one where its code fits in the bits the ones
+ * before leave (five 2-bit codes fill 10 of the 11 bits, so no run is ever cut short by the count):
+ * total length | count << 4 | symbols << 8 (the first in bits 8..15), 64 bits an entry. The runs of the
+ * bits left after c bits taken depend on c alone: worked out for each c a run can take (a sum of the
+ * lengths present), the most taken first, each window's one lookup and one entry of c + its length's
+ * (C harness, the bench's V streams: 3.5 of their exponents a lookup instead of 2.9, a stream's
+ * decode 10% faster; a table in ~4.8 us instead of pair_table's ~2.2). */
+static void long_runs_table(const uint8_t cl[256], const uint16_t *t, uint64_t *t2) {
+    unsigned lens = 0, reach = 1; /* bit l: a code of l bits is present; bit c: c bits can be taken */
+    for (int s = 0; s < 256; s++) lens |= 1u << cl[s];
+    lens &= ~1u;
+    for (unsigned c = 0; c < HUFF_MAX_LEN; c++)
+        if (reach >> c & 1) reach |= (lens << c) & ((1u << HUFF_MAX_LEN) - 1);
+    uint64_t rest[TABLE_SIZE]; /* the runs after c = 1 .. 10 bits one after another, 2^(11 - c) each */
+    uint64_t *at[HUFF_MAX_LEN + 1] = {0};
+    size_t used = 0;
+    for (unsigned c = 1; c < HUFF_MAX_LEN; c++)
+        if (reach >> c & 1) at[c] = rest + used, used += TABLE_SIZE >> c;
+    at[0] = t2;
+    for (unsigned c = HUFF_MAX_LEN; c-- > 0;) {
+        if (!(reach >> c & 1)) continue;
+        uint64_t *r = at[c];
+        unsigned room = HUFF_MAX_LEN - c;
+        for (unsigned z = 0; z < (TABLE_SIZE >> c); z++) {
+            uint32_t e = t[z];
+            unsigned l = ENTRY_LEN(e);
+            if (l > room) {
+                r[z] = 0;
+                continue;
+            }
+            uint64_t next = l < room ? at[c + l][z >> l] : 0; /* c + l is reachable: it was worked out */
+            r[z] = (next >> 8) << 16 | (uint64_t)ENTRY_SYM(e) << 8 | ((next & 0xFF) + l + (1u << 4));
+        }
+    }
+}
+
+/* What a lanes loop takes: one symbol a lookup, runs of up to three (pair_table, 32-bit entries), runs of
+ * up to five (long_runs_table, 64-bit entries). */
+enum { RUNS_NONE = 0, RUNS_SHORT = 1, RUNS_LONG = 2 };
+
 /* Rounds the first nl lanes can all run: an 8-byte load inside each lane's bytes (a round moves a lane at
- * most 44 bits, under 6 bytes) and room for sixteen symbols in each lane's output (a round's four
- * lookups write 4 bytes each, of which up to three symbols). */
+ * most 44 bits, under 6 bytes) and room in each lane's output: a round's four lookups write 4 bytes
+ * each, of which up to three symbols (up to twelve a round), or with RUNS_LONG 8 bytes each, of which up
+ * to five (twenty a round). */
 static inline size_t safe_rounds(const uint8_t *src, const size_t *pos, const uint8_t *const *end, uint8_t *const *d,
-                                 uint8_t *const *stop, int nl) {
+                                 uint8_t *const *stop, int nl, int mode) {
+    const ptrdiff_t room = mode == RUNS_LONG ? 28 : 16;
+    const size_t over = mode == RUNS_LONG ? 8 : 4, per = mode == RUNS_LONG ? 20 : 12;
     size_t safe = SIZE_MAX;
     for (int i = 0; i < nl; i++) {
         const uint8_t *p = src + (pos[i] >> 3);
-        if (end[i] - p < 8 || stop[i] - d[i] < 16) return 0;
-        size_t r = (size_t)(end[i] - 8 - p) / 6 + 1, w = (size_t)(stop[i] - d[i] - 4) / 12;
+        if (end[i] - p < 8 || stop[i] - d[i] < room) return 0;
+        size_t r = (size_t)(end[i] - 8 - p) / 6 + 1, w = (size_t)(stop[i] - d[i] - over) / per;
         if (r < safe) safe = r;
         if (w < safe) safe = w;
     }
     return safe;
 }
 
-/* One lookup of the table of runs (pair_table): up to three symbols stored (4 bytes written), the output
- * and the bit position moved on. */
-#define RUN_STEP(t2, b, p, d)                       \
-    {                                               \
-        uint32_t e_ = (t2)[b & TABLE_MASK];         \
-        store32le(d, e_ >> 8);                      \
-        d += (e_ >> 6) & 3;                         \
-        b >>= e_ & 63;                              \
-        p += e_ & 15;                               \
+/* One lookup of a table of runs: up to three symbols stored (4 bytes written; pair_table's), or up to
+ * five (8 bytes; long_runs_table's), the output and the bit position moved on. */
+#define RUN_STEP(t2, b, p, d, mode)                                        \
+    {                                                                      \
+        if ((mode) == RUNS_LONG) {                                         \
+            uint64_t e_ = ((const uint64_t *)(t2))[b & TABLE_MASK];        \
+            store64(d, e_ >> 8);                                           \
+            d += (e_ >> 4) & 7;                                            \
+            b >>= e_ & 15;                                                 \
+            p += e_ & 15;                                                  \
+        } else {                                                           \
+            uint32_t e_ = ((const uint32_t *)(t2))[b & TABLE_MASK];        \
+            store32le(d, e_ >> 8);                                         \
+            d += (e_ >> 6) & 3;                                            \
+            b >>= e_ & 63;                                                 \
+            p += e_ & 15;                                                  \
+        }                                                                  \
     }
 
 /* A lane's bit position from src, and its state set back from one (a byte pointer and the bits left of
@@ -754,29 +806,30 @@ static inline void lane_set(Lane *L, const uint8_t *src, size_t pos, const uint8
 }
 
 /* Runs for nl (1 or 2) lanes on their own: what is left once the four no longer all can run. A lookup
- * gives one to three symbols, so the lanes drift apart: when the first is near its end another may have
+ * gives one to three (or five) symbols, so the lanes drift apart: when the first is near its end another may have
  * hundreds of symbols left (the bench's K: ~370 a lane of 8192), which one symbol a lookup (finish_lane)
  * took 13% of the streams' decode. */
 static inline __attribute__((always_inline)) void runs_apart(const uint8_t *src, Lane *const *L, int nl,
-                                                             const uint32_t *t2) {
+                                                             const void *t2, int mode) {
     size_t pos[2];
     uint8_t *d[2], *stop[2];
     const uint8_t *end[2];
     for (int i = 0; i < nl; i++)
         pos[i] = lane_pos(L[i], src), d[i] = L[i]->dst + L[i]->k, stop[i] = L[i]->dst + L[i]->cnt, end[i] = L[i]->end;
-    for (size_t run; (run = safe_rounds(src, pos, end, d, stop, nl));)
+    for (size_t run; (run = safe_rounds(src, pos, end, d, stop, nl, mode));)
         for (; run; run--)
             for (int i = 0; i < nl; i++) {
                 uint64_t b = load64(src + (pos[i] >> 3)) >> (pos[i] & 7);
-                RUN_STEP(t2, b, pos[i], d[i]) RUN_STEP(t2, b, pos[i], d[i])
-                RUN_STEP(t2, b, pos[i], d[i]) RUN_STEP(t2, b, pos[i], d[i])
+                RUN_STEP(t2, b, pos[i], d[i], mode) RUN_STEP(t2, b, pos[i], d[i], mode)
+                RUN_STEP(t2, b, pos[i], d[i], mode) RUN_STEP(t2, b, pos[i], d[i], mode)
             }
     for (int i = 0; i < nl; i++) lane_set(L[i], src, pos[i], d[i]);
 }
 
 /* After the four lanes side by side: the two with the most symbols left side by side while both can
  * run, then each alone; finish_lane does the last few. */
-static inline __attribute__((always_inline)) void runs_tail(const uint8_t *src, Lane L[HUFF_LANES], const uint32_t *t2) {
+static inline __attribute__((always_inline)) void runs_tail(const uint8_t *src, Lane L[HUFF_LANES], const void *t2,
+                                                            int mode) {
     for (;;) {
         int a = 0, b = 1;
         for (int i = 1; i < HUFF_LANES; i++) {
@@ -787,20 +840,21 @@ static inline __attribute__((always_inline)) void runs_tail(const uint8_t *src, 
         if (L[b].cnt - L[b].k < 32) break; /* little left: each alone */
         size_t before = L[a].k + L[b].k;
         Lane *two[2] = {&L[a], &L[b]};
-        runs_apart(src, two, 2, t2);
+        runs_apart(src, two, 2, t2, mode);
         if (L[a].k + L[b].k == before) break; /* one of them cannot run */
     }
     for (int i = 0; i < HUFF_LANES; i++) {
         Lane *one = &L[i];
-        runs_apart(src, &one, 1, t2);
+        runs_apart(src, &one, 1, t2, mode);
     }
 }
 
 /* Four lanes side by side, for a complete table (nothing to test per symbol). Each lane's state is one
  * bit position from the stream's start (and, with runs, its output pointer): a round loads 8 bytes at
  * the position (57+ bits: four lookups of 11), makes four lookups per lane and moves the position on.
- * `pairs`: the table of runs (pair_table), each lookup one to three symbols (a 4-byte store, the
- * pointer moved by the count); else the plain table, one symbol a lookup. Inlined into a generic and a
+ * `pairs`: RUNS_SHORT, the table of runs (pair_table), each lookup one to three symbols (a 4-byte store,
+ * the pointer moved by the count), or RUNS_LONG (long_runs_table), one to five (an 8-byte store); else
+ * the plain table, one symbol a lookup. Inlined into a generic and a
  * BMI2 copy (shifts by any register: without them every variable shift waits on cl, measured 1.5x
  * slower). */
 static inline __attribute__((always_inline)) void lanes_body(const uint8_t *src, Lane L[HUFF_LANES],
@@ -811,18 +865,17 @@ static inline __attribute__((always_inline)) void lanes_body(const uint8_t *src,
     const uint8_t *const end[HUFF_LANES] = {L[0].end, L[1].end, L[2].end, L[3].end};
     uint8_t *const stop[HUFF_LANES] = {L[0].dst + L[0].cnt, L[1].dst + L[1].cnt, L[2].dst + L[2].cnt,
                                        L[3].dst + L[3].cnt};
-    const uint32_t *t2 = table;
     const uint16_t *t = table;
     for (;;) {
         const size_t pos[HUFF_LANES] = {p0, p1, p2, p3};
         uint8_t *const d[HUFF_LANES] = {d0, d1, d2, d3};
-        size_t run = safe_rounds(src, pos, end, d, stop, HUFF_LANES);
+        size_t run = safe_rounds(src, pos, end, d, stop, HUFF_LANES, pairs);
         if (!run) break;
         if (pairs) {
             for (; run; run--) {
                 uint64_t b0 = load64(src + (p0 >> 3)) >> (p0 & 7), b1 = load64(src + (p1 >> 3)) >> (p1 & 7);
                 uint64_t b2 = load64(src + (p2 >> 3)) >> (p2 & 7), b3 = load64(src + (p3 >> 3)) >> (p3 & 7);
-#define S(b, p, d) RUN_STEP(t2, b, p, d)
+#define S(b, p, d) RUN_STEP(table, b, p, d, pairs)
                 S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
                 S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
                 S(b0, p0, d0) S(b1, p1, d1) S(b2, p2, d2) S(b3, p3, d3)
@@ -854,27 +907,33 @@ static inline __attribute__((always_inline)) void lanes_body(const uint8_t *src,
     const size_t pos[HUFF_LANES] = {p0, p1, p2, p3};
     uint8_t *const d[HUFF_LANES] = {d0, d1, d2, d3};
     for (int i = 0; i < HUFF_LANES; i++) lane_set(&L[i], src, pos[i], d[i]);
-    if (pairs) runs_tail(src, L, t2);
+    if (pairs) runs_tail(src, L, table, pairs);
 }
 
-static void lanes_1(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, 0); }
-static void lanes_2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, 1); }
+static void lanes_1(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, RUNS_NONE); }
+static void lanes_2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, RUNS_SHORT); }
+static void lanes_5(const uint8_t *src, Lane L[HUFF_LANES], const void *t) { lanes_body(src, L, t, RUNS_LONG); }
 #if KV_X86
 __attribute__((target("bmi2"))) static void lanes_1_bmi2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) {
-    lanes_body(src, L, t, 0);
+    lanes_body(src, L, t, RUNS_NONE);
 }
 __attribute__((target("bmi2"))) static void lanes_2_bmi2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) {
-    lanes_body(src, L, t, 1);
+    lanes_body(src, L, t, RUNS_SHORT);
+}
+__attribute__((target("bmi2"))) static void lanes_5_bmi2(const uint8_t *src, Lane L[HUFF_LANES], const void *t) {
+    lanes_body(src, L, t, RUNS_LONG);
 }
 #endif
 
 typedef void (*LanesFn)(const uint8_t *, Lane *, const void *);
 
-/* The fast loops this CPU runs: [0] one symbol a lookup, [1] runs of up to three. */
-static void lanes_fns(LanesFn fn[2]) {
-    fn[0] = lanes_1, fn[1] = lanes_2;
+/* The fast loops this CPU runs, by what a lookup gives: RUNS_NONE one symbol, RUNS_SHORT runs of up to
+ * three, RUNS_LONG of up to five. */
+static void lanes_fns(LanesFn fn[3]) {
+    fn[RUNS_NONE] = lanes_1, fn[RUNS_SHORT] = lanes_2, fn[RUNS_LONG] = lanes_5;
 #if KV_X86
-    if (__builtin_cpu_supports("bmi2")) fn[0] = lanes_1_bmi2, fn[1] = lanes_2_bmi2;
+    if (__builtin_cpu_supports("bmi2"))
+        fn[RUNS_NONE] = lanes_1_bmi2, fn[RUNS_SHORT] = lanes_2_bmi2, fn[RUNS_LONG] = lanes_5_bmi2;
 #endif
 }
 
@@ -895,12 +954,16 @@ static void lane_init(Lane *L, const uint8_t *start, size_t len, size_t cnt, uin
 typedef struct {
     uint8_t head[HUFF_TABLE_BYTES];
     int built; /* head and the tables hold a checked stream's */
-    int runs;  /* t2 (pair_table) built too */
+    int runs;  /* the table of runs built too: RUNS_SHORT (t2.r3) or RUNS_LONG (t2.r5) */
     uint16_t t[TABLE_SIZE];
     uint16_t code[256];
     uint8_t cl[256];
     uint32_t kraft, mean; /* the lengths' Kraft sum and own mean (sum l 2^-l), both x 2^11 */
-    uint32_t t2[TABLE_SIZE];
+    unsigned shortest;    /* the shortest code's length */
+    union {
+        uint32_t r3[TABLE_SIZE];
+        uint64_t r5[TABLE_SIZE];
+    } t2;
 } Tables;
 
 /* One stream being decoded: its tables, lanes and where its symbols go. */
@@ -938,7 +1001,7 @@ static void decode_tables(Tables *tb, const uint8_t *sym, int m, const unsigned 
 static int build_tables(Tables *tb, const uint8_t *src, size_t n) {
     uint8_t *cl = tb->cl, sym[256];
     uint32_t kraft = 0, mean = 0;
-    unsigned count[HUFF_MAX_LEN + 1] = {0};
+    unsigned count[HUFF_MAX_LEN + 1] = {0}, shortest = HUFF_MAX_LEN + 1;
     int m = 0;
     tb->built = tb->runs = 0;
     for (int i = 0; i < HUFF_TABLE_BYTES; i++) {
@@ -951,12 +1014,13 @@ static int build_tables(Tables *tb, const uint8_t *src, size_t n) {
         if (l > HUFF_MAX_LEN) return HUFF_BAD_LENGTH;
         kraft += 1u << (HUFF_MAX_LEN - l), mean += l << (HUFF_MAX_LEN - l);
         count[l]++;
+        shortest = l < shortest ? l : shortest;
         sym[m++] = (uint8_t)s;
     }
     if (kraft > TABLE_SIZE) return HUFF_OVERSUBSCRIBED;
     if (!kraft && n) return HUFF_NO_SYMBOLS;
     decode_tables(tb, sym, m, count);
-    tb->kraft = kraft, tb->mean = mean;
+    tb->kraft = kraft, tb->mean = mean, tb->shortest = shortest;
     memcpy(tb->head, src, HUFF_TABLE_BYTES);
     tb->built = 1;
     return HUFF_OK;
@@ -1015,16 +1079,20 @@ static int finish(Stream *st) {
 }
 
 /* One stream's four lanes side by side (runs where its codes are short: their table built once for
- * its tables). */
+ * its tables; long runs where the shortest code has 2 bits, so that up to five fit a window: with one of
+ * 1 bit a run of three would be cut short, with none under 3 bits no four fit). */
 static void run_fast(Stream *st, const uint8_t *src) {
-    LanesFn fn[2];
+    LanesFn fn[3];
     lanes_fns(fn);
     Tables *tb = st->tab;
-    if (with_pairs(st)) {
-        if (!tb->runs) pair_table(tb->cl, tb->code, tb->t, tb->t2), tb->runs = 1;
-        fn[1](src, st->L, tb->t2);
+    if (!with_pairs(st)) {
+        fn[RUNS_NONE](src, st->L, tb->t);
+    } else if (tb->shortest == 2) {
+        if (tb->runs != RUNS_LONG) long_runs_table(tb->cl, tb->t, tb->t2.r5), tb->runs = RUNS_LONG;
+        fn[RUNS_LONG](src, st->L, tb->t2.r5);
     } else {
-        fn[0](src, st->L, tb->t);
+        if (tb->runs != RUNS_SHORT) pair_table(tb->cl, tb->code, tb->t, tb->t2.r3), tb->runs = RUNS_SHORT;
+        fn[RUNS_SHORT](src, st->L, tb->t2.r3);
     }
 }
 

@@ -80,12 +80,15 @@ def _symbols(kind: str, n: int, seed: int = 0) -> np.ndarray:
         return (120 + rng.geometric(0.5, n)).clip(0, 255).astype(np.uint8)
     if kind == "gauss":  # V's FP8 codes
         return rng.normal(0, 40, n).clip(-127, 127).astype(np.int8).view(np.uint8)
+    if kind == "quads":  # V's exponents: four 2-bit codes, the rest longer (the decoder's runs of five)
+        common = rng.integers(6, 10, n, dtype=np.uint8)
+        return np.where(rng.random(n) < 0.92, common, rng.integers(0, 16, n, dtype=np.uint8)).astype(np.uint8)
     if kind == "all256":
         return np.resize(rng.permutation(256).astype(np.uint8), n)
     raise AssertionError(kind)
 
 
-KINDS = ["uniform", "one", "two", "exponents", "gauss", "all256"]
+KINDS = ["uniform", "one", "two", "exponents", "gauss", "all256", "quads"]
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 63, 64, 65, 257, 4099, 40000]
 
 
@@ -200,12 +203,15 @@ def test_hostile_streams_refused_alike(kind, n, edits, cut, extra, lane, n_delta
         assert got[1] == want[1]
 
 
-def _drifting(n: int, seed: int, long_lane: int) -> np.ndarray:
+def _drifting(n: int, seed: int, long_lane: int, common: int = 1) -> np.ndarray:
     """Symbols whose four lanes decode at different paces in the runs table: every lane but
-    ``long_lane`` mostly one symbol (a 1-bit code: three a lookup), ``long_lane`` spread over forty
-    (one a lookup), so the lanes side by side stop with that one hundreds of symbols short."""
+    ``long_lane`` mostly ``common`` symbols (one: a 1-bit code, three a lookup; four: 2-bit codes, five
+    a lookup from the table of long runs), ``long_lane`` spread over forty (one a lookup), so the lanes
+    side by side stop with that one hundreds of symbols short."""
     rng = np.random.default_rng(seed)
-    sym = np.where(rng.random(n) < 0.97, 120, rng.integers(100, 140, n)).astype(np.uint8)
+    sym = np.where(rng.random(n) < 0.97, 120 + rng.integers(0, common, n), rng.integers(100, 140, n)).astype(
+        np.uint8
+    )
     q = (n + 3) // 4
     sym[long_lane * q : (long_lane + 1) * q] = rng.integers(
         100, 140, len(sym[long_lane * q : (long_lane + 1) * q])
@@ -213,15 +219,30 @@ def _drifting(n: int, seed: int, long_lane: int) -> np.ndarray:
     return sym
 
 
+def _shortest_code(sym: np.ndarray) -> int:
+    lengths = np.asarray(huffman.code_lengths(np.bincount(sym, minlength=256)))
+    return int(lengths[lengths > 0].min())
+
+
+def test_the_runs_kinds_take_the_tables_they_name() -> None:
+    """The symbols the runs tests use have the shortest code each table of runs is built for: 1 bit (runs
+    of three), 2 bits (runs of five: "quads", and drifting lanes of four common symbols)."""
+    assert _shortest_code(_symbols("exponents", 4099)) == 1
+    assert _shortest_code(_symbols("quads", 4099)) == 2
+    assert _shortest_code(_drifting(4099, 1, 0)) == 1
+    assert _shortest_code(_drifting(4099, 1, 0, common=4)) == 2
+
+
+@pytest.mark.parametrize("common", [1, 4])
 @pytest.mark.parametrize("long_lane", range(4))
 @pytest.mark.parametrize("n", [4096, 4099, 40000, 40003])
-def test_lanes_that_drift_apart_decode_as_the_oracle(long_lane, n) -> None:
-    """The lanes' tails once they no longer all run side by side (two, then one at a time): the same
-    symbols as the oracle, alone and in a section."""
-    sym = _drifting(n, n + long_lane, long_lane)
+def test_lanes_that_drift_apart_decode_as_the_oracle(long_lane, n, common) -> None:
+    """The lanes' tails once they no longer all run side by side (two, then one at a time), in runs of
+    up to three or up to five: the same symbols as the oracle, alone and in a section."""
+    sym = _drifting(n, n + long_lane, long_lane, common)
     stream = huffman.encode(sym)
     assert c_decode(stream, n) == (0, sym.tobytes())
-    src, spans, got = _section_of([sym, _drifting(n, 7, 3 - long_lane)])
+    src, spans, got = _section_of([sym, _drifting(n, 7, 3 - long_lane, common)])
     out = np.zeros(2 * n, np.uint8)
     assert cpu.huff_decode_many(src, spans, n, out, 0, n, n, n) is True
     assert out.tobytes() == b"".join(x.tobytes() for x in got)
@@ -230,13 +251,14 @@ def test_lanes_that_drift_apart_decode_as_the_oracle(long_lane, n) -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     long_lane=st.integers(0, 3),
+    common=st.sampled_from([1, 4]),
     edits=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=3),
 )
-def test_drifting_lanes_damaged_are_refused_alike(long_lane, edits) -> None:
+def test_drifting_lanes_damaged_are_refused_alike(long_lane, common, edits) -> None:
     """Bytes changed anywhere in drifting lanes (the tails' loops included): C and Python refuse with the
     same code, or decode the same symbols."""
     n = 4099
-    s = bytearray(huffman.encode(_drifting(n, 3, long_lane)))
+    s = bytearray(huffman.encode(_drifting(n, 3, long_lane, common)))
     for at, b in edits:
         s[HUFF_HEAD_BYTES + int(at * (len(s) - HUFF_HEAD_BYTES - 1))] = b
     got, want = c_decode(bytes(s), n), py_decode(bytes(s), n)
