@@ -15,10 +15,11 @@ CPU_CFLAGS = $(call CPU_EXT,extra-compile-args)
 CPU_INCLUDE = $$($(BIN)/python -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])')
 CPU_SUFFIX = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 # HUFF_COUNT_CHUNK=6: huff.c's histograms added up every 6 rounds instead of every 2^30, so that the
-# tests' streams take the path a stream of billions of symbols would; HUFF_NIBBLE_CHUNK=2: its nibble
-# counters every 2 blocks instead of 127, so that small streams cross that boundary too.
+# tests' streams take the path a stream of billions of symbols would; HUFF_NIBBLE_CHUNK=2 and
+# HUFF_SET_CHUNK=2: its byte counters (nibbles, few values) every 2 blocks instead of 127 and 255, so that
+# small streams cross that boundary too.
 ASAN_FLAGS = $(CPU_CFLAGS) -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
-  -Wall -shared -fPIC -DHUFF_COUNT_CHUNK=6 -DHUFF_NIBBLE_CHUNK=2
+  -Wall -shared -fPIC -DHUFF_COUNT_CHUNK=6 -DHUFF_NIBBLE_CHUNK=2 -DHUFF_SET_CHUNK=2
 ASAN_ENV = LD_PRELOAD=$$($(ASAN_CC) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=.
 

@@ -80,6 +80,14 @@ def _symbols(kind: str, n: int, seed: int = 0) -> np.ndarray:
         return (120 + rng.geometric(0.5, n)).clip(0, 255).astype(np.uint8)
     if kind == "gauss":  # V's FP8 codes
         return rng.normal(0, 40, n).clip(-127, 127).astype(np.int8).view(np.uint8)
+    if (
+        kind == "signed"
+    ):  # bf16 K's high bytes: a sign and the exponent's top, both signs (compared, not counted)
+        return (rng.integers(0x38, 0x43, n) | (rng.integers(0, 2, n) << 7)).astype(np.uint8)
+    if kind == "negative":  # one sign only, 32 values: the most the compares take
+        return rng.integers(0xA0, 0xC0, n, dtype=np.uint8)
+    if kind == "wide33":  # 33 values: one past them (counted per byte)
+        return rng.integers(0x20, 0x41, n, dtype=np.uint8)
     if kind == "quads":  # V's exponents: four 2-bit codes, the rest longer (the decoder's runs of five)
         common = rng.integers(6, 10, n, dtype=np.uint8)
         return np.where(rng.random(n) < 0.92, common, rng.integers(0, 16, n, dtype=np.uint8)).astype(np.uint8)
@@ -88,7 +96,7 @@ def _symbols(kind: str, n: int, seed: int = 0) -> np.ndarray:
     raise AssertionError(kind)
 
 
-KINDS = ["uniform", "one", "two", "exponents", "gauss", "all256", "quads"]
+KINDS = ["uniform", "one", "two", "exponents", "gauss", "all256", "quads", "signed", "negative", "wide33"]
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 63, 64, 65, 257, 4099, 40000]
 
 
@@ -222,6 +230,19 @@ def _drifting(n: int, seed: int, long_lane: int, common: int = 1) -> np.ndarray:
 def _shortest_code(sym: np.ndarray) -> int:
     lengths = np.asarray(huffman.code_lengths(np.bincount(sym, minlength=256)))
     return int(lengths[lengths > 0].min())
+
+
+def test_a_stream_narrow_at_first_and_wide_later_codes_the_oracles_bytes() -> None:
+    """A stream whose first 1 KiB holds a few values and the rest many (the compares' first look passes,
+    the whole one does not: counted per byte), and the reverse: the oracle's bytes either way."""
+    rng = np.random.default_rng(5)
+    narrow, wide = rng.integers(0x38, 0x40, 1500, dtype=np.uint8), rng.integers(0, 256, 9000, dtype=np.uint8)
+    for sym in (
+        np.concatenate([narrow, wide]),
+        np.concatenate([wide, narrow]),
+        np.concatenate([narrow, narrow[:40] | 0x80]),
+    ):
+        assert c_encode(sym) == huffman.encode(sym)
 
 
 def test_the_runs_kinds_take_the_tables_they_name() -> None:
