@@ -124,9 +124,18 @@ __attribute__((target("avx2"))) static void merge_row16(const uint8_t *hi, const
     for (size_t e = 0; e + 8 <= E; e += 8) merge_block16(hi, lo, k, T, E, t, e);
 }
 
+/* The split reads sixteen rows of K at once, 16 bytes of each a block, which the hardware's prefetchers
+ * follow poorly from memory: each 64 bytes of the next sixteen rows are fetched while these are split
+ * (C harness, a 256-token blob of 8 x 128 from memory: 50 -> 36 us; from L3 26 -> 28 us; the bench's
+ * lossless encode 3% faster: its K, like a connector's, comes from memory). */
 __attribute__((target("avx2"))) static void split_row16(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T,
                                                         size_t E, size_t t) {
-    for (size_t e = 0; e + 8 <= E; e += 8) split_block16(k, hi, lo, T, E, t, e);
+    int ahead = t + 32 <= T;
+    for (size_t e = 0; e + 8 <= E; e += 8) {
+        if (ahead && e % 32 == 0) /* the next 16 tokens' same 64 bytes of each row */
+            for (size_t j = 0; j < 16; j++) __builtin_prefetch(k + 2 * ((t + 16 + j) * E + e), 0, 2);
+        split_block16(k, hi, lo, T, E, t, e);
+    }
 }
 
 #endif
