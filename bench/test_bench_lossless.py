@@ -30,7 +30,10 @@ encode 0.091-0.107; with a section's streams sharing code lengths (tables built 
 symbols coded two a lookup, nine runs: decode 0.147-0.174, encode 0.095-0.112 (the low ends where the
 plain ratios fell too: the host's slower phases); with the decoder's drifting lanes finished in runs and
 a blob's expansion in one C call, nine runs: decode 0.129-0.226, encode 0.083-0.142 (the lows in one slow
-phase, plain 0.35 / 0.47 in that run).
+phase, plain 0.35 / 0.47 in that run); with V's and bf16 K's symbols counted by AVX2 compares, K fetched
+ahead of its split and V's runs of five a lookup, eighteen runs beside the build before in a fast-memcpy
+phase (plain encode 0.35-0.38): encode 0.096-0.105 against 0.087-0.120, 10-11% more beside plain encode;
+decode 0.147-0.163 against 0.145-0.197, 2% more (docs/quality.md).
 """
 
 from __future__ import annotations
