@@ -12,9 +12,10 @@
  * table is complete (no holes: every table a Huffman encoder writes but one of a single symbol), the
  * four lanes run side by side with no check per symbol: a round loads 8 bytes at each lane's bit
  * position and makes four lookups per lane (of one symbol each, or of runs of up to three where the
- * codes are short, up to five where the shortest has 2 bits); then each lane's tail, one symbol at a time with every check, in lane order. An
- * incomplete table takes that careful loop throughout. Either way the code returned is the first
- * failure in lane order (within a lane, the first symbol that fails), as kvcodec/codec/huffman.py's. */
+ * codes are short, up to five where the shortest has 2 bits); then each lane's tail, one symbol at a
+ * time with every check, in lane order. An incomplete table takes that careful loop throughout. Either
+ * way the code returned is the first failure in lane order (within a lane, the first symbol that
+ * fails), as kvcodec/codec/huffman.py's. */
 #include "huff.h"
 
 #include "kv.h"
@@ -441,7 +442,8 @@ static uint64_t cost(const uint64_t freq[256], const uint8_t len[256]) {
 
 /* A stream written: its head (code lengths, lanes 0..2's bytes), then each lane's symbols (lane i's cnt[i]
  * from sym + i x q) coded by c (w: its two-symbol table with WIDE), lane i's bits being its counts lane[i]
- * times c's lengths (a pairs stream's lanes count symbols, not pair bytes). Its bytes, or -1 (nothing written) when they exceed cap. */
+ * times c's lengths (a pairs stream's lanes count symbols, not pair bytes). Its bytes, or -1 (nothing
+ * written) when they exceed cap. */
 static ptrdiff_t write_stream(const Coder *c, const HuffWide *w, const uint64_t lane[HUFF_LANES][256],
                               const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES], uint8_t *out, size_t cap) {
     size_t total = HUFF_HEAD_BYTES, bytes[HUFF_LANES];
@@ -490,8 +492,6 @@ static void pair_freq(const uint64_t tot[256], uint64_t freq[256]) {
     for (int b = 0; b < 16; b++) freq[b] += low[b];
 }
 
-/* Lane j's count of each 4-bit symbol (both nibbles of its q pair bytes from sym + j x q) in lane[j][0..16),
- * the rest 0: all a pairs stream's lengths and lane sizes need (a pair's code is its two symbols' codes). */
 #if KV_X86
 #include <immintrin.h>
 #define HUFF_AVX2 1
@@ -634,6 +634,9 @@ static void count_bytes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANE
     count_lanes(sym, q, cnt, lane);
 }
 
+/* Lane j's count of each 4-bit symbol (both nibbles of its q pair bytes from sym + j x q) in lane[j][0..16),
+ * the rest 0: all a pairs stream's lengths and lane sizes need (a pair's code is its two symbols' codes).
+ * AVX2 where there (dispatch.c's level), else the pair counts folded. */
 static void count_nibbles(const uint8_t *sym, size_t q, uint64_t lane[HUFF_LANES][256]) {
 #ifdef HUFF_AVX2
     if (kv_best_simd() >= 1) { /* dispatch.c's level: the CPU's, capped by KVCODEC_CPU_LEVEL */
