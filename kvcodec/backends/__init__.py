@@ -47,6 +47,7 @@ __all__ = [
     "huff_encode_pairs_many",
     "k_planes",
     "lossless_expand",
+    "note_declined",
     "reference_backend",
     "scatter_blob_rows_many",
     "scatter_rows",
@@ -185,6 +186,12 @@ def _count(backend: Backend, op: str, why: Declined) -> None:
         _fallbacks[(backend.name, op, str(why))] += 1
 
 
+def note_declined(backend: Backend, op: str, why: str) -> None:
+    """Count a decline that a lane's caller met outside :func:`call` (the dequantization a lossless
+    expansion carried, declined in C), so :func:`backend_info` shows it as any other."""
+    _count(backend, op, Declined(why))
+
+
 def call(
     backend: Backend, op: str, *args: Any, fallback: Callable[[], Any] | None = None, **kwargs: Any
 ) -> Any:
@@ -254,12 +261,14 @@ def lossless_expand(
     v_out: Any,
     plane: Any,
     crc: tuple[Any, int] | None,
-) -> bool | tuple[Any, ...]:
+    deq: tuple[Any, ...] | None = None,
+) -> bool | str | tuple[Any, ...]:
     """A split lossless payload expanded by the C loops in one call
     (:func:`kvcodec.backends.cpu.lossless_expand`): True, ``("crc", got)``, or ``("V" | "K", i, code)``;
-    False when they are not built: the caller's stage by stage path then."""
+    with ``deq`` its codes dequantized too, or why C declined that (a str); False when they are not
+    built: the caller's stage by stage path then."""
     return _cpu().lossless_expand(
-        payload, k_len, v_len, k_streams, k_raw_at, v_streams, v_raw_at, shape, k_out, v_out, plane, crc
+        payload, k_len, v_len, k_streams, k_raw_at, v_streams, v_raw_at, shape, k_out, v_out, plane, crc, deq
     )
 
 

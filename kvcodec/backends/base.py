@@ -14,7 +14,8 @@ Beyond the four operations, the interface declares optional lanes (:class:`Lanes
 offered by one backend and named in its :attr:`Backend.lanes` (asked, never probed):
 ``encode_fused`` / ``encode_fused_layers`` / ``empty_payloads`` (Triton: K, codes and
 scales of a blob in one launch), ``encode_host`` / ``decode_host`` (cpu: a host blob's
-payload in one C call, numpy views only, the CRC folded in), ``scatter_rows`` /
+payload in one C call, numpy views only, the CRC folded in), ``expand_dequant`` (cpu: ``decode_host``'s
+dequantization carried by the call that expands a lossless payload), ``scatter_rows`` /
 ``scatter_blob_rows_many`` (cpu: rows straight into a paged cache view) and ``split_k_planes`` /
 ``merge_k_planes`` (Triton: the lossless payload's K byte planes on K's device). A lane returns
 one typed result (:class:`Served` for the cpu lanes) or raises :class:`Declined`;
@@ -143,6 +144,7 @@ LANES = (
     "empty_payloads",
     "encode_host",
     "decode_host",
+    "expand_dequant",
     "scatter_rows",
     "scatter_blob_rows_many",
     "split_k_planes",
@@ -210,6 +212,14 @@ class Lanes:
         ``crc`` the result's ``crc`` is it continued over K and the codes, or None when not folded in.
         ``k_done``: ``out_k`` already holds K (a lossless blob's planes merged there): the codes alone."""
         raise self._none("decode_host")
+
+    def expand_dequant(self, scales: torch.Tensor, groups: Groups, out_v: torch.Tensor) -> object:
+        """:meth:`decode_host`'s dequantization of a lossless blob's codes planned for the C call that
+        expands its payload, taken where :meth:`decode_host` would take it (the codes dequantized while
+        that call has them in cache): a plan holding no tensor, whose ``args(scales, out_v)`` give
+        :func:`kvcodec.backends.lossless_expand`'s ``deq`` for any scales and ``out_v`` alike in what
+        was checked (their dtypes, shapes and layouts)."""
+        raise self._none("expand_dequant")
 
     def scatter_rows(self, src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> Served:
         """``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view, by

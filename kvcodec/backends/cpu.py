@@ -23,6 +23,7 @@ one holding NaN. The extension is optional (built at install when a C compiler i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -115,11 +116,14 @@ def lossless_expand(
     v_out: Any,
     plane: Any,
     crc: tuple[Any, int] | None,
-) -> bool | tuple[Any, ...]:
+    deq: tuple[Any, ...] | None = None,
+) -> bool | str | tuple[Any, ...]:
     """A split lossless payload's K bytes and V codes in one C call (py_lossless.c: one GIL hand-over a
     blob): True when written, ``("crc", got)`` when ``crc`` (the header prefix and the stored CRC) does not
     match (nothing decoded), ``("V" | "K", i, code)`` for the first stream refused; False when the C
-    loops are not built."""
+    loops are not built. With ``deq`` (:meth:`ExpandDequant.args`; ``v_out`` then the codes as
+    ``[T, H, D]``) the codes are dequantized in the same call: a str when C declined that (a layout it
+    does not take, or NaN codes: the dequantized output may be partly written), all else written."""
     if _cpu is None:
         return False
     tokens, heads, dim = shape
@@ -138,8 +142,9 @@ def lossless_expand(
         v_out,
         plane,
         crc,
+        deq,
     )
-    return True if got is None else tuple(got)
+    return True if got is None else got if isinstance(got, str) else tuple(got)
 
 
 def huff_encode(src: Any, at: int, n: int, row: int, stride: int, out: Any, out_at: int) -> int | None:
@@ -346,12 +351,27 @@ def _served(got: str | int | None) -> Served:
     return Served(got)
 
 
+@dataclass(frozen=True)
+class ExpandDequant:
+    """:meth:`CpuBackend.expand_dequant`'s plan: the C codes of V's scope, page size and output dtype."""
+
+    scope: int
+    page: int
+    out_dtype: int
+
+    def args(self, scales: torch.Tensor, out_v: torch.Tensor) -> tuple[Any, ...]:
+        """``lossless_expand``'s ``deq`` for these scales and ``out_v`` (as checked when planned)."""
+        return _scales32(scales), self.scope, self.page, _buf(out_v), self.out_dtype
+
+
 class CpuBackend(Lanes):
     """The :class:`~.base.Backend` of the C loops (CPU tensors, e4m3fn; see :func:`_refusal`), with the
     host lanes (a blob payload in one C call) and the cache lanes (rows into a paged cache view)."""
 
     name = "cpu"
-    lanes = frozenset({"encode_host", "decode_host", "scatter_rows", "scatter_blob_rows_many"})
+    lanes = frozenset(
+        {"encode_host", "decode_host", "expand_dequant", "scatter_rows", "scatter_blob_rows_many"}
+    )
 
     def encode_v(
         self,
@@ -513,7 +533,20 @@ class CpuBackend(Lanes):
             args += [np.frombuffer(payload, np.uint8, k_len), _buf(out_k).reshape(-1).view(np.uint8), crc]
         return _served(_cpu.dequantize(*args))
 
-    # The cache lanes: the module's functions below (the vLLM connector's loads).
+    def expand_dequant(self, scales: torch.Tensor, groups: Groups, out_v: torch.Tensor) -> ExpandDequant:
+        """:meth:`decode_host`'s dequantization planned for :func:`lossless_expand` (``deq``), which
+        dequantizes a lossless blob's codes in the call that expands them; raises :class:`~.base.Declined`
+        where :meth:`decode_host` would decline before writing anything. The plan holds no tensor: it
+        serves any scales and ``out_v`` alike in all that is checked here (a caller may keep it)."""
+        page = _page(groups)
+        if isinstance(page, str):
+            raise Declined(page)
+        _declined(
+            _out_refusal(out_v, _DECODE[1], out_v.shape) or _scales_refusal(scales, groups, out_v.shape, page)
+        )
+        return ExpandDequant(_SCOPE[groups.scope], page, _DTYPE[out_v.dtype])
+
+    # The cache lanes: the module's functions below    # The cache lanes: the module's functions below (the vLLM connector's loads).
 
     def scatter_rows(self, src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> Served:
         """Copy ``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view.

@@ -338,11 +338,20 @@ def _stream_error(what: str, sec: Section, raw: int, i: int, code: int) -> Corru
     )
 
 
-def _expand_in_one_call(c: Coding, p: ParsedBlob, v_out: memoryview, k_out: memoryview, crc: bool) -> bool:
+def _expand_in_one_call(
+    c: Coding,
+    p: ParsedBlob,
+    v_out: memoryview,
+    k_out: memoryview,
+    crc: bool,
+    deq: tuple[Any, ...] | None = None,
+) -> bool | str:
     """A split payload's K bytes and V codes by one C call (``crc``: the coded blob's CRC checked in it
     first): one GIL hand-over a blob where the stages take five (the CRC, and each section's streams and
     merge), each of which a busy Python thread beside this one (an engine's loop) may hold on to for its
-    switch interval. False when the C loops are not built (nothing done)."""
+    switch interval. False when the C loops are not built (nothing done). With ``deq`` (the cpu backend's
+    :meth:`~kvcodec.backends.cpu.CpuBackend.expand_dequant`) the codes are dequantized in the same call:
+    True then, or C's reason for declining that (a str; all else written)."""
     n = c.heads * c.stream_raw
     plane = _scratch_view(n, "plane")  # V's exponents, then K's high bytes
     k, v = c.k, c.v
@@ -356,11 +365,12 @@ def _expand_in_one_call(c: Coding, p: ParsedBlob, v_out: memoryview, k_out: memo
         v.raw_at,
         (c.tokens, c.heads, c.head_dim),
         None if k is None else k_out,
-        v_out,
+        v_out if deq is None else v_out.cast("B", (c.tokens, c.heads, c.head_dim)),
         plane,
         (p.crc_prefix, p.crc) if crc else None,
+        deq,
     )
-    if got is True or got is False:
+    if got is True or got is False or type(got) is str:
         return got
     if got[0] == "crc":
         check_crc(p.header, p.crc, got[1])
@@ -544,17 +554,27 @@ def _write_scales(c: Coding, p: ParsedBlob, mv: memoryview, at: int) -> None:
 
 
 def _expand_streams(
-    c: Coding, p: ParsedBlob, mv: memoryview, at: int, k_into: memoryview | None, crc: bool = False
-) -> None:
+    c: Coding,
+    p: ParsedBlob,
+    mv: memoryview,
+    at: int,
+    k_into: memoryview | None,
+    crc: bool = False,
+    deq: tuple[Any, ...] | None = None,
+) -> bool | str:
     """K and V's codes of the plain payload at ``mv[at:]``; K into ``k_into`` instead when given.
-    ``crc``: the coded blob's CRC checked first (CorruptEncodedKVError, CRC_MISMATCH; nothing decoded)."""
+    ``crc``: the coded blob's CRC checked first (CorruptEncodedKVError, CRC_MISMATCH; nothing decoded).
+    ``deq``: see :meth:`Expansion.fill` (what this returns)."""
     k_len, v_len = c.plain.k_payload_len, c.plain.v_payload_len
     k_out = mv[at : at + k_len] if k_into is None else k_into
-    if c.huffman and c.v_split and _expand_in_one_call(c, p, mv[at + k_len : at + k_len + v_len], k_out, crc):
-        return
+    if c.huffman and c.v_split:
+        got = _expand_in_one_call(c, p, mv[at + k_len : at + k_len + v_len], k_out, crc, deq)
+        if got is not False:
+            return got if deq is not None else False
     if crc:  # the stages' way: the coded blob's CRC first
         BlobCrc(p).finish(None)
     (_expand_huffman if c.huffman else _expand_deflate)(c, p, mv, at, k_out)
+    return False
 
 
 class Expansion:
@@ -573,15 +593,20 @@ class Expansion:
         """The plain header the blob codes (no plain header is written or parsed)."""
         return self.coding.plain
 
-    def fill(self, *, k_into: memoryview | None = None, crc: bool = False) -> None:
+    def fill(
+        self, *, k_into: memoryview | None = None, crc: bool = False, deq: tuple[Any, ...] | None = None
+    ) -> bool | str:
         """The payload's K and codes; K's bytes into ``k_into`` (exactly ``k_payload_len`` writable bytes),
         the payload's K left unwritten then, when given. ``crc``: the coded blob's CRC checked first, in
         the same C call where the C loops take the blob (a blob parsed with ``verify_crc=False``):
-        CorruptEncodedKVError (CRC_MISMATCH) before any stream is decoded."""
+        CorruptEncodedKVError (CRC_MISMATCH) before any stream is decoded. ``deq`` (the cpu backend's
+        :meth:`~kvcodec.backends.cpu.CpuBackend.expand_dequant`): the codes dequantized in that same call
+        too. Returns True when they were, False when not (not asked, or this blob's stages do not take it:
+        the caller dequantizes), or C's reason for declining (the output may be partly written then)."""
         k_len = self.coding.plain.k_payload_len
         if k_into is not None and (k_into.readonly or k_into.nbytes != k_len):
             raise _refuse(f"k_into must be {k_len} writable bytes; got {k_into.nbytes}")
-        _expand_streams(self.coding, self.parsed, self.payload, 0, k_into, crc)
+        return _expand_streams(self.coding, self.parsed, self.payload, 0, k_into, crc, deq)
 
 
 def expand_payload(p: ParsedBlob, *, reuse: bool = False) -> tuple[Header, memoryview]:

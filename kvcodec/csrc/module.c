@@ -145,7 +145,8 @@ static PyObject *py_set_error(PyObject *self, PyObject *args) {
          "crc32(data[, value]) -> int: zlib's CRC-32, with the loops the codec folds in."},                      \
         {"lossless_expand", py_lossless_expand, METH_VARARGS,                                                   \
          "lossless_expand(payload, k_len, v_len, k_spans, k_raw_at, v_spans, v_raw_at, T, H, D, k_out, v_out, " \
-         "plane, crc) -> None, ('crc', got) or (section, i, code): a split lossless payload, one call."}
+         "plane, crc[, deq]) -> None, ('crc', got), (section, i, code) or reason: a split lossless payload, one " \
+         "call (with deq, V's codes dequantized in it)."}
 
 static PyMethodDef methods[] = {
     CODEC_METHODS,

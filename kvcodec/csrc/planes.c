@@ -118,10 +118,79 @@ __attribute__((target("avx2"))) static inline void split_block16(const uint8_t *
     }
 }
 
+/* A 16 x 16 byte transpose in each 128-bit lane of r[0 .. 16): lane L of r[j] becomes column j of the
+ * 16 x 16 matrix whose row i was lane L of r[i]. Four rounds of unpacks, 64 in all (bytes, words,
+ * dwords, qwords). */
+__attribute__((target("avx2"))) static inline void transpose16x2(__m256i r[16]) {
+    __m256i a[16], b[16];
+    for (int i = 0; i < 8; i++) { /* rows 2i, 2i + 1: byte pairs, columns 0-7 then 8-15 */
+        a[2 * i] = _mm256_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+    }
+    for (int q = 0; q < 4; q++) /* rows 4q .. 4q + 3: word quads of columns 4g .. 4g + 3 in b[4q + g] */
+        for (int h = 0; h < 2; h++) {
+            b[4 * q + 2 * h] = _mm256_unpacklo_epi16(a[4 * q + h], a[4 * q + 2 + h]);
+            b[4 * q + 2 * h + 1] = _mm256_unpackhi_epi16(a[4 * q + h], a[4 * q + 2 + h]);
+        }
+    for (int h = 0; h < 2; h++) /* rows 8h .. 8h + 7: columns 2c, 2c + 1 in a[8h + c] */
+        for (int g = 0; g < 4; g++) {
+            a[8 * h + 2 * g] = _mm256_unpacklo_epi32(b[8 * h + g], b[8 * h + 4 + g]);
+            a[8 * h + 2 * g + 1] = _mm256_unpackhi_epi32(b[8 * h + g], b[8 * h + 4 + g]);
+        }
+    for (int c = 0; c < 8; c++) { /* all 16 rows: columns 2c and 2c + 1 */
+        r[2 * c] = _mm256_unpacklo_epi64(a[c], a[8 + c]);
+        r[2 * c + 1] = _mm256_unpackhi_epi64(a[c], a[8 + c]);
+    }
+}
+
+/* Tokens [t, t + 16) x channels [e, e + 32): sixteen 16-byte runs of each half's high bytes transposed
+ * in the two lanes at once, each token's 32 high bytes then interleaved with its 32 low bytes (the
+ * unpacks give channels e .. e + 7 and e + 16 .. e + 23 in one register, e + 8 .. e + 15 and e + 24 ..
+ * e + 31 in the other, put back in order for two 32-byte stores). Half the shuffles a byte of
+ * merge_block16's 8 x 8 blocks. */
+__attribute__((target("avx2"))) static inline void merge_block32(const uint8_t *hi, const uint8_t *lo, uint8_t *k,
+                                                                 size_t T, size_t E, size_t t, size_t e) {
+    __m256i r[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = _mm256_loadu2_m128i((const __m128i *)(hi + (e + 16 + i) * T + t), (const __m128i *)(hi + (e + i) * T + t));
+    transpose16x2(r);
+    for (int j = 0; j < 16; j++) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(lo + (t + j) * E + e));
+        __m256i u = _mm256_unpacklo_epi8(l, r[j]), v = _mm256_unpackhi_epi8(l, r[j]);
+        uint8_t *row = k + 2 * ((t + j) * E + e);
+        _mm256_storeu_si256((__m256i *)row, _mm256_permute2x128_si256(u, v, 0x20));
+        _mm256_storeu_si256((__m256i *)(row + 32), _mm256_permute2x128_si256(u, v, 0x31));
+    }
+}
+
+/* merge_block32's reverse: each token's 32 channels split (the low bytes put back in order by one
+ * qword permute; the high bytes left in the packs' order, which the stores follow), the sixteen
+ * tokens' high bytes transposed into each channel's 16-byte run. */
+__attribute__((target("avx2"))) static inline void split_block32(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T,
+                                                                 size_t E, size_t t, size_t e) {
+    const __m256i low = _mm256_set1_epi16(0x00ff);
+    __m256i r[16];
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *row = k + 2 * ((t + j) * E + e);
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)row), x1 = _mm256_loadu_si256((const __m256i *)(row + 32));
+        __m256i l = _mm256_packus_epi16(_mm256_and_si256(x0, low), _mm256_and_si256(x1, low));
+        _mm256_storeu_si256((__m256i *)(lo + (t + j) * E + e), _mm256_permute4x64_epi64(l, 0xD8));
+        r[j] = _mm256_packus_epi16(_mm256_srli_epi16(x0, 8), _mm256_srli_epi16(x1, 8));
+    }
+    transpose16x2(r); /* r[c]: lane 0 channel e + c (c < 8) or e + 8 + c; lane 1 eight channels on */
+    for (int c = 0; c < 16; c++) {
+        size_t c0 = e + (c < 8 ? c : c + 8);
+        _mm_storeu_si128((__m128i *)(hi + c0 * T + t), _mm256_castsi256_si128(r[c]));
+        _mm_storeu_si128((__m128i *)(hi + (c0 + 8) * T + t), _mm256_extracti128_si256(r[c], 1));
+    }
+}
+
 /* Whole 16 x 8 blocks of tokens [t, t + 16), channels [0, E - E % 8). */
 __attribute__((target("avx2"))) static void merge_row16(const uint8_t *hi, const uint8_t *lo, uint8_t *k, size_t T,
                                                         size_t E, size_t t) {
-    for (size_t e = 0; e + 8 <= E; e += 8) merge_block16(hi, lo, k, T, E, t, e);
+    size_t e = 0;
+    for (; e + 32 <= E; e += 32) merge_block32(hi, lo, k, T, E, t, e);
+    for (; e + 8 <= E; e += 8) merge_block16(hi, lo, k, T, E, t, e);
 }
 
 /* The split reads sixteen rows of K at once, 16 bytes of each a block, which the hardware's prefetchers
@@ -131,8 +200,14 @@ __attribute__((target("avx2"))) static void merge_row16(const uint8_t *hi, const
 __attribute__((target("avx2"))) static void split_row16(const uint8_t *k, uint8_t *hi, uint8_t *lo, size_t T,
                                                         size_t E, size_t t) {
     int ahead = t + 32 <= T;
-    for (size_t e = 0; e + 8 <= E; e += 8) {
-        if (ahead && e % 32 == 0) /* the next 16 tokens' same 64 bytes of each row */
+    size_t e = 0;
+    for (; e + 32 <= E; e += 32) {
+        if (ahead) /* the next 16 tokens' same 64 bytes of each row */
+            for (size_t j = 0; j < 16; j++) __builtin_prefetch(k + 2 * ((t + 16 + j) * E + e), 0, 2);
+        split_block32(k, hi, lo, T, E, t, e);
+    }
+    for (; e + 8 <= E; e += 8) {
+        if (ahead && e % 32 == 0)
             for (size_t j = 0; j < 16; j++) __builtin_prefetch(k + 2 * ((t + 16 + j) * E + e), 0, 2);
         split_block16(k, hi, lo, T, E, t, e);
     }

@@ -6,13 +6,18 @@
  * took 54 ms of wall time for 19 ms of CPU (bench/connector_load.py's lossless rows).
  *
  * lossless_expand(payload, k_len, v_len, k_spans, k_raw_at, v_spans, v_raw_at, T, H, D, k_out, v_out,
- *                 plane, crc) -> None | ("crc", got) | ("V" or "K", stream, code)
+ *                 plane, crc[, deq]) -> None | ("crc", got) | ("V" or "K", stream, code) | reason
  *   payload: the coded payload (K's section [0, k_len), V's [k_len, k_len + v_len), the scales after);
  *   k_spans, v_spans: each section's H streams, (offset, length) from the section's start (k_spans empty
  *   and k_out None for a blob without K); k_raw_at, v_raw_at: where K's low plane and V's sign and
  *   mantissa nibbles start in their sections; k_out: 2 x T x H x D bytes, v_out: T x H x D, plane: T x H
  *   x D bytes of scratch; crc: None, or (prefix, stored): the CRC of prefix then the whole payload must
- *   be stored, checked before any stream is decoded ("crc", the CRC found, when it is not).
+ *   be stored, checked before any stream is decoded ("crc", the CRC found, when it is not);
+ *   deq: None, or (scales, scope, page, out, out_dtype) as dequantize takes them: V's codes (v_out, given
+ *   then as a [T, H, D] array) dequantized into out once the payload is expanded, in the same call, while
+ *   they are still in cache (a decode into out_v: no second call and its Python). A reason string when
+ *   the loops decline it: a layout they do not take (found before any work; the expansion still runs)
+ *   or NaN codes (out partly written): the caller dequantizes the codes another way.
  * Every span is checked against its buffer, and the outputs against each other and the inputs, before
  * the GIL is released; a refused stream stops the call (V's streams first, then K's, each in order). */
 #include "buffers.h"
@@ -108,6 +113,34 @@ static int check_expand(Py_ssize_t k_len, Py_ssize_t v_len, Py_ssize_t k_raw_at,
     return 0;
 }
 
+/* Whether array a shares a byte with buffer v. */
+static int arr_touches(const Arr *a, const Py_buffer *v) {
+    const char *v0 = v->buf;
+    return v->len && a->lo < v0 + v->len && v0 < a->hi;
+}
+
+/* The optional dequantization (see the top): none (0, *want 0), or its buffers taken into b (0, *want 1),
+ * b->why set where the loops decline it, including any overlap of its output or scales with what the
+ * expansion reads or writes. -1: error raised. */
+static int take_deq(PyObject *obj, PyObject *codes, const Py_buffer *const *others, int n_others, Bufs *b, int *want,
+                    int *odt, int *scope, Py_ssize_t *page) {
+    static const char *fn = "lossless_expand";
+    *want = obj != Py_None;
+    if (!*want) return 0;
+    PyObject *so, *oo;
+    if (!PyTuple_Check(obj) || !PyArg_ParseTuple(obj, "OinOi", &so, scope, page, &oo, odt)) {
+        if (PyErr_Occurred()) PyErr_Clear();
+        return fail(fn, "deq must be None or (scales, scope, page, out, out_dtype)");
+    }
+    if (check_dtype(fn, *odt) || check_scope(fn, *scope, *page) ||
+        take_bufs(fn, codes, 1, oo, DT_SIZE[*odt], so, 0, *scope, *page, b))
+        return -1;
+    for (int i = 0; i < n_others && !b->why; i++)
+        if (others[i] && (arr_touches(&b->out, others[i]) || arr_touches(&b->s, others[i])))
+            b->why = "the dequantized output or its scales share memory with the payload or the expansion's outputs";
+    return 0;
+}
+
 /* The result object of expand's return r. */
 static PyObject *expand_result(int r, uint32_t got, size_t stream, int code) {
     if (r == 0) return Py_NewRef(Py_None);
@@ -116,10 +149,10 @@ static PyObject *expand_result(int r, uint32_t got, size_t stream, int code) {
 }
 
 PyObject *py_lossless_expand(PyObject *self, PyObject *args) {
-    PyObject *po, *kso, *vso, *koo, *voo, *plo, *crco;
-    Py_ssize_t k_len, v_len, k_raw_at, v_raw_at, T, H, D;
-    if (parse(args, "lossless_expand", "OnnOnOnnnnOOOO", &po, &k_len, &v_len, &kso, &k_raw_at, &vso, &v_raw_at, &T, &H,
-              &D, &koo, &voo, &plo, &crco))
+    PyObject *po, *kso, *vso, *koo, *voo, *plo, *crco, *deqo = Py_None;
+    Py_ssize_t k_len, v_len, k_raw_at, v_raw_at, T, H, D, page = 0;
+    if (parse(args, "lossless_expand", "OnnOnOnnnnOOOO|O", &po, &k_len, &v_len, &kso, &k_raw_at, &vso, &v_raw_at, &T,
+              &H, &D, &koo, &voo, &plo, &crco, &deqo))
         return NULL;
     if (T < 0 || H < 1 || H > PY_SSIZE_T_MAX / 64 || D < 0 || D > PY_SSIZE_T_MAX / H ||
         (D && T > PY_SSIZE_T_MAX / 2 / (H * D)))
@@ -128,7 +161,8 @@ PyObject *py_lossless_expand(PyObject *self, PyObject *args) {
     size_t *spans = PyMem_RawMalloc(4 * (size_t)H * sizeof *spans);
     if (!spans) return PyErr_NoMemory();
     Py_buffer p = {0}, ko = {0}, vo = {0}, pl = {0}, prefix = {0};
-    int have_k = koo != Py_None, want = 0, held = 0;
+    Bufs deq = {0};
+    int have_k = koo != Py_None, want = 0, held = 0, want_deq = 0, odt = 0, scope = 0;
     uint32_t stored = 0;
     PyObject *ret = NULL;
     if (PyObject_GetBuffer(po, &p, PyBUF_C_CONTIGUOUS) < 0) goto error;
@@ -144,6 +178,9 @@ PyObject *py_lossless_expand(PyObject *self, PyObject *args) {
     if (check_expand(k_len, v_len, k_raw_at, v_raw_at, n, &p, have_k ? &ko : NULL, &vo, &pl, want ? &prefix : NULL) < 0)
         goto done;
     if (read_spans(vso, H, v_len, spans + 2 * H) < 0 || (have_k && read_spans(kso, H, k_len, spans) < 0)) goto done;
+    const Py_buffer *others[5] = {&p, &vo, &pl, have_k ? &ko : NULL, want ? &prefix : NULL};
+    if (take_deq(deqo, voo, others, 5, &deq, &want_deq, &odt, &scope, &page) < 0) goto done;
+    held = 6;
     Py_ssize_t k_count = have_k ? 0 : PyObject_Length(kso);
     if (k_count) { /* without K: no K streams */
         k_count < 0 ? rethrow("lossless_expand") : (void)fail("lossless_expand", "k_spans must be empty without k_out");
@@ -155,15 +192,21 @@ PyObject *py_lossless_expand(PyObject *self, PyObject *args) {
     const KvLevel lv = *level_of(self);
     uint32_t got = 0;
     size_t stream = 0;
-    int code = 0, r;
-    KV_BEGIN_WORK(kv_add((size_t)p.len, 5 * (size_t)n))
+    int code = 0, r, deq_now = want_deq && !deq.why;
+    const char *why = deq.why;
+    KvCopy none = {NULL, NULL, 0};
+    KV_BEGIN_WORK(kv_add(kv_add((size_t)p.len, 5 * (size_t)n), deq_now ? (size_t)deq.out.view.len : 0))
     r = expand(&lv, &e, &got, &stream, &code);
+    if (r == 0 && deq_now)
+        why = kv_dequantize(&lv, &deq.in.r, &deq.out.r, odt, scope, page, (const float *)deq.s.r.base, deq.ng, &none,
+                            NULL);
     KV_END_WORK
-    ret = expand_result(r, got, stream, code);
+    ret = r == 0 && why ? PyUnicode_FromString(why) : expand_result(r, got, stream, code);
     goto done;
 error:
     rethrow("lossless_expand");
 done:
+    if (held >= 6 && want_deq) release_bufs(&deq);
     if (held >= 5 && want) PyBuffer_Release(&prefix);
     if (held >= 4) PyBuffer_Release(&pl);
     if (held >= 3) PyBuffer_Release(&vo);

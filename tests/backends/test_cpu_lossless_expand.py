@@ -5,6 +5,7 @@ that would read or write outside its buffers."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import numpy as np
@@ -134,6 +135,85 @@ def test_a_refused_stream_is_named_as_the_stages_name_it(monkeypatch, section, s
     assert len(set(messages)) == 1 and f"{section} stream {stream} " in messages[0]
 
 
+_PAGE = 4
+"""The page size of :func:`_coded`'s blobs (per_page_head)."""
+
+
+def _deq(p, dtype: torch.dtype, out: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> tuple:
+    """lossless_expand's ``deq`` for parsed blob p: its scales (or ``scales``) and a fresh ``out`` of ``dtype``."""
+    c = p.coding
+    shape = (c.tokens, c.heads, c.head_dim)
+    if scales is None:
+        scales = kvcodec.decode(bytes(p.buffer)).scales.float()
+    out = torch.empty(shape, dtype=dtype) if out is None else out
+    return scales.numpy(), 2, _PAGE, cpu._buf(out), cpu._DTYPE[dtype]
+
+
+def _codes_view(p) -> np.ndarray:
+    c = p.coding
+    return np.full((c.tokens, c.heads, c.head_dim), 0xA5, np.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (13, 3, 8), (64, 4, 128)])
+def test_the_call_dequantizes_the_codes_it_writes(dtype, shape) -> None:
+    """With ``deq`` the codes the call writes come back dequantized in it, as dequantize gives them."""
+    coded = _coded(shape)
+    p = parse(coded)
+    out = torch.empty(shape, dtype=dtype)
+    args, got = _call(p, check=True, v_out=_codes_view(p), deq=_deq(p, dtype, out))
+    assert got is None
+    want = kvcodec.decode(coded, out_v_dtype=dtype)
+    assert torch.equal(out.view(torch.uint8), want.v.view(torch.uint8))
+    assert args["v_out"].tobytes() == bytes(parse(expand_blob(p)).v)
+
+
+def test_a_dequantization_the_loops_do_not_take_is_declined_after_the_expansion() -> None:
+    """An output or scales sharing memory with what the call reads or writes, a layout the loops do not
+    take, or NaN codes: a reason, with K and the codes written all the same (the caller dequantizes)."""
+    shape = (12, 2, 8)
+    coded = _coded(shape)
+    p = parse(coded)
+    plain = parse(expand_blob(p))
+    n = math.prod(shape)
+    room = np.empty(8 * n, np.uint8)
+    scales = kvcodec.decode(coded).scales.float()
+    cases = {
+        "out over the plane": {
+            "plane": room[:n],
+            "deq": _deq(p, torch.float16, out=_f16(room[: 2 * n], shape)),
+        },
+        "scales in v_out": {
+            "v_out": room[:n].reshape(shape),
+            "deq": (room[: scales.numel() * 4].view(np.float32), *_deq(p, torch.float16)[1:]),
+        },
+        "out's head_dim strided": {"deq": _deq(p, torch.float32, out=torch.empty(12, 2, 16)[..., ::2])},
+    }
+    for name, over in cases.items():
+        over.setdefault("v_out", _codes_view(p))
+        args, got = _call(p, check=True, **over)
+        assert isinstance(got, str), name
+        assert args["k_out"].tobytes() == bytes(plain.k) and args["v_out"].tobytes() == bytes(plain.v), name
+
+
+def _f16(buf: np.ndarray, shape: tuple[int, int, int]) -> torch.Tensor:
+    return torch.from_numpy(buf.view(np.float16).reshape(shape))
+
+
+def test_nan_codes_decline_the_dequantization_not_the_expansion() -> None:
+    from kvcodec.codec.lossless import compress_blob
+    from kvcodec.format import assemble
+
+    plain = parse(kvcodec.encode(*(torch.randn(8, 2, 16).to(torch.bfloat16) for _ in range(2)),
+                                 scope="per_page_head", page_size=_PAGE))  # fmt: skip
+    codes = bytearray(plain.v)
+    codes[17] = 0xFF  # an e4m3fn NaN code
+    p = parse(compress_blob(assemble(plain.header, plain.k, codes, plain.scales)))
+    args, got = _call(p, v_out=_codes_view(p), deq=_deq(p, torch.bfloat16))
+    assert got == "q holds NaN codes"
+    assert args["v_out"].tobytes() == bytes(codes) and args["k_out"].tobytes() == bytes(plain.k)
+
+
 def _refusals(p) -> dict[str, dict]:
     c = p.coding
     n = c.tokens * c.heads * c.head_dim
@@ -154,6 +234,11 @@ def _refusals(p) -> dict[str, dict]:
         "a CRC of more than 32 bits": {"crc": (b"", 1 << 32)},
         "a crc that is not (prefix, crc)": {"crc": (b"",)},
         "a head count of zero": {"H": 0},
+        "a deq that is not (scales, scope, page, out, dtype)": {"deq": (np.ones(1, np.float32), 0)},
+        "a deq with an unknown dtype code": {"deq": (*_deq(p, torch.float32)[:4], 7)},
+        "a deq with an unknown scope code": {
+            "deq": (np.ones(1, np.float32), 5, 1, *_deq(p, torch.float32)[3:])
+        },
     }
 
 

@@ -30,7 +30,13 @@ def test_every_backend_names_its_lanes_and_declines_the_rest() -> None:
         ref.encode_host(None, None, None, memoryview(b""), scale_dtype=torch.float32, nonfinite="error")
     cpu = backends.select("auto", "cpu")
     if cpu.name == "cpu":
-        assert cpu.lanes == {"encode_host", "decode_host", "scatter_rows", "scatter_blob_rows_many"}
+        assert cpu.lanes == {
+            "encode_host",
+            "decode_host",
+            "expand_dequant",
+            "scatter_rows",
+            "scatter_blob_rows_many",
+        }
     assert all(lane in LANES for lane in cpu.lanes)
 
 

@@ -588,6 +588,42 @@ def test_decode_merges_k_straight_into_out_k(monkeypatch) -> None:
     assert want.v.isnan().any()
 
 
+@pytest.mark.skipif(not kvcodec.backends.cache_lanes_available(), reason="the C loops are not built")
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_dequantizes_v_in_the_call_that_expands_it(monkeypatch, out_dtype) -> None:
+    """A decode into ``out_k`` and a dequantized ``out_v`` has V's codes dequantized by the C call that
+    expands them (the cpu backend's ``expand_dequant`` lane: no ``decode_host`` call); NaN codes decline
+    it there (counted as that lane's fallback) and the general path gives the plain blob's result."""
+    from kvcodec.backends import cpu
+
+    host_calls = []
+    decode_host = cpu.CpuBackend.decode_host
+    monkeypatch.setattr(
+        cpu.CpuBackend, "decode_host", lambda *a, **kw: host_calls.append(1) or decode_host(*a, **kw)
+    )
+    k, v = _kv((32, 3, 16), torch.bfloat16, seed=5)
+    plain = kvcodec.parse(kvcodec.encode(k, v, scope="per_layer_head"))
+    codes = bytearray(plain.v)
+    codes[7] = 0xFF  # an e4m3fn NaN code
+    for nan in (False, True):
+        blob = bytes(assemble(plain.header, plain.k, codes if nan else plain.v, plain.scales))
+        want = kvcodec.decode(blob, out_v_dtype=out_dtype)
+        before = _declines("expand_dequant")
+        out_k, out_v = torch.empty_like(k), torch.empty(k.shape, dtype=out_dtype)
+        kvcodec.decode(compress_blob(blob), out_k=out_k, out_v=out_v)
+        assert torch.equal(out_k.view(torch.int16), want.k.view(torch.int16))
+        assert torch.equal(out_v.isnan(), want.v.isnan()) and torch.equal(
+            out_v.nan_to_num(), want.v.nan_to_num()
+        )
+        assert _declines("expand_dequant") - before == int(nan)
+    assert host_calls == []
+
+
+def _declines(op: str) -> int:
+    info = kvcodec.backends.backend_info("cpu")
+    return sum(f["count"] for f in info["fallbacks"] if f["op"] == op)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_encode_splits_a_cpu_k_from_its_own_bytes(monkeypatch, dtype) -> None:
     """An encode of a contiguous CPU K splits K's planes from K itself (K never copied into the plain
