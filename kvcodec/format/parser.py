@@ -356,40 +356,92 @@ class MemoInfo:
 _IDS_END = IDS_OFFSET + IDS.size
 _NO_IDS = bytes(IDS.size)
 """What a memo key holds in place of the ids."""
-_Last = tuple[bytes, bytes, int, Header, tuple[tuple[str, str], ...]]
-"""A memo entry split around the ids: bytes before them, after them up to the CRC, the header's
-length, the header and its unknown hashes."""
+_SCHEME = struct.Struct("<H")
+_SCHEME_AT = IDS_OFFSET - _SCHEME.size
+"""scale_scheme: the fixed part's last field before the ids."""
+_N_SCALE = struct.Struct("<q")
+_N_SCALE_AT = FIXED_HEADER.size - _N_SCALE.size
+"""scale_shape_n: the fixed part's last field."""
+_CODED_LENS = struct.Struct("<qq")
+"""k_payload_len and v_payload_len, the first two of :data:`PAYLOAD_LENS`."""
+_NO_LENS = bytes(_CODED_LENS.size)
+_LOSSLESS_SCHEMES = frozenset(int(s) for s in PLAIN_OF)
+_Last = tuple[bytes, tuple[bytes, ...], int, int, Header, tuple[tuple[str, str], ...]]
+"""A memo entry split around the ids (and a lossless header's coded lengths): the bytes before the
+ids, the runs after them up to the CRC, the header's length, where the coded lengths lie (-1: none
+left out), the header and its unknown hashes."""
 
 
-def _is_entry(entry: _Last, mv: memoryview, header_len: int) -> bool:
-    """Whether ``entry`` is the header of ``header_len`` bytes at the start of ``mv`` (ids aside)."""
+def _lens_at(mv: memoryview, header_len: int) -> int:
+    """Where the k and v payload lengths of a lossless blob's header (at the start of ``mv``) lie: each
+    blob's coded sizes, left out of its memo key like the ids, so that a stream of lossless blobs of
+    one layout shares one entry. -1 for any other header (its lengths are part of its layout)."""
+    if header_len < FIXED_HEADER.size or _SCHEME.unpack_from(mv, _SCHEME_AT)[0] not in _LOSSLESS_SCHEMES:
+        return -1
+    (n_scale,) = _N_SCALE.unpack_from(mv, _N_SCALE_AT)
+    at = FIXED_HEADER.size + SCALE_DIM.size * n_scale
+    ok = 0 <= n_scale <= MAX_SCALE_DIMS and at + _CODED_LENS.size <= header_len - CRC_FIELD.size
+    return at if ok else -1
+
+
+def _split(mv: memoryview, header_len: int) -> tuple[bytes, tuple[bytes, ...], int]:
+    """The header's bytes before the ids; after them up to its CRC, in two runs around a lossless
+    header's coded lengths; and where those lie (:func:`_lens_at`)."""
+    at, end = _lens_at(mv, header_len), header_len - CRC_FIELD.size
+    if at < 0:
+        return mv[:IDS_OFFSET].tobytes(), (mv[_IDS_END:end].tobytes(),), at
     return (
-        entry[2] == header_len
-        and mv[:IDS_OFFSET].tobytes() == entry[0]
-        and mv[_IDS_END : header_len - CRC_FIELD.size].tobytes() == entry[1]
+        mv[:IDS_OFFSET].tobytes(),
+        (mv[_IDS_END:at].tobytes(), mv[at + _CODED_LENS.size : end].tobytes()),
+        at,
     )
 
 
+def _key(before: bytes, runs: tuple[bytes, ...]) -> bytes:
+    return before + _NO_IDS + _NO_LENS.join(runs)
+
+
+def _is_entry(entry: _Last, mv: memoryview, header_len: int) -> bool:
+    """Whether ``entry`` is the header of ``header_len`` bytes at the start of ``mv`` (ids and a lossless
+    header's coded lengths aside)."""
+    if entry[2] != header_len or mv[:IDS_OFFSET].tobytes() != entry[0]:
+        return False
+    runs, at, end = entry[1], entry[3], header_len - CRC_FIELD.size
+    if at < 0:
+        return mv[_IDS_END:end].tobytes() == runs[0]
+    return mv[_IDS_END:at].tobytes() == runs[0] and mv[at + _CODED_LENS.size : end].tobytes() == runs[1]
+
+
 def _with_blob_ids(
-    mv: memoryview, header: Header, header_len: int, unknown: tuple[tuple[str, str], ...]
+    mv: memoryview, header: Header, header_len: int, unknown: tuple[tuple[str, str], ...], lens_at: int = -1
 ) -> tuple[Header, int, tuple[tuple[str, str], ...]] | None:
-    """A remembered header with the ids of the blob at the start of ``mv`` (read and range-checked
-    anew); None when they are out of range (the full parse then names the error)."""
+    """A remembered header with the ids (and a lossless header's coded lengths) of the blob at the
+    start of ``mv``, read and range-checked anew; None when one is out of range (the full parse then
+    names the error)."""
     layer_id, chunk_id = IDS.unpack_from(mv, IDS_OFFSET)
     if layer_id < -1 or chunk_id < -1:
         return None
+    changes: dict[str, int] = {}
     if layer_id != header.layer_id or chunk_id != header.chunk_id:
-        header = _with_ids(header, layer_id, chunk_id)
-    return header, header_len, unknown
+        changes.update(layer_id=layer_id, chunk_id=chunk_id)
+    if lens_at >= 0:
+        k_len, v_len = _CODED_LENS.unpack_from(mv, lens_at)
+        if not (0 <= k_len <= MAX_PAYLOAD_LEN and 0 <= v_len <= MAX_PAYLOAD_LEN):
+            return None
+        if k_len != header.k_payload_len or v_len != header.v_payload_len:
+            changes.update(k_payload_len=k_len, v_payload_len=v_len)
+    return (header.derived(**changes) if changes else header), header_len, unknown
 
 
 class _HeaderMemo:
     """Headers of blobs that passed every check, by their bytes up to the CRC with the ids zeroed.
 
     A connector reads many blobs whose headers differ only in ``layer_id``,
-    ``chunk_id`` and the CRC: parsing is a function of those bytes, so a header
-    seen before is taken from here (its two ids read and range-checked anew), and
-    only the per-blob steps run (trailing bytes, CRC, stored scales). Bounded in
+    ``chunk_id`` and the CRC (and a lossless blob's in its coded ``k_payload_len``
+    and ``v_payload_len``, left out of its key too): parsing is a function of
+    those bytes, so a header seen before is taken from here (its ids and coded
+    lengths read and range-checked anew), and only the per-blob steps run
+    (trailing bytes, CRC, a lossless blob's tables, stored scales). Bounded in
     bytes, not entries: only headers up to :data:`MEMO_MAX_HEADER_BYTES` are
     remembered, and the memo starts over when it would pass :data:`MEMO_MAX_BYTES`.
     Safe across threads (lookups read a dict and the last entry; changes take a lock).
@@ -406,24 +458,19 @@ class _HeaderMemo:
         """The entry found or kept last, split around the ids: the blobs of one chunk come one after
         another, so most lookups are two byte comparisons (no key built, no dict lookup)."""
 
-    @staticmethod
-    def _split(mv: memoryview, header_len: int) -> tuple[bytes, bytes]:
-        """The header's bytes before and after the two ids, up to its CRC (the key without the ids)."""
-        return mv[:IDS_OFFSET].tobytes(), mv[_IDS_END : header_len - CRC_FIELD.size].tobytes()
-
     def recall(self, mv: memoryview) -> tuple[Header, int, tuple[tuple[str, str], ...]] | None:
         """``(header, header_len, unknown hashes)`` of a known header at the start of ``mv``, else None."""
         last = self._last
         if last is not None and len(mv) >= last[2] and _is_entry(last, mv, last[2]):
-            return _with_blob_ids(mv, last[3], last[2], last[4])
+            return _with_blob_ids(mv, last[4], last[2], last[5], last[3])
         for n in self._lengths:
             if len(mv) < n:
                 continue
-            before, after = self._split(mv, n)
-            hit = self._entries.get(before + _NO_IDS + after)
+            before, runs, at = _split(mv, n)
+            hit = self._entries.get(_key(before, runs))
             if hit is not None:
-                self._last = (before, after, n, *hit)
-                return _with_blob_ids(mv, hit[0], n, hit[1])
+                self._last = (before, runs, n, at, *hit)
+                return _with_blob_ids(mv, hit[0], n, hit[1], at)
         return None
 
     def remember(
@@ -433,8 +480,8 @@ class _HeaderMemo:
         last = self._last
         if header_len > MEMO_MAX_HEADER_BYTES or (last is not None and _is_entry(last, mv, header_len)):
             return
-        before, after = self._split(mv, header_len)
-        key = before + _NO_IDS + after
+        before, runs, at = _split(mv, header_len)
+        key = _key(before, runs)
         with self._lock:
             if key not in self._entries:
                 if self._bytes + len(key) > MEMO_MAX_BYTES:
@@ -444,12 +491,11 @@ class _HeaderMemo:
                 self._bytes += len(key)
                 if header_len not in self._lengths:
                     self._lengths = (header_len, *self._lengths)[: self.MAX_LENGTHS]
-            self._last = (before, after, header_len, *self._entries[key])
+            self._last = (before, runs, header_len, at, *self._entries[key])
 
     def forget(self, mv: memoryview, header_len: int) -> bool:
         """Drop the header at the start of ``mv`` (``header_len`` bytes); whether it was there."""
-        before, after = self._split(mv, header_len)
-        key = before + _NO_IDS + after
+        key = _key(*_split(mv, header_len)[:2])
         with self._lock:
             self._last = None
             if self._entries.pop(key, None) is None:
@@ -495,11 +541,6 @@ def remember_header(parsed: ParsedBlob) -> None:
 def clear_header_memo() -> None:
     """Empty :func:`parse`'s memo (it refills as blobs are parsed)."""
     _HEADERS.clear()
-
-
-def _with_ids(h: Header, layer_id: int, chunk_id: int) -> Header:
-    """``h`` with other (range-checked) ids (:meth:`Header.derived`)."""
-    return h.derived(layer_id=layer_id, chunk_id=chunk_id)
 
 
 def parse(

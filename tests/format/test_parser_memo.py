@@ -294,3 +294,61 @@ def test_a_header_kept_out_is_remembered_once_its_caller_checked_the_crc():
     remember_header(p)
     remember_header(parse(_blob(2, 4, model="deferred"), verify_crc=False, remember=False))
     assert header_memo_info().entries == 1
+
+
+def _lossless(layer_id: int, seed: int) -> bytearray:
+    g = torch.Generator().manual_seed(seed)
+    k, v = ((torch.randn(32, 2, 16, generator=g) * (1 + seed)).to(torch.bfloat16) for _ in range(2))
+    return encode(k, v, scope="per_page_head", page_size=8, layer_id=layer_id, compression="lossless")
+
+
+def test_lossless_blobs_of_one_layout_share_one_entry():
+    """A lossless blob's coded section lengths are its own: left out of the memo key like the ids, read
+    and checked anew, so a stream of them takes one entry and each gets its own lengths."""
+    clear_header_memo()
+    blobs = [_lossless(i, seed=i) for i in range(6)]
+    assert len({parse(b).header.k_payload_len for b in blobs}) > 1  # the coded sizes differ
+    for b in blobs:
+        p = parse(b)
+        clear_header_memo()
+        full = parse(b)
+        parse(blobs[0])  # known again: the next blob's header comes from the memo
+        assert p.header == full.header and p.header_len == full.header_len
+    clear_header_memo()
+    for b in blobs:
+        parse(b)
+    assert header_memo_info().entries == 1
+
+
+@pytest.mark.parametrize("field", [0, 1], ids=["k_payload_len", "v_payload_len"])
+@pytest.mark.parametrize("value", [-1, 1 << 62])
+def test_a_known_lossless_headers_coded_lengths_are_range_checked(field, value):
+    blob = _lossless(0, seed=1)
+    p = parse(blob)
+    at = FIXED_HEADER_LEN + 8 * len(p.header.scale_shape) + 8 * field
+    bad = bytearray(blob)
+    struct.pack_into("<q", bad, at, value)
+    clear_header_memo()
+    with pytest.raises(CorruptEncodedKVError) as fresh:
+        parse(bad, verify_crc=False)
+    parse(blob)  # now known
+    with pytest.raises(CorruptEncodedKVError) as known:
+        parse(bad, verify_crc=False)
+    assert known.value.reason == fresh.value.reason and str(known.value) == str(fresh.value)
+
+
+def test_a_known_lossless_header_with_lengths_that_miss_the_payload_is_refused():
+    """Lengths in range that do not fit the blob: the per-blob checks (sections, tables) refuse it as a
+    full parse does."""
+    blob = _lossless(0, seed=2)
+    p = parse(blob)
+    at = FIXED_HEADER_LEN + 8 * len(p.header.scale_shape)
+    bad = bytearray(blob)
+    struct.pack_into("<qq", bad, at, p.header.k_payload_len + 3, p.header.v_payload_len - 3)
+    clear_header_memo()
+    with pytest.raises(CorruptEncodedKVError) as fresh:
+        parse(bad, verify_crc=False)
+    parse(blob)
+    with pytest.raises(CorruptEncodedKVError) as known:
+        parse(bad, verify_crc=False)
+    assert known.value.reason == fresh.value.reason and str(known.value) == str(fresh.value)
