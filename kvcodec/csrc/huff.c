@@ -533,6 +533,37 @@ __attribute__((target("avx2"))) static void count_nibbles_avx2(const uint8_t *sy
         for (; i < q; i++) w[s[i] & 15]++, w[s[i] >> 4]++;
     }
 }
+
+/* AVX-512 (BW): count_nibbles_avx2's counters in 64-byte registers, each compare into a mask register that
+ * adds 1 under it (one masked add where AVX2 compares into a vector and subtracts it); all sixteen values'
+ * counters fit the 32 registers. On Zen 4, whose 512-bit operations take two passes: the bench's V, a
+ * lane of 32 KiB of pair bytes, 30.5 -> 22 us (C harness). */
+__attribute__((target("avx512f,avx512bw"))) static void count_nibbles_zmm(const uint8_t *sym, size_t q,
+                                                                        uint64_t lane[HUFF_LANES][256]) {
+    const __m512i m = _mm512_set1_epi8(15), zero = _mm512_setzero_si512(), one = _mm512_set1_epi8(1);
+    for (int j = 0; j < HUFF_LANES; j++) {
+        const uint8_t *s = sym + (size_t)j * q;
+        uint64_t *w = lane[j];
+        memset(w, 0, sizeof lane[j]);
+        size_t i = 0;
+        while (q - i >= 64) {
+            __m512i acc[16];
+            for (int v = 0; v < 16; v++) acc[v] = zero;
+            size_t end = (q - i) / 64 > HUFF_NIBBLE_CHUNK ? i + 64 * HUFF_NIBBLE_CHUNK : q;
+            for (; end - i >= 64; i += 64) {
+                __m512i x = _mm512_loadu_si512((const void *)(s + i));
+                __m512i lo = _mm512_and_si512(x, m), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m);
+                for (int v = 0; v < 16; v++) {
+                    __m512i val = _mm512_set1_epi8((char)v);
+                    acc[v] = _mm512_mask_add_epi8(acc[v], _mm512_cmpeq_epi8_mask(lo, val), acc[v], one);
+                    acc[v] = _mm512_mask_add_epi8(acc[v], _mm512_cmpeq_epi8_mask(hi, val), acc[v], one);
+                }
+            }
+            for (int v = 0; v < 16; v++) w[v] += (uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(acc[v], zero));
+        }
+        for (; i < q; i++) w[s[i] & 15]++, w[s[i] >> 4]++;
+    }
+}
 #endif
 
 #ifdef HUFF_AVX2
@@ -598,6 +629,32 @@ __attribute__((target("avx2"))) static void count_set(const uint8_t *s, size_t n
     }
 }
 
+#define SET_PASS_ZMM 8 /* symbols a pass: one of the 8 mask registers each */
+
+/* count_set with AVX-512 (BW), whole 64-byte blocks of n (the rest is the caller's): eight values a pass, each
+ * compared into a mask register that adds 1 under it (as count_nibbles_zmm). C harness, 256 KiB of 28
+ * values: 40.7 -> 31.8 us. */
+__attribute__((target("avx512f,avx512bw"))) static void count_set_zmm(const uint8_t *s, size_t n, const uint8_t *vals,
+                                                                    int m, uint64_t h[256]) {
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi8(1);
+    for (int p = 0; p < m; p += SET_PASS_ZMM) {
+        int pm = m - p < SET_PASS_ZMM ? m - p : SET_PASS_ZMM;
+        __m512i val[SET_PASS_ZMM], acc[SET_PASS_ZMM];
+        for (int j = 0; j < SET_PASS_ZMM; j++) val[j] = _mm512_set1_epi8((char)vals[p + (j < pm ? j : 0)]);
+        for (size_t i = 0; n - i >= 64;) {
+            for (int j = 0; j < SET_PASS_ZMM; j++) acc[j] = zero;
+            size_t end = (n - i) / 64 > HUFF_SET_CHUNK ? i + 64 * HUFF_SET_CHUNK : n;
+            for (; end - i >= 64; i += 64) {
+                __m512i x = _mm512_loadu_si512((const void *)(s + i));
+                for (int j = 0; j < SET_PASS_ZMM; j++)
+                    if (j < pm) acc[j] = _mm512_mask_add_epi8(acc[j], _mm512_cmpeq_epi8_mask(x, val[j]), acc[j], one);
+            }
+            for (int j = 0; j < pm; j++)
+                h[vals[p + j]] += (uint64_t)_mm512_reduce_add_epi64(_mm512_sad_epu8(acc[j], zero));
+        }
+    }
+}
+
 /* count_lanes for a stream whose bytes lie in at most SET_MAX values, as K's high bytes in bf16 do (a sign
  * and the top 7 of 8 exponent bits; SmolLM2's: 16-24 values a head): each value compared across the
  * lanes' blocks instead of a counter written for every byte (C harness, the bench's K: a blob's 76 ->
@@ -616,10 +673,11 @@ static int count_few(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANES],
     for (unsigned v = r[0]; v <= r[1]; v++) vals[m++] = (uint8_t)v;
     for (unsigned v = r[2]; v <= r[3]; v++) vals[m++] = (uint8_t)v;
     memset(lane, 0, sizeof(uint64_t) * HUFF_LANES * 256);
+    int zmm = kv_best_simd() >= 2; /* dispatch.c's level: AVX-512 */
     for (int j = 0; j < HUFF_LANES; j++) {
         const uint8_t *s = sym + q * (size_t)j;
-        size_t whole = cnt[j] / 32 * 32;
-        count_set(s, whole, vals, m, lane[j]);
+        size_t whole = cnt[j] / (zmm ? 64 : 32) * (zmm ? 64 : 32);
+        (zmm ? count_set_zmm : count_set)(s, whole, vals, m, lane[j]);
         for (size_t i = whole; i < cnt[j]; i++) lane[j][s[i]]++;
     }
     return 1;
@@ -640,7 +698,7 @@ static void count_bytes(const uint8_t *sym, size_t q, const size_t cnt[HUFF_LANE
 static void count_nibbles(const uint8_t *sym, size_t q, uint64_t lane[HUFF_LANES][256]) {
 #ifdef HUFF_AVX2
     if (kv_best_simd() >= 1) { /* dispatch.c's level: the CPU's, capped by KVCODEC_CPU_LEVEL */
-        count_nibbles_avx2(sym, q, lane);
+        (kv_best_simd() >= 2 ? count_nibbles_zmm : count_nibbles_avx2)(sym, q, lane);
         return;
     }
 #endif

@@ -681,23 +681,31 @@ def test_pairs_code_the_bytes_of_one_symbol_at_a_time(kind, n) -> None:
         cpu.huff_encode_pairs_many(pairs, 0, n // 2, 2, n, out[:-1], 0)
 
 
-def test_pairs_at_the_scalar_level_code_the_same_bytes() -> None:
+@pytest.mark.parametrize("level", ["scalar", "avx2"])
+def test_each_level_below_the_hosts_codes_the_same_bytes(level) -> None:
     """KVCODEC_CPU_LEVEL=scalar: a pairs stream's symbols counted from its pair bytes' counts instead of by
-    AVX2's nibble counters (a lane's tail, a whole chunk of 127 blocks and one past it); the same bytes."""
+    nibble counters, K's high bytes by a counter a byte; =avx2: both by AVX2's compares instead of
+    AVX-512's (on a host that has it). A lane's tail, a whole chunk of blocks and one past it, K's kinds
+    that the compares take (both signs, 32 values) and one past them: the oracle's bytes at every level."""
     sizes, kinds = (200, 33000, 40000), ("skewed", "one", "fib")
+    k_sizes, k_kinds = (65, 4099, 40000, 130001), ("signed", "negative", "wide33", "exponents")
     code = (
         "import numpy as np, sys; sys.path.insert(0, 'tests/backends'); from kvcodec.backends import cpu; "
-        "from test_cpu_huff import _exponents, _pairs_stream; "
-        f"print(' '.join(_pairs_stream(_exponents(k, n, seed=n)).hex() for k in {kinds!r} for n in {sizes!r}))"
+        "from test_cpu_huff import _exponents, _pairs_stream, _symbols, c_encode; "
+        f"print(' '.join(_pairs_stream(_exponents(k, n, seed=n)).hex() for k in {kinds!r} for n in {sizes!r}), "
+        f"' '.join(c_encode(_symbols(k, n, seed=n)).hex() for k in {k_kinds!r} for n in {k_sizes!r}))"
     )
-    env = {**os.environ, "KVCODEC_CPU_LEVEL": "scalar"}
+    env = {**os.environ, "KVCODEC_CPU_LEVEL": level}
     root = pathlib.Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
     )
     want = [huffman.encode(_exponents(k, n, seed=n)).hex() for k in kinds for n in sizes]
+    want += [huffman.encode(_symbols(k, n, seed=n)).hex() for k in k_kinds for n in k_sizes]
     assert out.stdout.split() == want
-    assert [_pairs_stream(_exponents(k, n, seed=n)).hex() for k in kinds for n in sizes] == want
+    assert [_pairs_stream(_exponents(k, n, seed=n)).hex() for k in kinds for n in sizes] == want[
+        : len(sizes) * 3
+    ]
 
 
 def _pairs_stream(sym: np.ndarray) -> bytes:
