@@ -441,7 +441,7 @@ def _lane(
     """The request, host lane inputs (:func:`_host_lane_inputs`) and dequantization plan of a decode
     checked in the pass. Where the thread's last plan has this decode's :func:`_lane_key`, its
     decisions stand and only the per-blob steps run (the payload's size and overlaps, the scales): the
-    checks of the outputs and layout took a third of a 256-token lossless blob's decode (bench)."""
+    checks of the outputs and layout took about a tenth of a 256-token lossless blob's decode (bench)."""
     key = _lane_key(h, backend, kw)
     plan = getattr(_plans, "last", None)
     if key is not None and plan is not None and plan.key == key:
