@@ -546,7 +546,7 @@ class CpuBackend(Lanes):
         )
         return ExpandDequant(_SCOPE[groups.scope], page, _DTYPE[out_v.dtype])
 
-    # The cache lanes: the module's functions below    # The cache lanes: the module's functions below (the vLLM connector's loads).
+    # The cache lanes: the module's functions below (the vLLM connector's loads).
 
     def scatter_rows(self, src: torch.Tensor, cache: torch.Tensor, col: int, runs: np.ndarray) -> Served:
         """Copy ``src`` ``[T, H, D]`` rows into columns ``col .. col + D`` of a ``[N, H, S, C]`` cache view.

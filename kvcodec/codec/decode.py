@@ -346,7 +346,7 @@ def _decode_checked_in_pass(
             blob_crc = BlobCrc(parsed)
         if expected_hashes is not None:
             check_hashes(h.hashes, expected_hashes, strict=strict_hashes)
-        req, lane, deq = _lane(h, payload, backend, kw)
+        req, lane, deq = _lane(h, payload, backend, kw, lossless)
         k_into = _k_bytes(req.out_k, h) if lossless and lane is not None else None
         if lossless:  # the coded blob's CRC, K merged straight into out_k and V dequantized where they can be
             deq_args = None if k_into is None or deq is None else deq.args(lane[1], lane[3])
@@ -421,9 +421,10 @@ def _out_key(t: Any) -> tuple[Any, ...] | None:
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-def _lane_key(h: Header, backend: Any, kw: dict[str, Any]) -> tuple[Any, ...] | None:
+def _lane_key(h: Header, backend: Any, kw: dict[str, Any], lossless: bool) -> tuple[Any, ...] | None:
     """Everything the request and host lane checks read but the payload and the scales (each blob's,
-    checked on every decode); None where a plan is not kept (a device or shape given, odd outputs)."""
+    checked on every decode), and whether the blob is lossless (its plan has a dequantization plan);
+    None where a plan is not kept (a device or shape given, odd outputs)."""
     if kw["device"] is not None or kw["shape"] is not None or not (backend is None or type(backend) is str):
         return None
     k, v = _out_key(kw["out_k"]), _out_key(kw["out_v"])
@@ -432,17 +433,18 @@ def _lane_key(h: Header, backend: Any, kw: dict[str, Any]) -> tuple[Any, ...] | 
     env = (os.environ.get("KVCODEC_BACKEND"), triton_interpret())
     layout = (h.k_dtype, h.v_dtype, h.k_payload_len, h.v_payload_len, h.scale_payload_len, h.scale_dtype)
     scales = (h.scale_scope, h.scale_scheme, h.scale_shape, h.kv_head_count, h.head_dim, h.page_size)
-    return (k, v, kw["out_v_dtype"], bool(kw["copy"]), backend, env, layout, scales)
+    return (k, v, kw["out_v_dtype"], bool(kw["copy"]), backend, env, layout, scales, lossless)
 
 
 def _lane(
-    h: Header, payload: memoryview, backend: str | None, kw: dict[str, Any]
+    h: Header, payload: memoryview, backend: str | None, kw: dict[str, Any], lossless: bool
 ) -> tuple[DecodeRequest, tuple[Any, torch.Tensor, backends.Groups, torch.Tensor] | None, Any]:
-    """The request, host lane inputs (:func:`_host_lane_inputs`) and dequantization plan of a decode
+    """The request, host lane inputs (:func:`_host_lane_inputs`) and, for a ``lossless`` blob, the
+    dequantization plan of its expanding call (:func:`_deq_plan`; None for a plain blob) of a decode
     checked in the pass. Where the thread's last plan has this decode's :func:`_lane_key`, its
     decisions stand and only the per-blob steps run (the payload's size and overlaps, the scales): the
     checks of the outputs and layout took about a tenth of a 256-token lossless blob's decode (bench)."""
-    key = _lane_key(h, backend, kw)
+    key = _lane_key(h, backend, kw, lossless)
     plan = getattr(_plans, "last", None)
     if key is not None and plan is not None and plan.key == key:
         got = _lane_again(plan, h, payload, backend, kw)
@@ -450,7 +452,7 @@ def _lane(
             return got
     req = _request(h, scales=None, backend=backend, **kw)
     lane = _host_lane_inputs(h, payload, req)
-    deq = _deq_plan(lane)
+    deq = _deq_plan(lane) if lossless else None
     if key is not None and lane is not None:
         _plans.last = _LanePlan(key, req.device, req.out_v_dtype, lane[0], lane[2], deq)
     return req, lane, deq

@@ -349,9 +349,9 @@ def _expand_in_one_call(
     """A split payload's K bytes and V codes by one C call (``crc``: the coded blob's CRC checked in it
     first): one GIL hand-over a blob where the stages take five (the CRC, and each section's streams and
     merge), each of which a busy Python thread beside this one (an engine's loop) may hold on to for its
-    switch interval. False when the C loops are not built (nothing done). With ``deq`` (the cpu backend's
-    :meth:`~kvcodec.backends.cpu.CpuBackend.expand_dequant`) the codes are dequantized in the same call:
-    True then, or C's reason for declining that (a str; all else written)."""
+    switch interval. False when the C loops are not built (nothing done). With ``deq`` (the arguments of
+    the cpu backend's ``expand_dequant`` plan) the codes are dequantized in the same call: True then, or
+    C's reason for declining that (a str; all else written)."""
     n = c.heads * c.stream_raw
     plane = _scratch_view(n, "plane")  # V's exponents, then K's high bytes
     k, v = c.k, c.v
@@ -599,9 +599,8 @@ class Expansion:
         """The payload's K and codes; K's bytes into ``k_into`` (exactly ``k_payload_len`` writable bytes),
         the payload's K left unwritten then, when given. ``crc``: the coded blob's CRC checked first, in
         the same C call where the C loops take the blob (a blob parsed with ``verify_crc=False``):
-        CorruptEncodedKVError (CRC_MISMATCH) before any stream is decoded. ``deq`` (the cpu backend's
-        :meth:`~kvcodec.backends.cpu.CpuBackend.expand_dequant`): the codes dequantized in that same call
-        too. Returns True when they were, False when not (not asked, or this blob's stages do not take it:
+        CorruptEncodedKVError (CRC_MISMATCH) before any stream is decoded. ``deq`` (the arguments of the
+        cpu backend's ``expand_dequant`` plan): the codes dequantized in that same call too. Returns True when they were, False when not (not asked, or this blob's stages do not take it:
         the caller dequantizes), or C's reason for declining (the output may be partly written then)."""
         k_len = self.coding.plain.k_payload_len
         if k_into is not None and (k_into.readonly or k_into.nbytes != k_len):

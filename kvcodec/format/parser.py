@@ -384,17 +384,19 @@ def _lens_at(mv: memoryview, header_len: int) -> int:
     return at if ok else -1
 
 
-def _split(mv: memoryview, header_len: int) -> tuple[bytes, tuple[bytes, ...], int]:
-    """The header's bytes before the ids; after them up to its CRC, in two runs around a lossless
-    header's coded lengths; and where those lie (:func:`_lens_at`)."""
-    at, end = _lens_at(mv, header_len), header_len - CRC_FIELD.size
+def _runs(mv: memoryview, header_len: int, at: int) -> tuple[bytes, ...]:
+    """The header's bytes after the ids up to its CRC: one run, or two around the coded lengths at ``at``."""
+    end = header_len - CRC_FIELD.size
     if at < 0:
-        return mv[:IDS_OFFSET].tobytes(), (mv[_IDS_END:end].tobytes(),), at
-    return (
-        mv[:IDS_OFFSET].tobytes(),
-        (mv[_IDS_END:at].tobytes(), mv[at + _CODED_LENS.size : end].tobytes()),
-        at,
-    )
+        return (mv[_IDS_END:end].tobytes(),)
+    return mv[_IDS_END:at].tobytes(), mv[at + _CODED_LENS.size : end].tobytes()
+
+
+def _split(mv: memoryview, header_len: int) -> tuple[bytes, tuple[bytes, ...], int]:
+    """The header's bytes before the ids, its runs after them (:func:`_runs`), and where a lossless
+    header's coded lengths lie (:func:`_lens_at`)."""
+    at = _lens_at(mv, header_len)
+    return mv[:IDS_OFFSET].tobytes(), _runs(mv, header_len, at), at
 
 
 def _key(before: bytes, runs: tuple[bytes, ...]) -> bytes:
@@ -404,12 +406,11 @@ def _key(before: bytes, runs: tuple[bytes, ...]) -> bytes:
 def _is_entry(entry: _Last, mv: memoryview, header_len: int) -> bool:
     """Whether ``entry`` is the header of ``header_len`` bytes at the start of ``mv`` (ids and a lossless
     header's coded lengths aside)."""
-    if entry[2] != header_len or mv[:IDS_OFFSET].tobytes() != entry[0]:
-        return False
-    runs, at, end = entry[1], entry[3], header_len - CRC_FIELD.size
-    if at < 0:
-        return mv[_IDS_END:end].tobytes() == runs[0]
-    return mv[_IDS_END:at].tobytes() == runs[0] and mv[at + _CODED_LENS.size : end].tobytes() == runs[1]
+    return (
+        entry[2] == header_len
+        and mv[:IDS_OFFSET].tobytes() == entry[0]
+        and _runs(mv, header_len, entry[3]) == entry[1]
+    )
 
 
 def _with_blob_ids(
